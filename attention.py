@@ -1,0 +1,230 @@
+"""Decode-time attention paths: dense, local, oracle, static and QAdA (paper sections 2-3, Listing 1).
+
+Every path has one signature, `path(q, k, v, ctx) -> (y, local)`, for one layer and one decoded token of
+batch size 1: q (H, D) is the rotated query, k and v (Hkv, T, D) are the layer's filled KV cache, y (H, D)
+is the attention output and local (H,) bool the label (True = the head attended to its local window only).
+`SparseAttention` picks the path in one place and is what the model calls for each decode step.
+
+The savings are real: `mixed_attention` computes the window attention for every head (it is tiny), and full
+attention only for the long-context heads, reading a KV head's full cache only when at least one query head
+of its group needs it. `reference_attention` is the explicit fp32 computation the tests hold it against.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from criterion import check_tau, oracle_labels, oracle_log_masses, qada_labels, gaussian_log_bulk, window_keys
+
+
+@dataclass
+class LayerContext:
+    """What a path may need besides q, k, v."""
+    layer: int
+    n_sink: int
+    n_local: int
+    tau: float
+    moments: object | None = None  # .layer(layer, k) -> (mean (Hkv, D), cov (Hkv, D, D)), for qada
+    static_local: torch.Tensor | None = None  # (L, H) bool, for static
+
+
+def window_attention(q: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (H, D) over the window keys/values (Hkv, W, D): output (H, D) and the scores (H, W)."""
+    H, D = q.shape
+    Hkv, W, _ = kw.shape
+    qg = q.view(Hkv, H // Hkv, D)  # (Hkv, G, D)
+    scores = (qg @ kw.transpose(1, 2)).float() / math.sqrt(D)  # (Hkv, G, W)
+    y = scores.softmax(-1).to(vw.dtype) @ vw  # (Hkv, G, D)
+    return y.view(H, D), scores.view(H, W)
+
+
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of q (n, D) over one KV head's whole cache k, v (T, D): (n, D). Views only, no cache copy."""
+    scores = (q @ k.T).float() / math.sqrt(q.shape[-1])  # (n, T)
+    return scores.softmax(-1).to(v.dtype) @ v
+
+
+def mixed_attention(q, k, v, local, n_sink, n_local, y_window=None):
+    """Window attention for heads labelled local, full attention for the others; only the needed KV heads are read.
+
+    q (H, D), k/v (Hkv, T, D), local (H,) bool; y_window (H, D), the window output if already computed."""
+    H, D = q.shape
+    Hkv, T, _ = k.shape
+    G = H // Hkv
+    if y_window is None:
+        y_window, _ = window_attention(q, window_keys(k, n_sink, n_local), window_keys(v, n_sink, n_local))
+    if T <= n_local or bool(local.all()):
+        return y_window
+    y = y_window.clone()
+    long_heads = (~local).nonzero().flatten().tolist()  # one host sync per layer: sizes decide the work
+    for g in sorted({h // G for h in long_heads}):
+        heads = [h for h in long_heads if h // G == g]
+        y[heads] = full_attention(q[heads], k[g], v[g])
+    return y
+
+
+def reference_attention(q, k, v, local, n_sink, n_local):
+    """The same result computed plainly in fp32: every score, window heads masked to the window."""
+    H, D = q.shape
+    Hkv, T, _ = k.shape
+    kf = k.float().repeat_interleave(H // Hkv, dim=0)  # (H, T, D)
+    vf = v.float().repeat_interleave(H // Hkv, dim=0)
+    scores = torch.einsum("hd,htd->ht", q.float(), kf) / math.sqrt(D)  # (H, T)
+    pos = torch.arange(T, device=q.device)
+    in_window = (pos < n_sink) | (pos >= T - (n_local - n_sink))
+    keep = in_window[None, :] | ~local[:, None]  # (H, T)
+    weights = scores.masked_fill(~keep, -math.inf).softmax(-1)
+    return torch.einsum("ht,htd->hd", weights, vf)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The paths
+
+
+def dense(q, k, v, ctx: LayerContext):
+    y = F.scaled_dot_product_attention(q[None, :, None], k[None], v[None], enable_gqa=True)  # (1, H, 1, D)
+    return y[0, :, 0], torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+
+
+def local(q, k, v, ctx: LayerContext):
+    y, _ = window_attention(q, window_keys(k, ctx.n_sink, ctx.n_local), window_keys(v, ctx.n_sink, ctx.n_local))
+    return y, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+
+
+def oracle(q, k, v, ctx: LayerContext):
+    """Eq. 2 needs every score, so this path saves nothing: it is for analysis."""
+    G = q.shape[0] // k.shape[0]
+    scores = torch.einsum("hd,htd->ht", q.float(), k.float().repeat_interleave(G, 0)) / math.sqrt(q.shape[1])
+    labels = oracle_labels(scores, ctx.n_sink, ctx.n_local, ctx.tau)
+    return reference_attention(q, k, v, labels, ctx.n_sink, ctx.n_local).to(q.dtype), labels
+
+
+def static(q, k, v, ctx: LayerContext):
+    labels = ctx.static_local[ctx.layer].to(q.device)
+    return mixed_attention(q, k, v, labels, ctx.n_sink, ctx.n_local), labels
+
+
+def qada(q, k, v, ctx: LayerContext):
+    """Listing 1: window scores, the Gaussian bulk estimate, then full attention for long-context heads only."""
+    kw, vw = window_keys(k, ctx.n_sink, ctx.n_local), window_keys(v, ctx.n_sink, ctx.n_local)
+    y_window, window_scores = window_attention(q, kw, vw)
+    mean, cov = ctx.moments.layer(ctx.layer, k)
+    labels = qada_labels(q, window_scores, mean, cov, k.shape[1], ctx.n_local, ctx.tau)
+    return mixed_attention(q, k, v, labels, ctx.n_sink, ctx.n_local, y_window), labels
+
+
+PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+@dataclass
+class HeadStats:
+    """Labels of every (decode step, layer, query head), and on request the oracle's beside them."""
+    n_local: int = 128
+    track_oracle: bool = False
+    labels: list = field(default_factory=list)  # per step: list over layers of (H,) bool
+    oracle: list = field(default_factory=list)
+    log_masses: list = field(default_factory=list)  # per step: list over layers of (3, H): local, bulk, gaussian
+    lengths: list = field(default_factory=list)  # T per step
+
+    def record(self, layer: int, T: int, local, oracle_local=None, log_masses=None):
+        if layer == 0:
+            self.labels.append([]), self.oracle.append([]), self.log_masses.append([]), self.lengths.append(T)
+        self.labels[-1].append(local)
+        if oracle_local is not None:
+            self.oracle[-1].append(oracle_local)
+            self.log_masses[-1].append(log_masses)
+
+    def label_tensor(self) -> torch.Tensor:
+        """(S, L, H) bool on the CPU."""
+        return torch.stack([torch.stack(step) for step in self.labels]).cpu()
+
+    def oracle_tensor(self) -> torch.Tensor:
+        return torch.stack([torch.stack(step) for step in self.oracle]).cpu()
+
+    def summary(self, n_kv_heads: int) -> dict:
+        return summarize(self.label_tensor(), torch.tensor(self.lengths), n_kv_heads, self.n_local,
+                         self.oracle_tensor() if self.track_oracle and self.oracle else None)
+
+
+def kv_read_fraction(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int) -> float:
+    """Fraction of KV entries read: a KV head reads its whole cache (T) unless every query head of its
+    group is local, then only min(T, n_local). labels (S, L, H) bool, lengths (S,)."""
+    S, L, H = labels.shape
+    group_local = labels.view(S, L, n_kv_heads, H // n_kv_heads).all(-1)  # (S, L, Hkv)
+    T = lengths.double()[:, None, None]
+    read = torch.where(group_local, T.clamp(max=n_local), T)
+    return float(read.sum() / (T * torch.ones_like(read)).sum())
+
+
+def summarize(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int,
+              oracle: torch.Tensor | None = None) -> dict:
+    """Query-head sparsity, KV-read fraction and per-layer sparsity; agreement counts with the oracle if given."""
+    if labels.numel() == 0:
+        return {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
+    out = {"steps": labels.shape[0], "sparsity": float(labels.float().mean()),
+           "kv_read": kv_read_fraction(labels, lengths, n_kv_heads, n_local),
+           "layer_sparsity": labels.float().mean((0, 2)).tolist()}
+    if oracle is not None:  # positive = local, as in the paper's appendix C
+        out["agreement"] = {"TP": int((labels & oracle).sum()), "FP": int((labels & ~oracle).sum()),
+                            "TN": int((~labels & ~oracle).sum()), "FN": int((~labels & oracle).sum())}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SparseAttention:
+    """The decode-time attention the model calls: `method` chooses the path for every layer."""
+    method: str = "qada"
+    tau: float = 0.6
+    n_sink: int = 16
+    n_local: int = 128  # window size T_local, sinks included
+    moments: object | None = None
+    static_local: torch.Tensor | None = None
+    stats: HeadStats | None = None
+
+    def __post_init__(self):
+        if self.method not in PATHS:
+            raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(PATHS)}")
+        check_tau(self.tau)
+        if not 0 <= self.n_sink < self.n_local:
+            raise ValueError(f"need 0 <= n_sink < n_local, got n_sink={self.n_sink}, n_local={self.n_local}")
+        if self.method == "qada" and self.moments is None:
+            raise ValueError("qada needs key moments (moments.py)")
+        if self.method == "static" and self.static_local is None:
+            raise ValueError("static needs labels (criterion.static_labels)")
+        if self.stats is None:
+            self.stats = HeadStats(self.n_local)
+
+    def __call__(self, q, k, v, layer: int) -> torch.Tensor:
+        """q (1, H, 1, D), k/v (1, Hkv, T, D) -> (1, H, 1, D)."""
+        if q.shape[0] != 1:
+            raise ValueError("sparse decoding supports batch size 1")
+        q1, k1, v1 = q[0, :, 0], k[0], v[0]
+        ctx = LayerContext(layer, self.n_sink, self.n_local, self.tau, self.moments, self.static_local)
+        y, labels = PATHS[self.method](q1, k1, v1, ctx)
+        oracle_local = log_masses = None
+        if self.stats.track_oracle:  # analysis: every score, the true masses beside the Gaussian estimate
+            oracle_local, log_masses = self.oracle_view(q1, k1, ctx)
+        self.stats.record(layer, k1.shape[1], labels, oracle_local, log_masses)
+        return y[None, :, None]
+
+    def oracle_view(self, q, k, ctx):
+        G = q.shape[0] // k.shape[0]
+        scores = torch.einsum("hd,htd->ht", q.float(), k.float().repeat_interleave(G, 0)) / math.sqrt(q.shape[1])
+        log_local, log_bulk = oracle_log_masses(scores, ctx.n_sink, ctx.n_local)
+        labels = oracle_labels(scores, ctx.n_sink, ctx.n_local, ctx.tau)
+        T = k.shape[1]
+        if ctx.moments is not None and T > ctx.n_local:
+            mean, cov = ctx.moments.layer(ctx.layer, k)
+            log_gauss = gaussian_log_bulk(q, mean, cov, T - ctx.n_local)
+        else:
+            log_gauss = torch.full_like(log_local, math.nan)
+        return labels, torch.stack([log_local, log_bulk, log_gauss])

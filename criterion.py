@@ -1,0 +1,122 @@
+"""The labelling rules: which heads may attend to the local window only, for the current query.
+
+A head is *local* when the share of its attention mass on the local window I (the first `n_sink` tokens
+plus the most recent `n_local - n_sink`) reaches tau:
+
+    oracle (paper Eq. 2):  A_local / (A_local + A_bulk)                                    >= tau
+    QAdA   (paper Eq. 7):  A_local / (A_local + T_bulk * exp(mu_s + sigma_s^2 / 2))        >= tau
+
+with A_local = sum_{i in I} exp(s_i), A_bulk = sum_{i not in I} exp(s_i), scores s = q K^T / sqrt(d),
+mu_s = q mu_K / sqrt(d) and sigma_s^2 = q Sigma_K q^T / d (Eq. 6: the mean of exp(s) when keys are
+Gaussian with mean mu_K and covariance Sigma_K). Everything is compared in log space, in fp32.
+The static rule (paper appendix A) labels a fixed set of (layer, head) pairs from oracle statistics.
+
+Labels are data: boolean tensors, True = local.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def check_tau(tau: float) -> float:
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"tau must lie in (0, 1], got {tau}")
+    return tau
+
+
+def window_keys(x: torch.Tensor, n_sink: int, n_local: int) -> torch.Tensor:
+    """The local-window rows of x (..., T, D): the first n_sink and the last n_local - n_sink positions.
+
+    When T <= n_local the window is the whole context (there is no bulk)."""
+    T = x.shape[-2]
+    if T <= n_local:
+        return x
+    return torch.cat([x[..., :n_sink, :], x[..., T - (n_local - n_sink):, :]], dim=-2)
+
+
+def window_mask(T: int, n_sink: int, n_local: int, device=None) -> torch.Tensor:
+    """(T,) bool, True on the local window."""
+    pos = torch.arange(T, device=device)
+    return (pos < n_sink) | (pos >= T - (n_local - n_sink))
+
+
+def local_share(log_local: torch.Tensor, log_bulk: torch.Tensor) -> torch.Tensor:
+    """log(A_local / (A_local + A_bulk)) from the two log masses, stably."""
+    return log_local - torch.logaddexp(log_local, log_bulk)
+
+
+def oracle_log_masses(scores: torch.Tensor, n_sink: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log A_local and log A_bulk (H,) from every score (H, T); bulk is -inf when T <= n_local."""
+    scores = scores.float()
+    in_window = window_mask(scores.shape[-1], n_sink, n_local, scores.device)
+    log_local = scores.masked_fill(~in_window, -math.inf).logsumexp(-1)
+    log_bulk = scores.masked_fill(in_window, -math.inf).logsumexp(-1)
+    return log_local, log_bulk
+
+
+def oracle_labels(scores: torch.Tensor, n_sink: int, n_local: int, tau: float) -> torch.Tensor:
+    """Eq. 2 from every score (H, T): (H,) bool."""
+    log_local, log_bulk = oracle_log_masses(scores, n_sink, n_local)
+    return local_share(log_local, log_bulk) >= math.log(tau)
+
+
+def gaussian_log_bulk(q: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, n_bulk: int) -> torch.Tensor:
+    """log(T_bulk * E[exp(q k / sqrt(d))]) for k ~ N(mean, cov), Eqs. 5-6; (H,).
+
+    q (H, D); mean (Hkv, D) and cov (Hkv, D, D) per KV head, shared by its G = H / Hkv query heads."""
+    H, D = q.shape
+    Hkv = mean.shape[0]
+    qg = q.float().view(Hkv, H // Hkv, D)  # (Hkv, G, D)
+    mu_s = (qg @ mean.float()[:, :, None]).squeeze(-1) / math.sqrt(D)  # (Hkv, G)
+    var_s = ((qg @ cov.float()) * qg).sum(-1) / D  # (Hkv, G): q Sigma q^T / d
+    return (math.log(n_bulk) + mu_s + var_s / 2).reshape(H)
+
+
+def qada_labels(q: torch.Tensor, window_scores: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor,
+                T: int, n_local: int, tau: float) -> torch.Tensor:
+    """Eq. 7 from the query (H, D), its window scores (H, W) and the bulk-key moments: (H,) bool.
+
+    A context no longer than the window has no bulk: every head is exact on its window, so local."""
+    if T <= n_local:
+        return torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    log_local = window_scores.float().logsumexp(-1)
+    log_bulk = gaussian_log_bulk(q, mean, cov, T - n_local)
+    return local_share(log_local, log_bulk) >= math.log(tau)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Static labels (paper appendix A): the alpha fraction of (layer, head) pairs most often labelled local by
+# the oracle on calibration prompts are local for every query.
+
+
+def static_labels(local_freq: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """(L, H) bool: the round(sparsity * L * H) pairs with the highest local frequency (L, H)."""
+    if not 0.0 <= sparsity <= 1.0:
+        raise ValueError(f"static sparsity must lie in [0, 1], got {sparsity}")
+    n = round(sparsity * local_freq.numel())
+    labels = torch.zeros(local_freq.numel(), dtype=torch.bool)
+    # A stable sort on a fixed order makes ties reproducible.
+    order = torch.sort(local_freq.flatten().float().cpu(), descending=True, stable=True).indices
+    labels[order[:n]] = True
+    return labels.view(local_freq.shape)
+
+
+def save_labels(path: str | Path, local_freq: torch.Tensor, settings: dict) -> None:
+    """Save oracle local frequencies (L, H) with the settings that produced them, as JSON."""
+    Path(path).write_text(json.dumps({"settings": settings, "local_freq": local_freq.tolist()}, indent=1))
+
+
+def load_labels(path: str | Path, sparsity: float) -> tuple[torch.Tensor, dict]:
+    """Static labels (L, H) at `sparsity` from a file written by save_labels, and its settings."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"static labels file {path} not found (make one with calibrate.py)")
+    try:
+        data = json.loads(path.read_text())
+        local_freq = torch.tensor(data["local_freq"], dtype=torch.float32)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path} is not a static labels file: {e}") from None
+    return static_labels(local_freq, sparsity), data["settings"]

@@ -1,0 +1,211 @@
+"""Generate from a prompt file with dense, local, oracle, static or QAdA decode-time attention.
+
+    python generate.py --prompt examples/needle.txt --tau 0.6
+
+Prefill is always dense; the chosen method labels every (layer, head) for every decoded token. The report
+gives load time, prompt tokens, prefill time, decode speed, peak memory, the fraction of heads labelled
+local (sparsity) and the fraction of KV entries actually read.
+"""
+
+import argparse
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
+    """Next token (B,) from logits (B, V): greedy at temperature 0."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+@torch.inference_mode()
+def decode(model, cache, logits, max_new_tokens: int, attention=None, eos_ids=(), temperature: float = 0.0,
+           top_k: int | None = None, generator=None, progress: bool = False) -> list[int]:
+    """Decode up to max_new_tokens after a prefill whose last logits (1, V) are given; stops after an EOS."""
+    steps = range(max_new_tokens)
+    if progress:
+        from tqdm import tqdm
+        steps = tqdm(steps, desc="decode", unit="tok", leave=False)
+    out = []
+    for _ in steps:
+        token = sample(logits, temperature, top_k, generator)
+        out.append(int(token[0]))
+        if out[-1] in eos_ids or len(out) == max_new_tokens:
+            break
+        logits = model.decode_step(token, cache, attention)
+    return out
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process peak
+
+
+def build_attention(model, tokenizer, method: str, tau: float, n_sink: int, n_local: int, moments_kind: str,
+                    static_labels: str | None, static_sparsity: float, n_prompt: int, cache, max_context: int,
+                    progress: bool = True, track_oracle: bool = False):
+    """The SparseAttention for `method`, with its moments or static labels (None for plain dense decoding)."""
+    from attention import HeadStats, SparseAttention
+    from criterion import load_labels
+    from moments import PromptMoments, load_or_compute_random_words_moments
+    moments = static_local = None
+    if method == "qada":
+        if moments_kind == "prompt":
+            moments = PromptMoments(cache, n_sink, n_local)
+        else:
+            rw = load_or_compute_random_words_moments(model, tokenizer, n_tokens=max_context, n_sink=n_sink,
+                                                      progress=progress)
+            moments = rw.for_prompt(n_prompt)
+    if method == "static":
+        if static_labels is None:
+            raise ValueError("--method static needs --static-labels FILE (made by calibrate.py)")
+        static_local, settings = load_labels(static_labels, static_sparsity)
+        L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
+        if tuple(static_local.shape) != (L, H):
+            raise ValueError(f"{static_labels} labels {tuple(static_local.shape)} heads; this model has ({L}, {H})")
+    stats = HeadStats(n_local, track_oracle)
+    return SparseAttention(method, tau, n_sink, n_local, moments, static_local, stats)
+
+
+def check_args(prompt: str, max_new_tokens: int, tau: float, n_sink: int, n_local: int, temperature: float,
+               top_k: int | None, static_sparsity: float, rope_theta: float | None, **_) -> str:
+    """Validate the numbers and read the prompt file; ValueError/FileNotFoundError carry one clear line."""
+    from criterion import check_tau
+    check_tau(tau)
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if not 0 <= n_sink < n_local:
+        raise ValueError(f"need 0 <= --sink < --window, got {n_sink} and {n_local}")
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {top_k}")
+    if not 0 <= static_sparsity <= 1:
+        raise ValueError(f"--static-sparsity must lie in [0, 1], got {static_sparsity}")
+    if rope_theta is not None and not rope_theta > 0:
+        raise ValueError(f"--rope-theta must be positive, got {rope_theta}")
+    path = Path(prompt)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} not found")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"prompt file {path} is empty")
+    return text
+
+
+def run(prompt: str, model: str | None = None, max_new_tokens: int = 64, chat: bool = True, device: str | None = None,
+        dtype: str = "float32", rope_theta: float | None = None, max_context: int | None = None, seed: int = 0,
+        temperature: float = 0.0, top_k: int | None = None, method: str = "qada", tau: float = 0.6,
+        moments: str = "random-words", n_sink: int = 16, n_local: int = 128, static_labels: str | None = None,
+        static_sparsity: float = 0.5, threads: int | None = None, progress: bool = True) -> dict:
+    """Everything the CLI does, returning the text and the report as a dict."""
+    from model import load_model
+    from tokenizer import Tokenizer
+    text = check_args(**locals())
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t0 = time.perf_counter()
+    net = load_model(model, device, DTYPES[dtype], rope_theta)
+    tok = Tokenizer.from_dir(net.model_dir)
+    load_s = time.perf_counter() - t0
+
+    if chat and tok.has_chat_template:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+    else:
+        ids = tok.encode(text, add_special_tokens=True)
+    max_context = max_context or net.cfg.max_position_embeddings
+    if len(ids) + max_new_tokens > max_context:
+        raise ValueError(f"prompt is {len(ids)} tokens + {max_new_tokens} new tokens, longer than the model's "
+                         f"context of {max_context} (raise it with --max-context, e.g. with --rope-theta)")
+    cache = net.new_cache(len(ids) + max_new_tokens)
+    t0 = time.perf_counter()
+    logits = net.prefill(torch.tensor([ids], device=device), cache, progress=progress)
+    prefill_s = time.perf_counter() - t0
+
+    attention = None if method == "dense" else build_attention(
+        net, tok, method, tau, n_sink, n_local, moments, static_labels, static_sparsity, len(ids), cache,
+        max_context, progress)
+    generator = torch.Generator(device).manual_seed(seed)
+    t0 = time.perf_counter()
+    new = decode(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator, progress)
+    decode_s = time.perf_counter() - t0
+
+    stats = attention.stats.summary(net.cfg.num_key_value_heads) if attention else {"sparsity": 0.0, "kv_read": 1.0}
+    return {
+        "text": tok.decode(new), "method": method, "tau": tau if method in ("qada", "oracle") else None,
+        "model": str(net.model_dir), "device": str(device), "dtype": dtype, "load_s": round(load_s, 2),
+        "prompt_tokens": len(ids), "prefill_s": round(prefill_s, 2), "new_tokens": len(new),
+        "decode_tok_s": round(len(new) / decode_s, 2), "decode_ms_per_token": round(1000 * decode_s / len(new), 1),
+        "peak_memory_mb": round(peak_memory_mb(device)), "sparsity": stats["sparsity"], "kv_read": stats["kv_read"],
+        "layer_sparsity": stats.get("layer_sparsity"), "new_token_ids": new,
+    }
+
+
+def print_report(r: dict) -> None:
+    print(r["text"])
+    print("-" * 72)
+    sparsity = "n/a" if r["sparsity"] is None else f"{r['sparsity']:.3f}"
+    kv = "n/a" if r["kv_read"] is None else f"{r['kv_read']:.3f}"
+    print(f"method {r['method']}" + (f" (tau {r['tau']})" if r["tau"] is not None else "")
+          + f" | {r['device']} {r['dtype']} | load {r['load_s']:.1f} s")
+    print(f"prompt {r['prompt_tokens']} tokens, prefill {r['prefill_s']:.1f} s | decode {r['new_tokens']} tokens, "
+          f"{r['decode_tok_s']:.1f} tok/s ({r['decode_ms_per_token']:.0f} ms/token) | peak memory {r['peak_memory_mb']} MB")
+    print(f"heads labelled local (sparsity) {sparsity} | KV entries read {kv}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prompt", required=True, help="text file holding the prompt (the user turn when chatting)")
+    p.add_argument("--model", default=None, help="Hugging Face model folder or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--no-chat", dest="chat", action="store_false", help="send the raw text, without the chat template")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
+    p.add_argument("--rope-theta", type=float, default=None, help="override the RoPE base (the paper uses 2e6 for 32k)")
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation allowed (default: the model's)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--method", default="qada", choices=["dense", "local", "oracle", "static", "qada"],
+                   help="decode-time attention")
+    p.add_argument("--tau", type=float, default=0.6, help="local-mass threshold in (0, 1] for qada and oracle")
+    p.add_argument("--moments", default="random-words", choices=["random-words", "prompt"],
+                   help="qada key moments: a cached random-words prompt (paper default) or the current prompt")
+    p.add_argument("--sink", dest="n_sink", type=int, default=16, help="sink tokens at the start of the window")
+    p.add_argument("--window", dest="n_local", type=int, default=128, help="local window size T_local, sinks included")
+    p.add_argument("--static-labels", default=None, help="oracle statistics file for --method static (calibrate.py)")
+    p.add_argument("--static-sparsity", type=float, default=0.5, help="fraction of heads made local by --method static")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text and report")
+    args = vars(p.parse_args(argv))
+    as_json = args.pop("json")
+    try:
+        report = run(**args, progress=not as_json and sys.stderr.isatty())
+    except (OSError, ValueError) as e:  # bad input: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

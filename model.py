@@ -1,0 +1,358 @@
+"""A Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) read from a Hugging Face checkpoint.
+
+The model the QAdA paper (arXiv 2502.09647, section 2) sparsifies: RMSNorm, rotary position embeddings
+(RoPE) with an optional theta override, grouped-query attention (GQA), a SwiGLU MLP and an optional tied
+LM head. Prefill is dense (SDPA, chunked when long) and returns last-position logits only; a decode step
+hands each layer's attention to a pluggable decode-time path (see attention.py). Parameter names mirror
+Hugging Face's, so checkpoints load strictly with no name map.
+
+Dims vocabulary: B batch, T tokens, C hidden size, H query heads, Hkv key/value heads, D head dim,
+L layers, V vocabulary.
+"""
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000  # V
+    hidden_size: int = 4096  # C
+    intermediate_size: int = 11008  # SwiGLU inner width
+    num_hidden_layers: int = 32  # L
+    num_attention_heads: int = 32  # H
+    num_key_value_heads: int = 32  # Hkv; H % Hkv == 0, G = H // Hkv query heads share one KV head
+    head_dim: int = 128  # D; usually C // H, but Qwen/Mistral variants may differ
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # RoPE base; the paper overrides it to 2e6 to run 32k contexts
+    rope_scaling: dict | None = None  # Llama-3.1 style {"rope_type": "llama3", ...} or {"rope_type": "linear", "factor"}
+    max_position_embeddings: int = 4096  # the trained context; longer prompts are refused unless theta is overridden
+    tie_word_embeddings: bool = False  # LM head shares the embedding matrix (SmolLM2, Qwen2-0.5B)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "LlamaConfig":
+        """Read a Hugging Face config.json dict (Llama, Mistral or Qwen2)."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported model_type {model_type!r}: this implementation covers llama, mistral and qwen2")
+        if model_type == "mistral" and hf.get("sliding_window") not in (None, 0):
+            if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
+                raise ValueError(f"Mistral sliding-window attention (window {hf['sliding_window']}) is not supported")
+        if model_type == "qwen2" and hf.get("use_sliding_window"):
+            raise ValueError("Qwen2 sliding-window attention is not supported")
+        # transformers >= 5 writes rope settings into one "rope_parameters" dict; older files split them.
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        H = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=H,
+            num_key_value_heads=hf.get("num_key_value_heads") or H,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // H,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", model_type == "qwen2"),
+            model_type=model_type,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RoPE. Rotate-half convention (pairs i and i + D/2), which is how Hugging Face stores q/k weights, so they
+# load unpermuted. Angles are computed in fp32 from integer positions on every call: no table to size, and
+# bf16 angles at position 30k would be off by whole radians.
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """(D/2,) fp32 inverse frequencies, including Llama-3.1 or linear rope_scaling."""
+    D = cfg.head_dim
+    # Same fp32 arithmetic as transformers, so positions in the thousands give bit-identical angles.
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    s = cfg.rope_scaling
+    kind = (s or {}).get("rope_type", (s or {}).get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_ctx = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    elif kind != "default":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, D) in fp32 for integer `positions` (T,)."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by the angles in cos/sin (T, D); computed in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache:
+    """Keys and values for every layer, allocated once per generation; hands out views of the filled part.
+
+    `length` is the number of positions filled. Rolling back to an earlier length (for example to decode
+    the same prefilled prompt under several methods) is just `cache.length = n`: later writes overwrite.
+    Keys are stored after RoPE, which is what the attention scores and the QAdA moments need.
+    """
+
+    def __init__(self, cfg: LlamaConfig, max_len: int, batch: int = 1, device=None, dtype=torch.float32):
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)  # (L, B, Hkv, T, D)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, T, D) at positions [length, length + T); return views of all filled keys/values."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, Hkv, end, D)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # the mean square in fp32: bf16 loses the small activations otherwise
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        C, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(C, self.H * self.D, bias=bias)
+        self.k_proj = nn.Linear(C, self.Hkv * self.D, bias=bias)
+        self.v_proj = nn.Linear(C, self.Hkv * self.D, bias=bias)
+        self.o_proj = nn.Linear(self.H * self.D, C, bias=False)
+
+    def forward(self, x, cos, sin, cache: KVCache, decode_attention=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        start = cache.length
+        k, v = cache.write(self.layer, k, v)  # (B, Hkv, start + T, D)
+        if T == 1 and decode_attention is not None:
+            y = decode_attention(q, k, v, self.layer)  # (B, H, 1, D)
+        elif start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            # A chunk continuing a filled cache: query i (absolute start + i) sees keys 0 .. start + i.
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, decode_attention=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, decode_attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        ))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        return KVCache(self.cfg, max_len, batch, device=self.device, dtype=self.dtype)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, decode_attention=None,
+                last_only: bool = True) -> torch.Tensor:
+        """Run ids (B, T) at positions [cache.length, cache.length + T); return logits (B, V) or (B, T, V) in fp32.
+
+        With no cache a temporary one is used (a plain full forward pass). `decode_attention` replaces
+        dense attention for single-token steps (see attention.py).
+        """
+        B, T = ids.shape
+        cache = cache if cache is not None else self.new_cache(T, B)
+        positions = torch.arange(cache.length, cache.length + T, device=ids.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        x = self.model.embed_tokens(ids)  # (B, T, C)
+        for block in self.model.layers:
+            x = block(x, cos, sin, cache, decode_attention)
+        cache.length += T
+        if last_only:
+            x = x[:, -1]
+        return self.lm_head(self.model.norm(x)).float()
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, cache: KVCache, chunk: int = 2048, progress: bool = False) -> torch.Tensor:
+        """Dense prefill of ids (B, T) into cache in chunks (bounded activation memory); last-position logits (B, V)."""
+        starts = range(0, ids.shape[1], chunk)
+        if progress and len(starts) > 1:
+            from tqdm import tqdm
+            starts = tqdm(starts, desc="prefill", unit="chunk", leave=False)
+        for s in starts:
+            logits = self(ids[:, s:s + chunk], cache)
+        return logits
+
+    @torch.inference_mode()
+    def decode_step(self, token: torch.Tensor, cache: KVCache, decode_attention=None) -> torch.Tensor:
+        """One token (B,) at the next position; returns logits (B, V)."""
+        return self(token[:, None], cache, decode_attention)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading: a local Hugging Face folder, a hub id, or the embedded default (None).
+
+HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def resolve_model_dir(name: str | None) -> Path:
+    """A folder holding config.json and safetensors: the embedded default, a local folder, or a hub snapshot."""
+    if name is None:
+        from convert_gguf import ensure_embedded_model
+        return ensure_embedded_model()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+        return path
+    if path.exists():
+        raise ValueError(f"{path} is a file; --model takes a model folder or a hub id")
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        raise FileNotFoundError(f"model {name!r}: no such folder, and not a hub id of the form owner/name")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(name, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # the hub's errors are many (offline, gated, missing); all end here the same way
+        raise FileNotFoundError(f"model {name!r}: no such local folder and the hub could not provide it "
+                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def read_state_dict(model_dir: Path, device=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's single or sharded safetensors, read directly onto `device`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights")
+    state = {}
+    for name in files:
+        path = model_dir / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is listed in the shard index but missing")
+        try:
+            state.update(load_file(path, device=str(device or "cpu")))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{path} is corrupt or truncated: {e}") from None
+    return state
+
+
+def load_model(name: str | None = None, device=None, dtype=torch.float32, rope_theta: float | None = None) -> Llama:
+    """Build the model of `name` (see resolve_model_dir) with its weights, strictly: any missing,
+    unexpected or mis-shaped tensor is an error naming it. `rope_theta` overrides the config's base."""
+    model_dir = resolve_model_dir(name)
+    cfg = LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    if rope_theta is not None:
+        if not rope_theta > 0:
+            raise ValueError(f"rope_theta must be positive, got {rope_theta}")
+        cfg.rope_theta = rope_theta
+    device = torch.device(device or "cpu")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    state = read_state_dict(model_dir, device)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+    expected = {k: v.shape for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(k for k in set(state) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for k, shape in expected.items():
+        if state[k].shape != shape:
+            raise ValueError(f"{model_dir}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {tuple(shape)}")
+    state = {k: state[k].to(dtype) for k in expected}
+    model.load_state_dict(state, strict=False, assign=True)  # strictness checked above, tied head included
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.model_dir = model_dir
+    return model.eval()

@@ -1,0 +1,163 @@
+"""Our Llama against transformers on tiny random checkpoints, the KV cache against full forward passes,
+and strict loading."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import LlamaConfig, load_model
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=101, max_position_embeddings=512)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+CASES = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(TINY, rope_theta=5000.0)),
+    "llama-mha-tied": ("LlamaConfig", "LlamaForCausalLM", dict(TINY, num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama3-rope-scaling": ("LlamaConfig", "LlamaForCausalLM", dict(TINY, rope_theta=500000.0,
+                                                                    rope_scaling=LLAMA3_SCALING)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(TINY, sliding_window=None, head_dim=24)),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(TINY, num_key_value_heads=1, rope_theta=1e6)),
+}
+
+
+def save_tiny(case: str, path, seed: int = 0):
+    """A random transformers model saved as a Hugging Face folder; returns the transformers model."""
+    cfg_name, model_name, kwargs = CASES[case]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_name)(**kwargs)
+    hf = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():  # random norms and biases too, so a missed weight shows
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def tiny_pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny(request.param, path)
+    return hf, load_model(str(path)), path
+
+
+def test_logits_match_transformers(tiny_pair):
+    hf, ours, _ = tiny_pair
+    ids = torch.randint(0, 101, (2, 300), generator=torch.Generator().manual_seed(1))  # past 64 for llama3 scaling
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours(ids, last_only=False)
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("prompt_len", [1, 7, 63, 64, 65, 130])
+def test_cached_decoding_equals_full_forward(tiny_pair, prompt_len):
+    _, ours, _ = tiny_pair
+    ids = torch.randint(0, 101, (1, prompt_len + 9), generator=torch.Generator().manual_seed(prompt_len))
+    full = ours(ids, last_only=False)[0]  # (T, V)
+    cache = ours.new_cache(ids.shape[1])
+    steps = [ours.prefill(ids[:, :prompt_len], cache, chunk=17)[0]]
+    for t in range(prompt_len, ids.shape[1]):
+        steps.append(ours.decode_step(ids[:, t], cache)[0])
+    got = torch.stack(steps[:-1])
+    assert (got - full[prompt_len - 1:-1]).abs().max().item() < 1e-4
+
+
+def test_half_precision_runs_close(tmp_path):
+    save_tiny("llama-gqa", tmp_path)
+    ref = load_model(str(tmp_path))
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.bfloat16, torch.float16):
+        low = load_model(str(tmp_path), dtype=dtype)
+        assert low.lm_head.weight.dtype == dtype
+        diff = (low(ids, last_only=False) - ref(ids, last_only=False)).abs().max().item()
+        assert diff < 0.1
+
+
+def test_rope_theta_override_changes_logits(tmp_path):
+    save_tiny("llama-gqa", tmp_path)
+    ids = torch.randint(0, 101, (1, 50), generator=torch.Generator().manual_seed(0))
+    base = load_model(str(tmp_path))
+    assert base.cfg.rope_theta == 5000.0
+    other = load_model(str(tmp_path), rope_theta=2e6)
+    assert other.cfg.rope_theta == 2e6
+    assert (base(ids) - other(ids)).abs().max().item() > 1e-3
+
+
+# --- strict loading and clear errors ---------------------------------------------------------------------
+
+
+def edit_weights(path, edit):
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    save_tiny("llama-gqa", tmp_path)
+    edit_weights(tmp_path, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(str(tmp_path))
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    save_tiny("llama-gqa", tmp_path)
+    edit_weights(tmp_path, lambda s: s.update({"model.layers.9.extra.weight": torch.zeros(3)}))
+    with pytest.raises(ValueError, match="model.layers.9.extra.weight"):
+        load_model(str(tmp_path))
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+    save_tiny("llama-gqa", tmp_path)
+    edit_weights(tmp_path, lambda s: s.update({"model.norm.weight": torch.zeros(63)}))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        load_model(str(tmp_path))
+
+
+def test_truncated_safetensors(tmp_path):
+    save_tiny("llama-gqa", tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        load_model(str(tmp_path))
+
+
+def test_sharded_checkpoint(tmp_path):
+    hf = save_tiny("qwen2-bias", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, tmp_path / file, metadata={"format": "pt"})
+    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (load_model(str(tmp_path))(ids) - hf(ids).logits[:, -1]).abs().max() < 1e-4
+
+
+def test_unknown_model_folder_and_hub_id(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_model(str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="hub could not provide it"):
+        load_model("no-such-owner/no-such-model-qada")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_configs_are_refused():
+    with pytest.raises(ValueError, match="model_type"):
+        LlamaConfig.from_hf(dict(TINY, model_type="gpt2"))
+    with pytest.raises(ValueError, match="sliding-window"):
+        LlamaConfig.from_hf(dict(TINY, model_type="mistral", sliding_window=128))
+    with pytest.raises(ValueError, match="rope_scaling"):
+        from model import rope_inv_freq
+        rope_inv_freq(LlamaConfig.from_hf(dict(TINY, head_dim=16, rope_scaling={"rope_type": "yarn", "factor": 4})))
