@@ -167,7 +167,7 @@ def summarize(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_lo
     """Query-head sparsity, KV-read fraction and per-layer sparsity; agreement counts with the oracle if given."""
     if labels.numel() == 0:
         return {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
-    out = {"steps": labels.shape[0], "sparsity": float(labels.float().mean()),
+    out = {"steps": labels.shape[0], "sparsity": float(labels.double().mean()),
            "kv_read": kv_read_fraction(labels, lengths, n_kv_heads, n_local),
            "layer_sparsity": labels.float().mean((0, 2)).tolist()}
     if oracle is not None:  # positive = local, as in the paper's appendix C

@@ -87,8 +87,8 @@ def random_words_text(n_words: int, seed: int) -> str:
     """n_words English words drawn with replacement from wonderwords' packaged lists, seeded."""
     from importlib.resources import files
     words = []
-    for name in ("nouns.txt", "verbs.txt", "adjectives.txt"):
-        words += (files("wonderwords") / "assets" / name).read_text().split()
+    for name in ("nounlist.txt", "verblist.txt", "adjectivelist.txt"):
+        words += (files("wonderwords") / "assets" / name).read_text(encoding="utf-8").split()
     return " ".join(random.Random(seed).choices(sorted(set(words)), k=n_words))
 
 
