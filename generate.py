@@ -71,8 +71,6 @@ def build_attention(model, tokenizer, method: str, tau: float, n_sink: int, n_lo
                                                       progress=progress)
             moments = rw.for_prompt(n_prompt)
     if method == "static":
-        if static_labels is None:
-            raise ValueError("--method static needs --static-labels FILE (made by calibrate.py)")
         static_local, settings = load_labels(static_labels, static_sparsity)
         L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
         if tuple(static_local.shape) != (L, H):
@@ -82,7 +80,8 @@ def build_attention(model, tokenizer, method: str, tau: float, n_sink: int, n_lo
 
 
 def check_args(prompt: str, max_new_tokens: int, tau: float, n_sink: int, n_local: int, temperature: float,
-               top_k: int | None, static_sparsity: float, rope_theta: float | None, **_) -> str:
+               top_k: int | None, static_sparsity: float, rope_theta: float | None, method: str,
+               static_labels: str | None, **_) -> str:
     """Validate the numbers and read the prompt file; ValueError/FileNotFoundError carry one clear line."""
     from criterion import check_tau
     check_tau(tau)
@@ -98,6 +97,8 @@ def check_args(prompt: str, max_new_tokens: int, tau: float, n_sink: int, n_loca
         raise ValueError(f"--static-sparsity must lie in [0, 1], got {static_sparsity}")
     if rope_theta is not None and not rope_theta > 0:
         raise ValueError(f"--rope-theta must be positive, got {rope_theta}")
+    if method == "static" and static_labels is None:
+        raise ValueError("--method static needs --static-labels FILE (made by calibrate.py)")
     path = Path(prompt)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} not found")
