@@ -44,11 +44,12 @@ TASK_CONFIGS: dict[str, dict] = {
     "cwe": dict(family="cwe", freq_cw=30, freq_ucw=3, num_cw=10),
     "fwe": dict(family="fwe", alpha=2.0, word_len=6),
     "qa_1": dict(family="qa", dataset="squad"),
-    "qa_2": dict(family="qa", dataset="hotpotqa"),
+    "qa_2": dict(family="qa", dataset="hotpotqa", min_knob=2),  # both supporting paragraphs
 }
 TASKS: list[str] = list(TASK_CONFIGS)
 
-# Per family: generation budget, metric, and the smallest knob that still contains the answer.
+# Per family: generation budget, metric, and the smallest knob that still contains the answer (a task may
+# override min_knob).
 FAMILIES = {
     "niah": dict(max_new_tokens=128, metric="all", min_knob=0),
     "vt": dict(max_new_tokens=30, metric="all", min_knob=0),
@@ -210,10 +211,10 @@ def _insert(chunks: list[str], items: list[str], depths: list[float]) -> list[st
     """Insert `items` between `chunks` at `depths` (percent of the chunks; items in depth order stay in order)."""
     out = list(chunks)
     positions = [int(len(chunks) * d / 100) for d in depths]
-    # from the back, so earlier positions still index the original chunks; ties keep the items' order
-    for pos, item in sorted(zip(positions, items), key=lambda t: t[0], reverse=True) if False else \
-            reversed(sorted(zip(positions, range(len(items)), items))):
-        out.insert(pos, item)
+    # from the back, so that earlier positions still index the original chunks; inserting the later of two
+    # items that share a position first keeps them in order
+    for pos, i in sorted(zip(positions, range(len(items))), reverse=True):
+        out.insert(pos, items[i])
     return out
 
 
@@ -533,15 +534,17 @@ def _max_knob(cfg: dict, length: int) -> int:
 def make_sample(task: str, index: int, length: int, tokenizer, seed: int = 42) -> Sample:
     """Sample `index` of `task`, fitted so that prompt tokens + max_new_tokens <= length.
 
-    The haystack size is binary-searched once on sample 0 (per task, length, seed and tokenizer) and reused;
-    a sample that overshoots is shrunk in steps of 2 % of the knob. The result depends only on
-    (task, index, length, seed, tokenizer), not on which samples were built before.
+    The haystack size is searched once on sample 0 (per task, length, seed and tokenizer) and reused; a sample
+    that overshoots is shrunk in steps of 2 % of the knob, and one that falls more than 2 % short is refitted
+    upwards. The result depends only on (task, index, length, seed, tokenizer), not on which samples were
+    built before.
     """
     cfg = TASK_CONFIGS[task]
     family = FAMILIES[cfg["family"]]
-    lo = 2 if cfg.get("dataset") == "hotpotqa" else family["min_knob"]  # HotpotQA needs both supporting docs
+    lo = cfg.get("min_knob", family["min_knob"])
     budget = length - family["max_new_tokens"]
-    knob = _fitted_knob(task, length, tokenizer, seed, lo, _max_knob(cfg, length))
+    hi = _max_knob(cfg, length)
+    knob = _fitted_knob(task, length, tokenizer, seed, lo, hi)
     sample = _build(task, index, length, tokenizer, seed, knob)
     # RULER shrinks by fixed steps (500 essay words, 25 lines, 10 docs); a relative step wastes less at 2-8k
     step = max(1, knob // 50)
@@ -549,5 +552,10 @@ def make_sample(task: str, index: int, length: int, tokenizer, seed: int = 42) -
         if knob == lo:
             raise ValueError(f"{task} sample {index} does not fit in {length} tokens")
         knob = max(lo, knob - step)
+        sample = _build(task, index, length, tokenizer, seed, knob)
+    # A sample well short of the budget (QA documents vary a lot in length) gets its own fit, starting from
+    # the knob it has; RULER leaves such samples short.
+    if budget - sample.n_prompt_tokens > budget // 50 and knob < hi:
+        knob = fit_knob(lambda k: _build(task, index, length, tokenizer, seed, k).n_prompt_tokens, budget, knob, hi)
         sample = _build(task, index, length, tokenizer, seed, knob)
     return sample

