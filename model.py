@@ -180,6 +180,8 @@ class Attention(nn.Module):
         k, v = cache.write(self.layer, k, v)  # (B, Hkv, start + T, D)
         if T == 1 and decode_attention is not None:
             y = decode_attention(q, k, v, self.layer)  # (B, H, 1, D)
+        elif T == 1:  # plain dense decoding: one query sees the whole cache
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         elif start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
