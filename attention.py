@@ -35,33 +35,55 @@ def window_attention(q: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor) -> tup
     H, D = q.shape
     Hkv, W, _ = kw.shape
     qg = q.view(Hkv, H // Hkv, D)  # (Hkv, G, D)
-    scores = (qg @ kw.transpose(1, 2)).float() / math.sqrt(D)  # (Hkv, G, W)
-    y = scores.softmax(-1).to(vw.dtype) @ vw  # (Hkv, G, D)
+    # torch.bmm (not @, whose reshapes cost more than the product at these sizes) and the scale in place
+    scores = torch.bmm(qg, kw.transpose(1, 2)).float().mul_(1 / math.sqrt(D))  # (Hkv, G, W)
+    y = torch.bmm(scores.softmax(-1).to(vw.dtype), vw)  # (Hkv, G, D)
     return y.view(H, D), scores.view(H, W)
 
 
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of q (n, D) over one KV head's whole cache k, v (T, D): (n, D). Views only, no cache copy."""
-    scores = (q @ k.T).float() / math.sqrt(q.shape[-1])  # (n, T)
-    return scores.softmax(-1).to(v.dtype) @ v
+    """Attention of q (n, G, D) over n KV heads' whole caches k, v (n, T, D): (n, G, D).
+
+    The G query heads of a group are handed to SDPA as G query positions of one head, so each KV head is
+    read once (SDPA with enable_gqa reads it once per query head). k and v are views of the cache: SDPA
+    reads them in place, nothing is copied. No mask: the decoded token sees every cached position."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # (1, n, G, D) -> (n, G, D)
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive True flags: [T, T, F, T] -> [(0, 2), (3, 4)]."""
+    runs = []
+    for i, flag in enumerate(flags):
+        if flag and runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        elif flag:
+            runs.append((i, i + 1))
+    return runs
 
 
 def mixed_attention(q, k, v, local, n_sink, n_local, y_window=None):
     """Window attention for heads labelled local, full attention for the others; only the needed KV heads are read.
 
-    q (H, D), k/v (Hkv, T, D), local (H,) bool; y_window (H, D), the window output if already computed."""
+    q (H, D), k/v (Hkv, T, D), local (H,) bool; y_window (H, D), the window output if already computed.
+    A KV head is read in full when any query head of its group is long-context; consecutive such KV heads
+    share one SDPA call on a slice of the cache (a view, never a copy)."""
     H, D = q.shape
     Hkv, T, _ = k.shape
     G = H // Hkv
     if y_window is None:
         y_window, _ = window_attention(q, window_keys(k, n_sink, n_local), window_keys(v, n_sink, n_local))
-    if T <= n_local or bool(local.all()):
+    if T <= n_local:
+        return y_window
+    is_local = local.tolist()  # the one host sync per layer: the labels decide what is read
+    runs = _runs([not all(is_local[g * G:(g + 1) * G]) for g in range(Hkv)])
+    if not runs:
         return y_window
     y = y_window.clone()
-    long_heads = (~local).nonzero().flatten().tolist()  # one host sync per layer: sizes decide the work
-    for g in sorted({h // G for h in long_heads}):
-        heads = [h for h in long_heads if h // G == g]
-        y[heads] = full_attention(q[heads], k[g], v[g])
+    qg, yg = q.view(Hkv, G, D), y.view(Hkv, G, D)  # (Hkv, G, D)
+    for a, b in runs:
+        yg[a:b] = full_attention(qg[a:b], k[a:b], v[a:b])
+    if any(any(is_local[a * G:b * G]) for a, b in runs):
+        y = torch.where(local[:, None], y_window, y)  # local heads of a group read in full keep the window
     return y
 
 

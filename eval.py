@@ -1,0 +1,458 @@
+"""Sparsity sweeps on the RULER-style tasks: every method and threshold decoded from one dense prefill per sample.
+
+    python eval.py --tasks niah_single_1,fwe --length 4096 --samples 20 --out results/ruler-4k
+    python eval.py --quick --out runs/quick          # a smoke run of about 10 minutes on 2 CPU cores
+
+Per sample: one dense prefill, then greedy decoding under every requested (method, threshold) from that same
+cache, rolled back to the prompt between runs (`cache.length = n_prompt`), stopping at EOS or the task's
+max new tokens. Methods (paper section 4.1):
+
+    dense          full attention on every head
+    local          every head on its local window (16 sinks + 112 recent tokens): the floor
+    random         static labels drawn at random at a given sparsity (seeded per sample)
+    static         static labels from oracle frequencies on RULER-style prompts of all tasks, other seed
+    static_oracle  static labels from oracle frequencies on the evaluated task's own prompts: for sample i the
+                   adaptive oracle's (tau 0.6) head frequencies on samples 0 .. i-1 of the same task, which this
+                   sweep has just decoded (sample 0: the task's calibration prompts)
+    oracle         the adaptive oracle, Eq. 2 (tau)
+    qada_rw        QAdA with random-words moments, Eq. 7 (tau), the paper's default
+    qada_prompt    QAdA with the current prompt's moments (tau)
+    qada_word      ablation (Fig. 5e-f): moments of one repeated word
+    qada_long      ablation (Fig. 5g): random-words moments from a prompt longer than the real one
+
+Thresholds: tau for oracle and qada_*, the fraction of heads made local for static, static_oracle, random.
+The ablations run on the first --ablation-samples samples of every task. A context-independent task
+(`ctxfree`: a qa_2 context with the question "Can you describe LLMs in a few sentences?", paper section 5)
+is decoded under oracle and qada_rw to show that sparsity rises when the answer needs no context (Fig. 6c, 7b).
+For the tracked methods (--track) the oracle labels and log masses ride along on every step, giving the
+QAdA-vs-oracle agreement (appendix C) and the Gaussian log-mass error (Table 2).
+
+One JSON line per (sample, method, threshold) is appended to OUT/samples.jsonl as soon as it is decoded; a
+restart skips what is there, so an interrupted run resumes where it stopped. report.py turns the lines
+into tables and plots (run at the end, or any time on a partial run).
+"""
+
+import argparse
+import json
+import re
+import sys
+import zlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ADAPTIVE = ("oracle", "qada_rw", "qada_prompt", "qada_word", "qada_long")
+STATIC = ("random", "static", "static_oracle")
+METHODS = ("dense", "local") + STATIC + ADAPTIVE
+CTXFREE = "ctxfree"  # the context-independent pseudo-task
+CTXFREE_QUESTION = "Can you describe LLMs in a few sentences?"
+ONE_WORD = "the"  # the single-word moments prompt
+CALIB_TAU = 0.6  # the oracle threshold whose head frequencies give the static labels (paper appendix A)
+
+
+@dataclass(frozen=True)
+class Config:
+    method: str
+    threshold: float | None = None  # tau (adaptive) or sparsity (static); None for dense and local
+
+    @property
+    def key(self) -> str:
+        return self.method if self.threshold is None else f"{self.method}@{self.threshold:g}"
+
+
+def parse_grid(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def build_configs(methods: list[str], taus: dict[str, list[float]], sparsities: list[float]) -> list[Config]:
+    out = []
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+        if m in ("dense", "local"):
+            out.append(Config(m))
+        elif m in STATIC:
+            out += [Config(m, s) for s in sparsities]
+        else:
+            out += [Config(m, t) for t in taus[m]]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Samples
+
+
+def ctxfree_sample(index: int, length: int, tokenizer, seed: int):
+    """A qa_2 context whose question needs no context (paper section 5); unscored."""
+    from tasks import make_sample, render
+    s = make_sample("qa_2", index, length, tokenizer, seed)
+    content = s.input.rsplit("Question:", 1)[0] + f"Question: {CTXFREE_QUESTION}"
+    messages = s.messages[:-1] + [{"role": "user", "content": content}]
+    prompt = render(messages, "", tokenizer)
+    s.task, s.messages, s.input, s.answer_prefix, s.prompt = CTXFREE, messages, content, "", prompt
+    s.outputs, s.max_new_tokens, s.n_prompt_tokens = [], 32, len(tokenizer.encode(prompt))
+    return s
+
+
+def make(task: str, index: int, length: int, tokenizer, seed: int):
+    from tasks import make_sample
+    return ctxfree_sample(index, length, tokenizer, seed) if task == CTXFREE else make_sample(task, index, length, tokenizer, seed)
+
+
+def random_labels(L: int, H: int, sparsity: float, seed: int) -> torch.Tensor:
+    """(L, H) bool with round(sparsity * L * H) heads local, drawn at random (seeded)."""
+    n = round(sparsity * L * H)
+    order = torch.randperm(L * H, generator=torch.Generator().manual_seed(seed))
+    labels = torch.zeros(L * H, dtype=torch.bool)
+    labels[order[:n]] = True
+    return labels.view(L, H)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One configuration on one prefilled sample
+
+
+def head_stats(stats, n_kv_heads: int, n_local: int) -> dict:
+    """Per-record statistics: sparsity, KV-read, per-layer and per-(layer, head) local frequency, per-step
+    sparsity; with the oracle tracked also its frequencies, the joint frequency and the log-mass errors."""
+    from attention import summarize
+    if not stats.labels:  # the answer ended at the first token: no decode step
+        return {"steps": 0, "sparsity": None, "kv_read": None}
+    labels = stats.label_tensor()  # (S, L, H)
+    oracle = stats.oracle_tensor() if stats.track_oracle else None
+    s = summarize(labels, torch.tensor(stats.lengths), n_kv_heads, n_local, oracle)
+    r4 = lambda t: [[round(x, 4) for x in row] for row in t.tolist()]  # noqa: E731
+    out = {"steps": s["steps"], "sparsity": s["sparsity"], "kv_read": s["kv_read"],
+           "layer_sparsity": [round(x, 4) for x in s["layer_sparsity"]],
+           "local_freq": r4(labels.float().mean(0)), "step_sparsity": [round(x, 4) for x in labels.float().mean((1, 2)).tolist()]}
+    if oracle is not None:
+        out["agreement"] = s["agreement"]
+        out["oracle_freq"] = r4(oracle.float().mean(0))
+        out["both_freq"] = r4((labels & oracle).float().mean(0))
+        out["oracle_step_sparsity"] = [round(x, 4) for x in oracle.float().mean((1, 2)).tolist()]
+        lm = torch.stack([torch.stack(step) for step in stats.log_masses]).cpu()  # (S, L, 3, H)
+        log_local, log_bulk, log_gauss = lm[:, :, 0], lm[:, :, 1], lm[:, :, 2]
+        for name, d in (("log_err", (log_bulk - log_gauss).abs()), ("dist_local", (log_bulk - log_local).abs())):
+            ok = torch.isfinite(d)
+            mean = torch.where(ok, d, 0).sum(0) / ok.sum(0).clamp(min=1)  # (L, H), over steps
+            out[name] = r4(mean)
+    return out
+
+
+def own_task_freq(resources: dict, sample) -> torch.Tensor:
+    """Static-oracle frequencies for sample i of a task: the adaptive oracle's (tau CALIB_TAU) local frequency on the
+    same task's evaluated samples 0 .. i-1 (step-weighted), so no prompt labels itself; sample 0 falls back to the
+    task's calibration prompts (other seed)."""
+    prev = [(f, s) for (t, j), (f, s) in resources.get("oracle_freq", {}).items() if t == sample.task and j < sample.index and s]
+    if not prev:
+        return resources["static_freq"][sample.task]
+    return sum(f * s for f, s in prev) / sum(s for _, s in prev)
+
+
+def build_attention(cfg: Config, model, sample, cache, n_prompt: int, resources: dict, track: bool, seed: int,
+                    n_sink: int, n_local: int):
+    """The SparseAttention of one configuration (None for dense)."""
+    from attention import HeadStats, SparseAttention
+    from criterion import static_labels
+    from moments import FixedMoments, PromptMoments
+    if cfg.method == "dense":
+        return None
+    L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
+    method, tau, moments, labels = cfg.method, 0.6, None, None
+    if cfg.method in STATIC:
+        method = "static"
+        if cfg.method == "random":
+            labels = random_labels(L, H, cfg.threshold, seed=zlib.crc32(f"{seed}:{sample.task}:{sample.index}:{cfg.threshold}".encode()))
+        else:
+            freq = resources["static_freq"]["ruler"] if cfg.method == "static" else own_task_freq(resources, sample)
+            labels = static_labels(freq, cfg.threshold)
+    elif cfg.method != "local":
+        tau = cfg.threshold
+        if cfg.method.startswith("qada"):
+            method = "qada"
+            if cfg.method == "qada_prompt":
+                moments = PromptMoments(cache, n_sink, n_local)
+            elif cfg.method == "qada_rw":
+                moments = resources["rw"].for_prompt(n_prompt)
+            elif cfg.method == "qada_word":
+                moments = resources["word"].for_prompt(n_prompt)
+            else:  # qada_long: the longest checkpoint of the random-words prompt, longer than this prompt
+                rw = resources["rw"]
+                moments = FixedMoments(rw.mean[-1], rw.cov[-1], rw.ends[-1] - n_sink)
+    return SparseAttention(method, tau, n_sink, n_local, moments, labels, HeadStats(n_local, track))
+
+
+LIST_MARKER = re.compile(r"^\s*(\d+[.)]|[-*•])\s*")
+SENTENCE_END = re.compile(r"(\S+)[.!?](?=\s)")  # a word, then a full stop and whitespace
+
+
+def answer_finished(task: str, text: str) -> bool:
+    """--stop sentence: an answer is complete once it loops (a finished line repeats an earlier one, list markers
+    aside: the greedy model is stuck) or, for the one-sentence answers of niah, fwe and qa, once a sentence has ended: a full stop after a
+    word with a letter or at least 3 characters ("1234567. ", "France. "; not the list marker "1. "), then
+    whitespace. What follows can only add matches by chance. The context-free question is never cut."""
+    from tasks import TASK_CONFIGS
+    if task == CTXFREE:
+        return False
+    # finished, non-empty lines without their list marker ("1.", "-", "*"), so "2. x" repeats "1. x"
+    lines = [LIST_MARKER.sub("", line).strip() for line in text.split("\n")[:-1] if line.strip()]
+    if lines and lines[-1] in lines[:-1]:
+        return True
+    if TASK_CONFIGS[task]["family"] not in ("niah", "fwe", "qa"):
+        return False
+    return any(len(w) >= 3 or re.search(r"[A-Za-z]", w) for w in SENTENCE_END.findall(text))
+
+
+@torch.inference_mode()
+def decode(model, cache, logits, max_new_tokens: int, attention, eos_ids, finished=None) -> list[int]:
+    """Greedy decoding as generate.decode, plus an optional `finished(new_ids) -> bool` stop rule."""
+    out = []
+    while True:
+        out.append(int(logits.argmax(-1)[0]))
+        if out[-1] in eos_ids or len(out) == max_new_tokens or (finished is not None and finished(out)):
+            return out
+        logits = model.decode_step(torch.tensor([out[-1]], device=logits.device), cache, attention)
+
+
+def run_config(cfg: Config, model, tok, sample, cache, logits, n_prompt: int, resources: dict, track: bool,
+               seed: int, n_sink: int, n_local: int, stop: str = "sentence") -> dict:
+    from tasks import score
+    cache.length = n_prompt  # roll back to the prompt: later writes overwrite the previous answer
+    att = build_attention(cfg, model, sample, cache, n_prompt, resources, track, seed, n_sink, n_local)
+    finished = (lambda ids: answer_finished(sample.task, tok.decode(ids))) if stop == "sentence" else None
+    t0 = time.perf_counter()
+    new = decode(model, cache, logits, sample.max_new_tokens, att, tok.eos_ids, finished)
+    decode_s = time.perf_counter() - t0
+    text = tok.decode(new)
+    rec = {"task": sample.task, "index": sample.index, "config": cfg.key, "method": cfg.method,
+           "threshold": cfg.threshold, "n_prompt": n_prompt, "n_new": len(new), "decode_s": round(decode_s, 2),
+           "score": score(sample, text) if sample.outputs else None, "pred": text}
+    if att is None:
+        rec.update(steps=len(new) - 1, sparsity=0.0, kv_read=1.0)
+    else:
+        rec.update(head_stats(att.stats, model.cfg.num_key_value_heads, n_local))
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sweep
+
+
+def result_files(out: Path) -> list[Path]:
+    """samples.jsonl, plus samples.K.jsonl written by shards of a parallel sweep (--shard)."""
+    return sorted(Path(out).glob("samples*.jsonl"))
+
+
+def read_records(out: Path) -> list[dict]:
+    """Every complete line of the run's result files (a line torn by a kill is ignored)."""
+    rows = []
+    for path in result_files(out):
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def done_keys(out: Path) -> set[tuple]:
+    """(task, index, config) of every record already written."""
+    return {(r["task"], r["index"], r["config"]) for r in read_records(out)}
+
+
+def plan(tasks: list[str], samples: int, configs: list[Config], ablations: list[Config], ablation_samples: int,
+         ctxfree: list[Config], ctxfree_samples: int) -> list[tuple[str, int, list[Config]]]:
+    """(task, index, configs) per sample, in run order: sample index outermost so a partial run is balanced."""
+    jobs = []
+    for i in range(max(samples, ctxfree_samples)):
+        for task in tasks:
+            if i < samples:
+                jobs.append((task, i, configs + (ablations if i < ablation_samples else [])))
+        if i < ctxfree_samples:
+            jobs.append((CTXFREE, i, ctxfree))
+    return jobs
+
+
+def load_resources(model, tok, tasks: list[str], configs: list[Config], static_labels_dir: Path | None,
+                   max_context: int, n_sink: int, calibrate_kwargs: dict) -> dict:
+    """Random-words moments and static label frequencies, computed (and cached) when a config needs them."""
+    from moments import load_or_compute_random_words_moments
+    methods = {c.method for c in configs}
+    res = {}
+    if methods & {"qada_rw", "qada_long"}:
+        res["rw"] = load_or_compute_random_words_moments(model, tok, n_tokens=max_context, n_sink=n_sink)
+    if "qada_word" in methods:
+        res["word"] = load_or_compute_random_words_moments(model, tok, n_tokens=max_context, n_sink=n_sink, words=ONE_WORD)
+    if methods & {"static", "static_oracle"}:
+        import calibrate
+        res["static_freq"] = calibrate.ensure(model, tok, tasks, static_labels_dir, **calibrate_kwargs)
+    return res
+
+
+def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, track: set[str], n_sink: int,
+          n_local: int, stop: str = "sentence", progress: bool = True, path: Path | None = None) -> int:
+    """Decode every missing (sample, config); append one line each to `path` (default out/samples.jsonl).
+    Returns the number of lines written."""
+    path = path or out / "samples.jsonl"
+    records = read_records(out)
+    done = {(r["task"], r["index"], r["config"]) for r in records}
+    resources.setdefault("oracle_freq", {})
+    for r in records:  # the oracle's head frequencies on finished samples: the static-oracle labels of later ones
+        if r["config"] == Config("oracle", CALIB_TAU).key and r.get("local_freq"):
+            resources["oracle_freq"][r["task"], r["index"]] = (torch.tensor(r["local_freq"]), r["steps"])
+    if path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+        with open(path, "a") as f:  # end a line torn by a kill, so the next record starts on a line of its own
+            f.write("\n")
+    todo = [(t, i, [c for c in cfgs if (t, i, c.key) not in done]) for t, i, cfgs in jobs]
+    todo = [j for j in todo if j[2]]
+    n_total = sum(len(c) for _, _, c in todo)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=n_total, unit="run", desc="sweep", dynamic_ncols=True, file=sys.stderr)
+    written = 0
+    for task, index, cfgs in todo:
+        sample = make(task, index, length, tok, seed)
+        ids = tok.encode(sample.prompt)
+        n_prompt = len(ids)
+        cache = model.new_cache(n_prompt + sample.max_new_tokens)
+        t0 = time.perf_counter()
+        logits = model.prefill(torch.tensor([ids], device=model.device), cache)
+        prefill_s = time.perf_counter() - t0
+        for cfg in cfgs:
+            if bar is not None:
+                bar.set_postfix_str(f"{task}#{index} {cfg.key}")
+            rec = run_config(cfg, model, tok, sample, cache, logits, n_prompt, resources, cfg.method in track,
+                             seed, n_sink, n_local, stop)
+            rec["prefill_s"] = round(prefill_s, 2)
+            if cfg == Config("oracle", CALIB_TAU) and rec.get("local_freq"):
+                resources["oracle_freq"][task, index] = (torch.tensor(rec["local_freq"]), rec["steps"])
+            with open(path, "a") as f:  # one line per run, flushed: an interruption loses at most this run
+                f.write(json.dumps(rec) + "\n")
+            written += 1
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    return written
+
+
+QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, oracle_taus="0.6", qada_taus="0.6,0.9",
+             prompt_taus="0.6", sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1,
+             calib_samples=1)
+
+
+def run(out: str, tasks: str, length: int, samples: int, methods: str, oracle_taus: str, qada_taus: str,
+        prompt_taus: str, ablation_taus: str, sparsities: str, ablations: str, ablation_samples: int,
+        ctxfree_samples: int, track: str, static_labels: str | None, calib_samples: int, calib_seed: int,
+        calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, threads: int | None,
+        quick: bool, shard: str = "0/1", report: bool = True, progress: bool = True) -> Path:
+    from model import load_model
+    from tasks import TASKS
+    from tokenizer import Tokenizer
+    if threads:
+        torch.set_num_threads(threads)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    task_list = [t for t in tasks.split(",") if t]
+    for t in task_list:
+        if t not in TASKS:
+            raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
+    taus = {"oracle": parse_grid(oracle_taus), "qada_rw": parse_grid(qada_taus), "qada_prompt": parse_grid(prompt_taus),
+            "qada_word": parse_grid(ablation_taus), "qada_long": parse_grid(ablation_taus)}
+    configs = build_configs([m for m in methods.split(",") if m], taus, parse_grid(sparsities))
+    abl = build_configs([m for m in ablations.split(",") if m], taus, [])
+    ctxfree = [Config("oracle", CALIB_TAU)] + build_configs(["qada_rw"], taus, [])  # Fig. 6c and 7b
+    settings = dict(tasks=task_list, length=length, seed=seed, stop=stop, n_sink=n_sink, n_local=n_local, model=model,
+                    calib_seed=calib_seed)
+    meta = out / "run.json"
+    if meta.is_file():  # resuming: refuse to mix runs with different settings in one file
+        old = json.loads(meta.read_text())["settings"]
+        clash = {k: (old.get(k), v) for k, v in settings.items() if k != "tasks" and old.get(k) != v}
+        if clash:
+            raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
+        settings["tasks"] = list(dict.fromkeys(old["tasks"] + task_list))
+
+    t_start = time.perf_counter()
+    net = load_model(model)
+    tok = Tokenizer.from_dir(net.model_dir)
+    max_context = net.cfg.max_position_embeddings
+    labels_dir = Path(static_labels) if static_labels else out / "static_labels"
+    resources = load_resources(net, tok, task_list, configs + abl, labels_dir, max_context, n_sink,
+                               dict(length=length, samples=calib_samples, seed=calib_seed,
+                                    max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local))
+    jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)
+    k, n_shards = (int(x) for x in shard.split("/"))
+    path = out / "samples.jsonl"
+    if n_shards > 1:  # a task's samples stay in one process, so its static-oracle labels see its earlier samples
+        mine = set(task_list[k::n_shards]) | ({CTXFREE} if k == 0 else set())
+        jobs = [j for j in jobs if j[0] in mine]
+        path = out / f"samples.{k}.jsonl"
+    n = sweep(net, tok, out, jobs, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress, path)
+    wall = time.perf_counter() - t_start
+    info = json.loads(meta.read_text()) if meta.is_file() else {"settings": settings, "sessions": []}
+    info["settings"] = settings
+    info["sessions"].append({"command": " ".join(sys.argv), "lines_written": n, "wall_s": round(wall, 1),
+                             "threads": torch.get_num_threads(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    meta.write_text(json.dumps(info, indent=1))
+    print(f"{n} runs written to {path} in {wall / 60:.1f} min")
+    if report:
+        import report as rep
+        rep.report(out)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, help="run folder: samples.jsonl, run.json, tables and plots")
+    p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,fwe",
+                   help="comma-separated tasks (tasks.TASKS)")
+    p.add_argument("--length", type=int, default=4096, help="prompt + answer token budget")
+    p.add_argument("--samples", type=int, default=20, help="samples per task")
+    p.add_argument("--methods", default="dense,local,random,static,static_oracle,oracle,qada_rw,qada_prompt",
+                   help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--oracle-taus", default="0.6,0.9", help="tau grid of the adaptive oracle")
+    p.add_argument("--qada-taus", default="0.4,0.6,0.8,0.9", help="tau grid of QAdA with random-words moments")
+    p.add_argument("--prompt-taus", default="0.6,0.9", help="tau grid of QAdA with current-prompt moments")
+    p.add_argument("--sparsities", default="0.5,0.8", help="sparsity grid of static, static_oracle and random")
+    p.add_argument("--ablations", default="qada_word,qada_long", help="moments ablations, on the first samples only")
+    p.add_argument("--ablation-taus", default="0.6,0.9", help="tau grid of the ablations")
+    p.add_argument("--ablation-samples", type=int, default=5, help="samples per task that also run the ablations")
+    p.add_argument("--ctxfree-samples", type=int, default=5, help="context-independent samples (0 = none)")
+    p.add_argument("--track", default="qada_rw",
+                   help="methods that also record the oracle labels and log masses (costs ~30%% decode time)")
+    p.add_argument("--static-labels", default=None, help="folder of calibrate.py files (default OUT/static_labels; "
+                   "calibrated on first use)")
+    p.add_argument("--calib-samples", type=int, default=1, help="calibration prompts per task (when calibrating)")
+    p.add_argument("--calib-seed", type=int, default=1, help="task seed of the calibration prompts (not --seed)")
+    p.add_argument("--calib-max-new-tokens", type=int, default=24, help="oracle decode steps per calibration prompt")
+    p.add_argument("--seed", type=int, default=42, help="task seed of the evaluated prompts (RULER's)")
+    p.add_argument("--stop", default="sentence", choices=["sentence", "eos"],
+                   help="end an answer at EOS / max new tokens only (eos, RULER's rule), or also once it loops or, for "
+                        "niah, fwe and qa, once its sentence has ended (sentence; see answer_finished)")
+    p.add_argument("--sink", dest="n_sink", type=int, default=16, help="sink tokens")
+    p.add_argument("--window", dest="n_local", type=int, default=128, help="local window, sinks included")
+    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--shard", default="0/1", help="K/N: this process runs every N-th task (from the K-th) and writes "
+                   "OUT/samples.K.jsonl; start N processes (e.g. with --threads 1 each) to use N cores")
+    p.add_argument("--quick", action="store_true", help=f"smoke run (~10 min): {QUICK}")
+    p.add_argument("--no-report", dest="report", action="store_false", help="skip tables and plots at the end")
+    args = p.parse_args(argv)
+    if args.quick:  # the quick defaults apply where the flag was not given explicitly
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])}
+        for k, v in QUICK.items():
+            if k not in given:
+                setattr(args, k, v)
+    try:
+        run(**vars(args), progress=sys.stderr.isatty() or True)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

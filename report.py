@@ -1,0 +1,514 @@
+"""Tables and plots from an eval.py run folder: the paper's Fig. 4, 5e-g, 6a-c, 7, appendix C and Table 2.
+
+    python report.py results/ruler-4k
+
+Reads OUT/samples*.jsonl (complete or partial, every shard) and writes into OUT:
+    summary.csv       task x config: n, score (x100), sparsity, KV-read fraction, answer tokens, decode time
+    summary.md        the same as pivot tables, with the dense score and the local-window floor per task
+    analysis.md       agreement with the oracle by head decile and recall of long-context heads (App. C),
+                      the Gaussian log-mass error (Table 2), the context-independent question (Fig. 6c),
+                      the moments ablations (Fig. 5e-g)
+    fig4_score_vs_sparsity.png, fig5_moments_ablation.png, fig6a_sparsity_along_answer.png,
+    fig6b_sparsity_vs_tau.png, fig6c_sparsity_by_task.png, fig7_long_context_heads.png,
+    figC_recall_long_context_heads.png
+Averages over tasks use only the samples every compared config has finished, so a partial run compares like
+with like. Sparsity = fraction of (decode step, layer, head) labelled local, averaged per sample.
+"""
+
+import csv
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from eval import ADAPTIVE, CTXFREE
+
+ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_word", "qada_long")
+LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
+         "static_oracle": "static oracle", "oracle": "adaptive oracle", "qada_rw": "QAdA (random words)",
+         "qada_prompt": "QAdA (current prompt)", "qada_word": "QAdA (one repeated word)",
+         "qada_long": "QAdA (longer random-words prompt)"}
+COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "tab:green", "static_oracle": "tab:olive",
+         "oracle": "tab:blue", "qada_rw": "tab:purple", "qada_prompt": "tab:pink", "qada_word": "tab:orange",
+         "qada_long": "tab:red"}
+MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_oracle": "x", "oracle": "o", "qada_rw": "D",
+          "qada_prompt": "P"}
+ABLATIONS = ("qada_word", "qada_long")
+MAIN_TAU = 0.6  # the paper's tau for the head maps, agreement and log-error tables
+
+
+def load(out: Path) -> list[dict]:
+    """Every record of the run (all shards); a line torn by a kill is skipped."""
+    from eval import read_records
+    return read_records(out)
+
+
+def config_sort_key(cfg: str):
+    method, _, thr = cfg.partition("@")
+    return ORDER.index(method) if method in ORDER else 99, float(thr or 0)
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return float(np.mean(xs)) if xs else None
+
+
+def fmt(x, scale=1.0, digits=1):
+    return "–" if x is None else f"{x * scale:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Summary
+
+
+def group(rows):
+    """{(task, config): [rows]}."""
+    g = defaultdict(list)
+    for r in rows:
+        g[r["task"], r["config"]].append(r)
+    return g
+
+
+def summary_rows(rows) -> list[dict]:
+    out = []
+    for (task, cfg), rs in sorted(group(rows).items(), key=lambda kv: (kv[0][0], config_sort_key(kv[0][1]))):
+        out.append({"task": task, "config": cfg, "method": rs[0]["method"], "threshold": rs[0]["threshold"], "n": len(rs),
+                    "score": mean([r["score"] for r in rs]), "sparsity": mean([r["sparsity"] for r in rs]),
+                    "kv_read": mean([r["kv_read"] for r in rs]), "new_tokens": mean([r["n_new"] for r in rs]),
+                    "decode_s": mean([r["decode_s"] for r in rs])})
+    return out
+
+
+def common_indices(g, tasks, configs) -> dict[str, set]:
+    """Per task, the sample indices that every config in `configs` has finished."""
+    out = {}
+    for t in tasks:
+        sets = [{r["index"] for r in g.get((t, c), [])} for c in configs]
+        out[t] = set.intersection(*sets) if sets else set()
+    return out
+
+
+def task_means(g, tasks, cfg, idx, field="score"):
+    """Per task, the mean of `field` over the samples in idx[task]; None where missing."""
+    out = {}
+    for t in tasks:
+        vals = [r[field] for r in g.get((t, cfg), []) if r["index"] in idx[t] and r[field] is not None]
+        out[t] = float(np.mean(vals)) if vals else None
+    return out
+
+
+def curves(rows, tasks, configs):
+    """Per config over the tasks' common samples: mean score, mean normalised score (score / dense), worst drop,
+    mean sparsity, sparsity std across tasks, kv read."""
+    g = group(rows)
+    idx = common_indices(g, tasks, configs + ["dense"])
+    dense = task_means(g, tasks, "dense", idx)
+    out = {}
+    for c in configs:
+        sc, sp, kv = task_means(g, tasks, c, idx), task_means(g, tasks, c, idx, "sparsity"), task_means(g, tasks, c, idx, "kv_read")
+        ts = [t for t in tasks if sc[t] is not None]
+        if not ts:
+            continue
+        norm = [sc[t] / dense[t] for t in ts if dense[t]]
+        out[c] = {"score": np.mean([sc[t] for t in ts]), "norm": np.mean(norm) if norm else None,
+                  "worst_drop": max((dense[t] - sc[t]) for t in ts if dense[t] is not None) if dense else None,
+                  "sparsity": mean([sp[t] for t in ts]), "sparsity_std": float(np.std([sp[t] for t in ts if sp[t] is not None])),
+                  "kv_read": mean([kv[t] for t in ts]), "n": sum(len(idx[t]) for t in ts), "per_task": sc, "per_task_sparsity": sp}
+    return out
+
+
+def write_summary(out: Path, rows, tasks):
+    srows = summary_rows(rows)
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(srows[0]))
+        w.writeheader()
+        for r in srows:
+            w.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
+    g = group(rows)
+    configs = sorted({r["config"] for r in rows if r["task"] in tasks}, key=config_sort_key)
+    lines = [f"# Summary of {out.name}", "",
+             "Score = RULER string match x 100, averaged over samples. Sparsity = fraction of (decode step, layer, "
+             "head) labelled local. KV read = fraction of KV entries read. n = samples per task.", ""]
+    # dense vs floor
+    lines += ["## Dense score and the local-window floor per task", "", "| task | n | dense | local (floor) | dense tokens |",
+              "|---|---|---|---|---|"]
+    for t in tasks:
+        d, l = g.get((t, "dense"), []), g.get((t, "local"), [])
+        lines.append(f"| {t} | {len(d)} | {fmt(mean([r['score'] for r in d]), 100)} | {fmt(mean([r['score'] for r in l]), 100)} "
+                     f"| {fmt(mean([r['n_new'] for r in d]))} |")
+    # per-task score pivot (all finished samples) + averages over common samples
+    main = [c for c in configs if c.split("@")[0] not in ABLATIONS]  # the ablations run on the first samples only
+    cur = curves(rows, tasks, main)
+    cur.update({c: v for c, v in curves(rows, tasks, [c for c in configs if c not in main] + ["dense"]).items() if c not in cur})
+    lines += ["", "## Score per task x config (all finished samples), and averages over the tasks' common samples", "",
+              "Averages: over the samples that every non-ablation config has finished (the ablations: over the samples "
+              "they ran on). avg norm. = mean over tasks of score / dense score; worst drop = largest dense - score "
+              "over tasks.", "",
+              "| config | " + " | ".join(tasks) + " | avg score | avg norm. | worst drop | sparsity | KV read |",
+              "|---|" + "---|" * (len(tasks) + 5)]
+    for c in configs:
+        cells = []
+        for t in tasks:
+            rs = g.get((t, c), [])
+            cells.append(f"{fmt(mean([r['score'] for r in rs]), 100)} ({len(rs)})" if rs else "–")
+        cv = cur.get(c)
+        tail = ([fmt(cv["score"], 100), fmt(cv["norm"], 1, 2), fmt(cv["worst_drop"], 100), fmt(cv["sparsity"], 1, 3),
+                 fmt(cv["kv_read"], 1, 3)] if cv else ["–"] * 5)
+        lines.append(f"| {c} | " + " | ".join(cells) + " | " + " | ".join(tail) + " |")
+    lines += ["", "## Sparsity per task x config", "", "| config | " + " | ".join(tasks + ([CTXFREE] if any(r["task"] == CTXFREE for r in rows) else [])) + " |",
+              "|---|" + "---|" * (len(tasks) + any(r["task"] == CTXFREE for r in rows))]
+    for c in configs:
+        cells = [fmt(mean([r["sparsity"] for r in g.get((t, c), [])]), 1, 3) for t in tasks]
+        if any(r["task"] == CTXFREE for r in rows):
+            cells.append(fmt(mean([r["sparsity"] for r in g.get((CTXFREE, c), [])]), 1, 3))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    return cur
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Analysis tables
+
+
+def head_counts(rows):
+    """Step-weighted per-(layer, head) counts over tracked records: steps, qada local, oracle local, both local."""
+    S = q = o = b = 0
+    for r in rows:
+        if "oracle_freq" not in r:
+            continue
+        s = r["steps"]
+        S, q = S + s, q + s * np.array(r["local_freq"])
+        o, b = o + s * np.array(r["oracle_freq"]), b + s * np.array(r["both_freq"])
+    return S, q, o, b
+
+
+def agreement_by_decile(rows) -> list[str]:
+    S, q, o, b = head_counts(rows)
+    if not S:
+        return ["(no tracked runs)"]
+    order = np.argsort(-(o / S).ravel(), kind="stable")  # heads most often local (oracle) first
+    lines = ["| head decile (by oracle local freq.) | oracle local freq. | TP | FP | TN | FN | accuracy |", "|---|---|---|---|---|---|---|"]
+    for d, chunk in enumerate(np.array_split(order, 10)):
+        qq, oo, bb = q.ravel()[chunk].sum(), o.ravel()[chunk].sum(), b.ravel()[chunk].sum()
+        n = S * len(chunk)
+        tp, fp, fn = bb, qq - bb, oo - bb
+        tn = max(n - tp - fp - fn, 0.0)  # float round-off of the step-weighted frequencies
+        lines.append(f"| {10 * d}-{10 * d + 10}% | {oo / n:.2f} | {tp / n:.3f} | {fp / n:.3f} | {tn / n:.3f} | {fn / n:.3f} | {(tp + tn) / n:.3f} |")
+    tp, fp, fn = b.sum(), q.sum() - b.sum(), o.sum() - b.sum()
+    tn = S * q.size - tp - fp - fn
+    n = S * q.size
+    lines.append(f"| all | {o.sum() / n:.2f} | {tp / n:.3f} | {fp / n:.3f} | {tn / n:.3f} | {fn / n:.3f} | {(tp + tn) / n:.3f} |")
+    return lines
+
+
+def recall_rows(rows, static_freq: dict) -> list[dict]:
+    """Recall of the oracle's long-context (head, step) pairs: QAdA vs static oracle labels at QAdA's sparsity."""
+    from criterion import static_labels
+    import torch
+    out = []
+    by = defaultdict(list)
+    for r in rows:
+        if "oracle_freq" in r and r["task"] in static_freq:
+            by[r["task"], r["config"]].append(r)
+    for (task, cfg), rs in sorted(by.items(), key=lambda kv: (kv[0][0], config_sort_key(kv[0][1]))):
+        S, q, o, b = head_counts(rs)
+        long_oracle = S - o  # per head: steps the oracle says long-context
+        if long_oracle.sum() == 0:
+            continue
+        tn = S - q - o + b  # both long
+        sparsity = q.sum() / (S * q.size)
+        static = static_labels(torch.tensor(static_freq[task]), float(sparsity)).numpy()
+        out.append({"task": task, "config": cfg, "qada_sparsity": float(sparsity), "oracle_sparsity": float(o.sum() / (S * q.size)),
+                    "recall_qada": float(tn.sum() / long_oracle.sum()),
+                    "recall_static_oracle": float(long_oracle[~static].sum() / long_oracle.sum())})
+    return out
+
+
+def log_error_table(rows, oracle_freq_rank) -> list[str]:
+    """Table 2: |log A_bulk - Gaussian estimate| and |log A_bulk - log A_local|, all heads and the most-local heads."""
+    err = [np.array(r["log_err"]) for r in rows if "log_err" in r]
+    dist = [np.array(r["dist_local"]) for r in rows if "log_err" in r]
+    if not err:
+        return ["(no tracked runs)"]
+    err, dist = np.stack(err), np.stack(dist)  # (R, L, H)
+    lines = ["| heads | log error, mean ± std | factor exp(mean) | dist. local, mean ± std |", "|---|---|---|---|"]
+    for name, frac in (("all", 1.0), ("20% most often local", 0.2), ("10% most often local", 0.1)):
+        k = max(1, round(frac * oracle_freq_rank.size))
+        sel = np.zeros(oracle_freq_rank.size, bool)
+        sel[oracle_freq_rank[:k]] = True
+        sel = sel.reshape(err.shape[1:])
+        e, d = err[:, sel].ravel(), dist[:, sel].ravel()
+        lines.append(f"| {name} | {e.mean():.2f} ± {e.std():.2f} | {np.exp(e.mean()):.1f} | {d.mean():.2f} ± {d.std():.2f} |")
+    return lines
+
+
+def write_analysis(out: Path, rows, tasks, cur):
+    g = group(rows)
+    task_rows = [r for r in rows if r["task"] in tasks]
+    lines = [f"# Analysis of {out.name}", ""]
+    # agreement, App. C
+    main = f"qada_rw@{MAIN_TAU:g}"
+    tracked = [r for r in task_rows if r["config"] == main and "oracle_freq" in r]
+    lines += [f"## QAdA vs oracle agreement ({main}, oracle at the same tau, on QAdA's own decoding; positive = local)", "",
+              f"{len(tracked)} runs. Heads sorted by how often the oracle labels them local, in deciles of the "
+              f"(layer, head) pairs. Fractions of all (step, head) pairs of the decile.", ""]
+    lines += agreement_by_decile(tracked)
+    # recall vs static oracle
+    # static oracle labels as in the paper: the oracle's (tau 0.6) head frequencies on the task's evaluated prompts
+    static_freq = {}
+    for t in tasks:
+        rs = [r for r in g.get((t, f"oracle@{MAIN_TAU:g}"), []) if r.get("local_freq")]
+        if rs:
+            static_freq[t] = (sum(r["steps"] * np.array(r["local_freq"]) for r in rs) / sum(r["steps"] for r in rs)).tolist()
+    rr = recall_rows([r for r in task_rows if r["method"] in ("qada_rw", "qada_prompt")], static_freq)
+    lines += ["", "## Recall of the oracle's long-context heads: QAdA vs static oracle labels at the same sparsity", "",
+              "Positives here are the oracle's long-context (step, head) pairs on QAdA's decoding; the static oracle "
+              f"labels the heads most often local under the oracle at tau {MAIN_TAU:g} on all of the task's evaluated "
+              "prompts, at QAdA's sparsity.", "",
+              "| task | config | QAdA sparsity | oracle sparsity | recall QAdA | recall static oracle |", "|---|---|---|---|---|---|"]
+    for r in rr:
+        lines.append(f"| {r['task']} | {r['config']} | {r['qada_sparsity']:.3f} | {r['oracle_sparsity']:.3f} | "
+                     f"{r['recall_qada']:.3f} | {r['recall_static_oracle']:.3f} |")
+    by_cfg = defaultdict(list)
+    for r in rr:
+        by_cfg[r["config"]].append(r)
+    for c, rs in sorted(by_cfg.items(), key=lambda kv: config_sort_key(kv[0])):
+        lines.append(f"| mean | {c} | {np.mean([r['qada_sparsity'] for r in rs]):.3f} | {np.mean([r['oracle_sparsity'] for r in rs]):.3f} | "
+                     f"{np.mean([r['recall_qada'] for r in rs]):.3f} | {np.mean([r['recall_static_oracle'] for r in rs]):.3f} |")
+    # Table 2
+    oracle_runs = [r for r in task_rows if r["config"] == f"oracle@{MAIN_TAU:g}" and "local_freq" in r]
+    rank_src = oracle_runs or tracked
+    key = "local_freq" if oracle_runs else "oracle_freq"
+    if rank_src:
+        freq = np.mean([np.array(r[key]) for r in rank_src], 0).ravel()
+        rank = np.argsort(-freq, kind="stable")
+        lines += ["", f"## Gaussian log-mass error (Table 2), {main} runs", "",
+                  "Per (run, layer, head): mean over decode steps of |log A_bulk - (log T_bulk + mu_s + sigma_s^2/2)| "
+                  "(log error) and |log A_bulk - log A_local| (dist. local). Most-local heads ranked by the adaptive "
+                  f"oracle's local frequency at tau {MAIN_TAU:g}.", ""]
+        lines += log_error_table(tracked, rank)
+    # context-independent question
+    if any(r["task"] == CTXFREE for r in rows):
+        lines += ["", "## Context-independent question (Fig. 6c): sparsity at the same tau", "",
+                  "| config | RULER tasks (mean ± std over tasks) | context-independent | n ctxfree |", "|---|---|---|---|"]
+        for c in sorted({r["config"] for r in rows if r["task"] == CTXFREE}, key=config_sort_key):
+            per = [mean([r["sparsity"] for r in g.get((t, c), [])]) for t in tasks]
+            per = [p for p in per if p is not None]
+            cf = [r["sparsity"] for r in g.get((CTXFREE, c), []) if r["sparsity"] is not None]
+            lines.append(f"| {c} | {fmt(mean(per), 1, 3)} ± {fmt(float(np.std(per)) if per else None, 1, 3)} | "
+                         f"{fmt(mean(cf), 1, 3)} | {len(cf)} |")
+        for r in g.get((CTXFREE, f"qada_rw@{MAIN_TAU:g}"), [])[:1]:
+            lines += ["", f"Example answer (qada_rw@{MAIN_TAU:g}): {r['pred'][:300]!r}"]
+    # moments ablations on the ablation samples
+    abl = sorted({r["config"] for r in task_rows if r["method"] in ("qada_word", "qada_long")}, key=config_sort_key)
+    if abl:
+        taus = sorted({r["threshold"] for r in task_rows if r["method"] in ("qada_word", "qada_long")})
+        comp = [f"{m}@{t:g}" for t in taus for m in ("qada_rw", "qada_prompt", "qada_word", "qada_long")
+                if any(r["config"] == f"{m}@{t:g}" for r in task_rows)]
+        cv = curves(task_rows, tasks, comp + ["dense"])
+        n = cv[comp[0]]["n"] if comp and comp[0] in cv else 0
+        lines += ["", "## Moments ablations (Fig. 5e-g) on the samples that ran every one of them", "",
+                  f"{n} samples in all. Normalised score = score / dense score per task, averaged over tasks.", "",
+                  "| config | avg score | avg norm. | sparsity | " + " | ".join(tasks) + " |", "|---|---|---|---|" + "---|" * len(tasks)]
+        for c in ["dense"] + comp:
+            if c in cv:
+                v = cv[c]
+                lines.append(f"| {c} | {fmt(v['score'], 100)} | {fmt(v['norm'], 1, 2)} | {fmt(v['sparsity'], 1, 3)} | "
+                             + " | ".join(fmt(v["per_task"][t], 100) for t in tasks) + " |")
+    (out / "analysis.md").write_text("\n".join(lines) + "\n")
+    return rr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plots
+
+
+def plots(out: Path, rows, tasks, cur, rr):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    g = group(rows)
+    task_rows = [r for r in rows if r["task"] in tasks]
+    methods = [m for m in ORDER if any(c.startswith(m + "@") or c == m for c in cur) and m not in ("qada_word", "qada_long")]
+
+    # Fig. 4: score vs sparsity per method
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for m in methods:
+        cs = sorted([c for c in cur if c.split("@")[0] == m], key=config_sort_key)
+        xs = [cur[c]["sparsity"] for c in cs]
+        for ax, key in zip(axes, ("score", "norm")):
+            ys = [cur[c][key] * (100 if key == "score" else 1) if cur[c][key] is not None else np.nan for c in cs]
+            style = dict(color=COLOR[m], label=LABEL[m], marker=MARKER.get(m, "o"), ms=7 if m == "static" else 5, alpha=0.85)
+            ax.plot(xs, ys, "-" if len(cs) > 1 else "", **style)
+            if m in ADAPTIVE:
+                for c, x, y in zip(cs, xs, ys):
+                    ax.annotate(c.split("@")[1], (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7, color=COLOR[m])
+    axes[0].set_ylabel("mean score over tasks (x100)")
+    axes[1].set_ylabel("mean normalised score (score / dense)")
+    for ax in axes:
+        ax.set_xlabel("sparsity (fraction of heads local)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    n = cur.get("dense", {}).get("n", 0)
+    fig.suptitle(f"Score vs sparsity ({len(tasks)} tasks, {n} samples in common; labels: tau)")
+    fig.tight_layout()
+    fig.savefig(out / "fig4_score_vs_sparsity.png", dpi=120)
+    plt.close(fig)
+
+    # Fig. 6b: sparsity vs tau with spread across tasks; Fig. 6c: per task + context-independent
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for m in ("oracle", "qada_rw", "qada_prompt"):
+        cs = sorted([c for c in cur if c.split("@")[0] == m], key=config_sort_key)
+        if cs:
+            x = [float(c.split("@")[1]) for c in cs]
+            y, s = np.array([cur[c]["sparsity"] for c in cs]), np.array([cur[c]["sparsity_std"] for c in cs])
+            axes[0].errorbar(x, y, yerr=s, color=COLOR[m], label=LABEL[m], marker="o", capsize=3)
+            dy = {"oracle": -12, "qada_rw": 6, "qada_prompt": -24}[m]
+            for xi, yi, c in zip(x, y, cs):
+                if cur[c]["norm"] is not None:
+                    axes[0].annotate(f"{cur[c]['norm']:.2f}", (xi, yi), textcoords="offset points", xytext=(5, dy), fontsize=7, color=COLOR[m])
+    axes[0].set_title("sparsity vs tau (±std over tasks; numbers: normalised score)")
+    cmap = plt.get_cmap("tab10")
+    cs = sorted({r["config"] for r in rows if r["method"] == "qada_rw"}, key=config_sort_key)
+    x = [float(c.split("@")[1]) for c in cs]
+    for i, t in enumerate(tasks + [CTXFREE]):
+        y = [mean([r["sparsity"] for r in g.get((t, c), [])]) for c in cs]
+        if any(v is not None for v in y):
+            axes[1].plot(x, [np.nan if v is None else v for v in y], marker="o", color="green" if t == CTXFREE else cmap(i),
+                         lw=3 if t == CTXFREE else 1.2, label="context-independent" if t == CTXFREE else t)
+    axes[1].set_title("QAdA (random words) sparsity per task")
+    for ax in axes:
+        ax.set_xlabel("tau")
+        ax.set_ylabel("sparsity")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "fig6bc_sparsity_vs_tau.png", dpi=120)
+    plt.close(fig)
+
+    # Fig. 7: per-(layer, head) long-context frequency
+    panels = [(t_label, cfg, sel) for t_label, sel in (("RULER tasks", tasks), ("context-independent", [CTXFREE]))
+              for cfg in (f"oracle@{MAIN_TAU:g}", f"qada_rw@{MAIN_TAU:g}")]
+    panels = [p for p in panels if any(r["config"] == p[1] and r["task"] in p[2] and "local_freq" in r for r in rows)]
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels) + 1, 6.5), squeeze=False,
+                                 gridspec_kw=dict(wspace=0.35))
+        for ax, (t_label, cfg, sel) in zip(axes[0], panels):
+            freq = np.mean([np.array(r["local_freq"]) for r in rows if r["config"] == cfg and r["task"] in sel and "local_freq" in r], 0)
+            im = ax.imshow(100 * (1 - freq), aspect="auto", cmap="viridis", vmin=0, vmax=100, origin="lower")
+            ax.set_title(f"{LABEL[cfg.split('@')[0]]}\ntau {cfg.split('@')[1]}, {t_label}", fontsize=9)
+            ax.set_xlabel("query head")
+            ax.set_ylabel("layer")
+            ax.set_xticks(range(freq.shape[1]))
+        fig.colorbar(im, ax=axes[0].tolist(), label="% of decode steps labelled long-context")
+        fig.savefig(out / "fig7_long_context_heads.png", dpi=120, bbox_inches="tight")
+        plt.close(fig)
+
+    # Fig. 6a: sparsity along the generated answer, per task
+    cfgs = [f"oracle@{MAIN_TAU:g}", f"qada_rw@{MAIN_TAU:g}"]
+    show = [t for t in tasks if any(g.get((t, c)) for c in cfgs)]
+    if show:
+        cols = min(3, len(show))
+        rws = (len(show) + cols - 1) // cols
+        fig, axes = plt.subplots(rws, cols, figsize=(4.5 * cols, 3.2 * rws), squeeze=False)
+        for ax, t in zip(axes.ravel(), show):
+            for c, field, ls, label in [(cfgs[0], "step_sparsity", "-", LABEL["oracle"]),
+                                        (cfgs[1], "step_sparsity", "-", LABEL["qada_rw"]),
+                                        (cfgs[1], "oracle_step_sparsity", ":", "oracle on QAdA's decoding")]:
+                seqs = [r[field] for r in g.get((t, c), []) if r.get(field)]
+                if not seqs:
+                    continue
+                color = COLOR["oracle" if field == "oracle_step_sparsity" else c.split("@")[0]]
+                n = max(map(len, seqs))
+                m = np.array([np.nanmean([s[i] for s in seqs if len(s) > i]) for i in range(n)])
+                sd = np.array([np.nanstd([s[i] for s in seqs if len(s) > i]) for i in range(n)])
+                cnt = np.array([sum(len(s) > i for s in seqs) for i in range(n)])
+                keep = cnt >= max(2, len(seqs) // 4)
+                xs = np.arange(1, n + 1)[keep]
+                ax.plot(xs, m[keep], ls, color=color, label=label)
+                if ls == "-":
+                    ax.fill_between(xs, (m - sd)[keep], (m + sd)[keep], color=color, alpha=0.2)
+            ax.set_title(t, fontsize=9)
+            ax.set_xlabel("decode step")
+            ax.set_ylabel("sparsity")
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+        for ax in axes.ravel()[len(show):]:
+            ax.axis("off")
+        axes[0, 0].legend(fontsize=8)
+        fig.suptitle(f"Sparsity along the answer, tau {MAIN_TAU:g} (mean ± std over samples)")
+        fig.tight_layout()
+        fig.savefig(out / "fig6a_sparsity_along_answer.png", dpi=120)
+        plt.close(fig)
+
+    # Fig. 5e-g: moments ablations
+    comp_methods = ("qada_rw", "qada_prompt", "qada_word", "qada_long")
+    abl = [c for c in {r["config"] for r in task_rows} if c.split("@")[0] in ("qada_word", "qada_long")]
+    if abl:
+        taus = sorted({float(c.split("@")[1]) for c in abl})
+        comp = [f"{m}@{t:g}" for m in comp_methods for t in taus if any(r["config"] == f"{m}@{t:g}" for r in task_rows)]
+        cv = curves(task_rows, tasks, comp + ["dense"])
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for m in comp_methods:
+            cs = [c for c in comp if c.startswith(m + "@") and c in cv]
+            if cs:
+                ax.plot([cv[c]["sparsity"] for c in cs], [cv[c]["norm"] for c in cs], marker="o", color=COLOR[m], label=LABEL[m])
+                for c in cs:
+                    ax.annotate(c.split("@")[1], (cv[c]["sparsity"], cv[c]["norm"]), textcoords="offset points", xytext=(3, 4), fontsize=7)
+        ax.set_xlabel("sparsity")
+        ax.set_ylabel("normalised score (score / dense)")
+        ax.set_title(f"Moments ablations ({cv[comp[0]]['n'] if comp and comp[0] in cv else 0} samples in common; labels: tau)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "fig5efg_moments_ablation.png", dpi=120)
+        plt.close(fig)
+
+    # App. C: recall of long-context heads vs sparsity
+    if rr:
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for i, t in enumerate(sorted({r["task"] for r in rr})):
+            rs = sorted([r for r in rr if r["task"] == t and r["config"].startswith("qada_rw")], key=lambda r: r["qada_sparsity"])
+            if rs:
+                ax.plot([r["qada_sparsity"] for r in rs], [r["recall_qada"] for r in rs], "-o", color=cmap(i), label=f"{t} QAdA")
+                ax.plot([r["qada_sparsity"] for r in rs], [r["recall_static_oracle"] for r in rs], "--x", color=cmap(i), label=f"{t} static oracle")
+        ax.set_xlabel("sparsity of QAdA (static oracle matched to it)")
+        ax.set_ylabel("recall of oracle long-context (step, head) pairs")
+        ax.set_title("Recall of long-context heads (oracle at the same tau)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out / "figC_recall_long_context_heads.png", dpi=120)
+        plt.close(fig)
+
+
+def report(out: str | Path, tasks: list[str] | None = None) -> None:
+    out = Path(out)
+    rows = load(out)
+    if not rows:
+        print(f"{out}: no results yet")
+        return
+    if tasks is None:
+        meta = out / "run.json"
+        tasks = json.loads(meta.read_text())["settings"]["tasks"] if meta.is_file() else sorted({r["task"] for r in rows} - {CTXFREE})
+        tasks = [t for t in tasks if any(r["task"] == t for r in rows)]
+    cur = write_summary(out, rows, tasks)
+    rr = write_analysis(out, rows, tasks, cur)
+    plots(out, rows, tasks, cur, rr)
+    print(f"tables and plots written to {out}")
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="run folder of eval.py")
+    p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's)")
+    a = p.parse_args(argv)
+    report(a.out, a.tasks.split(",") if a.tasks else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

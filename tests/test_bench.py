@@ -1,0 +1,98 @@
+"""The optimised decode paths bench.py times, held against the fp32 reference; and the benchmark's own set-up.
+
+No timings are asserted: speed is what bench.py reports, these tests only pin what it computes."""
+
+import pytest
+import torch
+
+import attention
+import bench
+from attention import full_attention, mixed_attention, reference_attention
+
+N_SINK, N_LOCAL = 16, 128
+
+
+def rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def cache_views(Hkv, T, D, seed, dtype=torch.float32):
+    """k, v (Hkv, T, D) sliced from a longer (Hkv, T + 7, D) buffer, as model.KVCache hands them out."""
+    k, v = rand(Hkv, T + 7, D, seed=seed, dtype=dtype), rand(Hkv, T + 7, D, seed=seed + 1, dtype=dtype)
+    return k[:, :T], v[:, :T]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("n,G,T", [(1, 1, 5), (1, 3, 700), (3, 3, 300), (2, 4, 1000)])
+def test_full_attention_reads_groups_as_positions(n, G, T, dtype, tol):
+    """Query heads of a group fed to SDPA as query positions give each head's own full attention."""
+    D = 32
+    q = rand(n, G, D, seed=T, dtype=dtype)
+    k, v = cache_views(n, T, D, seed=T + 1, dtype=dtype)
+    got = full_attention(q, k, v)
+    no_local = torch.zeros(n * G, dtype=torch.bool)
+    ref = torch.cat([reference_attention(q[i], k[i:i + 1], v[i:i + 1], no_local[:G], N_SINK, N_LOCAL) for i in range(n)])
+    assert got.shape == (n, G, D) and got.dtype == dtype
+    assert (got.float().reshape(n * G, D) - ref).abs().max() < tol
+
+
+# Llama-3-8B's grouping (8 KV heads of 4) with small heads: runs of long groups of every kind.
+H, HKV, D = 32, 8, 16
+GROUP_PATTERNS = {
+    "all long": [0] * 8,
+    "all local": [1] * 8,
+    "one run": [1, 1, 0, 0, 0, 1, 1, 1],
+    "runs at both ends": [0, 1, 1, 0, 0, 1, 1, 0],
+    "alternating": [0, 1] * 4,
+}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("T", [N_LOCAL + 1, 1000])
+@pytest.mark.parametrize("pattern", list(GROUP_PATTERNS))
+@pytest.mark.parametrize("mixed_groups", [False, True])
+def test_mixed_attention_runs_equal_reference(pattern, T, mixed_groups, dtype, tol):
+    """Groups read in full (in runs of consecutive KV heads), local heads inside them, cache views."""
+    q = rand(H, D, seed=T, dtype=dtype)
+    k, v = cache_views(HKV, T, D, seed=T + 1, dtype=dtype)
+    local = torch.tensor(GROUP_PATTERNS[pattern], dtype=torch.bool).repeat_interleave(H // HKV)
+    if mixed_groups:  # one local head inside every group that is read in full, one long head elsewhere
+        local = local.clone()
+        local[0::H // HKV] = ~local[0::H // HKV]
+    got = mixed_attention(q, k, v, local, N_SINK, N_LOCAL)
+    ref = reference_attention(q, k, v, local, N_SINK, N_LOCAL)
+    assert got.dtype == dtype
+    assert (got.float() - ref).abs().max() < tol
+
+
+def test_full_pattern_meets_the_fractions_exactly():
+    for dims in bench.SHAPES.values():
+        for f in bench.FRACTIONS:
+            full = bench.full_pattern(dims["L"], dims["Hkv"], f)
+            assert full.shape == (dims["L"], dims["Hkv"]) and float(full.float().mean()) == pytest.approx(f)
+
+
+def test_ideal_bound():
+    assert bench.ideal_speedup(1.0, 8192) == 1.0
+    assert bench.ideal_speedup(0.0, 8192) == pytest.approx(64.0)
+    assert bench.ideal_speedup(0.15, 8192) == pytest.approx(1 / (0.15 + 0.85 / 64))
+
+
+@pytest.mark.parametrize("f", bench.FRACTIONS)
+def test_synthetic_moments_give_the_pattern_and_qada_the_reference(f):
+    """The benchmark's stack: the real criterion labels the intended pattern, qada's output is the reference's."""
+    stack = bench.Stack(H=9, Hkv=3, D=64, L=4, T=700, device=torch.device("cpu"))
+    full = bench.full_pattern(stack.L, stack.Hkv, f)
+    moments = stack.moments(full)
+    stack.check(full, moments)  # raises if the labels differ
+    local = (~full).repeat_interleave(3, 1)
+    for i, y in enumerate(stack.run(attention.qada, moments)):
+        ref = reference_attention(stack.q[i], *stack.kv[i], local[i], N_SINK, N_LOCAL)
+        assert (y - ref).abs().max() < 1e-5
+
+
+def test_markdown_table():
+    rows = [dict(shape="s", T=2048, f=0.15, dense_ms=1.0, qada_ms=0.5, speedup=2.0, ideal=4.9, of_bound=0.41,
+                 criterion=0.1, packed_ms=0.8, speedup_packed=1.6, of_bound_packed=0.33)]
+    lines = bench.table(bench.ATTENTION_COLUMNS, rows).splitlines()
+    assert len(lines) == 3 and lines[2].count("|") == lines[0].count("|") and "2.00x" in lines[2]
