@@ -50,8 +50,12 @@ def load_freq(path: Path) -> tuple[torch.Tensor, dict]:
 
 
 def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int, seed: int, max_new_tokens: int,
-           n_sink: int = 16, n_local: int = 128, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Oracle local frequencies per task and their mean ("ruler"), read from `folder` or calibrated and saved."""
+           n_sink: int = 16, n_local: int = 128, progress: bool = True,
+           ruler_tasks: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Oracle local frequencies per task and their mean over `ruler_tasks` (default: tasks) as "ruler", read from
+    `folder` or calibrated and saved."""
+    ruler_tasks = list(ruler_tasks or tasks)
+    tasks = list(dict.fromkeys(tasks + ruler_tasks))
     from criterion import save_labels
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -71,8 +75,8 @@ def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int
         freq, steps = oracle_frequency(model, tok, task, length, samples, seed, max_new_tokens, n_sink, n_local)
         save_labels(path, freq, dict(settings, steps=steps, seconds=round(time.perf_counter() - t0, 1)))
         out[task] = freq
-    mean = torch.stack([out[t] for t in tasks]).mean(0)
-    save_labels(folder / "ruler.json", mean, dict(tasks=tasks, length=length, samples=samples, seed=seed, tau=TAU,
+    mean = torch.stack([out[t] for t in ruler_tasks]).mean(0)
+    save_labels(folder / "ruler.json", mean, dict(tasks=ruler_tasks, length=length, samples=samples, seed=seed, tau=TAU,
                                                    n_sink=n_sink, n_local=n_local, model=str(model.model_dir)))
     out["ruler"] = mean
     return out

@@ -346,7 +346,7 @@ QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, oracle_taus="0.6
 
 def run(out: str, tasks: str, length: int, samples: int, methods: str, oracle_taus: str, qada_taus: str,
         prompt_taus: str, ablation_taus: str, sparsities: str, ablations: str, ablation_samples: int,
-        ctxfree_samples: int, track: str, static_labels: str | None, calib_samples: int, calib_seed: int,
+        ctxfree_samples: int, track: str, static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
         calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, threads: int | None,
         quick: bool, shard: str = "0/1", report: bool = True, progress: bool = True) -> Path:
     from model import load_model
@@ -382,7 +382,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, oracle_ta
     labels_dir = Path(static_labels) if static_labels else out / "static_labels"
     resources = load_resources(net, tok, task_list, configs + abl, labels_dir, max_context, n_sink,
                                dict(length=length, samples=calib_samples, seed=calib_seed,
-                                    max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local))
+                                    max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local,
+                                    ruler_tasks=static_tasks.split(",") if static_tasks else None))
     jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)
     k, n_shards = (int(x) for x in shard.split("/"))
     path = out / "samples.jsonl"
@@ -425,6 +426,8 @@ def main(argv=None) -> int:
                    help="methods that also record the oracle labels and log masses (costs ~30%% decode time)")
     p.add_argument("--static-labels", default=None, help="folder of calibrate.py files (default OUT/static_labels; "
                    "calibrated on first use)")
+    p.add_argument("--static-tasks", default=None, help="tasks whose calibration prompts make the static (RULER) "
+                   "labels (default: --tasks); keep it fixed when a run is continued with other --tasks")
     p.add_argument("--calib-samples", type=int, default=1, help="calibration prompts per task (when calibrating)")
     p.add_argument("--calib-seed", type=int, default=1, help="task seed of the calibration prompts (not --seed)")
     p.add_argument("--calib-max-new-tokens", type=int, default=24, help="oracle decode steps per calibration prompt")
