@@ -46,7 +46,12 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
     The G query heads of a group are handed to SDPA as G query positions of one head, so each KV head is
     read once (SDPA with enable_gqa reads it once per query head). k and v are views of the cache: SDPA
-    reads them in place, nothing is copied. No mask: the decoded token sees every cached position."""
+    reads them in place, nothing is copied. No mask: the decoded token sees every cached position.
+    SDPA on the CPU shares its work out by heads, so a lone KV head would keep one thread busy and the
+    others idle; it is computed instead as two matrix products, which BLAS spreads over every thread."""
+    if q.shape[0] == 1 and q.device.type == "cpu" and torch.get_num_threads() > 1:
+        scores = torch.mm(q[0], k[0].T).float().mul_(1 / math.sqrt(q.shape[-1]))  # (G, T)
+        return torch.mm(scores.softmax(-1).to(v.dtype), v[0])[None]  # (1, G, D)
     return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # (1, n, G, D) -> (n, G, D)
 
 

@@ -1,7 +1,8 @@
 """Decode speed of QAdA against dense attention on this machine, and how close it comes to the ideal bound.
 
-    python bench.py                                  # both parts, the README's figures
+    python bench.py                                  # both parts, the README's figures (~7 min, 2 CPU cores)
     python bench.py --parts attention --quick        # a smoke run
+    python bench.py --device cuda                    # on a GPU: synchronised timings, GPU time in profiles
 
 Everything runs in fp32, batch size 1, one decoded token at a time; the report states device and threads.
 Methods are timed interleaved (A, B, A, B, ... with the order rotated every repeat) so that other load on
@@ -34,15 +35,17 @@ Stacks: 20 layers for SmolLM2's shapes (60 KV heads), 5 for Llama-3-8B's (40 KV 
 
 Part 2, end to end. Greedy decoding of the embedded model (30 layers, context 8192) on a needle-in-a-
 haystack prompt sized to each length with the tokenizer (noise lines, one "special magic number" line at
-half depth, the question, the chat template). Prefill (dense, reported separately) is done once per length;
-the decode runs roll the cache back to the prompt (cache.length = n) and decode the same number of tokens
-with dense attention (the model's SDPA), packed dense (as above), QAdA (tau 0.6, random-words moments,
-sink 16, window 128) and the all-local window (the floor: decoding with no long-context head at all). Sparsity (fraction of query heads
-labelled local) and the KV-read fraction are those QAdA measured in this run. The bound is the speedup if
-qada's full heads cost their KV-read share of dense attention and deciding were free:
-dense / (window-only + KV read * (dense - window-only)). Lengths above the model's
-context use a RoPE theta override (--rope-theta, default 4e5 = 4x SmolLM2's 1e5) and moments from a
-random-words prompt of that length (computed once, cached in ~/.cache/qada/moments).
+half depth, the question, the chat template). Prefill (dense, reported separately) is done once per length.
+Four decode-time attentions are compared: dense (the model's SDPA), packed dense (as above), QAdA (tau 0.6,
+random-words moments, sink 16, window 128) and the all-local window (the floor: decoding with no
+long-context head at all). Each first writes its greedy answer (32 tokens, untimed) to check the needle;
+then they are timed in interleaved rounds, every run rolling the cache back to the prompt
+(cache.length = n) and decoding the same 8 tokens; ms/token is the median over the rounds. Sparsity
+(fraction of query heads labelled local) and KV-read fraction are QAdA's over those timed tokens. The
+bound is the speedup if qada's full heads cost their KV-read share of dense attention and deciding were
+free: dense / (window-only + KV read * (dense - window-only)). Lengths above the model's context use a RoPE
+theta override (--rope-theta, default 4e5 = 4x SmolLM2's 1e5) and moments from a random-words prompt of
+that length (computed once, ~2 prefills' time, then cached in ~/.cache/qada/moments).
 
 Outputs in bench_results/: attention.md, end_to_end.md, profile.md (where the time goes), results.json
 and speedup.png.
@@ -74,6 +77,7 @@ SHAPES = {  # name: H, Hkv, D, and L, the layers in one timed stack
 }
 FRACTIONS = (1.0, 0.5, 0.15, 0.0)
 FLUSH_MB = 256
+NEEDLE_TOKENS = 32  # the untimed greedy answer checked for the needle; the answer takes about 24
 HAYSTACK = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
@@ -313,42 +317,42 @@ def bench_end_to_end(lengths, repeats: int, n_new: int, device: torch.device, ro
     from moments import load_or_compute_random_words_moments
     from tokenizer import Tokenizer
     rows, models, profile = [], {}, ""
-    for T in lengths:
-        base = models.get(None) or models.setdefault(None, load_model(None, device))
-        long = T > base.cfg.max_position_embeddings
-        theta = rope_theta if long else None
+
+    def model_for(theta):
         if theta not in models:
             models[theta] = load_model(None, device, rope_theta=theta)
-        model = models[theta]
+        return models[theta]
+
+    for T in lengths:
+        model = model_for(None)
+        if T > model.cfg.max_position_embeddings:
+            model = model_for(rope_theta)
         tok = Tokenizer.from_dir(model.model_dir)
         max_context = max(T, model.cfg.max_position_embeddings)
         rw = load_or_compute_random_words_moments(model, tok, n_tokens=max_context, n_sink=N_SINK, progress=True)
-        ids, value = needle_prompt(tok, T - n_new)
-        cache = model.new_cache(len(ids) + n_new + 1)
+        ids, value = needle_prompt(tok, T - NEEDLE_TOKENS)
+        n = len(ids)
+        cache = model.new_cache(n + NEEDLE_TOKENS + 1)
         t0 = time.perf_counter()
         logits = model.prefill(torch.tensor([ids], device=device), cache)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         prefill_s = time.perf_counter() - t0
-        n = len(ids)
         make = {"dense": lambda: None, "packed": lambda: packed_decode_attention,
                 "qada": lambda: SparseAttention("qada", TAU, N_SINK, N_LOCAL, moments=rw.for_prompt(n)),
                 "local": lambda: SparseAttention("local", TAU, N_SINK, N_LOCAL)}
-        for name in make:  # warm-up
-            decode_timed(model, cache, n, logits, 2, make[name]())
-        times, texts, stats = {name: [] for name in make}, {}, []
-        for r in range(repeats):
-            names = list(make)[r % len(make):] + list(make)[:r % len(make)]
-            for name in names:
+        # The answer, untimed (and a warm-up): does each method still find the needle?
+        found = {name: value in tok.decode(decode_timed(model, cache, n, logits, NEEDLE_TOKENS, make[name]())[1])
+                 for name in make}
+        times, stats = {name: [] for name in make}, []
+        for r in range(repeats):  # short runs, interleaved, so that load bursts hit every method alike
+            for name in list(make)[r % len(make):] + list(make)[:r % len(make)]:
                 attn = make[name]()
-                s, new = decode_timed(model, cache, n, logits, n_new, attn)
-                times[name].append(s)
-                texts[name] = tok.decode(new)
+                times[name].append(decode_timed(model, cache, n, logits, n_new, attn)[0])
                 if name == "qada":
                     stats.append(attn.stats.summary(model.cfg.num_key_value_heads))
         ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-        sparsity = statistics.mean(s["sparsity"] for s in stats)
-        kv_read = statistics.mean(s["kv_read"] for s in stats)
+        sparsity, kv_read = stats[0]["sparsity"], stats[0]["kv_read"]  # greedy: every run decodes the same tokens
         # If the full heads cost exactly their share of dense attention and deciding were free:
         bound = {m: ms[m] / (ms["local"] + kv_read * (ms[m] - ms["local"])) for m in ("dense", "packed")}
         rows.append(dict(T=n, theta=f"{model.cfg.rope_theta:g}", prefill_s=prefill_s, dense_ms=ms["dense"],
@@ -356,7 +360,7 @@ def bench_end_to_end(lengths, repeats: int, n_new: int, device: torch.device, ro
                          speedup=ms["dense"] / ms["qada"], bound=bound["dense"],
                          speedup_packed=ms["packed"] / ms["qada"], bound_packed=bound["packed"],
                          sparsity=sparsity, kv_read=kv_read,
-                         needle="/".join("yes" if value in texts[m] else "no" for m in ("dense", "qada"))))
+                         needle="/".join("yes" if found[m] else "no" for m in ("dense", "qada"))))
         print(format_row(E2E_COLUMNS, rows[-1]), flush=True)
         if T == profile_at:
             profile = profile_decode(model, cache, n, logits, make, T)
@@ -495,8 +499,7 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
     given = [int(x) for x in lengths.split(",")] if lengths else None
     att_lengths = given or ([2048, 8192] if quick else [2048, 4096, 8192, 16384, 32768])
     e2e_lengths = given or ([2048] if quick else [2048, 4096, 8192, 16384])
-    att_repeats, e2e_repeats = repeats or (3 if quick else 5), repeats or (2 if quick else 3)
-    n_new = 8 if quick else decode_tokens
+    att_repeats, e2e_repeats = repeats or (3 if quick else 5), repeats or (2 if quick else 6)
     print(f"# {setup}; load average {load_average()}")
     att_rows, e2e_rows, profiles = [], [], []
     if parts in ("attention", "all"):
@@ -510,13 +513,13 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
         del timer
     if parts in ("e2e", "all"):
         print(f"\n## End to end: SmolLM2-135M decode ms per token, median of {e2e_repeats} interleaved repeats "
-              f"of {n_new} tokens\n")
+              f"of {decode_tokens} tokens\n")
         print(table(E2E_COLUMNS, []))
-        e2e_rows, prof = bench_end_to_end(e2e_lengths, e2e_repeats, n_new, device, rope_theta,
+        e2e_rows, prof = bench_end_to_end(e2e_lengths, e2e_repeats, decode_tokens, device, rope_theta,
                                           profile_at=8192 if 8192 in e2e_lengths else e2e_lengths[-1])
         profiles.append(prof)
         (out / "end_to_end.md").write_text(
-            f"End to end, {setup}: decode ms per token, median of {e2e_repeats} interleaved repeats of {n_new} tokens; "
+            f"End to end, {setup}: decode ms per token, median of {e2e_repeats} interleaved repeats of {decode_tokens} tokens; "
             f"RoPE theta {rope_theta:g} above 8192 tokens.\n\n{table(E2E_COLUMNS, e2e_rows)}\n")
     (out / "profile.md").write_text(f"Profiles, {setup}.\n\n" + "\n".join(profiles))
     (out / "results.json").write_text(json.dumps({"setup": setup, "attention": att_rows, "end_to_end": e2e_rows}, indent=1))
@@ -527,15 +530,15 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default: 5 attention, 3 end to end)")
-    p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"], help="which part to run")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default: 5 attention, 6 end to end)")
+    p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"], help="which part to run (default: all)")
     p.add_argument("--lengths", default=None, help="comma-separated context lengths for both parts "
                    "(default: 2048..32768 attention, 2048..16384 end to end)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer lengths, repeats and tokens")
-    p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per method and repeat, end to end")
-    p.add_argument("--rope-theta", type=float, default=4e5, help="RoPE base for end-to-end lengths above the model's context")
-    p.add_argument("--out", default="bench_results", help="output folder")
+    p.add_argument("--decode-tokens", type=int, default=8, help="tokens decoded per method and timed repeat, end to end (default: 8)")
+    p.add_argument("--rope-theta", type=float, default=4e5, help="RoPE base for end-to-end lengths above the model's context (default: 4e5)")
+    p.add_argument("--out", default="bench_results", help="output folder (default: bench_results)")
     sys.exit(main(**vars(p.parse_args())))

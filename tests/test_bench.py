@@ -22,9 +22,18 @@ def cache_views(Hkv, T, D, seed, dtype=torch.float32):
     return k[:, :T], v[:, :T]
 
 
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    """full_attention takes another route for a lone KV head when several threads can share it."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("n,G,T", [(1, 1, 5), (1, 3, 700), (3, 3, 300), (2, 4, 1000)])
-def test_full_attention_reads_groups_as_positions(n, G, T, dtype, tol):
+def test_full_attention_reads_groups_as_positions(n, G, T, dtype, tol, threads):
     """Query heads of a group fed to SDPA as query positions give each head's own full attention."""
     D = 32
     q = rand(n, G, D, seed=T, dtype=dtype)
@@ -51,7 +60,7 @@ GROUP_PATTERNS = {
 @pytest.mark.parametrize("T", [N_LOCAL + 1, 1000])
 @pytest.mark.parametrize("pattern", list(GROUP_PATTERNS))
 @pytest.mark.parametrize("mixed_groups", [False, True])
-def test_mixed_attention_runs_equal_reference(pattern, T, mixed_groups, dtype, tol):
+def test_mixed_attention_runs_equal_reference(pattern, T, mixed_groups, dtype, tol, threads):
     """Groups read in full (in runs of consecutive KV heads), local heads inside them, cache views."""
     q = rand(H, D, seed=T, dtype=dtype)
     k, v = cache_views(HKV, T, D, seed=T + 1, dtype=dtype)
