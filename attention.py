@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from criterion import check_tau, oracle_labels, oracle_log_masses, qada_labels, gaussian_log_bulk, window_keys
+from criterion import (check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels, window_keys,
+                       window_mask)
 
 
 @dataclass
@@ -99,8 +100,7 @@ def reference_attention(q, k, v, local, n_sink, n_local):
     kf = k.float().repeat_interleave(H // Hkv, dim=0)  # (H, T, D)
     vf = v.float().repeat_interleave(H // Hkv, dim=0)
     scores = torch.einsum("hd,htd->ht", q.float(), kf) / math.sqrt(D)  # (H, T)
-    pos = torch.arange(T, device=q.device)
-    in_window = (pos < n_sink) | (pos >= T - (n_local - n_sink))
+    in_window = window_mask(T, n_sink, n_local, q.device)
     keep = in_window[None, :] | ~local[:, None]  # (H, T)
     weights = scores.masked_fill(~keep, -math.inf).softmax(-1)
     return torch.einsum("ht,htd->hd", weights, vf)
@@ -120,10 +120,15 @@ def local(q, k, v, ctx: LayerContext):
     return y, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
 
 
+def all_scores(q, k):
+    """Every score s = q K^T / sqrt(d) in fp32, (H, T): what the oracle (analysis only) needs."""
+    G = q.shape[0] // k.shape[0]
+    return torch.einsum("hd,htd->ht", q.float(), k.float().repeat_interleave(G, 0)) / math.sqrt(q.shape[1])
+
+
 def oracle(q, k, v, ctx: LayerContext):
     """Eq. 2 needs every score, so this path saves nothing: it is for analysis."""
-    G = q.shape[0] // k.shape[0]
-    scores = torch.einsum("hd,htd->ht", q.float(), k.float().repeat_interleave(G, 0)) / math.sqrt(q.shape[1])
+    scores = all_scores(q, k)
     labels = oracle_labels(scores, ctx.n_sink, ctx.n_local, ctx.tau)
     return reference_attention(q, k, v, labels, ctx.n_sink, ctx.n_local).to(q.dtype), labels
 
@@ -244,8 +249,7 @@ class SparseAttention:
         return y[None, :, None]
 
     def oracle_view(self, q, k, ctx):
-        G = q.shape[0] // k.shape[0]
-        scores = torch.einsum("hd,htd->ht", q.float(), k.float().repeat_interleave(G, 0)) / math.sqrt(q.shape[1])
+        scores = all_scores(q, k)
         log_local, log_bulk = oracle_log_masses(scores, ctx.n_sink, ctx.n_local)
         labels = oracle_labels(scores, ctx.n_sink, ctx.n_local, ctx.tau)
         T = k.shape[1]
