@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from criterion import (check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels, window_keys,
-                       window_mask)
+from criterion import (check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels, window_mask,
+                       window_slices)
 
 
 @dataclass
@@ -27,19 +27,29 @@ class LayerContext:
     n_sink: int
     n_local: int
     tau: float
-    moments: object | None = None  # .layer(layer, k) -> (mean (Hkv, D), cov (Hkv, D, D)), for qada
+    moments: object | None = None  # .layer(layer, k) -> (mean, cov); .gaussian(layer, k) -> (A, b): moments.py
     static_local: torch.Tensor | None = None  # (L, H) bool, for static
 
 
-def window_attention(q: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (H, D) over the window keys/values (Hkv, W, D): output (H, D) and the scores (H, W)."""
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (H, D) over the local window of the cache k, v (Hkv, T, D): output (H, D), scores (H, W).
+
+    The window is read in place as its two slices, sinks and recent tokens, each a view of the cache: only
+    the (H, W) scores are concatenated, never keys or values."""
     H, D = q.shape
-    Hkv, W, _ = kw.shape
+    Hkv = k.shape[0]
     qg = q.view(Hkv, H // Hkv, D)  # (Hkv, G, D)
+    parts = window_slices(k.shape[1], n_sink, n_local)
     # torch.bmm (not @, whose reshapes cost more than the product at these sizes) and the scale in place
-    scores = torch.bmm(qg, kw.transpose(1, 2)).float().mul_(1 / math.sqrt(D))  # (Hkv, G, W)
-    y = torch.bmm(scores.softmax(-1).to(vw.dtype), vw)  # (Hkv, G, D)
-    return y.view(H, D), scores.view(H, W)
+    scores = [torch.bmm(qg, k[:, s].transpose(1, 2)) for s in parts]  # (Hkv, G, W_part) each
+    scores = (torch.cat(scores, -1) if len(scores) > 1 else scores[0]).float().mul_(1 / math.sqrt(D))
+    p = scores.softmax(-1).to(v.dtype)  # (Hkv, G, W)
+    y, start = None, 0
+    for s in parts:
+        p_part, start = p[..., start:start + s.stop - s.start], start + s.stop - s.start
+        y = torch.bmm(p_part, v[:, s]) if y is None else y.baddbmm_(p_part, v[:, s])  # (Hkv, G, D)
+    return y.view(H, D), scores.view(H, -1)
 
 
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -77,7 +87,7 @@ def mixed_attention(q, k, v, local, n_sink, n_local, y_window=None):
     Hkv, T, _ = k.shape
     G = H // Hkv
     if y_window is None:
-        y_window, _ = window_attention(q, window_keys(k, n_sink, n_local), window_keys(v, n_sink, n_local))
+        y_window, _ = window_attention(q, k, v, n_sink, n_local)
     if T <= n_local:
         return y_window
     is_local = local.tolist()  # the one host sync per layer: the labels decide what is read
@@ -116,7 +126,7 @@ def dense(q, k, v, ctx: LayerContext):
 
 
 def local(q, k, v, ctx: LayerContext):
-    y, _ = window_attention(q, window_keys(k, ctx.n_sink, ctx.n_local), window_keys(v, ctx.n_sink, ctx.n_local))
+    y, _ = window_attention(q, k, v, ctx.n_sink, ctx.n_local)
     return y, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
 
 
@@ -140,10 +150,9 @@ def static(q, k, v, ctx: LayerContext):
 
 def qada(q, k, v, ctx: LayerContext):
     """Listing 1: window scores, the Gaussian bulk estimate, then full attention for long-context heads only."""
-    kw, vw = window_keys(k, ctx.n_sink, ctx.n_local), window_keys(v, ctx.n_sink, ctx.n_local)
-    y_window, window_scores = window_attention(q, kw, vw)
-    mean, cov = ctx.moments.layer(ctx.layer, k)
-    labels = qada_labels(q, window_scores, mean, cov, k.shape[1], ctx.n_local, ctx.tau)
+    y_window, window_scores = window_attention(q, k, v, ctx.n_sink, ctx.n_local)
+    form = ctx.moments.gaussian(ctx.layer, k)  # Eq. 6's (A, b): q A q^T + q b = mu_s + sigma_s^2 / 2
+    labels = qada_labels(q, window_scores, form, k.shape[1], ctx.n_local, ctx.tau)
     return mixed_attention(q, k, v, labels, ctx.n_sink, ctx.n_local, y_window), labels
 
 

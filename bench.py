@@ -15,10 +15,10 @@ model reads a layer of weights, between two steps all of them. So one timed step
 each with its own cache laid out as model.KVCache lays it out (a (Hkv, T + 1, D) buffer sliced to T), and
 the CPU caches are flushed (a 256 MB read) before every timed stack. Timed per stack, reported per layer:
   dense      attention.dense, torch SDPA over every layer's whole cache;
-  qada       attention.qada exactly as the model calls it: window keys, window attention, the Gaussian
-             criterion (qada_labels) and full attention for the heads it labels long-context;
-  criterion  qada's work before the full heads (window keys/values, window attention and scores, moments,
-             qada_labels): the price of deciding, reported as a fraction of dense;
+  qada       attention.qada exactly as the model calls it: window attention (read in place from the cache),
+             the Gaussian criterion (qada_labels) and full attention for the heads it labels long-context;
+  criterion  qada's work before the full heads (window attention and scores, the Gaussian term, labels):
+             the price of deciding, reported as a fraction of dense;
   packed     dense attention as qada's full heads compute it (attention.full_attention on every KV head:
              SDPA with a group's query heads as query positions, reading each KV head once where SDPA's
              enable_gqa reads it once per query head). A stronger baseline, reported beside the first.
@@ -66,7 +66,7 @@ import torch
 
 import attention
 from attention import LayerContext, SparseAttention
-from criterion import qada_labels, window_keys
+from criterion import qada_labels
 from model import KVCache, LlamaConfig
 from moments import FixedMoments
 
@@ -164,13 +164,11 @@ class Stack:
         return [path(self.q[i], *self.kv[i], self.context(i, moments))[0] for i in range(self.L)]
 
     def criterion(self, moments):
-        """What qada does before its full heads: window keys/values, window attention, moments, labels."""
+        """What qada does before its full heads: window attention and scores, the Gaussian term, labels."""
         out = []
         for i, (k, v) in enumerate(self.kv):
-            kw, vw = window_keys(k, N_SINK, N_LOCAL), window_keys(v, N_SINK, N_LOCAL)
-            y_window, scores = attention.window_attention(self.q[i], kw, vw)
-            mean, cov = moments.layer(i, k)
-            out.append(qada_labels(self.q[i], scores, mean, cov, self.T, N_LOCAL, TAU))
+            y_window, scores = attention.window_attention(self.q[i], k, v, N_SINK, N_LOCAL)
+            out.append(qada_labels(self.q[i], scores, moments.gaussian(i, k), self.T, N_LOCAL, TAU))
         return out
 
     def check(self, full: torch.Tensor, moments) -> None:
@@ -228,21 +226,19 @@ def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: fl
         local = (~full).repeat_interleave(G, 1).to(device)  # (L, H)
         pre = []  # inputs of each stage, computed once
         for i, (k, v) in enumerate(stack.kv):
-            kw, vw = window_keys(k, N_SINK, N_LOCAL), window_keys(v, N_SINK, N_LOCAL)
-            y_window, scores = attention.window_attention(stack.q[i], kw, vw)
-            pre.append((kw, vw, y_window, scores, *moments.layer(i, k)))
+            y_window, scores = attention.window_attention(stack.q[i], k, v, N_SINK, N_LOCAL)
+            pre.append((y_window, scores, moments.gaussian(i, k)))
 
         def stage(fn):
             return lambda: [fn(i, *stack.kv[i], *pre[i]) for i in range(stack.L)]
 
         q = stack.q
         stages = {
-            "window keys and values (2 x window_keys)": stage(lambda i, k, v, *_: (
-                window_keys(k, N_SINK, N_LOCAL), window_keys(v, N_SINK, N_LOCAL))),
-            "window attention (window_attention)": stage(lambda i, k, v, kw, vw, *_: attention.window_attention(q[i], kw, vw)),
-            "moments + labels (qada_labels)": stage(lambda i, k, v, kw, vw, yw, s, mean, cov: qada_labels(
-                q[i], s, mean, cov, T, N_LOCAL, TAU)),
-            "full heads (mixed_attention)": stage(lambda i, k, v, kw, vw, yw, *_: attention.mixed_attention(
+            "window attention and scores (window_attention)": stage(
+                lambda i, k, v, *_: attention.window_attention(q[i], k, v, N_SINK, N_LOCAL)),
+            "Gaussian term + labels (qada_labels)": stage(
+                lambda i, k, v, yw, s, form: qada_labels(q[i], s, form, T, N_LOCAL, TAU)),
+            "full heads (mixed_attention)": stage(lambda i, k, v, yw, *_: attention.mixed_attention(
                 q[i], k, v, local[i], N_SINK, N_LOCAL, yw)),
             "qada, whole": lambda: stack.run(attention.qada, moments),
             "dense": lambda: stack.run(attention.dense),

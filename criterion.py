@@ -27,14 +27,13 @@ def check_tau(tau: float) -> float:
     return tau
 
 
-def window_keys(x: torch.Tensor, n_sink: int, n_local: int) -> torch.Tensor:
-    """The local-window rows of x (..., T, D): the first n_sink and the last n_local - n_sink positions.
+def window_slices(T: int, n_sink: int, n_local: int) -> list[slice]:
+    """The local window of a context of T positions as slices: the first n_sink and the last n_local - n_sink.
 
     When T <= n_local the window is the whole context (there is no bulk)."""
-    T = x.shape[-2]
     if T <= n_local:
-        return x
-    return torch.cat([x[..., :n_sink, :], x[..., T - (n_local - n_sink):, :]], dim=-2)
+        return [slice(0, T)]
+    return [s for s in (slice(0, n_sink), slice(T - (n_local - n_sink), T)) if s.stop > s.start]
 
 
 def window_mask(T: int, n_sink: int, n_local: int, device=None) -> torch.Tensor:
@@ -43,9 +42,16 @@ def window_mask(T: int, n_sink: int, n_local: int, device=None) -> torch.Tensor:
     return (pos < n_sink) | (pos >= T - (n_local - n_sink))
 
 
-def local_share(log_local: torch.Tensor, log_bulk: torch.Tensor) -> torch.Tensor:
-    """log(A_local / (A_local + A_bulk)) from the two log masses, stably."""
-    return log_local - torch.logaddexp(log_local, log_bulk)
+def local_logit(tau: float) -> float:
+    """log(tau / (1 - tau)): the share A_local / (A_local + A_bulk) reaches tau exactly when
+    log A_local - log A_bulk reaches this (one subtraction and one comparison per head; inf at tau = 1)."""
+    return math.inf if tau == 1.0 else math.log(tau / (1.0 - tau))
+
+
+def is_local(log_local: torch.Tensor, log_bulk: torch.Tensor, tau: float) -> torch.Tensor:
+    """The labelling rule shared by oracle and QAdA, from the two log masses: (H,) bool.
+    With no bulk (log_bulk = -inf) every head is local, even at tau = 1."""
+    return (log_local - log_bulk) >= local_logit(tau)
 
 
 def oracle_log_masses(scores: torch.Tensor, n_sink: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +65,20 @@ def oracle_log_masses(scores: torch.Tensor, n_sink: int, n_local: int) -> tuple[
 
 def oracle_labels(scores: torch.Tensor, n_sink: int, n_local: int, tau: float) -> torch.Tensor:
     """Eq. 2 from every score (H, T): (H,) bool."""
-    log_local, log_bulk = oracle_log_masses(scores, n_sink, n_local)
-    return local_share(log_local, log_bulk) >= math.log(tau)
+    return is_local(*oracle_log_masses(scores, n_sink, n_local), tau)
+
+
+def gaussian_form(mean: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 6 as a quadratic form in the query, mu_s + sigma_s^2 / 2 = q A q^T + q b, with A = cov / 2d and
+    b = mean / sqrt(d), in fp32: (A (..., D, D), b (..., D)). Fixed moments compute it once, not per step."""
+    D = mean.shape[-1]
+    return cov.float() / (2 * D), mean.float() / math.sqrt(D)
+
+
+def gaussian_log_mass(qg: torch.Tensor, A: torch.Tensor, b: torch.Tensor, n_bulk: int) -> torch.Tensor:
+    """log(n_bulk * E[exp(s)]) = log n_bulk + q A q^T + q b for queries qg (Hkv, G, D) in fp32: (Hkv, G)."""
+    qa_b = torch.baddbmm(b[:, None, :], qg, A)  # (Hkv, G, D): q A + b
+    return (qa_b * qg).sum(-1) + math.log(n_bulk)
 
 
 def gaussian_log_bulk(q: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, n_bulk: int) -> torch.Tensor:
@@ -68,23 +86,22 @@ def gaussian_log_bulk(q: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, n_
 
     q (H, D); mean (Hkv, D) and cov (Hkv, D, D) per KV head, shared by its G = H / Hkv query heads."""
     H, D = q.shape
-    Hkv = mean.shape[0]
-    qg = q.float().view(Hkv, H // Hkv, D)  # (Hkv, G, D)
-    mu_s = (qg @ mean.float()[:, :, None]).squeeze(-1) / math.sqrt(D)  # (Hkv, G)
-    var_s = ((qg @ cov.float()) * qg).sum(-1) / D  # (Hkv, G): q Sigma q^T / d
-    return (math.log(n_bulk) + mu_s + var_s / 2).reshape(H)
+    qg = q.float().view(mean.shape[0], -1, D)  # (Hkv, G, D)
+    return gaussian_log_mass(qg, *gaussian_form(mean, cov), n_bulk).view(H)
 
 
-def qada_labels(q: torch.Tensor, window_scores: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor,
+def qada_labels(q: torch.Tensor, window_scores: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor],
                 T: int, n_local: int, tau: float) -> torch.Tensor:
-    """Eq. 7 from the query (H, D), its window scores (H, W) and the bulk-key moments: (H,) bool.
+    """Eq. 7 from the query (H, D), its window scores (H, W) and the bulk keys' `gaussian_form`: (H,) bool.
 
     A context no longer than the window has no bulk: every head is exact on its window, so local."""
+    H, D = q.shape
     if T <= n_local:
-        return torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-    log_local = window_scores.float().logsumexp(-1)
-    log_bulk = gaussian_log_bulk(q, mean, cov, T - n_local)
-    return local_share(log_local, log_bulk) >= math.log(tau)
+        return torch.ones(H, dtype=torch.bool, device=q.device)
+    A, b = form
+    log_local = window_scores.float().logsumexp(-1)  # (H,)
+    log_bulk = gaussian_log_mass(q.float().view(A.shape[0], -1, D), A, b, T - n_local).view(H)
+    return is_local(log_local, log_bulk, tau)
 
 
 # ---------------------------------------------------------------------------------------------------------

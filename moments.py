@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from criterion import gaussian_form
+
 MOMENTS_VERSION = 1  # bump when the file layout or the way moments are computed changes
 N_CHECKPOINTS = 32
 LENGTH_MARGIN = 1024  # the paper's T - 1024
@@ -68,15 +70,24 @@ class PromptMoments:
         n = max(int(self.count[layer]), 1)
         return self.mean[layer], self.m2[layer] / n
 
+    def gaussian(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """criterion.gaussian_form of the current moments: (A (Hkv, D, D), b (Hkv, D))."""
+        return gaussian_form(*self.layer(layer, k))
+
 
 class FixedMoments:
     """Moments that do not change during decoding (Option 2 after choosing the length)."""
 
     def __init__(self, mean: torch.Tensor, cov: torch.Tensor, n_keys: int):
         self.mean, self.cov, self.n_keys = mean, cov, n_keys  # (L, Hkv, D), (L, Hkv, D, D)
+        A, b = gaussian_form(mean, cov)  # once for the whole generation: decoding only indexes a list
+        self.forms = list(zip(A.unbind(0), b.unbind(0)))
 
     def layer(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.mean[layer], self.cov[layer]
+
+    def gaussian(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forms[layer]
 
 
 # ---------------------------------------------------------------------------------------------------------

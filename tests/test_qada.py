@@ -7,7 +7,7 @@ import torch
 
 import attention
 from attention import HeadStats, SparseAttention, kv_read_fraction, mixed_attention, reference_attention
-from criterion import (check_tau, gaussian_log_bulk, load_labels, oracle_log_masses, qada_labels, save_labels,
+from criterion import (check_tau, gaussian_form, gaussian_log_bulk, load_labels, oracle_log_masses, qada_labels, save_labels,
                        static_labels)
 from moments import FixedMoments, PromptMoments, load_or_compute_random_words_moments, mean_cov
 
@@ -67,11 +67,29 @@ def test_qada_labels_follow_the_local_share():
     q = torch.zeros(2, D)
     mean, cov = torch.zeros(1, D), torch.zeros(1, D, D)  # bulk scores all 0: A_bulk = T_bulk
     window = torch.stack([torch.full((N_LOCAL,), 10.0), torch.zeros(N_LOCAL)])
-    labels = qada_labels(q, window, mean, cov, T, N_LOCAL, tau=0.6)
+    labels = qada_labels(q, window, gaussian_form(mean, cov), T, N_LOCAL, tau=0.6)
     assert labels.tolist() == [True, False]
     # head 1: share = 128 / 1000 exactly, so the threshold sits right there
-    assert qada_labels(q, window, mean, cov, T, N_LOCAL, tau=0.127)[1]
-    assert not qada_labels(q, window, mean, cov, T, N_LOCAL, tau=0.129)[1]
+    assert qada_labels(q, window, gaussian_form(mean, cov), T, N_LOCAL, tau=0.127)[1]
+    assert not qada_labels(q, window, gaussian_form(mean, cov), T, N_LOCAL, tau=0.129)[1]
+
+
+def test_qada_labels_equal_the_share_rule_on_random_heads():
+    """The fast form (precomputed A, b; log-mass difference against logit(tau)) gives the labels of Eq. 7
+    written plainly: log A_local - log(A_local + T_bulk exp(mu_s + sigma_s^2 / 2)) >= log tau."""
+    Hkv, G, D, T = 4, 3, 16, 900
+    q = rand(Hkv * G, D, seed=3)
+    window = rand(Hkv * G, N_LOCAL, seed=4) * 2
+    a = rand(Hkv, D, D, seed=5) * 0.3
+    mean, cov = rand(Hkv, D, seed=6) * 0.5, a @ a.mT
+    log_local = window.logsumexp(-1)
+    log_gauss = gaussian_log_bulk(q, mean, cov, T - N_LOCAL)
+    share = log_local - torch.logaddexp(log_local, log_gauss)
+    moments = FixedMoments(mean[None], cov[None], T - N_LOCAL)
+    for tau in torch.linspace(0.05, 0.95, 19).tolist():
+        got = qada_labels(q, window, moments.gaussian(0, None), T, N_LOCAL, tau)
+        assert torch.equal(got, share >= math.log(tau)), tau
+    assert 0 < int((share >= math.log(0.5)).sum()) < Hkv * G  # the heads straddle the thresholds
 
 
 # --- attention paths ---------------------------------------------------------------------------------------
