@@ -248,14 +248,15 @@ class SparseAttention:
         """q (1, H, 1, D), k/v (1, Hkv, T, D) -> (1, H, 1, D)."""
         if q.shape[0] != 1:
             raise ValueError("sparse decoding supports batch size 1")
-        q1, k1, v1 = q[0, :, 0], k[0], v[0]
+        _, H, _, D = q.shape
+        q1, k1, v1 = q.view(H, D), k.squeeze(0), v.squeeze(0)
         ctx = LayerContext(layer, self.n_sink, self.n_local, self.tau, self.moments, self.static_local)
         y, labels = PATHS[self.method](q1, k1, v1, ctx)
         oracle_local = log_masses = None
         if self.stats.track_oracle:  # analysis: every score, the true masses beside the Gaussian estimate
             oracle_local, log_masses = self.oracle_view(q1, k1, ctx)
         self.stats.record(layer, k1.shape[1], labels, oracle_local, log_masses)
-        return y[None, :, None]
+        return y.view(1, H, 1, D)
 
     def oracle_view(self, q, k, ctx):
         scores = all_scores(q, k)
