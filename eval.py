@@ -4,8 +4,10 @@
     python eval.py --quick --out runs/quick          # a smoke run of about 10 minutes on 2 CPU cores
 
 Per sample: one dense prefill, then greedy decoding under every requested (method, threshold) from that same
-cache, rolled back to the prompt between runs (`cache.length = n_prompt`), stopping at EOS or the task's
-max new tokens. Methods (paper section 4.1):
+cache, stopping at EOS or the task's max new tokens. The configurations decode side by side as the rows of
+one batch, each row a copy of the prompt's cache with its own decode-time attention (RowAttention): a CPU
+decode step is dominated by reading the weights, which the rows share, so a sample's whole grid costs a few
+times one run. A row decodes exactly as it would alone (tests/test_eval.py). Methods (paper section 4.1):
 
     dense          full attention on every head
     local          every head on its local window (16 sinks + 112 recent tokens): the floor
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ADAPTIVE = ("oracle", "qada_rw", "qada_prompt", "qada_word", "qada_long")
 STATIC = ("random", "static", "static_oracle")
@@ -205,35 +208,71 @@ def answer_finished(task: str, text: str) -> bool:
     return any(len(w) >= 3 or re.search(r"[A-Za-z]", w) for w in SENTENCE_END.findall(text))
 
 
+class RowAttention:
+    """Decode-time attention for a batch whose rows are one prompt under different configurations: row b attends
+    with attns[b] (None = dense, the model's own SDPA call). Rows whose answer has ended are skipped: their
+    outputs are zeros and their tokens are never read."""
+
+    def __init__(self, attns: list):
+        self.attns, self.done = attns, [False] * len(attns)
+
+    def __call__(self, q, k, v, layer: int) -> torch.Tensor:
+        y = torch.zeros_like(q)  # (B, H, 1, D)
+        for b, att in enumerate(self.attns):
+            if not self.done[b]:
+                qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
+                y[b:b + 1] = att(qb, kb, vb, layer) if att is not None else F.scaled_dot_product_attention(
+                    qb, kb, vb, enable_gqa=True)
+        return y
+
+
 @torch.inference_mode()
-def decode(model, cache, logits, max_new_tokens: int, attention, eos_ids, finished=None) -> list[int]:
-    """Greedy decoding as generate.decode, plus an optional `finished(new_ids) -> bool` stop rule."""
-    out = []
+def decode_rows(model, cache, logits, max_new_tokens: int, attention: RowAttention, eos_ids, finished=None
+                ) -> list[list[int]]:
+    """Greedy decoding of every row (logits (B, V)) in lockstep, each row as generate.decode would decode it
+    alone, until each has ended: EOS, max_new_tokens, or the optional stop rule `finished(new_ids) -> bool`.
+    The batch shares the model's weight reads, which dominate a CPU decode step, so B rows cost far less than
+    B separate runs."""
+    outs = [[] for _ in range(logits.shape[0])]
     while True:
-        out.append(int(logits.argmax(-1)[0]))
-        if out[-1] in eos_ids or len(out) == max_new_tokens or (finished is not None and finished(out)):
-            return out
-        logits = model.decode_step(torch.tensor([out[-1]], device=logits.device), cache, attention)
+        tokens = logits.argmax(-1)  # (B,)
+        for b, t in enumerate(tokens.tolist()):
+            if not attention.done[b]:
+                outs[b].append(t)
+                ended = t in eos_ids or len(outs[b]) == max_new_tokens or (finished is not None and finished(outs[b]))
+                attention.done[b] = ended
+        if all(attention.done):
+            return outs
+        logits = model.decode_step(tokens, cache, attention)
 
 
-def run_config(cfg: Config, model, tok, sample, cache, logits, n_prompt: int, resources: dict, track: bool,
-               seed: int, n_sink: int, n_local: int, stop: str = "sentence") -> dict:
+def run_configs(cfgs: list[Config], model, tok, sample, cache, logits, n_prompt: int, resources: dict, track: set[str],
+                seed: int, n_sink: int, n_local: int, stop: str = "sentence") -> list[dict]:
+    """Decode `sample` under each configuration, side by side as the rows of one batch, from the prefilled
+    batch-1 `cache` (left unchanged) and its last logits (1, V); one record per configuration. decode_s is the
+    run's share of the batch's wall time (batch time / rows)."""
     from tasks import score
-    cache.length = n_prompt  # roll back to the prompt: later writes overwrite the previous answer
-    att = build_attention(cfg, model, sample, cache, n_prompt, resources, track, seed, n_sink, n_local)
+    cache.length = n_prompt
+    rows = cache.repeat_rows(len(cfgs))  # (L, B, Hkv, T, D): every row starts from the same prompt
+    atts = [build_attention(c, model, sample, rows, n_prompt, resources, c.method in track, seed, n_sink, n_local)
+            for c in cfgs]
     finished = (lambda ids: answer_finished(sample.task, tok.decode(ids))) if stop == "sentence" else None
     t0 = time.perf_counter()
-    new = decode(model, cache, logits, sample.max_new_tokens, att, tok.eos_ids, finished)
-    decode_s = time.perf_counter() - t0
-    text = tok.decode(new)
-    rec = {"task": sample.task, "index": sample.index, "config": cfg.key, "method": cfg.method,
-           "threshold": cfg.threshold, "n_prompt": n_prompt, "n_new": len(new), "decode_s": round(decode_s, 2),
-           "score": score(sample, text) if sample.outputs else None, "pred": text}
-    if att is None:
-        rec.update(steps=len(new) - 1, sparsity=0.0, kv_read=1.0)
-    else:
-        rec.update(head_stats(att.stats, model.cfg.num_key_value_heads, n_local))
-    return rec
+    new = decode_rows(model, rows, logits.expand(len(cfgs), -1), sample.max_new_tokens, RowAttention(atts),
+                      tok.eos_ids, finished)
+    decode_s = (time.perf_counter() - t0) / len(cfgs)
+    records = []
+    for cfg, att, ids in zip(cfgs, atts, new):
+        text = tok.decode(ids)
+        rec = {"task": sample.task, "index": sample.index, "config": cfg.key, "method": cfg.method,
+               "threshold": cfg.threshold, "n_prompt": n_prompt, "n_new": len(ids), "decode_s": round(decode_s, 2),
+               "batch": len(cfgs), "score": score(sample, text) if sample.outputs else None, "pred": text}
+        if att is None:
+            rec.update(steps=len(ids) - 1, sparsity=0.0, kv_read=1.0)
+        else:
+            rec.update(head_stats(att.stats, model.cfg.num_key_value_heads, n_local))
+        records.append(rec)
+    return records
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -292,9 +331,9 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
 
 
 def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, track: set[str], n_sink: int,
-          n_local: int, stop: str = "sentence", progress: bool = True, path: Path | None = None) -> int:
-    """Decode every missing (sample, config); append one line each to `path` (default out/samples.jsonl).
-    Returns the number of lines written."""
+          n_local: int, stop: str = "sentence", progress: bool = True, path: Path | None = None, batch: int = 32) -> int:
+    """Decode every missing (sample, config), up to `batch` configs of a sample at once; append one line each to
+    `path` (default out/samples.jsonl). Returns the number of lines written."""
     path = path or out / "samples.jsonl"
     records = read_records(out)
     done = {(r["task"], r["index"], r["config"]) for r in records}
@@ -321,19 +360,21 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
         t0 = time.perf_counter()
         logits = model.prefill(torch.tensor([ids], device=model.device), cache)
         prefill_s = time.perf_counter() - t0
-        for cfg in cfgs:
+        for group in [cfgs[i:i + batch] for i in range(0, len(cfgs), batch)]:
             if bar is not None:
-                bar.set_postfix_str(f"{task}#{index} {cfg.key}")
-            rec = run_config(cfg, model, tok, sample, cache, logits, n_prompt, resources, cfg.method in track,
-                             seed, n_sink, n_local, stop)
-            rec["prefill_s"] = round(prefill_s, 2)
-            if cfg == Config("oracle", CALIB_TAU) and rec.get("local_freq"):
-                resources["oracle_freq"][task, index] = (torch.tensor(rec["local_freq"]), rec["steps"])
-            with open(path, "a") as f:  # one line per run, flushed: an interruption loses at most this run
-                f.write(json.dumps(rec) + "\n")
-            written += 1
+                bar.set_postfix_str(f"{task}#{index} {','.join(c.key for c in group)}"[:60])
+            records = run_configs(group, model, tok, sample, cache, logits, n_prompt, resources, track, seed, n_sink,
+                                  n_local, stop)
+            with open(path, "a") as f:  # one line per run, flushed per batch: an interruption loses one batch
+                for rec in records:
+                    rec["prefill_s"] = round(prefill_s, 2)
+                    f.write(json.dumps(rec) + "\n")
+            for cfg, rec in zip(group, records):
+                if cfg == Config("oracle", CALIB_TAU) and rec.get("local_freq"):
+                    resources["oracle_freq"][task, index] = (torch.tensor(rec["local_freq"]), rec["steps"])
+            written += len(records)
             if bar is not None:
-                bar.update()
+                bar.update(len(records))
     if bar is not None:
         bar.close()
     return written
@@ -348,7 +389,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, oracle_ta
         prompt_taus: str, ablation_taus: str, sparsities: str, ablations: str, ablation_samples: int,
         ctxfree_samples: int, track: str, static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
         calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, threads: int | None,
-        quick: bool, shard: str = "0/1", report: bool = True, progress: bool = True) -> Path:
+        quick: bool, shard: str = "0/1", batch: int = 32, report: bool = True, progress: bool = True) -> Path:
     from model import load_model
     from tasks import TASKS
     from tokenizer import Tokenizer
@@ -357,6 +398,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, oracle_ta
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     task_list = [t for t in tasks.split(",") if t]
+    if batch < 1:
+        raise ValueError(f"--batch must be at least 1, got {batch}")
     for t in task_list:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
@@ -391,7 +434,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, oracle_ta
         mine = set(task_list[k::n_shards]) | ({CTXFREE} if k == 0 else set())
         jobs = [j for j in jobs if j[0] in mine]
         path = out / f"samples.{k}.jsonl"
-    n = sweep(net, tok, out, jobs, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress, path)
+    n = sweep(net, tok, out, jobs, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress, path,
+              batch)
     wall = time.perf_counter() - t_start
     info = json.loads(meta.read_text()) if meta.is_file() else {"settings": settings, "sessions": []}
     info["settings"] = settings
@@ -441,6 +485,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--shard", default="0/1", help="K/N: this process runs every N-th task (from the K-th) and writes "
                    "OUT/samples.K.jsonl; start N processes (e.g. with --threads 1 each) to use N cores")
+    p.add_argument("--batch", type=int, default=32, help="configurations of a sample decoded side by side as one "
+                   "batch (memory: one copy of the prompt's KV cache per row)")
     p.add_argument("--quick", action="store_true", help=f"smoke run (~10 min): {QUICK}")
     p.add_argument("--no-report", dest="report", action="store_false", help="skip tables and plots at the end")
     args = p.parse_args(argv)

@@ -10,6 +10,7 @@ Dims vocabulary: B batch, T tokens, C hidden size, H query heads, Hkv key/value 
 L layers, V vocabulary.
 """
 
+import copy
 import json
 import math
 import re
@@ -141,6 +142,13 @@ class KVCache:
         self.k[layer, :, :, self.length:end] = k
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, Hkv, end, D)
+
+    def repeat_rows(self, batch: int) -> "KVCache":
+        """A new cache of `batch` rows, each a copy of row 0 at the same length: several continuations of one
+        prefill decoded side by side (eval.py decodes every method of a sample this way)."""
+        out = copy.copy(self)
+        out.k, out.v = self.k[:, :1].repeat(1, batch, 1, 1, 1), self.v[:, :1].repeat(1, batch, 1, 1, 1)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -61,25 +61,34 @@ CONFIGS = [ev.Config("dense"), ev.Config("local"), ev.Config("random", 0.5), ev.
            ev.Config("qada_prompt", 0.9), ev.Config("qada_word", 0.6), ev.Config("qada_long", 0.6)]
 
 
-def test_decoding_after_rollback_equals_a_fresh_prefill(tiny, resources):
+def test_a_batch_row_decodes_as_the_configuration_alone(tiny, resources):
+    """Every configuration of a sample decoded side by side (one batch row each) gives the record it gets when
+    decoded alone from a fresh prefill: the same tokens and the same head statistics, though the rows end at
+    different steps (the stop rule)."""
     tok, res = resources
     sample, ids, cache, logits = prefill(tiny, tok)
     args = (tiny, tok, sample)
-    swept = {c: ev.run_config(c, *args, cache, logits, len(ids), res, True, 0, N_SINK, N_LOCAL, "eos") for c in CONFIGS}
-    for c in (ev.Config("qada_prompt", 0.9), ev.Config("oracle", 0.6), ev.Config("dense")):
+    batched = dict(zip(CONFIGS, ev.run_configs(CONFIGS, *args, cache, logits, len(ids), res, {"qada_rw"}, 0,
+                                               N_SINK, N_LOCAL, "sentence")))
+    assert cache.length == len(ids)  # the prefilled cache is left as it was
+    for c in (ev.Config("qada_prompt", 0.9), ev.Config("oracle", 0.6), ev.Config("dense"), ev.Config("qada_rw", 0.6)):
         _, _, fresh_cache, fresh_logits = prefill(tiny, tok)
-        fresh = ev.run_config(c, *args, fresh_cache, fresh_logits, len(ids), res, True, 0, N_SINK, N_LOCAL, "eos")
-        assert fresh["pred"] == swept[c]["pred"] and fresh["n_new"] == swept[c]["n_new"]
-        assert fresh.get("local_freq") == swept[c].get("local_freq")
+        alone, = ev.run_configs([c], *args, fresh_cache, fresh_logits, len(ids), res, {"qada_rw"}, 0, N_SINK, N_LOCAL, "sentence")
+        assert alone["pred"] == batched[c]["pred"] and alone["n_new"] == batched[c]["n_new"]
+        assert alone.get("local_freq") == batched[c].get("local_freq")
+        assert alone.get("agreement") == batched[c].get("agreement")
+        assert batched[c]["batch"] == len(CONFIGS) and alone["batch"] == 1
     # the methods really differ, so the comparison above is not trivial
-    assert swept[ev.Config("local")]["sparsity"] == 1.0 and swept[ev.Config("dense")]["sparsity"] == 0.0
-    assert len({swept[c]["pred"] for c in CONFIGS}) > 1
+    assert batched[ev.Config("local")]["sparsity"] == 1.0 and batched[ev.Config("dense")]["sparsity"] == 0.0
+    assert len({batched[c]["pred"] for c in CONFIGS}) > 1
+    assert len({batched[c]["n_new"] for c in CONFIGS}) > 1  # rows end at different steps
 
 
 def test_records_carry_the_statistics(tiny, resources):
     tok, res = resources
     sample, ids, cache, logits = prefill(tiny, tok)
-    r = ev.run_config(ev.Config("qada_rw", 0.6), tiny, tok, sample, cache, logits, len(ids), res, True, 0, N_SINK, N_LOCAL, "eos")
+    r, = ev.run_configs([ev.Config("qada_rw", 0.6)], tiny, tok, sample, cache, logits, len(ids), res, {"qada_rw"}, 0,
+                        N_SINK, N_LOCAL, "eos")
     L, H = tiny.cfg.num_hidden_layers, tiny.cfg.num_attention_heads
     assert r["steps"] == r["n_new"] - 1 == len(r["step_sparsity"]) == len(r["oracle_step_sparsity"])
     assert len(r["local_freq"]) == L and len(r["local_freq"][0]) == H
