@@ -107,13 +107,10 @@ def reference_attention(q, k, v, local, n_sink, n_local):
     """The same result computed plainly in fp32: every score, window heads masked to the window."""
     H, D = q.shape
     Hkv, T, _ = k.shape
-    kf = k.float().repeat_interleave(H // Hkv, dim=0)  # (H, T, D)
-    vf = v.float().repeat_interleave(H // Hkv, dim=0)
-    scores = torch.einsum("hd,htd->ht", q.float(), kf) / math.sqrt(D)  # (H, T)
     in_window = window_mask(T, n_sink, n_local, q.device)
     keep = in_window[None, :] | ~local[:, None]  # (H, T)
-    weights = scores.masked_fill(~keep, -math.inf).softmax(-1)
-    return torch.einsum("ht,htd->hd", weights, vf)
+    weights = all_scores(q, k).masked_fill(~keep, -math.inf).softmax(-1)  # (H, T)
+    return torch.bmm(weights.view(Hkv, H // Hkv, T), v.float()).view(H, D)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -131,9 +128,11 @@ def local(q, k, v, ctx: LayerContext):
 
 
 def all_scores(q, k):
-    """Every score s = q K^T / sqrt(d) in fp32, (H, T): what the oracle (analysis only) needs."""
-    G = q.shape[0] // k.shape[0]
-    return torch.einsum("hd,htd->ht", q.float(), k.float().repeat_interleave(G, 0)) / math.sqrt(q.shape[1])
+    """Every score s = q K^T / sqrt(d) in fp32, (H, T): what the oracle (analysis only) needs. A group's query
+    heads share one product with their KV head (no per-head copy of the keys)."""
+    Hkv, T, D = k.shape
+    qg = q.float().view(Hkv, -1, D)  # (Hkv, G, D)
+    return torch.bmm(qg, k.float().transpose(1, 2)).view(-1, T) / math.sqrt(D)
 
 
 def oracle(q, k, v, ctx: LayerContext):
