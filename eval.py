@@ -252,7 +252,6 @@ def run_configs(cfgs: list[Config], model, tok, sample, cache, logits, n_prompt:
     batch-1 `cache` (left unchanged) and its last logits (1, V); one record per configuration. decode_s is the
     run's share of the batch's wall time (batch time / rows)."""
     from tasks import score
-    cache.length = n_prompt
     rows = cache.repeat_rows(len(cfgs))  # (L, B, Hkv, T, D): every row starts from the same prompt
     atts = [build_attention(c, model, sample, rows, n_prompt, resources, c.method in track, seed, n_sink, n_local)
             for c in cfgs]
