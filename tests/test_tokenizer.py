@@ -1,5 +1,6 @@
-"""Our Tokenizer on the embedded SmolLM2 folder, held against transformers (its GGUF tokenizer and
-AutoTokenizer on our folder), plus the chat-template environment and the error paths."""
+"""Our Tokenizer on the default SmolLM2 folder and on the Qwen2.5-Coder-0.5B folder, held against transformers
+(its GGUF tokenizer and AutoTokenizer on our folder) and, for Qwen's split, against the regex itself; plus the
+chat-template environment and the error paths."""
 
 import json
 import shutil
@@ -176,3 +177,77 @@ def test_our_folder_loads_in_transformers_with_the_same_ids(tok, embedded_dir):
         assert hf.decode(tok.encode(text), skip_special_tokens=False) == text
     assert hf.apply_chat_template(CHATS[1], tokenize=False, add_generation_prompt=True) == tok.apply_chat_template(CHATS[1])
     assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token, hf.unk_token) == (1, 2, "<|im_end|>", "<|endoftext|>")
+
+
+# ---- Qwen2.5-Coder (pre-tokenizer "qwen2": NFC, then Qwen's split regex, then the byte mapping) ----
+
+QWEN_TEXTS = TEXTS + [
+    "<|endoftext|><|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|><tool_call>{\"a\": 1}</tool_call>",
+    "I'm sure they'll say it's 'fine' -- DON'T you THINK'S? We've I'd",
+    "a\n 1\n  22\n\t333 x  44, 1234567890, ١٢٣ and ⅷ, 0.5e-3",
+    "   \n \n  \n\t\n\r\n\r\n    x\u3000y\u00a0z  ",
+    "ﬁ ligature, full-width ＡＢＣ１２３, Hangul 한국어, Thai ภาษาไทย, Devanagari हिन्दी",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(qwen05_dir) -> Tokenizer:
+    return Tokenizer.from_dir(qwen05_dir)
+
+
+@pytest.mark.slow
+def test_qwen_special_tokens_and_stop_ids(qwen_tok):
+    assert [qwen_tok.encode(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [[151643], [151644], [151645]]
+    assert qwen_tok.eos_ids == {151643, 151645}  # <|im_end|> (the GGUF's eos) and <|endoftext|>
+    assert qwen_tok.vocab_size == 151936 and qwen_tok.encode("Hi", add_special_tokens=True) == qwen_tok.encode("Hi")
+    # <tool_call> is an added token that is not special (GGUF type 4): kept whole, and kept when decoding.
+    ids = qwen_tok.encode("<tool_call>x</tool_call>")
+    assert len(ids) == 3 and qwen_tok.decode(ids) == "<tool_call>x</tool_call>"
+    assert pieces(qwen_tok, qwen_tok.encode(" 4829173")) == ["Ġ", "4", "8", "2", "9", "1", "7", "3"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", QWEN_TEXTS)
+def test_qwen_ids_equal_transformers_gguf_tokenizer_and_round_trip(qwen_tok, hf_qwen05_tokenizer, text):
+    theirs = hf_qwen05_tokenizer(text, add_special_tokens=True)["input_ids"]
+    assert qwen_tok.encode(text, add_special_tokens=True) == theirs
+    assert qwen_tok.decode(theirs, skip_special_tokens=False) == text
+
+
+@pytest.mark.slow
+def test_qwen_split_equals_the_regex(qwen_tok):
+    """The pre-tokens are exactly the matches of Qwen's regex (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2), checked
+    with the `regex` module, an implementation independent of `tokenizers`' Oniguruma."""
+    import regex
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from convert_gguf import QWEN2_SPLIT
+
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    for text in QWEN_TEXTS:
+        pre = qwen_tok.tokenizer.pre_tokenizer.pre_tokenize_str(text)
+        assert [bytes(to_byte[c] for c in piece).decode() for piece, _ in pre] == regex.findall(QWEN2_SPLIT, text), text
+
+
+@pytest.mark.slow
+def test_qwen_nfc_differs_from_transformers_gguf_tokenizer(qwen_tok, hf_qwen05_tokenizer):
+    """Qwen's own tokenizer.json normalizes to NFC before splitting; transformers' GGUF tokenizer (and llama.cpp)
+    do not, so a decomposed accent ("i" + U+0308) tokenizes differently there. We follow Qwen: the text is
+    encoded as its NFC form (which then no longer round-trips byte for byte)."""
+    import unicodedata
+
+    text = "nai\u0308ve A\u030angstro\u0308m"
+    assert qwen_tok.encode(text) == qwen_tok.encode(unicodedata.normalize("NFC", text))
+    assert qwen_tok.decode(qwen_tok.encode(text)) == unicodedata.normalize("NFC", text)
+    # Should transformers ever add the NFC step, this fails: then the two agree on every text.
+    assert qwen_tok.encode(text) != hf_qwen05_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chat", CHATS)
+def test_qwen_chat_template_equals_transformers(qwen_tok, hf_qwen05_tokenizer, chat):
+    text = qwen_tok.apply_chat_template(chat)
+    assert text == hf_qwen05_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    if chat[0]["role"] != "system":  # Qwen's template adds its default system turn
+        assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+    assert qwen_tok.encode_chat(chat) == hf_qwen05_tokenizer(text, add_special_tokens=False)["input_ids"]

