@@ -1,15 +1,27 @@
 """Decode-time attention paths: dense, local, oracle, static and QAdA (paper sections 2-3, Listing 1).
 
-Every path has one signature, `path(q, k, v, ctx) -> (y, local)`, for one layer and one decoded token of
+A path is one function `path(q, k, v, **inputs) -> (y, labels)` for one layer and one decoded token of
 batch size 1: q (H, D) is the rotated query, k and v (Hkv, T, D) are the layer's filled KV cache, y (H, D)
-is the attention output and local (H,) bool the label (True = the head attended to its local window only).
-`SparseAttention` picks the path in one place and is what the model calls for each decode step.
+is the attention output and labels (H,) bool say which heads attended to their local window only
+(True = local). The keyword-only parameters name what else the path reads, from this list:
+
+    layer          the layer index
+    n_sink         sink tokens at the start of the window
+    n_local        window size T_local, sinks included
+    tau            the local-share threshold of Eq. 2 / Eq. 7
+    moments        moments.KeyMoments: the bulk keys' Gaussian (qada)
+    static_local   (L, H) bool labels fixed for every query (static)
+
+`PATHS` lists the paths, and is the only list: the CLI, eval.py and report.py take their names from it,
+and a new path is one function plus one entry here. `SparseAttention` is what the model calls for each
+decode step; `build_attention` makes one for a prefilled prompt.
 
 The savings are real: `mixed_attention` computes the window attention for every head (it is tiny), and full
 attention only for the long-context heads, reading a KV head's full cache only when at least one query head
 of its group needs it. `reference_attention` is the explicit fp32 computation the tests hold it against.
 """
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -18,17 +30,7 @@ import torch.nn.functional as F
 
 from criterion import (check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels, window_mask,
                        window_slices)
-
-
-@dataclass
-class LayerContext:
-    """What a path may need besides q, k, v."""
-    layer: int
-    n_sink: int
-    n_local: int
-    tau: float
-    moments: object | None = None  # .layer(layer, k) -> (mean, cov); .gaussian(layer, k) -> (A, b): moments.py
-    static_local: torch.Tensor | None = None  # (L, H) bool, for static
+from moments import KeyMoments, ReferenceKeys, make_moments
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
@@ -77,10 +79,10 @@ def _runs(flags: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
-def mixed_attention(q, k, v, local, n_sink, n_local, y_window=None):
+def mixed_attention(q, k, v, labels, n_sink, n_local, y_window=None):
     """Window attention for heads labelled local, full attention for the others; only the needed KV heads are read.
 
-    q (H, D), k/v (Hkv, T, D), local (H,) bool; y_window (H, D), the window output if already computed.
+    q (H, D), k/v (Hkv, T, D), labels (H,) bool; y_window (H, D), the window output if already computed.
     A KV head is read in full when any query head of its group is long-context; consecutive such KV heads
     share one SDPA call on a slice of the cache (a view, never a copy)."""
     H, D = q.shape
@@ -90,41 +92,31 @@ def mixed_attention(q, k, v, local, n_sink, n_local, y_window=None):
         y_window, _ = window_attention(q, k, v, n_sink, n_local)
     if T <= n_local:
         return y_window
-    is_local = local.tolist()  # the one host sync per layer: the labels decide what is read
-    runs = _runs([not all(is_local[g * G:(g + 1) * G]) for g in range(Hkv)])
+    flags = labels.tolist()  # the one host sync per layer: the labels decide what is read
+    runs = _runs([not all(flags[g * G:(g + 1) * G]) for g in range(Hkv)])
     if not runs:
         return y_window
     y = y_window.clone()
     qg, yg = q.view(Hkv, G, D), y.view(Hkv, G, D)  # (Hkv, G, D)
     for a, b in runs:
         yg[a:b] = full_attention(qg[a:b], k[a:b], v[a:b])
-    if any(any(is_local[a * G:b * G]) for a, b in runs):
-        y = torch.where(local[:, None], y_window, y)  # local heads of a group read in full keep the window
+    if any(any(flags[a * G:b * G]) for a, b in runs):
+        y = torch.where(labels[:, None], y_window, y)  # local heads of a group read in full keep the window
     return y
 
 
-def reference_attention(q, k, v, local, n_sink, n_local):
+def reference_attention(q, k, v, labels, n_sink, n_local):
     """The same result computed plainly in fp32: every score, window heads masked to the window."""
     H, D = q.shape
     Hkv, T, _ = k.shape
     in_window = window_mask(T, n_sink, n_local, q.device)
-    keep = in_window[None, :] | ~local[:, None]  # (H, T)
+    keep = in_window[None, :] | ~labels[:, None]  # (H, T)
     weights = all_scores(q, k).masked_fill(~keep, -math.inf).softmax(-1)  # (H, T)
     return torch.bmm(weights.view(Hkv, H // Hkv, T), v.float()).view(H, D)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The paths
-
-
-def dense(q, k, v, ctx: LayerContext):
-    y = F.scaled_dot_product_attention(q[None, :, None], k[None], v[None], enable_gqa=True)  # (1, H, 1, D)
-    return y[0, :, 0], torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
-
-
-def local(q, k, v, ctx: LayerContext):
-    y, _ = window_attention(q, k, v, ctx.n_sink, ctx.n_local)
-    return y, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
 
 
 def all_scores(q, k):
@@ -135,27 +127,55 @@ def all_scores(q, k):
     return torch.bmm(qg, k.float().transpose(1, 2)).view(-1, T) / math.sqrt(D)
 
 
-def oracle(q, k, v, ctx: LayerContext):
-    """Eq. 2 needs every score, so this path saves nothing: it is for analysis."""
-    scores = all_scores(q, k)
-    labels = oracle_labels(scores, ctx.n_sink, ctx.n_local, ctx.tau)
-    return reference_attention(q, k, v, labels, ctx.n_sink, ctx.n_local).to(q.dtype), labels
+def dense(q, k, v):
+    """Every head reads the whole cache; each KV head once for its G query heads (the best dense we have)."""
+    H, D = q.shape
+    y = full_attention(q.view(k.shape[0], -1, D), k, v)  # (Hkv, G, D)
+    return y.view(H, D), torch.zeros(H, dtype=torch.bool, device=q.device)
 
 
-def static(q, k, v, ctx: LayerContext):
-    labels = ctx.static_local[ctx.layer].to(q.device)
-    return mixed_attention(q, k, v, labels, ctx.n_sink, ctx.n_local), labels
+def local(q, k, v, *, n_sink, n_local):
+    """Every head on its window: the floor every method is measured against."""
+    y, _ = window_attention(q, k, v, n_sink, n_local)
+    return y, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
 
 
-def qada(q, k, v, ctx: LayerContext):
+def oracle(q, k, v, *, n_sink, n_local, tau):
+    """Eq. 2 needs every score, so this path reads the whole cache and saves nothing: it is for analysis."""
+    labels = oracle_labels(all_scores(q, k), n_sink, n_local, tau)
+    return reference_attention(q, k, v, labels, n_sink, n_local).to(q.dtype), labels
+
+
+def static(q, k, v, *, layer, n_sink, n_local, static_local):
+    """A fixed set of (layer, head) pairs is local for every query (paper appendix A)."""
+    labels = static_local[layer].to(q.device)
+    return mixed_attention(q, k, v, labels, n_sink, n_local), labels
+
+
+def qada(q, k, v, *, layer, n_sink, n_local, tau, moments):
     """Listing 1: window scores, the Gaussian bulk estimate, then full attention for long-context heads only."""
-    y_window, window_scores = window_attention(q, k, v, ctx.n_sink, ctx.n_local)
-    form = ctx.moments.gaussian(ctx.layer, k)  # Eq. 6's (A, b): q A q^T + q b = mu_s + sigma_s^2 / 2
-    labels = qada_labels(q, window_scores, form, k.shape[1], ctx.n_local, ctx.tau)
-    return mixed_attention(q, k, v, labels, ctx.n_sink, ctx.n_local, y_window), labels
+    y_window, window_scores = window_attention(q, k, v, n_sink, n_local)
+    T = k.shape[1]
+    if T <= n_local:  # no bulk: the window is the whole context, every head is exact and local
+        return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    form = moments.quadratic_form(layer, k)  # Eq. 6's (A, b): q A q^T + q b = mu_s + sigma_s^2 / 2
+    labels = qada_labels(q, window_scores, form, T, n_local, tau)
+    return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
 
 
 PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada}
+
+
+def keyword_inputs(path) -> tuple[str, ...]:
+    """The keyword-only parameters of a path function: what it reads (see the top of this file)."""
+    return tuple(p.name for p in inspect.signature(path).parameters.values() if p.kind == p.KEYWORD_ONLY)
+
+
+def path_inputs(method: str) -> tuple[str, ...]:
+    """What the path registered as `method` reads."""
+    if method not in PATHS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(PATHS)}")
+    return keyword_inputs(PATHS[method])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -172,12 +192,12 @@ class HeadStats:
     log_masses: list = field(default_factory=list)  # per step: list over layers of (3, H): local, bulk, gaussian
     lengths: list = field(default_factory=list)  # T per step
 
-    def record(self, layer: int, T: int, local, oracle_local=None, log_masses=None):
+    def record(self, layer: int, T: int, labels, oracle_labels=None, log_masses=None):
         if layer == 0:
             self.labels.append([]), self.oracle.append([]), self.log_masses.append([]), self.lengths.append(T)
-        self.labels[-1].append(local)
-        if oracle_local is not None:
-            self.oracle[-1].append(oracle_local)
+        self.labels[-1].append(labels)
+        if oracle_labels is not None:
+            self.oracle[-1].append(oracle_labels)
             self.log_masses[-1].append(log_masses)
 
     def label_tensor(self) -> torch.Tensor:
@@ -221,25 +241,23 @@ def summarize(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_lo
 
 @dataclass
 class SparseAttention:
-    """The decode-time attention the model calls: `method` chooses the path for every layer."""
+    """The decode-time attention the model calls: path `method` for every layer, with what it reads."""
     method: str = "qada"
     tau: float = 0.6
     n_sink: int = 16
     n_local: int = 128  # window size T_local, sinks included
-    moments: object | None = None
-    static_local: torch.Tensor | None = None
+    moments: KeyMoments | None = None
+    static_local: torch.Tensor | None = None  # (L, H) bool
     stats: HeadStats | None = None
 
     def __post_init__(self):
-        if self.method not in PATHS:
-            raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(PATHS)}")
+        self.inputs = path_inputs(self.method)
         check_tau(self.tau)
         if not 0 <= self.n_sink < self.n_local:
             raise ValueError(f"need 0 <= n_sink < n_local, got n_sink={self.n_sink}, n_local={self.n_local}")
-        if self.method == "qada" and self.moments is None:
-            raise ValueError("qada needs key moments (moments.py)")
-        if self.method == "static" and self.static_local is None:
-            raise ValueError("static needs labels (criterion.static_labels)")
+        for name in ("moments", "static_local"):
+            if name in self.inputs and getattr(self, name) is None:
+                raise ValueError(f"the {self.method} path needs {name} (see build_attention)")
         if self.stats is None:
             self.stats = HeadStats(self.n_local)
 
@@ -249,22 +267,35 @@ class SparseAttention:
             raise ValueError("sparse decoding supports batch size 1")
         _, H, _, D = q.shape
         q1, k1, v1 = q.view(H, D), k.squeeze(0), v.squeeze(0)
-        ctx = LayerContext(layer, self.n_sink, self.n_local, self.tau, self.moments, self.static_local)
-        y, labels = PATHS[self.method](q1, k1, v1, ctx)
+        inputs = {name: layer if name == "layer" else getattr(self, name) for name in self.inputs}
+        y, labels = PATHS[self.method](q1, k1, v1, **inputs)
         oracle_local = log_masses = None
         if self.stats.track_oracle:  # analysis: every score, the true masses beside the Gaussian estimate
-            oracle_local, log_masses = self.oracle_view(q1, k1, ctx)
+            oracle_local, log_masses = self.oracle_view(q1, k1, layer)
         self.stats.record(layer, k1.shape[1], labels, oracle_local, log_masses)
         return y.view(1, H, 1, D)
 
-    def oracle_view(self, q, k, ctx):
+    def oracle_view(self, q, k, layer: int):
+        """The oracle's labels and the log masses (3, H): local, true bulk, the Gaussian estimate of the bulk."""
         scores = all_scores(q, k)
-        log_local, log_bulk = oracle_log_masses(scores, ctx.n_sink, ctx.n_local)
-        labels = oracle_labels(scores, ctx.n_sink, ctx.n_local, ctx.tau)
+        log_local, log_bulk = oracle_log_masses(scores, self.n_sink, self.n_local)
+        labels = oracle_labels(scores, self.n_sink, self.n_local, self.tau)
         T = k.shape[1]
-        if ctx.moments is not None and T > ctx.n_local:
-            mean, cov = ctx.moments.layer(ctx.layer, k)
-            log_gauss = gaussian_log_bulk(q, mean, cov, T - ctx.n_local)
+        if self.moments is not None and T > self.n_local:
+            mean, cov = self.moments.mean_cov(layer, k)
+            log_gauss = gaussian_log_bulk(q, mean, cov, T - self.n_local)
         else:
             log_gauss = torch.full_like(log_local, math.nan)
         return labels, torch.stack([log_local, log_bulk, log_gauss])
+
+
+def build_attention(method: str, cache, *, tau: float = 0.6, moments: str = "random-words",
+                    reference: ReferenceKeys | None = None, static_local: torch.Tensor | None = None,
+                    n_sink: int = 16, n_local: int = 128, track_oracle: bool = False) -> SparseAttention:
+    """The decode-time attention of `method` for the prompt prefilled in `cache` (row 0), built from what its
+    path reads: the key moments of option `moments` (moments.OPTIONS; Option 2 reads `reference`, the
+    reference prompt's keys) and `static_local` labels (L, H); what the path does not read is ignored."""
+    inputs = path_inputs(method)
+    key_moments = make_moments(moments, cache, reference, n_sink, n_local) if "moments" in inputs else None
+    return SparseAttention(method, tau, n_sink, n_local, key_moments,
+                           static_local if "static_local" in inputs else None, HeadStats(n_local, track_oracle))

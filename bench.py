@@ -14,12 +14,12 @@ Llama-3-8B (H 32, Hkv 8, D 128). What real decoding sees is a cold cache: betwee
 model reads a layer of weights, between two steps all of them. So one timed step runs a stack of L layers,
 each with its own cache laid out as model.KVCache lays it out (a (Hkv, T + 1, D) buffer sliced to T), and
 the CPU caches are flushed (a 256 MB read) before every timed stack. Timed per stack, reported per layer:
-  dense      attention.dense, torch SDPA over every layer's whole cache;
+  dense      torch SDPA with enable_gqa over every layer's whole cache (`sdpa_gqa`);
   qada       attention.qada exactly as the model calls it: window attention (read in place from the cache),
              the Gaussian criterion (qada_labels) and full attention for the heads it labels long-context;
   criterion  qada's work before the full heads (window attention and scores, the Gaussian term, labels):
              the price of deciding, reported as a fraction of dense;
-  packed     dense attention as qada's full heads compute it (attention.full_attention on every KV head:
+  packed     attention.dense, the project's dense path, as qada's full heads compute it (full_attention on every KV head:
              SDPA with a group's query heads as query positions, reading each KV head once where SDPA's
              enable_gqa reads it once per query head). A stronger baseline, reported beside the first.
 The label pattern comes from the moments, so that the real criterion produces it: q and the keys are
@@ -36,7 +36,7 @@ Stacks: 20 layers for SmolLM2's shapes (60 KV heads), 5 for Llama-3-8B's (40 KV 
 Part 2, end to end. Greedy decoding of the embedded model (30 layers, context 8192) on a needle-in-a-
 haystack prompt sized to each length with the tokenizer (noise lines, one "special magic number" line at
 half depth, the question, the chat template). Prefill (dense, reported separately) is done once per length.
-Four decode-time attentions are compared: dense (the model's SDPA), packed dense (as above), QAdA (tau 0.6,
+Four decode-time attentions are compared: dense (SDPA, enable_gqa), packed dense (the model's own), QAdA (tau 0.6,
 random-words moments, sink 16, window 128) and the all-local window (the floor: decoding with no
 long-context head at all). Each first writes its greedy answer (32 tokens, untimed) to check the needle;
 then they are timed in interleaved rounds, every run rolling the cache back to the prompt
@@ -65,10 +65,11 @@ from pathlib import Path
 import torch
 
 import attention
-from attention import LayerContext, SparseAttention
+from attention import SparseAttention, keyword_inputs
+from checkpoints import load
 from criterion import qada_labels
 from model import KVCache, LlamaConfig
-from moments import FixedMoments
+from moments import FixedMoments, ReferenceKeys
 
 N_SINK, N_LOCAL, TAU = 16, 128, 0.6
 SHAPES = {  # name: H, Hkv, D, and L, the layers in one timed stack
@@ -157,18 +158,21 @@ class Stack:
         sign = full.to(self.q.device).float() * 2 - 1  # +1: the bulk outweighs the window by e^50 or so
         return FixedMoments(100.0 * sign[..., None] * self.direction, self.cov, self.T - N_LOCAL)
 
-    def context(self, layer: int, moments=None) -> LayerContext:
-        return LayerContext(layer, N_SINK, N_LOCAL, TAU, moments)
-
     def run(self, path, moments=None):
-        return [path(self.q[i], *self.kv[i], self.context(i, moments))[0] for i in range(self.L)]
+        """Every layer through `path` (a function of attention.PATHS' form), given what it reads."""
+        names = keyword_inputs(path)
+        given = dict(n_sink=N_SINK, n_local=N_LOCAL, tau=TAU, moments=moments)
+        kw = {n: given[n] for n in names if n != "layer"}
+        if "layer" in names:
+            return [path(self.q[i], *self.kv[i], layer=i, **kw)[0] for i in range(self.L)]
+        return [path(self.q[i], *self.kv[i], **kw)[0] for i in range(self.L)]
 
     def criterion(self, moments):
         """What qada does before its full heads: window attention and scores, the Gaussian term, labels."""
         out = []
         for i, (k, v) in enumerate(self.kv):
             y_window, scores = attention.window_attention(self.q[i], k, v, N_SINK, N_LOCAL)
-            out.append(qada_labels(self.q[i], scores, moments.gaussian(i, k), self.T, N_LOCAL, TAU))
+            out.append(qada_labels(self.q[i], scores, moments.quadratic_form(i, k), self.T, N_LOCAL, TAU))
         return out
 
     def check(self, full: torch.Tensor, moments) -> None:
@@ -182,10 +186,10 @@ class Stack:
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def dense_packed(q, k, v, ctx):
-    """Dense attention with each KV head read once: SDPA over (Hkv, G query heads as positions, D)."""
-    Hkv, G = k.shape[0], q.shape[0] // k.shape[0]
-    return attention.full_attention(q.view(Hkv, G, -1), k, v).view(q.shape), None
+def sdpa_gqa(q, k, v):
+    """Dense attention as SDPA's enable_gqa computes it: each KV head read once per query head (on the CPU)."""
+    y = torch.nn.functional.scaled_dot_product_attention(q[None, :, None], k[None], v[None], enable_gqa=True)
+    return y[0, :, 0], None
 
 
 def bench_attention(lengths, repeats: int, device: torch.device, timer: Timer) -> list[dict]:
@@ -193,7 +197,7 @@ def bench_attention(lengths, repeats: int, device: torch.device, timer: Timer) -
     for shape, dims in SHAPES.items():
         for T in lengths:
             stack = Stack(**dims, T=T, device=device)
-            fns = {"dense": lambda: stack.run(attention.dense), "packed": lambda: stack.run(dense_packed)}
+            fns = {"dense": lambda: stack.run(sdpa_gqa), "packed": lambda: stack.run(attention.dense)}
             patterns = {f: full_pattern(stack.L, stack.Hkv, f) for f in FRACTIONS}
             moments = {f: stack.moments(p) for f, p in patterns.items()}
             for f in FRACTIONS:
@@ -227,7 +231,7 @@ def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: fl
         pre = []  # inputs of each stage, computed once
         for i, (k, v) in enumerate(stack.kv):
             y_window, scores = attention.window_attention(stack.q[i], k, v, N_SINK, N_LOCAL)
-            pre.append((y_window, scores, moments.gaussian(i, k)))
+            pre.append((y_window, scores, moments.quadratic_form(i, k)))
 
         def stage(fn):
             return lambda: [fn(i, *stack.kv[i], *pre[i]) for i in range(stack.L)]
@@ -241,7 +245,7 @@ def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: fl
             "full heads (mixed_attention)": stage(lambda i, k, v, yw, *_: attention.mixed_attention(
                 q[i], k, v, local[i], N_SINK, N_LOCAL, yw)),
             "qada, whole": lambda: stack.run(attention.qada, moments),
-            "dense": lambda: stack.run(attention.dense),
+            "dense": lambda: stack.run(sdpa_gqa),
         }
         t = timer.interleaved(stages, repeats)
         ideal_full = t["dense"] * f  # the full heads' share of the dense read
@@ -286,11 +290,9 @@ def needle_prompt(tok, n_tokens: int, seed: int = 0) -> tuple[list[int], str]:
     return out, value
 
 
-def packed_decode_attention(q, k, v, layer: int):
-    """Dense decode attention reading each KV head once (as `dense_packed`), in the model's decode_attention
-    form: q (1, H, 1, D), k/v (1, Hkv, T, D) -> (1, H, 1, D)."""
-    y, _ = dense_packed(q[0, :, 0], k[0], v[0], None)
-    return y[None, :, None]
+def sdpa_gqa_decode(q, k, v, layer: int):
+    """`sdpa_gqa` in the model's decode_attention form: q (1, H, 1, D), k/v (1, Hkv, T, D) -> (1, H, 1, D)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
 def decode_timed(model, cache, n_prompt: int, logits, n_new: int, attn) -> tuple[float, list[int]]:
@@ -309,23 +311,18 @@ def decode_timed(model, cache, n_prompt: int, logits, n_new: int, attn) -> tuple
 
 def bench_end_to_end(lengths, repeats: int, n_new: int, device: torch.device, rope_theta: float,
                      profile_at: int | None = None) -> tuple[list[dict], str]:
-    from model import load_model
-    from moments import load_or_compute_random_words_moments
-    from tokenizer import Tokenizer
     rows, models, profile = [], {}, ""
 
     def model_for(theta):
         if theta not in models:
-            models[theta] = load_model(None, device, rope_theta=theta)
+            models[theta] = load(None, device, rope_theta=theta)
         return models[theta]
 
     for T in lengths:
-        model = model_for(None)
+        model, tok = model_for(None)
         if T > model.cfg.max_position_embeddings:
-            model = model_for(rope_theta)
-        tok = Tokenizer.from_dir(model.model_dir)
-        max_context = max(T, model.cfg.max_position_embeddings)
-        rw = load_or_compute_random_words_moments(model, tok, n_tokens=max_context, n_sink=N_SINK, progress=True)
+            model, tok = model_for(rope_theta)
+        reference = ReferenceKeys(model, tok, n_max=max(T, model.cfg.max_position_embeddings))
         ids, value = needle_prompt(tok, T - NEEDLE_TOKENS)
         n = len(ids)
         cache = model.new_cache(n + NEEDLE_TOKENS + 1)
@@ -334,8 +331,8 @@ def bench_end_to_end(lengths, repeats: int, n_new: int, device: torch.device, ro
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         prefill_s = time.perf_counter() - t0
-        make = {"dense": lambda: None, "packed": lambda: packed_decode_attention,
-                "qada": lambda: SparseAttention("qada", TAU, N_SINK, N_LOCAL, moments=rw.for_prompt(n)),
+        make = {"dense": lambda: sdpa_gqa_decode, "packed": lambda: None,  # None: the model's own (packed) dense
+                "qada": lambda: SparseAttention("qada", TAU, N_SINK, N_LOCAL, moments=reference.for_prompt(n)),
                 "local": lambda: SparseAttention("local", TAU, N_SINK, N_LOCAL)}
         # The answer, untimed (and a warm-up): does each method still find the needle?
         found = {name: value in tok.decode(decode_timed(model, cache, n, logits, NEEDLE_TOKENS, make[name]())[1])

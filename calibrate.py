@@ -18,6 +18,12 @@ from pathlib import Path
 
 import torch
 
+from attention import build_attention
+from checkpoints import load
+from criterion import save_labels
+from generate import decode
+from tasks import make_sample
+
 TAU = 0.6
 
 
@@ -25,16 +31,13 @@ TAU = 0.6
 def oracle_frequency(model, tok, task: str, length: int, samples: int, seed: int, max_new_tokens: int,
                      n_sink: int = 16, n_local: int = 128, tau: float = TAU) -> tuple[torch.Tensor, int]:
     """(L, H) fraction of decode steps each head is local under the oracle, over `samples` prompts; and the steps."""
-    from attention import HeadStats, SparseAttention
-    from generate import decode
-    from tasks import make_sample
     counts, steps = 0, 0
     for i in range(samples):
         sample = make_sample(task, i, length, tok, seed)
         ids = tok.encode(sample.prompt)
         cache = model.new_cache(len(ids) + max_new_tokens)
         logits = model.prefill(torch.tensor([ids], device=model.device), cache)
-        att = SparseAttention("oracle", tau, n_sink, n_local, stats=HeadStats(n_local))
+        att = build_attention("oracle", cache, tau=tau, n_sink=n_sink, n_local=n_local)
         decode(model, cache, logits, min(max_new_tokens, sample.max_new_tokens), att, tok.eos_ids)
         if att.stats.labels:
             labels = att.stats.label_tensor()  # (S, L, H)
@@ -56,7 +59,6 @@ def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int
     `folder` or calibrated and saved."""
     ruler_tasks = list(ruler_tasks or tasks)
     tasks = list(dict.fromkeys(tasks + ruler_tasks))
-    from criterion import save_labels
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = {}
@@ -90,15 +92,14 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=4, help="calibration prompts per task")
     p.add_argument("--seed", type=int, default=1, help="task seed (keep it different from the evaluation's 42)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="oracle decode steps per prompt at most")
-    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="a named offline model (checkpoints.py), a model folder or a hub id "
+                   "(default: smollm2-135m)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and KV cache dtype")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     a = p.parse_args(argv)
-    from model import load_model
-    from tokenizer import Tokenizer
     if a.threads:
         torch.set_num_threads(a.threads)
-    net = load_model(a.model)
-    tok = Tokenizer.from_dir(net.model_dir)
+    net, tok = load(a.model, dtype=getattr(torch, a.dtype))
     freqs = ensure(net, tok, a.tasks.split(","), Path(a.out), a.length, a.samples, a.seed, a.max_new_tokens)
     for name, f in freqs.items():
         print(f"{name:16s} mean local frequency {float(f.mean()):.3f}")

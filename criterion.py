@@ -48,7 +48,7 @@ def local_logit(tau: float) -> float:
     return math.inf if tau == 1.0 else math.log(tau / (1.0 - tau))
 
 
-def is_local(log_local: torch.Tensor, log_bulk: torch.Tensor, tau: float) -> torch.Tensor:
+def share_rule(log_local: torch.Tensor, log_bulk: torch.Tensor, tau: float) -> torch.Tensor:
     """The labelling rule shared by oracle and QAdA, from the two log masses: (H,) bool.
     With no bulk (log_bulk = -inf) every head is local, even at tau = 1."""
     return (log_local - log_bulk) >= local_logit(tau)
@@ -65,7 +65,7 @@ def oracle_log_masses(scores: torch.Tensor, n_sink: int, n_local: int) -> tuple[
 
 def oracle_labels(scores: torch.Tensor, n_sink: int, n_local: int, tau: float) -> torch.Tensor:
     """Eq. 2 from every score (H, T): (H,) bool."""
-    return is_local(*oracle_log_masses(scores, n_sink, n_local), tau)
+    return share_rule(*oracle_log_masses(scores, n_sink, n_local), tau)
 
 
 def gaussian_form(mean: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +101,7 @@ def qada_labels(q: torch.Tensor, window_scores: torch.Tensor, form: tuple[torch.
     A, b = form
     log_local = window_scores.float().logsumexp(-1)  # (H,)
     log_bulk = gaussian_log_mass(q.float().view(A.shape[0], -1, D), A, b, T - n_local).view(H)
-    return is_local(log_local, log_bulk, tau)
+    return share_rule(log_local, log_bulk, tau)
 
 
 # ---------------------------------------------------------------------------------------------------------

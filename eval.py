@@ -7,22 +7,26 @@ Per sample: one dense prefill, then greedy decoding under every requested (metho
 cache, stopping at EOS or the task's max new tokens. The configurations decode side by side as the rows of
 one batch, each row a copy of the prompt's cache with its own decode-time attention (RowAttention): a CPU
 decode step is dominated by reading the weights, which the rows share, so a sample's whole grid costs a few
-times one run. A row decodes exactly as it would alone (tests/test_eval.py). Methods (paper section 4.1):
+times one run. A row decodes exactly as it would alone (tests/test_eval.py).
 
-    dense          full attention on every head
-    local          every head on its local window (16 sinks + 112 recent tokens): the floor
-    random         static labels drawn at random at a given sparsity (seeded per sample)
-    static         static labels from oracle frequencies on RULER-style prompts of all tasks, other seed
-    static_oracle  static labels from oracle frequencies on the evaluated task's own prompts: for sample i the
-                   adaptive oracle's (tau 0.6) head frequencies on samples 0 .. i-1 of the same task, which this
-                   sweep has just decoded (sample 0: the task's calibration prompts)
-    oracle         the adaptive oracle, Eq. 2 (tau)
-    qada_rw        QAdA with random-words moments, Eq. 7 (tau), the paper's default
-    qada_prompt    QAdA with the current prompt's moments (tau)
-    qada_word      ablation (Fig. 5e-f): moments of one repeated word
-    qada_long      ablation (Fig. 5g): random-words moments from a prompt longer than the real one
+A configuration is a path of attention.PATHS (dense, local, oracle, static, qada, or any path added there)
+plus where its labels or moments come from; the paper's comparison (section 4.1) names these:
 
-Thresholds: tau for oracle and qada_*, the fraction of heads made local for static, static_oracle, random.
+    dense               full attention on every head
+    local               every head on its local window (16 sinks + 112 recent tokens): the floor
+    random              static labels drawn at random at a given sparsity (seeded per sample)
+    static              static labels from oracle frequencies on RULER-style prompts of all tasks, other seed
+    static_oracle       static labels from oracle frequencies on the evaluated task's own prompts: for sample i
+                        the adaptive oracle's (tau 0.6) head frequencies on samples 0 .. i-1 of the same task,
+                        which this sweep has just decoded (sample 0: the task's calibration prompts)
+    oracle              the adaptive oracle, Eq. 2 (tau)
+    qada_rw             QAdA, Eq. 7 (tau), random-words moments (Option 2, the paper's default)
+    qada_prompt         QAdA with the current prompt's moments fixed after prefill (Option 1, the paper's)
+    qada_prompt_online  QAdA with the current prompt's moments updated at every step (ours)
+    qada_word           ablation (Fig. 5e-f): moments of one repeated word
+    qada_long           ablation (Fig. 5g): random-words moments over the model's whole context
+
+Thresholds: tau for a path that reads tau, the fraction of heads made local for one that reads static labels.
 The ablations run on the first --ablation-samples samples of every task. A context-independent task
 (`ctxfree`: a qa_2 context with the question "Can you describe LLMs in a few sentences?", paper section 5)
 is decoded under oracle and qada_rw to show that sparsity rises when the answer needs no context (Fig. 6c, 7b).
@@ -38,27 +42,63 @@ import argparse
 import json
 import re
 import sys
-import zlib
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from tqdm import tqdm
 
-ADAPTIVE = ("oracle", "qada_rw", "qada_prompt", "qada_word", "qada_long")
-STATIC = ("random", "static", "static_oracle")
-METHODS = ("dense", "local") + STATIC + ADAPTIVE
-CTXFREE = "ctxfree"  # the context-independent pseudo-task
-CTXFREE_QUESTION = "Can you describe LLMs in a few sentences?"
-ONE_WORD = "the"  # the single-word moments prompt
+import calibrate
+from attention import PATHS, HeadStats, SparseAttention, build_attention, path_inputs, summarize
+from checkpoints import load
+from criterion import static_labels
+from moments import ReferenceKeys, reference_words
+from report import read_records, report
+from tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CALIB_TAU = 0.6  # the oracle threshold whose head frequencies give the static labels (paper appendix A)
+
+# The paper's configurations (section 4.1) as a path of attention.PATHS plus the source of what it reads:
+# moments.OPTIONS for a path that reads moments, "random", "calibrated" or "own-task" for one that reads
+# static labels. Any other name of PATHS runs as itself, with the default source.
+VARIANTS = {
+    "random": ("static", "random"),
+    "static": ("static", "calibrated"),
+    "static_oracle": ("static", "own-task"),
+    "qada_rw": ("qada", "random-words"),
+    "qada_prompt": ("qada", "prompt"),
+    "qada_prompt_online": ("qada", "prompt-online"),
+    "qada_word": ("qada", "one-word"),
+    "qada_long": ("qada", "random-words-full"),
+}
+DEFAULT_SOURCE = {"moments": "random-words", "static_local": "calibrated"}
+LABEL_SOURCES = ("random", "calibrated", "own-task")
+
+
+def variant(name: str) -> tuple[str, str | None]:
+    """(path, source) of a configuration name (VARIANTS, or a path of attention.PATHS)."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    if name not in PATHS:
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(list(PATHS) + list(VARIANTS))}")
+    reads = [i for i in path_inputs(name) if i in DEFAULT_SOURCE]
+    return name, DEFAULT_SOURCE[reads[0]] if reads else None
+
+
+def threshold_kind(name: str) -> str | None:
+    """What a configuration's threshold is: "tau" (adaptive paths), "sparsity" (static labels) or None."""
+    path, _ = variant(name)
+    inputs = path_inputs(path)
+    return "sparsity" if "static_local" in inputs else "tau" if "tau" in inputs else None
 
 
 @dataclass(frozen=True)
 class Config:
-    method: str
-    threshold: float | None = None  # tau (adaptive) or sparsity (static); None for dense and local
+    method: str  # a name of VARIANTS or of attention.PATHS
+    threshold: float | None = None  # tau or sparsity (threshold_kind); None when the path has neither
 
     @property
     def key(self) -> str:
@@ -69,38 +109,34 @@ def parse_grid(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def build_configs(methods: list[str], taus: dict[str, list[float]], sparsities: list[float]) -> list[Config]:
+def build_configs(methods: list[str], taus: list[float], sparsities: list[float],
+                  grids: dict[str, list[float]] | None = None) -> list[Config]:
+    """Every (method, threshold): a method's own grid if given, else the tau or sparsity grid of its kind."""
     out = []
     for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
-        if m in ("dense", "local"):
-            out.append(Config(m))
-        elif m in STATIC:
-            out += [Config(m, s) for s in sparsities]
-        else:
-            out += [Config(m, t) for t in taus[m]]
+        kind = threshold_kind(m)
+        grid = (grids or {}).get(m) or {"tau": taus, "sparsity": sparsities}.get(kind)
+        out += [Config(m)] if kind is None else [Config(m, t) for t in grid]
     return out
+
+
+def parse_grids(items: list[str]) -> dict[str, list[float]]:
+    """--grid NAME=v1,v2 (repeatable) -> {NAME: [v1, v2]}."""
+    grids = {}
+    for item in items or []:
+        name, sep, values = item.partition("=")
+        if not sep or not values:
+            raise ValueError(f"--grid takes NAME=v1,v2,...; got {item!r}")
+        variant(name)  # an unknown name is an error here, not a silently ignored grid
+        grids[name] = parse_grid(values)
+    return grids
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Samples
 
 
-def ctxfree_sample(index: int, length: int, tokenizer, seed: int):
-    """A qa_2 context whose question needs no context (paper section 5); unscored."""
-    from tasks import make_sample, render
-    s = make_sample("qa_2", index, length, tokenizer, seed)
-    content = s.input.rsplit("Question:", 1)[0] + f"Question: {CTXFREE_QUESTION}"
-    messages = s.messages[:-1] + [{"role": "user", "content": content}]
-    prompt = render(messages, "", tokenizer)
-    s.task, s.messages, s.input, s.answer_prefix, s.prompt = CTXFREE, messages, content, "", prompt
-    s.outputs, s.max_new_tokens, s.n_prompt_tokens = [], 32, len(tokenizer.encode(prompt))
-    return s
-
-
 def make(task: str, index: int, length: int, tokenizer, seed: int):
-    from tasks import make_sample
     return ctxfree_sample(index, length, tokenizer, seed) if task == CTXFREE else make_sample(task, index, length, tokenizer, seed)
 
 
@@ -120,7 +156,6 @@ def random_labels(L: int, H: int, sparsity: float, seed: int) -> torch.Tensor:
 def head_stats(stats, n_kv_heads: int, n_local: int) -> dict:
     """Per-record statistics: sparsity, KV-read, per-layer and per-(layer, head) local frequency, per-step
     sparsity; with the oracle tracked also its frequencies, the joint frequency and the log-mass errors."""
-    from attention import summarize
     if not stats.labels:  # the answer ended at the first token: no decode step
         return {"steps": 0, "sparsity": None, "kv_read": None}
     labels = stats.label_tensor()  # (S, L, H)
@@ -154,37 +189,29 @@ def own_task_freq(resources: dict, sample) -> torch.Tensor:
     return sum(f * s for f, s in prev) / sum(s for _, s in prev)
 
 
-def build_attention(cfg: Config, model, sample, cache, n_prompt: int, resources: dict, track: bool, seed: int,
-                    n_sink: int, n_local: int):
-    """The SparseAttention of one configuration (None for dense)."""
-    from attention import HeadStats, SparseAttention
-    from criterion import static_labels
-    from moments import FixedMoments, PromptMoments
-    if cfg.method == "dense":
-        return None
+def config_labels(cfg: Config, source: str, model, sample, resources: dict, seed: int) -> torch.Tensor:
+    """(L, H) static labels at the configuration's sparsity, from its label source."""
     L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
-    method, tau, moments, labels = cfg.method, 0.6, None, None
-    if cfg.method in STATIC:
-        method = "static"
-        if cfg.method == "random":
-            labels = random_labels(L, H, cfg.threshold, seed=zlib.crc32(f"{seed}:{sample.task}:{sample.index}:{cfg.threshold}".encode()))
-        else:
-            freq = resources["static_freq"]["ruler"] if cfg.method == "static" else own_task_freq(resources, sample)
-            labels = static_labels(freq, cfg.threshold)
-    elif cfg.method != "local":
-        tau = cfg.threshold
-        if cfg.method.startswith("qada"):
-            method = "qada"
-            if cfg.method == "qada_prompt":
-                moments = PromptMoments(cache, n_sink, n_local)
-            elif cfg.method == "qada_rw":
-                moments = resources["rw"].for_prompt(n_prompt)
-            elif cfg.method == "qada_word":
-                moments = resources["word"].for_prompt(n_prompt)
-            else:  # qada_long: the longest checkpoint of the random-words prompt, longer than this prompt
-                rw = resources["rw"]
-                moments = FixedMoments(rw.mean[-1], rw.cov[-1], rw.ends[-1] - n_sink)
-    return SparseAttention(method, tau, n_sink, n_local, moments, labels, HeadStats(n_local, track))
+    if source == "random":
+        return random_labels(L, H, cfg.threshold, seed=zlib.crc32(f"{seed}:{sample.task}:{sample.index}:{cfg.threshold}".encode()))
+    if source not in LABEL_SOURCES:
+        raise ValueError(f"unknown label source {source!r}; choose from {', '.join(LABEL_SOURCES)}")
+    freq = resources["static_freq"]["ruler"] if source == "calibrated" else own_task_freq(resources, sample)
+    return static_labels(freq, cfg.threshold)
+
+
+def config_attention(cfg: Config, model, sample, cache, resources: dict, track: bool, seed: int, n_sink: int,
+                     n_local: int) -> SparseAttention:
+    """The decode-time attention of one configuration, through attention.build_attention."""
+    path, source = variant(cfg.method)
+    inputs = path_inputs(path)
+    kind = threshold_kind(cfg.method)
+    labels = config_labels(cfg, source, model, sample, resources, seed) if "static_local" in inputs else None
+    words = reference_words(source) if "moments" in inputs else None
+    return build_attention(path, cache, tau=cfg.threshold if kind == "tau" else CALIB_TAU,
+                           moments=source if "moments" in inputs else "random-words",
+                           reference=resources["reference"][words] if words else None, static_local=labels,
+                           n_sink=n_sink, n_local=n_local, track_oracle=track)
 
 
 LIST_MARKER = re.compile(r"^\s*(\d+[.)]|[-*•])\s*")
@@ -196,7 +223,6 @@ def answer_finished(task: str, text: str) -> bool:
     aside: the greedy model is stuck) or, for the one-sentence answers of niah, fwe and qa, once a sentence has ended: a full stop after a
     word with a letter or at least 3 characters ("1234567. ", "France. "; not the list marker "1. "), then
     whitespace. What follows can only add matches by chance. The context-free question is never cut."""
-    from tasks import TASK_CONFIGS
     if task == CTXFREE:
         return False
     # finished, non-empty lines without their list marker ("1.", "-", "*"), so "2. x" repeats "1. x"
@@ -210,8 +236,8 @@ def answer_finished(task: str, text: str) -> bool:
 
 class RowAttention:
     """Decode-time attention for a batch whose rows are one prompt under different configurations: row b attends
-    with attns[b] (None = dense, the model's own SDPA call). Rows whose answer has ended are skipped: their
-    outputs are zeros and their tokens are never read."""
+    with attns[b]. Rows whose answer has ended are skipped: their outputs are zeros and their tokens are never
+    read."""
 
     def __init__(self, attns: list):
         self.attns, self.done = attns, [False] * len(attns)
@@ -221,8 +247,7 @@ class RowAttention:
         for b, att in enumerate(self.attns):
             if not self.done[b]:
                 qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
-                y[b:b + 1] = att(qb, kb, vb, layer) if att is not None else F.scaled_dot_product_attention(
-                    qb, kb, vb, enable_gqa=True)
+                y[b:b + 1] = att(qb, kb, vb, layer)
         return y
 
 
@@ -251,10 +276,8 @@ def run_configs(cfgs: list[Config], model, tok, sample, cache, logits, n_prompt:
     """Decode `sample` under each configuration, side by side as the rows of one batch, from the prefilled
     batch-1 `cache` (left unchanged) and its last logits (1, V); one record per configuration. decode_s is the
     run's share of the batch's wall time (batch time / rows)."""
-    from tasks import score
     rows = cache.repeat_rows(len(cfgs))  # (L, B, Hkv, T, D): every row starts from the same prompt
-    atts = [build_attention(c, model, sample, rows, n_prompt, resources, c.method in track, seed, n_sink, n_local)
-            for c in cfgs]
+    atts = [config_attention(c, model, sample, rows, resources, c.method in track, seed, n_sink, n_local) for c in cfgs]
     finished = (lambda ids: answer_finished(sample.task, tok.decode(ids))) if stop == "sentence" else None
     t0 = time.perf_counter()
     new = decode_rows(model, rows, logits.expand(len(cfgs), -1), sample.max_new_tokens, RowAttention(atts),
@@ -263,36 +286,20 @@ def run_configs(cfgs: list[Config], model, tok, sample, cache, logits, n_prompt:
     records = []
     for cfg, att, ids in zip(cfgs, atts, new):
         text = tok.decode(ids)
-        rec = {"task": sample.task, "index": sample.index, "config": cfg.key, "method": cfg.method,
-               "threshold": cfg.threshold, "n_prompt": n_prompt, "n_new": len(ids), "decode_s": round(decode_s, 2),
+        path, source = variant(cfg.method)
+        rec = {"task": sample.task, "index": sample.index, "config": cfg.key, "method": cfg.method, "path": path,
+               "source": source, "threshold": cfg.threshold, "threshold_kind": threshold_kind(cfg.method),
+               "n_prompt": n_prompt, "n_new": len(ids), "decode_s": round(decode_s, 2),
                "batch": len(cfgs), "score": score(sample, text) if sample.outputs else None, "pred": text}
-        if att is None:
-            rec.update(steps=len(ids) - 1, sparsity=0.0, kv_read=1.0)
-        else:
-            rec.update(head_stats(att.stats, model.cfg.num_key_value_heads, n_local))
+        rec.update(head_stats(att.stats, model.cfg.num_key_value_heads, n_local))
+        if path == "oracle":  # its labels imply a KV-read fraction, but the path reads every entry to find them
+            rec["kv_read_implied"] = True
         records.append(rec)
     return records
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The sweep
-
-
-def result_files(out: Path) -> list[Path]:
-    """samples.jsonl, plus samples.K.jsonl written by shards of a parallel sweep (--shard)."""
-    return sorted(Path(out).glob("samples*.jsonl"))
-
-
-def read_records(out: Path) -> list[dict]:
-    """Every complete line of the run's result files (a line torn by a kill is ignored)."""
-    rows = []
-    for path in result_files(out):
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
 
 
 def done_keys(out: Path) -> set[tuple]:
@@ -314,17 +321,12 @@ def plan(tasks: list[str], samples: int, configs: list[Config], ablations: list[
 
 
 def load_resources(model, tok, tasks: list[str], configs: list[Config], static_labels_dir: Path | None,
-                   max_context: int, n_sink: int, calibrate_kwargs: dict) -> dict:
-    """Random-words moments and static label frequencies, computed (and cached) when a config needs them."""
-    from moments import load_or_compute_random_words_moments
-    methods = {c.method for c in configs}
-    res = {}
-    if methods & {"qada_rw", "qada_long"}:
-        res["rw"] = load_or_compute_random_words_moments(model, tok, n_tokens=max_context, n_sink=n_sink)
-    if "qada_word" in methods:
-        res["word"] = load_or_compute_random_words_moments(model, tok, n_tokens=max_context, n_sink=n_sink, words=ONE_WORD)
-    if methods & {"static", "static_oracle"}:
-        import calibrate
+                   calibrate_kwargs: dict, progress: bool = True) -> dict:
+    """The reference prompts' keys (Option 2) and static label frequencies that the configurations read."""
+    sources = {variant(c.method) for c in configs}
+    words = {reference_words(src) for path, src in sources if "moments" in path_inputs(path)} - {None}
+    res = {"reference": {w: ReferenceKeys(model, tok, w, progress=progress) for w in sorted(words)}, "oracle_freq": {}}
+    if any(src in ("calibrated", "own-task") for path, src in sources if "static_local" in path_inputs(path)):
         res["static_freq"] = calibrate.ensure(model, tok, tasks, static_labels_dir, **calibrate_kwargs)
     return res
 
@@ -337,6 +339,7 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
     records = read_records(out)
     done = {(r["task"], r["index"], r["config"]) for r in records}
     resources.setdefault("oracle_freq", {})
+    resources.setdefault("reference", {})
     for r in records:  # the oracle's head frequencies on finished samples: the static-oracle labels of later ones
         if r["config"] == Config("oracle", CALIB_TAU).key and r.get("local_freq"):
             resources["oracle_freq"][r["task"], r["index"]] = (torch.tensor(r["local_freq"]), r["steps"])
@@ -346,10 +349,7 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
     todo = [(t, i, [c for c in cfgs if (t, i, c.key) not in done]) for t, i, cfgs in jobs]
     todo = [j for j in todo if j[2]]
     n_total = sum(len(c) for _, _, c in todo)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=n_total, unit="run", desc="sweep", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=n_total, unit="run", desc="sweep", dynamic_ncols=True, file=sys.stderr, disable=not progress)
     written = 0
     for task, index, cfgs in todo:
         sample = make(task, index, length, tok, seed)
@@ -360,8 +360,7 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
         logits = model.prefill(torch.tensor([ids], device=model.device), cache)
         prefill_s = time.perf_counter() - t0
         for group in [cfgs[i:i + batch] for i in range(0, len(cfgs), batch)]:
-            if bar is not None:
-                bar.set_postfix_str(f"{task}#{index} {','.join(c.key for c in group)}"[:60])
+            bar.set_postfix_str(f"{task}#{index} {','.join(c.key for c in group)}"[:60])
             records = run_configs(group, model, tok, sample, cache, logits, n_prompt, resources, track, seed, n_sink,
                                   n_local, stop)
             with open(path, "a") as f:  # one line per run, flushed per batch: an interruption loses one batch
@@ -372,60 +371,55 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
                 if cfg == Config("oracle", CALIB_TAU) and rec.get("local_freq"):
                     resources["oracle_freq"][task, index] = (torch.tensor(rec["local_freq"]), rec["steps"])
             written += len(records)
-            if bar is not None:
-                bar.update(len(records))
-    if bar is not None:
-        bar.close()
+            bar.update(len(records))
+    bar.close()
     return written
 
 
-QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, oracle_taus="0.6", qada_taus="0.6,0.9",
-             prompt_taus="0.6", sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1,
-             calib_samples=1)
+QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, taus="0.6,0.9", grid=["oracle=0.6", "qada_prompt=0.6"],
+             sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1, calib_samples=1)
 
 
-def run(out: str, tasks: str, length: int, samples: int, methods: str, oracle_taus: str, qada_taus: str,
-        prompt_taus: str, ablation_taus: str, sparsities: str, ablations: str, ablation_samples: int,
-        ctxfree_samples: int, track: str, static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
-        calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, threads: int | None,
-        quick: bool, shard: str = "0/1", batch: int = 32, report: bool = True, progress: bool = True) -> Path:
-    from model import load_model
-    from tasks import TASKS
-    from tokenizer import Tokenizer
+def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str, sparsities: str, grid: list[str],
+        ablations: str, ablation_taus: str, ablation_samples: int, ctxfree_samples: int, track: str,
+        static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
+        calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, dtype: str,
+        threads: int | None, quick: bool = False, shard: str = "0/1", batch: int = 32, report_at_end: bool = True,
+        progress: bool = True) -> Path:
     if threads:
         torch.set_num_threads(threads)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     task_list = [t for t in tasks.split(",") if t]
     if batch < 1:
         raise ValueError(f"--batch must be at least 1, got {batch}")
     for t in task_list:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
-    taus = {"oracle": parse_grid(oracle_taus), "qada_rw": parse_grid(qada_taus), "qada_prompt": parse_grid(prompt_taus),
-            "qada_word": parse_grid(ablation_taus), "qada_long": parse_grid(ablation_taus)}
-    configs = build_configs([m for m in methods.split(",") if m], taus, parse_grid(sparsities))
-    abl = build_configs([m for m in ablations.split(",") if m], taus, [])
-    ctxfree = [Config("oracle", CALIB_TAU)] + build_configs(["qada_rw"], taus, [])  # Fig. 6c and 7b
+    grids = parse_grids(grid)
+    configs = build_configs([m for m in methods.split(",") if m], parse_grid(taus), parse_grid(sparsities), grids)
+    abl = build_configs([m for m in ablations.split(",") if m], parse_grid(ablation_taus), [])
+    ctxfree = [Config("oracle", CALIB_TAU)] + build_configs(["qada_rw"], parse_grid(taus), [], grids)  # Fig. 6c, 7b
     settings = dict(tasks=task_list, length=length, seed=seed, stop=stop, n_sink=n_sink, n_local=n_local, model=model,
-                    calib_seed=calib_seed)
+                    calib_seed=calib_seed, dtype=dtype)
+    out.mkdir(parents=True, exist_ok=True)
     meta = out / "run.json"
     if meta.is_file():  # resuming: refuse to mix runs with different settings in one file
-        old = json.loads(meta.read_text())["settings"]
+        old = dict({"dtype": "float32"}, **json.loads(meta.read_text())["settings"])  # runs before --dtype were fp32
         clash = {k: (old.get(k), v) for k, v in settings.items() if k != "tasks" and old.get(k) != v}
         if clash:
             raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
         settings["tasks"] = list(dict.fromkeys(old["tasks"] + task_list))
+    info = json.loads(meta.read_text()) if meta.is_file() else {"sessions": []}
+    info["settings"] = settings
+    meta.write_text(json.dumps(info, indent=1))  # now, so that a partial run describes itself
 
     t_start = time.perf_counter()
-    net = load_model(model)
-    tok = Tokenizer.from_dir(net.model_dir)
-    max_context = net.cfg.max_position_embeddings
+    net, tok = load(model, dtype=DTYPES[dtype], progress=progress)
     labels_dir = Path(static_labels) if static_labels else out / "static_labels"
-    resources = load_resources(net, tok, task_list, configs + abl, labels_dir, max_context, n_sink,
+    resources = load_resources(net, tok, task_list, configs + abl + (ctxfree if ctxfree_samples else []), labels_dir,
                                dict(length=length, samples=calib_samples, seed=calib_seed,
                                     max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local,
-                                    ruler_tasks=static_tasks.split(",") if static_tasks else None))
+                                    ruler_tasks=static_tasks.split(",") if static_tasks else None), progress)
     jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)
     k, n_shards = (int(x) for x in shard.split("/"))
     path = out / "samples.jsonl"
@@ -436,15 +430,12 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, oracle_ta
     n = sweep(net, tok, out, jobs, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress, path,
               batch)
     wall = time.perf_counter() - t_start
-    info = json.loads(meta.read_text()) if meta.is_file() else {"settings": settings, "sessions": []}
-    info["settings"] = settings
     info["sessions"].append({"command": " ".join(sys.argv), "lines_written": n, "wall_s": round(wall, 1),
                              "threads": torch.get_num_threads(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
     meta.write_text(json.dumps(info, indent=1))
     print(f"{n} runs written to {path} in {wall / 60:.1f} min")
-    if report:
-        import report as rep
-        rep.report(out)
+    if report_at_end:
+        report(out)
     return out
 
 
@@ -456,11 +447,12 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=4096, help="prompt + answer token budget")
     p.add_argument("--samples", type=int, default=20, help="samples per task")
     p.add_argument("--methods", default="dense,local,random,static,static_oracle,oracle,qada_rw,qada_prompt",
-                   help=f"comma-separated, from {', '.join(METHODS)}")
-    p.add_argument("--oracle-taus", default="0.6,0.9", help="tau grid of the adaptive oracle")
-    p.add_argument("--qada-taus", default="0.4,0.6,0.8,0.9", help="tau grid of QAdA with random-words moments")
-    p.add_argument("--prompt-taus", default="0.6,0.9", help="tau grid of QAdA with current-prompt moments")
-    p.add_argument("--sparsities", default="0.5,0.8", help="sparsity grid of static, static_oracle and random")
+                   help="comma-separated configurations: a path of attention.PATHS or a named variant "
+                        f"({', '.join(f'{k}={v[0]}:{v[1]}' for k, v in VARIANTS.items())})")
+    p.add_argument("--taus", default="0.4,0.6,0.8,0.9", help="tau grid of every configuration with a tau")
+    p.add_argument("--sparsities", default="0.5,0.8", help="sparsity grid of every static-label configuration")
+    p.add_argument("--grid", action="append", default=[], metavar="NAME=v1,v2",
+                   help="a configuration's own grid instead of --taus/--sparsities (repeatable), e.g. oracle=0.6,0.9")
     p.add_argument("--ablations", default="qada_word,qada_long", help="moments ablations, on the first samples only")
     p.add_argument("--ablation-taus", default="0.6,0.9", help="tau grid of the ablations")
     p.add_argument("--ablation-samples", type=int, default=5, help="samples per task that also run the ablations")
@@ -480,14 +472,16 @@ def main(argv=None) -> int:
                         "niah, fwe and qa, once its sentence has ended (sentence; see answer_finished)")
     p.add_argument("--sink", dest="n_sink", type=int, default=16, help="sink tokens")
     p.add_argument("--window", dest="n_local", type=int, default=128, help="local window, sinks included")
-    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="a named offline model (checkpoints.py), a model folder or a hub id "
+                   "(default: smollm2-135m)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--shard", default="0/1", help="K/N: this process runs every N-th task (from the K-th) and writes "
                    "OUT/samples.K.jsonl; start N processes (e.g. with --threads 1 each) to use N cores")
     p.add_argument("--batch", type=int, default=32, help="configurations of a sample decoded side by side as one "
                    "batch (memory: one copy of the prompt's KV cache per row)")
     p.add_argument("--quick", action="store_true", help=f"smoke run (~10 min): {QUICK}")
-    p.add_argument("--no-report", dest="report", action="store_false", help="skip tables and plots at the end")
+    p.add_argument("--no-report", dest="report_at_end", action="store_false", help="skip tables and plots at the end")
     args = p.parse_args(argv)
     if args.quick:  # the quick defaults apply where the flag was not given explicitly
         given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])}

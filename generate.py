@@ -16,6 +16,12 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+
+from attention import PATHS, build_attention, path_inputs
+from checkpoints import DEFAULT, MODELS, load
+from criterion import check_tau, load_labels
+from moments import OPTIONS, ReferenceKeys, reference_words
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,10 +41,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
 def decode(model, cache, logits, max_new_tokens: int, attention=None, eos_ids=(), temperature: float = 0.0,
            top_k: int | None = None, generator=None, progress: bool = False) -> list[int]:
     """Decode up to max_new_tokens after a prefill whose last logits (1, V) are given; stops after an EOS."""
-    steps = range(max_new_tokens)
-    if progress:
-        from tqdm import tqdm
-        steps = tqdm(steps, desc="decode", unit="tok", leave=False)
+    steps = tqdm(range(max_new_tokens), desc="decode", unit="tok", leave=False, disable=not progress)
     out = []
     for _ in steps:
         token = sample(logits, temperature, top_k, generator)
@@ -55,35 +58,26 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process peak
 
 
-def build_attention(model, tokenizer, method: str, tau: float, n_sink: int, n_local: int, moments_kind: str,
-                    static_labels: str | None, static_sparsity: float, n_prompt: int, cache, max_context: int,
-                    progress: bool = True, track_oracle: bool = False):
-    """The SparseAttention for `method`, with its moments or static labels (None for plain dense decoding)."""
-    from attention import HeadStats, SparseAttention
-    from criterion import load_labels
-    from moments import PromptMoments, load_or_compute_random_words_moments
-    moments = static_local = None
-    if method == "qada":
-        if moments_kind == "prompt":
-            moments = PromptMoments(cache, n_sink, n_local)
-        else:
-            rw = load_or_compute_random_words_moments(model, tokenizer, n_tokens=max_context, n_sink=n_sink,
-                                                      progress=progress)
-            moments = rw.for_prompt(n_prompt)
-    if method == "static":
-        static_local, settings = load_labels(static_labels, static_sparsity)
+def make_attention(model, tokenizer, cache, method: str, tau: float, moments: str, n_sink: int, n_local: int,
+                   static_labels: str | None, static_sparsity: float, progress: bool = True):
+    """generate's sources for what the path reads: Option 2's reference keys and a static labels file."""
+    inputs = path_inputs(method)
+    words = reference_words(moments) if "moments" in inputs else None
+    reference = ReferenceKeys(model, tokenizer, words, progress=progress) if words else None
+    static_local = None
+    if "static_local" in inputs:
+        static_local, _ = load_labels(static_labels, static_sparsity)
         L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
         if tuple(static_local.shape) != (L, H):
             raise ValueError(f"{static_labels} labels {tuple(static_local.shape)} heads; this model has ({L}, {H})")
-    stats = HeadStats(n_local, track_oracle)
-    return SparseAttention(method, tau, n_sink, n_local, moments, static_local, stats)
+    return build_attention(method, cache, tau=tau, moments=moments, reference=reference, static_local=static_local,
+                           n_sink=n_sink, n_local=n_local)
 
 
 def check_args(prompt: str, max_new_tokens: int, tau: float, n_sink: int, n_local: int, temperature: float,
                top_k: int | None, static_sparsity: float, rope_theta: float | None, method: str,
                static_labels: str | None, **_) -> str:
     """Validate the numbers and read the prompt file; ValueError/FileNotFoundError carry one clear line."""
-    from criterion import check_tau
     check_tau(tau)
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -97,8 +91,10 @@ def check_args(prompt: str, max_new_tokens: int, tau: float, n_sink: int, n_loca
         raise ValueError(f"--static-sparsity must lie in [0, 1], got {static_sparsity}")
     if rope_theta is not None and not rope_theta > 0:
         raise ValueError(f"--rope-theta must be positive, got {rope_theta}")
-    if method == "static" and static_labels is None:
-        raise ValueError("--method static needs --static-labels FILE (made by calibrate.py)")
+    if method not in PATHS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(PATHS)}")
+    if "static_local" in path_inputs(method) and static_labels is None:
+        raise ValueError(f"--method {method} needs --static-labels FILE (made by calibrate.py)")
     path = Path(prompt)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} not found")
@@ -114,16 +110,13 @@ def run(prompt: str, model: str | None = None, max_new_tokens: int = 64, chat: b
         moments: str = "random-words", n_sink: int = 16, n_local: int = 128, static_labels: str | None = None,
         static_sparsity: float = 0.5, threads: int | None = None, progress: bool = True) -> dict:
     """Everything the CLI does, returning the text and the report as a dict."""
-    from model import load_model
-    from tokenizer import Tokenizer
     text = check_args(**locals())
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
-    net = load_model(model, device, DTYPES[dtype], rope_theta)
-    tok = Tokenizer.from_dir(net.model_dir)
+    net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
     load_s = time.perf_counter() - t0
 
     if chat and tok.has_chat_template:
@@ -139,17 +132,17 @@ def run(prompt: str, model: str | None = None, max_new_tokens: int = 64, chat: b
     logits = net.prefill(torch.tensor([ids], device=device), cache, progress=progress)
     prefill_s = time.perf_counter() - t0
 
-    attention = None if method == "dense" else build_attention(
-        net, tok, method, tau, n_sink, n_local, moments, static_labels, static_sparsity, len(ids), cache,
-        max_context, progress)
+    attention = make_attention(net, tok, cache, method, tau, moments, n_sink, n_local, static_labels,
+                               static_sparsity, progress)
     generator = torch.Generator(device).manual_seed(seed)
     t0 = time.perf_counter()
     new = decode(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator, progress)
     decode_s = time.perf_counter() - t0
 
-    stats = attention.stats.summary(net.cfg.num_key_value_heads) if attention else {"sparsity": 0.0, "kv_read": 1.0}
+    stats = attention.stats.summary(net.cfg.num_key_value_heads)
     return {
-        "text": tok.decode(new), "method": method, "tau": tau if method in ("qada", "oracle") else None,
+        "text": tok.decode(new), "method": method, "tau": tau if "tau" in attention.inputs else None,
+        "moments": moments if attention.moments is not None else None,
         "model": str(net.model_dir), "device": str(device), "dtype": dtype, "load_s": round(load_s, 2),
         "prompt_tokens": len(ids), "prefill_s": round(prefill_s, 2), "new_tokens": len(new),
         "decode_tok_s": round(len(new) / decode_s, 2), "decode_ms_per_token": round(1000 * decode_s / len(new), 1),
@@ -164,16 +157,18 @@ def print_report(r: dict) -> None:
     sparsity = "n/a" if r["sparsity"] is None else f"{r['sparsity']:.3f}"
     kv = "n/a" if r["kv_read"] is None else f"{r['kv_read']:.3f}"
     print(f"method {r['method']}" + (f" (tau {r['tau']})" if r["tau"] is not None else "")
-          + f" | {r['device']} {r['dtype']} | load {r['load_s']:.1f} s")
+          + (f", {r['moments']} moments" if r["moments"] else "") + f" | {r['device']} {r['dtype']} | load {r['load_s']:.1f} s")
     print(f"prompt {r['prompt_tokens']} tokens, prefill {r['prefill_s']:.1f} s | decode {r['new_tokens']} tokens, "
           f"{r['decode_tok_s']:.1f} tok/s ({r['decode_ms_per_token']:.0f} ms/token) | peak memory {r['peak_memory_mb']} MB")
-    print(f"heads labelled local (sparsity) {sparsity} | KV entries read {kv}")
+    implied = " (implied by the labels; the oracle path itself reads every entry)" if r["method"] == "oracle" else ""
+    print(f"heads labelled local (sparsity) {sparsity} | KV entries read {kv}{implied}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", required=True, help="text file holding the prompt (the user turn when chatting)")
-    p.add_argument("--model", default=None, help="Hugging Face model folder or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=f"a named offline model ({', '.join(MODELS)}; default {DEFAULT}), "
+                   "a Hugging Face model folder or a hub id")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="send the raw text, without the chat template")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -183,11 +178,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--method", default="qada", choices=["dense", "local", "oracle", "static", "qada"],
-                   help="decode-time attention")
+    p.add_argument("--method", default="qada", choices=list(PATHS), help="decode-time attention path")
     p.add_argument("--tau", type=float, default=0.6, help="local-mass threshold in (0, 1] for qada and oracle")
-    p.add_argument("--moments", default="random-words", choices=["random-words", "prompt"],
-                   help="qada key moments: a cached random-words prompt (paper default) or the current prompt")
+    p.add_argument("--moments", default="random-words", choices=OPTIONS,
+                   help="qada key moments: random-words (Option 2, the paper's default), prompt (Option 1: the "
+                        "prompt's own, fixed after prefill), prompt-online (Option 1 updated every step; ours), "
+                        "one-word, random-words-full (ablations); see moments.py")
     p.add_argument("--sink", dest="n_sink", type=int, default=16, help="sink tokens at the start of the window")
     p.add_argument("--window", dest="n_local", type=int, default=128, help="local window size T_local, sinks included")
     p.add_argument("--static-labels", default=None, help="oracle statistics file for --method static (calibrate.py)")

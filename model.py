@@ -13,7 +13,6 @@ L layers, V vocabulary.
 import copy
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +41,10 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
         """Read a Hugging Face config.json dict (Llama, Mistral or Qwen2)."""
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: not a Llama-family config")
         model_type = hf.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported model_type {model_type!r}: this implementation covers llama, mistral and qwen2")
@@ -188,8 +191,11 @@ class Attention(nn.Module):
         k, v = cache.write(self.layer, k, v)  # (B, Hkv, start + T, D)
         if T == 1 and decode_attention is not None:
             y = decode_attention(q, k, v, self.layer)  # (B, H, 1, D)
-        elif T == 1:  # plain dense decoding: one query sees the whole cache
-            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        elif T == 1:
+            # Plain dense decoding, packed: a group's G query heads go to SDPA as G query positions of their
+            # KV head, so each KV head is read once (enable_gqa would read it once per query head).
+            y = F.scaled_dot_product_attention(q.view(B, self.Hkv, -1, self.D), k, v)  # (B, Hkv, G, D)
+            y = y.view(B, self.H, 1, self.D)
         elif start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -285,38 +291,13 @@ class Llama(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Loading: a local Hugging Face folder, a hub id, or the embedded default (None).
-
-HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+# Loading from a Hugging Face style folder (checkpoints.py finds or builds the folder for a name or hub id).
 
 
-def resolve_model_dir(name: str | None) -> Path:
-    """A folder holding config.json and safetensors: the embedded default, a local folder, or a hub snapshot."""
-    if name is None:
-        from convert_gguf import ensure_embedded_model
-        return ensure_embedded_model()
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
-        return path
-    if path.exists():
-        raise ValueError(f"{path} is a file; --model takes a model folder or a hub id")
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
-        raise FileNotFoundError(f"model {name!r}: no such folder, and not a hub id of the form owner/name")
-    try:
-        from huggingface_hub import snapshot_download
-        return Path(snapshot_download(name, allow_patterns=HUB_PATTERNS))
-    except Exception as e:  # the hub's errors are many (offline, gated, missing); all end here the same way
-        raise FileNotFoundError(f"model {name!r}: no such local folder and the hub could not provide it "
-                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-
-
-def read_state_dict(model_dir: Path, device=None) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's single or sharded safetensors, read directly onto `device`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def read_state_dict(model_dir: Path, device=None, dtype=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's single or sharded safetensors, read onto `device` and cast to `dtype` one
+    tensor at a time (so a bf16 load of fp32 files never holds two copies of the model)."""
+    from safetensors import SafetensorError, safe_open
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -330,25 +311,35 @@ def read_state_dict(model_dir: Path, device=None) -> dict[str, torch.Tensor]:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is listed in the shard index but missing")
         try:
-            state.update(load_file(path, device=str(device or "cpu")))
+            with safe_open(path, framework="pt", device=str(device or "cpu")) as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    state[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ValueError(f"{path} is corrupt or truncated: {e}") from None
     return state
 
 
-def load_model(name: str | None = None, device=None, dtype=torch.float32, rope_theta: float | None = None) -> Llama:
-    """Build the model of `name` (see resolve_model_dir) with its weights, strictly: any missing,
-    unexpected or mis-shaped tensor is an error naming it. `rope_theta` overrides the config's base."""
-    model_dir = resolve_model_dir(name)
-    cfg = LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+def load_model(model_dir: str | Path, device=None, dtype=torch.float32, rope_theta: float | None = None) -> Llama:
+    """Build the model of a Hugging Face style folder with its weights, strictly: any missing, unexpected or
+    mis-shaped tensor is an error naming it. `rope_theta` overrides the config's base."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model folder")
+    try:
+        cfg = LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from None
     if rope_theta is not None:
         if not rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {rope_theta}")
         cfg.rope_theta = rope_theta
     device = torch.device(device or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} asked for, but this machine has no CUDA (torch {torch.__version__})")
     with torch.device("meta"):
         model = Llama(cfg)
-    state = read_state_dict(model_dir, device)
+    state = read_state_dict(model_dir, device, dtype)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     expected = {k: v.shape for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
@@ -359,7 +350,6 @@ def load_model(name: str | None = None, device=None, dtype=torch.float32, rope_t
     for k, shape in expected.items():
         if state[k].shape != shape:
             raise ValueError(f"{model_dir}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {tuple(shape)}")
-    state = {k: state[k].to(dtype) for k in expected}
     model.load_state_dict(state, strict=False, assign=True)  # strictness checked above, tied head included
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

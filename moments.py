@@ -1,15 +1,23 @@
 """Mean and covariance of bulk keys per (layer, KV head): what QAdA's Gaussian estimate needs (paper 3.2, App. B).
 
-Option 1, `PromptMoments`: the current prompt's bulk keys (positions n_sink .. T - n_recent), computed
-after prefill and kept exact during decoding with a Welford update, O(D^2) per layer and step, as keys
-leave the recent window and join the bulk.
+Every option hands QAdA the same thing, a `KeyMoments`: for a layer, Eq. 6's quadratic form in the query.
 
-Option 2, `RandomWordsMoments` (the paper's robust default): keys from one forward pass over a seeded
-random-words prompt as long as the model's context, run once per model and key-changing setting and
-cached on disk. For a prompt of length T the moments come from the random prompt's first T - 1024 keys
-(the paper's rule: moments from a somewhat shorter prompt are harmless, from a longer one harmful). The
-cache stores the moments at 32 evenly spaced lengths (not the keys), so its size is bounded:
-32 * L * Hkv * (D + D^2) * 4 bytes = 48 MB for SmolLM2-135M, 541 MB for Llama-3-8B at 32k.
+    prompt          Option 1 (App. B): the current prompt's bulk keys (positions n_sink .. T - n_recent),
+                    computed once after prefill and kept fixed while decoding, as the paper does.
+    prompt-online   Option 1 kept exact while decoding (ours, not the paper's): a Welford update, O(D^2) per
+                    layer and step, as each key leaves the recent window and joins the bulk.
+    random-words    Option 2 (the paper's default): keys of a seeded random-words prompt. For a prompt of T
+                    tokens the moments come from the reference prompt's first T - 1024 positions (sinks left
+                    out), exactly; the paper's reason: a shorter reference is harmless, a longer one harmful.
+                    Prompts shorter than 1024 + T_local take the T_local first positions, and never more
+                    positions than their own bulk has (one with no bulk yet takes the T_local first).
+    one-word        Option 2 with one word repeated (the paper's "single words" ablation, Fig. 5e-f).
+    random-words-full  Option 2 over the model's whole context, longer than any prompt (Fig. 5g's ablation).
+
+Option 2's reference keys are computed by one dense forward pass and cached on disk. A causal model's keys
+at the first n positions depend on the first n tokens only, so the pass runs only as far as the prompts
+seen so far need (rounded up to a multiple of 1024 positions, so that a sweep of prompts of similar
+lengths computes it once) and is run again, longer, when a longer prompt comes.
 """
 
 import hashlib
@@ -17,86 +25,115 @@ import json
 import math
 import os
 import random
+from importlib.resources import files
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from criterion import gaussian_form
+from downloads import cache_dir
 
-MOMENTS_VERSION = 1  # bump when the file layout or the way moments are computed changes
-N_CHECKPOINTS = 32
+OPTIONS = ("random-words", "prompt", "prompt-online", "one-word", "random-words-full")
+REFERENCE_VERSION = 2  # bump when the file layout or the way the reference keys are computed changes
 LENGTH_MARGIN = 1024  # the paper's T - 1024
+ROUND = 1024  # the reference pass is run to a multiple of this many positions
+ONE_WORD = "the"
+
+
+class KeyMoments(Protocol):
+    """What QAdA asks of the keys' moments, per layer; `k` (Hkv, T, D) is that layer's filled KV cache."""
+
+    def quadratic_form(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 6 as (A (Hkv, D, D), b (Hkv, D)) with mu_s + sigma_s^2 / 2 = q A q^T + q b (criterion.gaussian_form)."""
+
+    def mean_cov(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The moments themselves: mean (Hkv, D), covariance (Hkv, D, D); for analysis."""
 
 
 def mean_cov(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Population mean (..., D) and covariance (..., D, D) of keys (..., N, D), in fp32 (the paper's 1/N)."""
+    if keys.shape[-2] == 0:
+        raise ValueError("moments of no keys asked for")
     k = keys.float()
     mean = k.mean(-2)
     centred = k - mean[..., None, :]
     return mean, centred.transpose(-1, -2) @ centred / k.shape[-2]
 
 
-class PromptMoments:
-    """Option 1: moments of the current prompt's bulk keys, kept up to date as the context grows."""
-
-    def __init__(self, cache, n_sink: int = 16, n_local: int = 128):
-        self.n_sink, self.n_recent = n_sink, n_local - n_sink
-        L, _, Hkv, _, D = cache.k.shape
-        end = max(cache.length - self.n_recent, n_sink)  # bulk = [n_sink, end)
-        bulk = cache.k[:, 0, :, n_sink:end]  # (L, Hkv, N, D)
-        self.count = torch.full((L,), end - n_sink, dtype=torch.long)
-        if end > n_sink:
-            self.mean, cov = mean_cov(bulk)
-        else:
-            self.mean, cov = torch.zeros(L, Hkv, D, device=cache.k.device), torch.zeros(L, Hkv, D, D, device=cache.k.device)
-        self.m2 = cov * (end - n_sink)  # Welford's co-moment: sum of outer products of centred keys
-
-    def add(self, layer: int, key: torch.Tensor) -> None:
-        """Welford update of one layer with one new bulk key per KV head, key (Hkv, D)."""
-        key = key.float()
-        self.count[layer] += 1
-        delta = key - self.mean[layer]
-        self.mean[layer] += delta / int(self.count[layer])
-        self.m2[layer] += delta[:, :, None] * (key - self.mean[layer])[:, None, :]
-
-    def layer(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean (Hkv, D), cov (Hkv, D, D)) of the bulk of k (Hkv, T, D), the layer's filled cache."""
-        end = k.shape[-2] - self.n_recent
-        have = self.n_sink + int(self.count[layer])
-        if end < have:
-            raise ValueError("the KV cache was rolled back below these moments; build new PromptMoments")
-        for pos in range(have, end):  # one key per decode step
-            self.add(layer, k[:, pos])
-        n = max(int(self.count[layer]), 1)
-        return self.mean[layer], self.m2[layer] / n
-
-    def gaussian(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """criterion.gaussian_form of the current moments: (A (Hkv, D, D), b (Hkv, D))."""
-        return gaussian_form(*self.layer(layer, k))
-
-
 class FixedMoments:
-    """Moments that do not change during decoding (Option 2 after choosing the length)."""
+    """Moments that do not change while decoding: Option 1 as the paper runs it, and Option 2."""
 
     def __init__(self, mean: torch.Tensor, cov: torch.Tensor, n_keys: int):
         self.mean, self.cov, self.n_keys = mean, cov, n_keys  # (L, Hkv, D), (L, Hkv, D, D)
-        A, b = gaussian_form(mean, cov)  # once for the whole generation: decoding only indexes a list
+        A, b = gaussian_form(mean, cov)  # once per generation: a decode step only indexes a list
         self.forms = list(zip(A.unbind(0), b.unbind(0)))
 
-    def layer(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quadratic_form(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forms[layer]
+
+    def mean_cov(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.mean[layer], self.cov[layer]
 
-    def gaussian(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.forms[layer]
+
+def bulk_end(T: int, n_sink: int, n_local: int) -> int:
+    """End of the bulk [n_sink, end) of a context of T positions: the recent n_local - n_sink are the window's."""
+    return max(T - (n_local - n_sink), n_sink)
+
+
+def prompt_moments(cache, n_sink: int = 16, n_local: int = 128) -> FixedMoments | None:
+    """Option 1 as the paper runs it: the moments of the prefilled prompt's bulk (row 0 of `cache`), fixed.
+    None when the prompt has no bulk (T <= n_local): decoding then starts exact and OnlineMoments takes over."""
+    end = bulk_end(cache.length, n_sink, n_local)
+    if end <= n_sink:
+        return None
+    mean, cov = mean_cov(cache.k[:, 0, :, n_sink:end])  # (L, Hkv, N, D) -> (L, Hkv, D), (L, Hkv, D, D)
+    return FixedMoments(mean, cov, end - n_sink)
+
+
+class OnlineMoments:
+    """Option 1 kept exact as the context grows (ours): each key that leaves the recent window joins the bulk
+    through Welford's update; starts from the prefilled prompt's bulk (row 0 of `cache`), empty or not."""
+
+    def __init__(self, cache, n_sink: int = 16, n_local: int = 128):
+        self.n_sink, self.n_local = n_sink, n_local
+        L, _, Hkv, _, D = cache.k.shape
+        end = bulk_end(cache.length, n_sink, n_local)
+        self.count = [end - n_sink] * L  # bulk keys absorbed so far, per layer
+        if end > n_sink:
+            self.mean, cov = mean_cov(cache.k[:, 0, :, n_sink:end])
+            self.m2 = cov * (end - n_sink)  # Welford's co-moment: sum of outer products of centred keys
+        else:
+            self.mean = torch.zeros(L, Hkv, D, device=cache.k.device)
+            self.m2 = torch.zeros(L, Hkv, D, D, device=cache.k.device)
+
+    def _absorb(self, layer: int, k: torch.Tensor) -> None:
+        """Welford update with the keys of k (Hkv, T, D) that joined the bulk since the last call."""
+        have, end = self.n_sink + self.count[layer], bulk_end(k.shape[-2], self.n_sink, self.n_local)
+        if end < have:
+            raise ValueError("the KV cache is shorter than the keys these moments absorbed (rolled back?); "
+                             "make new OnlineMoments")
+        for pos in range(have, end):  # one key per decode step
+            key = k[:, pos].float()  # (Hkv, D)
+            self.count[layer] += 1
+            delta = key - self.mean[layer]
+            self.mean[layer] += delta / self.count[layer]
+            self.m2[layer] += delta[:, :, None] * (key - self.mean[layer])[:, None, :]
+
+    def mean_cov(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._absorb(layer, k)
+        return self.mean[layer], self.m2[layer] / max(self.count[layer], 1)
+
+    def quadratic_form(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gaussian_form(*self.mean_cov(layer, k))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Option 2
+# Option 2: keys of a reference prompt
 
 
 def random_words_text(n_words: int, seed: int) -> str:
     """n_words English words drawn with replacement from wonderwords' packaged lists, seeded."""
-    from importlib.resources import files
     words = []
     for name in ("nounlist.txt", "verblist.txt", "adjectivelist.txt"):
         words += (files("wonderwords") / "assets" / name).read_text(encoding="utf-8").split()
@@ -115,79 +152,84 @@ def model_identity(model) -> dict:
             "dtype": str(model.dtype).removeprefix("torch.")}
 
 
-class RandomWordsMoments:
-    """Moments of a random-words prompt's keys at N_CHECKPOINTS lengths; `for_prompt(T)` picks one."""
-
-    def __init__(self, ends: list[int], mean: torch.Tensor, cov: torch.Tensor, settings: dict):
-        self.ends = ends  # bulk keys [n_sink, end) at each checkpoint
-        self.mean, self.cov = mean, cov  # (K, L, Hkv, D), (K, L, Hkv, D, D)
-        self.settings = settings
-
-    def for_prompt(self, T: int) -> FixedMoments:
-        """Moments from the first T - 1024 keys; prompts shorter than that use the shortest checkpoint."""
-        target = T - LENGTH_MARGIN
-        i = max([j for j, e in enumerate(self.ends) if e <= target], default=0)
-        return FixedMoments(self.mean[i], self.cov[i], self.ends[i] - self.settings["n_sink"])
-
-    def to(self, device) -> "RandomWordsMoments":
-        return RandomWordsMoments(self.ends, self.mean.to(device), self.cov.to(device), self.settings)
+def reference_end(T: int, n_sink: int, n_local: int) -> int:
+    """Option 2's rule: the reference prompt's bulk is [n_sink, end) for a prompt of T positions: the first
+    T - 1024 positions, but at least n_local and never more than the prompt's own bulk. A prompt with no bulk
+    (T <= n_local; its bulk forms while decoding) takes the first n_local."""
+    if T <= n_local:
+        return n_local
+    return min(max(T - LENGTH_MARGIN, n_local), bulk_end(T, n_sink, n_local))
 
 
-def random_words_settings(model, tokenizer, n_tokens: int | None = None, seed: int = 0, n_sink: int = 16,
-                          words: str = "random") -> dict:
-    """Every setting that changes the cached moments: the cache key."""
-    n_tokens = n_tokens or model.cfg.max_position_embeddings
-    return {"version": MOMENTS_VERSION, "model": model_identity(model), "n_tokens": n_tokens, "seed": seed,
-            "n_sink": n_sink, "words": words, "tokenizer": hashlib.sha256(tokenizer.encode(
-                "The quick brown fox, 1234 times.", add_special_tokens=True).__repr__().encode()).hexdigest()[:8]}
+class ReferenceKeys:
+    """Keys (L, Hkv, N, D) of the first N positions of a reference prompt, computed as far as needed."""
+
+    def __init__(self, model, tokenizer, words: str = "random", seed: int = 0, n_max: int | None = None,
+                 root: Path | None = None, progress: bool = True):
+        self.model, self.progress = model, progress
+        n_max = n_max or model.cfg.max_position_embeddings  # more with a RoPE theta override
+        # The ids of the whole context are fixed first, so every length is a prefix of the same sequence.
+        text = random_words_text(2 * n_max, seed) if words == "random" else " ".join([words] * (2 * n_max))
+        self.ids = tokenizer.encode(text, add_special_tokens=True)[:n_max]
+        self.settings = {"version": REFERENCE_VERSION, "model": model_identity(model), "words": words, "seed": seed,
+                         "ids": hashlib.sha256(str(self.ids).encode()).hexdigest()[:16]}
+        key = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:20]
+        self.path = Path(root or cache_dir() / "moments") / f"{key}.pt"
+        self.keys = None  # (L, Hkv, N, D) in the model's dtype, on the model's device
+        if self.path.is_file():
+            data = torch.load(self.path, map_location=model.device, weights_only=True)
+            if data["settings"] == json.loads(json.dumps(self.settings)):  # never serve other settings' keys
+                self.keys = data["keys"]
+        self.passes = 0  # forward passes run by this object (what a test checks the rule "only as needed" by)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def ensure(self, n: int) -> torch.Tensor:
+        """The keys of the first n positions (at least), running the reference pass further if needed."""
+        if n > len(self.ids):
+            raise ValueError(f"the reference prompt has {len(self.ids)} positions; {n} asked for")
+        if n > self.length:
+            n_run = min(math.ceil(n / ROUND) * ROUND, len(self.ids))
+            if self.progress:
+                print(f"computing reference keys ({self.settings['words']} words, {n_run} positions; cached)...")
+            cache = self.model.new_cache(n_run)
+            self.model.prefill(torch.tensor([self.ids[:n_run]], device=self.model.device), cache, progress=self.progress)
+            self.keys, self.passes = cache.k[:, 0], self.passes + 1  # (L, Hkv, n_run, D)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+            torch.save({"settings": self.settings, "keys": self.keys.cpu()}, tmp)
+            os.replace(tmp, self.path)  # atomic: a reader sees the old file or the whole new one
+        return self.keys[:, :, :n]
+
+    def moments(self, end: int, n_sink: int = 16) -> FixedMoments:
+        """Moments of the reference keys at positions [n_sink, end)."""
+        return FixedMoments(*mean_cov(self.ensure(end)[:, :, n_sink:end]), end - n_sink)  # (L, Hkv, N, D) keys
+
+    def for_prompt(self, T: int, n_sink: int = 16, n_local: int = 128) -> FixedMoments:
+        """Option 2's moments for a prompt of T positions (reference_end)."""
+        return self.moments(reference_end(T, n_sink, n_local), n_sink)
 
 
-def compute_random_words_moments(model, tokenizer, settings: dict, progress: bool = True) -> RandomWordsMoments:
-    """One dense forward pass over the prompt; moments of its bulk keys at N_CHECKPOINTS lengths."""
-    n_tokens, n_sink = settings["n_tokens"], settings["n_sink"]
-    if settings["words"] == "random":
-        text = random_words_text(2 * n_tokens, settings["seed"])  # surely more than n_tokens tokens
-    else:  # the paper's "single word" ablation: one word repeated
-        text = " ".join([settings["words"]] * (2 * n_tokens))
-    ids = tokenizer.encode(text, add_special_tokens=True)[:n_tokens]
-    ids = torch.tensor([ids], device=model.device)
-    cache = model.new_cache(ids.shape[1])
-    model.prefill(ids, cache, progress=progress)
-    stride = math.ceil((n_tokens - n_sink) / N_CHECKPOINTS)
-    ends = [min(n_sink + stride * (i + 1), n_tokens) for i in range(N_CHECKPOINTS)]
-    # Running sums in float64 so that one pass gives every checkpoint's covariance exactly.
-    L, _, Hkv, _, D = cache.k.shape
-    s1 = torch.zeros(L, Hkv, D, dtype=torch.float64, device=model.device)
-    s2 = torch.zeros(L, Hkv, D, D, dtype=torch.float64, device=model.device)
-    means, covs, start = [], [], n_sink
-    for end in ends:
-        k = cache.k[:, 0, :, start:end].double()  # (L, Hkv, n, D)
-        s1 += k.sum(-2)
-        s2 += k.transpose(-1, -2) @ k
-        n = end - n_sink
-        mean = s1 / n
-        means.append(mean.float())
-        covs.append((s2 / n - mean[..., :, None] * mean[..., None, :]).float())
-        start = end
-    return RandomWordsMoments(ends, torch.stack(means), torch.stack(covs), settings)
+def make_moments(option: str, cache, reference: ReferenceKeys | None = None, n_sink: int = 16,
+                 n_local: int = 128) -> KeyMoments:
+    """The moments of `option` (OPTIONS) for the prompt prefilled in `cache`; Option 2 needs its `reference`
+    (reference_words(option) says which). A prompt with no bulk at prefill (T <= n_local) has no Option 1
+    moments to fix: its bulk forms while decoding, and is then followed online."""
+    if option not in OPTIONS:
+        raise ValueError(f"unknown moments option {option!r}; choose from {', '.join(OPTIONS)}")
+    if option == "prompt":
+        return prompt_moments(cache, n_sink, n_local) or OnlineMoments(cache, n_sink, n_local)
+    if option == "prompt-online":
+        return OnlineMoments(cache, n_sink, n_local)
+    if reference is None:
+        raise ValueError(f"moments option {option!r} needs the reference prompt's keys (ReferenceKeys)")
+    if option == "random-words-full":
+        return reference.moments(len(reference.ids), n_sink)
+    return reference.for_prompt(cache.length, n_sink, n_local)
 
 
-def load_or_compute_random_words_moments(model, tokenizer, cache_root: Path | None = None, progress: bool = True,
-                                         **kwargs) -> RandomWordsMoments:
-    """The cached moments for this model and these settings, computing and caching them on first use."""
-    from cache import cache_dir
-    settings = random_words_settings(model, tokenizer, **kwargs)
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
-    path = Path(cache_root or cache_dir() / "moments") / f"{key}.pt"
-    if path.is_file():
-        data = torch.load(path, map_location=model.device, weights_only=True)
-        if data["settings"] == json.loads(json.dumps(settings)):  # never serve a file made with other settings
-            return RandomWordsMoments(data["ends"], data["mean"], data["cov"], data["settings"])
-    if progress:
-        print(f"computing random-words key moments ({settings['n_tokens']} tokens, once per model and setting)...")
-    m = compute_random_words_moments(model, tokenizer, settings, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    torch.save({"settings": settings, "ends": m.ends, "mean": m.mean.cpu(), "cov": m.cov.cpu()}, tmp)
-    os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
-    return m
+def reference_words(option: str) -> str | None:
+    """Which reference prompt an option reads: "random", ONE_WORD, or None (the prompt's own keys)."""
+    return {"random-words": "random", "random-words-full": "random", "one-word": ONE_WORD}.get(option)

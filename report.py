@@ -15,6 +15,7 @@ Averages over tasks use only the samples every compared config has finished, so 
 with like. Sparsity = fraction of (decode step, layer, head) labelled local, averaged per sample.
 """
 
+import argparse
 import csv
 import json
 import sys
@@ -22,32 +23,65 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from eval import ADAPTIVE, CTXFREE
+from criterion import static_labels
+from tasks import CTXFREE, TASKS as TASK_ORDER
 
-ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_word", "qada_long")
+# How the configurations the paper compares are drawn; any other name (a new path of attention.PATHS, a new
+# variant of eval.py) is drawn too, after these, with its own name and a colour of its own.
+ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_prompt_online",
+         "qada_word", "qada_long")
 LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
          "static_oracle": "static oracle", "oracle": "adaptive oracle", "qada_rw": "QAdA (random words)",
-         "qada_prompt": "QAdA (current prompt)", "qada_word": "QAdA (one repeated word)",
+         "qada_prompt": "QAdA (current prompt, fixed)", "qada_prompt_online": "QAdA (current prompt, online; ours)",
+         "qada_word": "QAdA (one repeated word)",
          "qada_long": "QAdA (longer random-words prompt)"}
 COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "tab:green", "static_oracle": "tab:olive",
-         "oracle": "tab:blue", "qada_rw": "tab:purple", "qada_prompt": "tab:pink", "qada_word": "tab:orange",
+         "oracle": "tab:blue", "qada_rw": "tab:purple", "qada_prompt": "tab:pink", "qada_prompt_online": "tab:cyan",
+         "qada_word": "tab:orange",
          "qada_long": "tab:red"}
 MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_oracle": "x", "oracle": "o", "qada_rw": "D",
-          "qada_prompt": "P"}
+          "qada_prompt": "P", "qada_prompt_online": "X"}
 ABLATIONS = ("qada_word", "qada_long")
 MAIN_TAU = 0.6  # the paper's tau for the head maps, agreement and log-error tables
 
 
-def load(out: Path) -> list[dict]:
-    """Every record of the run (all shards); a line torn by a kill is skipped."""
-    from eval import read_records
-    return read_records(out)
+def result_files(out: Path) -> list[Path]:
+    """samples.jsonl, plus samples.K.jsonl written by shards of a parallel sweep (eval.py --shard)."""
+    return sorted(Path(out).glob("samples*.jsonl"))
+
+
+def read_records(out: Path) -> list[dict]:
+    """Every complete line of the run's result files (a line torn by a kill is ignored)."""
+    rows = []
+    for path in result_files(out):
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
 
 
 def config_sort_key(cfg: str):
     method, _, thr = cfg.partition("@")
-    return ORDER.index(method) if method in ORDER else 99, float(thr or 0)
+    return (ORDER.index(method) if method in ORDER else len(ORDER)), method, float(thr or 0)
+
+
+def label(method: str) -> str:
+    return LABEL.get(method, method)
+
+
+def color(method: str) -> str:
+    """A known method's colour, or one of a spare palette picked by the name (stable from run to run)."""
+    spare = ("tab:gray", "gold", "teal", "navy", "crimson", "darkgreen", "sienna", "indigo")
+    return COLOR.get(method) or spare[sum(map(ord, method)) % len(spare)]
+
+
+def is_tau(rows, method: str) -> bool:
+    """Whether `method`'s threshold is a tau (its records say so)."""
+    return any(r.get("threshold_kind") == "tau" for r in rows if r["method"] == method)
 
 
 def mean(xs):
@@ -130,7 +164,9 @@ def write_summary(out: Path, rows, tasks):
     configs = sorted({r["config"] for r in rows if r["task"] in tasks}, key=config_sort_key)
     lines = [f"# Summary of {out.name}", "",
              "Score = RULER string match x 100, averaged over samples. Sparsity = fraction of (decode step, layer, "
-             "head) labelled local. KV read = fraction of KV entries read. n = samples per task.", ""]
+             "head) labelled local. KV read = fraction of KV entries read; for the oracle it is implied by its labels "
+             "(what a path that skips by them would read): the oracle path itself reads every entry to find them. "
+             "n = samples per task.", ""]
     # dense vs floor
     lines += ["## Dense score and the local-window floor per task", "", "| task | n | dense | local (floor) | dense tokens |",
               "|---|---|---|---|---|"]
@@ -205,8 +241,6 @@ def agreement_by_decile(rows) -> list[str]:
 
 def recall_rows(rows, static_freq: dict) -> list[dict]:
     """Recall of the oracle's long-context (head, step) pairs: QAdA vs static oracle labels at QAdA's sparsity."""
-    from criterion import static_labels
-    import torch
     out = []
     by = defaultdict(list)
     for r in rows:
@@ -262,7 +296,7 @@ def write_analysis(out: Path, rows, tasks, cur):
         rs = [r for r in g.get((t, f"oracle@{MAIN_TAU:g}"), []) if r.get("local_freq")]
         if rs:
             static_freq[t] = (sum(r["steps"] * np.array(r["local_freq"]) for r in rs) / sum(r["steps"] for r in rs)).tolist()
-    rr = recall_rows([r for r in task_rows if r["method"] in ("qada_rw", "qada_prompt")], static_freq)
+    rr = recall_rows([r for r in task_rows if r["method"] in ("qada_rw", "qada_prompt", "qada_prompt_online")], static_freq)
     lines += ["", "## Recall of the oracle's long-context heads: QAdA vs static oracle labels at the same sparsity", "",
               "Positives here are the oracle's long-context (step, head) pairs on QAdA's decoding; the static oracle "
               f"labels the heads most often local under the oracle at tau {MAIN_TAU:g} on all of the task's evaluated "
@@ -305,7 +339,7 @@ def write_analysis(out: Path, rows, tasks, cur):
     abl = sorted({r["config"] for r in task_rows if r["method"] in ("qada_word", "qada_long")}, key=config_sort_key)
     if abl:
         taus = sorted({r["threshold"] for r in task_rows if r["method"] in ("qada_word", "qada_long")})
-        comp = [f"{m}@{t:g}" for t in taus for m in ("qada_rw", "qada_prompt", "qada_word", "qada_long")
+        comp = [f"{m}@{t:g}" for t in taus for m in ("qada_rw", "qada_prompt", "qada_prompt_online", "qada_word", "qada_long")
                 if any(r["config"] == f"{m}@{t:g}" for r in task_rows)]
         cv = curves(task_rows, tasks, comp + ["dense"])
         n = cv[comp[0]]["n"] if comp and comp[0] in cv else 0
@@ -331,7 +365,7 @@ def plots(out: Path, rows, tasks, cur, rr):
     import matplotlib.pyplot as plt
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
-    methods = [m for m in ORDER if any(c.startswith(m + "@") or c == m for c in cur) and m not in ("qada_word", "qada_long")]
+    methods = sorted({c.split("@")[0] for c in cur} - set(ABLATIONS), key=config_sort_key)
 
     # Fig. 4: score vs sparsity per method
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
@@ -340,11 +374,11 @@ def plots(out: Path, rows, tasks, cur, rr):
         xs = [cur[c]["sparsity"] for c in cs]
         for ax, key in zip(axes, ("score", "norm")):
             ys = [cur[c][key] * (100 if key == "score" else 1) if cur[c][key] is not None else np.nan for c in cs]
-            style = dict(color=COLOR[m], label=LABEL[m], marker=MARKER.get(m, "o"), ms=7 if m == "static" else 5, alpha=0.85)
+            style = dict(color=color(m), label=label(m), marker=MARKER.get(m, "o"), ms=7 if m == "static" else 5, alpha=0.85)
             ax.plot(xs, ys, "-" if len(cs) > 1 else "", **style)
-            if m in ADAPTIVE:
+            if is_tau(rows, m):
                 for c, x, y in zip(cs, xs, ys):
-                    ax.annotate(c.split("@")[1], (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7, color=COLOR[m])
+                    ax.annotate(c.split("@")[1], (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7, color=color(m))
     axes[0].set_ylabel("mean score over tasks (x100)")
     axes[1].set_ylabel("mean normalised score (score / dense)")
     for ax in axes:
@@ -359,16 +393,16 @@ def plots(out: Path, rows, tasks, cur, rr):
 
     # Fig. 6b: sparsity vs tau with spread across tasks; Fig. 6c: per task + context-independent
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for m in ("oracle", "qada_rw", "qada_prompt"):
+    for i, m in enumerate(m for m in methods if is_tau(rows, m)):
         cs = sorted([c for c in cur if c.split("@")[0] == m], key=config_sort_key)
         if cs:
             x = [float(c.split("@")[1]) for c in cs]
             y, s = np.array([cur[c]["sparsity"] for c in cs]), np.array([cur[c]["sparsity_std"] for c in cs])
-            axes[0].errorbar(x, y, yerr=s, color=COLOR[m], label=LABEL[m], marker="o", capsize=3)
-            dy = {"oracle": -12, "qada_rw": 6, "qada_prompt": -24}[m]
+            axes[0].errorbar(x, y, yerr=s, color=color(m), label=label(m), marker="o", capsize=3)
+            dy = 6 - 12 * i  # the score labels of each method on a line of their own
             for xi, yi, c in zip(x, y, cs):
                 if cur[c]["norm"] is not None:
-                    axes[0].annotate(f"{cur[c]['norm']:.2f}", (xi, yi), textcoords="offset points", xytext=(5, dy), fontsize=7, color=COLOR[m])
+                    axes[0].annotate(f"{cur[c]['norm']:.2f}", (xi, yi), textcoords="offset points", xytext=(5, dy), fontsize=7, color=color(m))
     axes[0].set_title("sparsity vs tau (±std over tasks; numbers: normalised score)")
     cmap = plt.get_cmap("tab10")
     cs = sorted({r["config"] for r in rows if r["method"] == "qada_rw"}, key=config_sort_key)
@@ -383,7 +417,8 @@ def plots(out: Path, rows, tasks, cur, rr):
         ax.set_xlabel("tau")
         ax.set_ylabel("sparsity")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "fig6bc_sparsity_vs_tau.png", dpi=120)
     plt.close(fig)
@@ -398,7 +433,7 @@ def plots(out: Path, rows, tasks, cur, rr):
         for ax, (t_label, cfg, sel) in zip(axes[0], panels):
             freq = np.mean([np.array(r["local_freq"]) for r in rows if r["config"] == cfg and r["task"] in sel and "local_freq" in r], 0)
             im = ax.imshow(100 * (1 - freq), aspect="auto", cmap="viridis", vmin=0, vmax=100, origin="lower")
-            ax.set_title(f"{LABEL[cfg.split('@')[0]]}\ntau {cfg.split('@')[1]}, {t_label}", fontsize=9)
+            ax.set_title(f"{label(cfg.split('@')[0])}\ntau {cfg.split('@')[1]}, {t_label}", fontsize=9)
             ax.set_xlabel("query head")
             ax.set_ylabel("layer")
             ax.set_xticks(range(freq.shape[1]))
@@ -414,22 +449,22 @@ def plots(out: Path, rows, tasks, cur, rr):
         rws = (len(show) + cols - 1) // cols
         fig, axes = plt.subplots(rws, cols, figsize=(4.5 * cols, 3.2 * rws), squeeze=False)
         for ax, t in zip(axes.ravel(), show):
-            for c, field, ls, label in [(cfgs[0], "step_sparsity", "-", LABEL["oracle"]),
-                                        (cfgs[1], "step_sparsity", "-", LABEL["qada_rw"]),
-                                        (cfgs[1], "oracle_step_sparsity", ":", "oracle on QAdA's decoding")]:
+            for c, field, ls, name in [(cfgs[0], "step_sparsity", "-", label("oracle")),
+                                       (cfgs[1], "step_sparsity", "-", label("qada_rw")),
+                                       (cfgs[1], "oracle_step_sparsity", ":", "oracle on QAdA's decoding")]:
                 seqs = [r[field] for r in g.get((t, c), []) if r.get(field)]
                 if not seqs:
                     continue
-                color = COLOR["oracle" if field == "oracle_step_sparsity" else c.split("@")[0]]
+                color_ = color("oracle" if field == "oracle_step_sparsity" else c.split("@")[0])
                 n = max(map(len, seqs))
                 m = np.array([np.nanmean([s[i] for s in seqs if len(s) > i]) for i in range(n)])
                 sd = np.array([np.nanstd([s[i] for s in seqs if len(s) > i]) for i in range(n)])
                 cnt = np.array([sum(len(s) > i for s in seqs) for i in range(n)])
                 keep = cnt >= max(2, len(seqs) // 4)
                 xs = np.arange(1, n + 1)[keep]
-                ax.plot(xs, m[keep], ls, color=color, label=label)
+                ax.plot(xs, m[keep], ls, color=color_, label=name)
                 if ls == "-":
-                    ax.fill_between(xs, (m - sd)[keep], (m + sd)[keep], color=color, alpha=0.2)
+                    ax.fill_between(xs, (m - sd)[keep], (m + sd)[keep], color=color_, alpha=0.2)
             ax.set_title(t, fontsize=9)
             ax.set_xlabel("decode step")
             ax.set_ylabel("sparsity")
@@ -444,7 +479,7 @@ def plots(out: Path, rows, tasks, cur, rr):
         plt.close(fig)
 
     # Fig. 5e-g: moments ablations
-    comp_methods = ("qada_rw", "qada_prompt", "qada_word", "qada_long")
+    comp_methods = ("qada_rw", "qada_prompt", "qada_prompt_online", "qada_word", "qada_long")
     abl = [c for c in {r["config"] for r in task_rows} if c.split("@")[0] in ("qada_word", "qada_long")]
     if abl:
         taus = sorted({float(c.split("@")[1]) for c in abl})
@@ -454,7 +489,7 @@ def plots(out: Path, rows, tasks, cur, rr):
         for m in comp_methods:
             cs = [c for c in comp if c.startswith(m + "@") and c in cv]
             if cs:
-                ax.plot([cv[c]["sparsity"] for c in cs], [cv[c]["norm"] for c in cs], marker="o", color=COLOR[m], label=LABEL[m])
+                ax.plot([cv[c]["sparsity"] for c in cs], [cv[c]["norm"] for c in cs], marker="o", color=color(m), label=label(m))
                 for c in cs:
                     ax.annotate(c.split("@")[1], (cv[c]["sparsity"], cv[c]["norm"]), textcoords="offset points", xytext=(3, 4), fontsize=7)
         ax.set_xlabel("sparsity")
@@ -486,7 +521,7 @@ def plots(out: Path, rows, tasks, cur, rr):
 
 def report(out: str | Path, tasks: list[str] | None = None) -> None:
     out = Path(out)
-    rows = load(out)
+    rows = read_records(out)
     if not rows:
         print(f"{out}: no results yet")
         return
@@ -500,13 +535,54 @@ def report(out: str | Path, tasks: list[str] | None = None) -> None:
     print(f"tables and plots written to {out}")
 
 
+def dense_table(root: str | Path) -> str:
+    """Markdown: dense score per task in every eval run folder under `root` (a pilot's model x length grid),
+    with the seconds per sample (prefill + decode), and the mean over tasks. Writes root/dense.md too."""
+    root = Path(root)
+    runs = []
+    for meta in sorted(root.glob("*/run.json")):
+        settings = json.loads(meta.read_text())["settings"]
+        rows = [r for r in read_records(meta.parent) if r["method"] == "dense" and r["score"] is not None]
+        if rows:
+            runs.append((settings.get("model") or "smollm2-135m", settings["length"], settings.get("dtype", "float32"), rows))
+    runs.sort(key=lambda run: (run[0], run[1]))
+    tasks = [t for t in TASK_ORDER if any(r["task"] == t for *_, rows in runs for r in rows)]
+    head = [f"{m} {n // 1024}k" for m, n, _, _ in runs]
+    lines = [f"# Dense score per task (x100, mean over n samples) and seconds per sample", "",
+             f"`python report.py --dense-table {root}`; dtype {', '.join(sorted({d for _, _, d, _ in runs}))}. "
+             "s/sample = median of prefill + decode seconds.", "",
+             "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(runs)]
+    means = [[] for _ in runs]
+    for t in tasks:
+        cells = []
+        for i, (*_, rows) in enumerate(runs):
+            rs = [r for r in rows if r["task"] == t]
+            if rs:
+                m = float(np.mean([r["score"] for r in rs]))
+                means[i].append(m)
+                cells.append(f"{100 * m:.0f} ({len(rs)})")
+            else:
+                cells.append("–")
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    lines.append("| **mean over tasks** | " + " | ".join(f"**{100 * np.mean(m):.0f}**" if m else "–" for m in means) + " |")
+    secs = [float(np.median([r["prefill_s"] + r["decode_s"] * r.get("batch", 1) for r in rows])) for *_, rows in runs]
+    lines.append("| s/sample | " + " | ".join(f"{s:.0f}" for s in secs) + " |")
+    text = "\n".join(lines) + "\n"
+    (root / "dense.md").write_text(text)
+    return text
+
+
 def main(argv=None) -> int:
-    import argparse
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="run folder of eval.py")
+    p.add_argument("out", help="run folder of eval.py (with --dense-table: a folder of run folders)")
     p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's)")
+    p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
+                   "under OUT (a pilot over models and lengths), written to OUT/dense.md")
     a = p.parse_args(argv)
-    report(a.out, a.tasks.split(",") if a.tasks else None)
+    if a.dense_table:
+        print(dense_table(a.out))
+    else:
+        report(a.out, a.tasks.split(",") if a.tasks else None)
     return 0
 
 

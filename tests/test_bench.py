@@ -74,6 +74,19 @@ def test_mixed_attention_runs_equal_reference(pattern, T, mixed_groups, dtype, t
     assert (got.float() - ref).abs().max() < tol
 
 
+@pytest.mark.parametrize("name", ["sdpa_gqa", "dense", "local"])
+def test_the_baselines_equal_the_reference(name, threads):
+    """The stack through each baseline bench.py times, every layer: SDPA with enable_gqa, the project's packed
+    dense path and the all-local floor, against the fp32 reference (no head local, every head local)."""
+    stack = bench.Stack(H=9, Hkv=3, D=64, L=3, T=700, device=torch.device("cpu"))
+    path = bench.sdpa_gqa if name == "sdpa_gqa" else attention.PATHS[name]
+    local = torch.full((9,), name == "local")
+    for i, y in enumerate(stack.run(path)):
+        ref = reference_attention(stack.q[i], *stack.kv[i], local, N_SINK, N_LOCAL)
+        assert (y - ref).abs().max() < 1e-5
+        assert (y - reference_attention(stack.q[i], *stack.kv[i], ~local, N_SINK, N_LOCAL)).abs().max() > 1e-3
+
+
 def test_full_pattern_meets_the_fractions_exactly():
     for dims in bench.SHAPES.values():
         for f in bench.FRACTIONS:

