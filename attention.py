@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from criterion import (check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels, window_mask,
                        window_slices)
-from moments import KeyMoments, ReferenceKeys, make_moments
+from moments import KeyMoments, ReferenceKeys, make_moments, mean_cov
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
@@ -189,7 +189,7 @@ class HeadStats:
     track_oracle: bool = False
     labels: list = field(default_factory=list)  # per step: list over layers of (H,) bool
     oracle: list = field(default_factory=list)
-    log_masses: list = field(default_factory=list)  # per step: list over layers of (3, H): local, bulk, gaussian
+    log_masses: list = field(default_factory=list)  # per step: list over layers of (4, H): oracle_view's
     lengths: list = field(default_factory=list)  # T per step
 
     def record(self, layer: int, T: int, labels, oracle_labels=None, log_masses=None):
@@ -276,17 +276,20 @@ class SparseAttention:
         return y.view(1, H, 1, D)
 
     def oracle_view(self, q, k, layer: int):
-        """The oracle's labels and the log masses (3, H): local, true bulk, the Gaussian estimate of the bulk."""
+        """The oracle's labels and the log masses (4, H): local, true bulk, the Gaussian estimate of the bulk from
+        the path's moments, and from the exact moments of this step's bulk keys (which separates error in the
+        moments from error in the Gaussian shape)."""
         scores = all_scores(q, k)
         log_local, log_bulk = oracle_log_masses(scores, self.n_sink, self.n_local)
         labels = oracle_labels(scores, self.n_sink, self.n_local, self.tau)
         T = k.shape[1]
-        if self.moments is not None and T > self.n_local:
-            mean, cov = self.moments.mean_cov(layer, k)
-            log_gauss = gaussian_log_bulk(q, mean, cov, T - self.n_local)
-        else:
-            log_gauss = torch.full_like(log_local, math.nan)
-        return labels, torch.stack([log_local, log_bulk, log_gauss])
+        log_gauss = log_exact = torch.full_like(log_local, math.nan)
+        if T > self.n_local:
+            bulk = k[:, self.n_sink:T - (self.n_local - self.n_sink)]  # (Hkv, T - n_local, D)
+            log_exact = gaussian_log_bulk(q, *mean_cov(bulk), T - self.n_local)
+            if self.moments is not None:
+                log_gauss = gaussian_log_bulk(q, *self.moments.mean_cov(layer, k), T - self.n_local)
+        return labels, torch.stack([log_local, log_bulk, log_gauss, log_exact])
 
 
 def build_attention(method: str, cache, *, tau: float = 0.6, moments: str = "random-words",

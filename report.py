@@ -205,6 +205,124 @@ def write_summary(out: Path, rows, tasks):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Lossless sparsity with a paired bootstrap (issue 10: numbers a reviewer would accept)
+
+LOSSLESS = 0.95  # a configuration is lossless when its mean normalised score is at least this fraction of dense
+
+
+def paired_scores(rows, tasks, configs):
+    """{task: (indices, {config: scores})} over the samples that dense and every config have finished, so that a
+    bootstrap draws the same samples for every method (paired)."""
+    g = group(rows)
+    idx = common_indices(g, tasks, list(configs) + ["dense"])
+    out = {}
+    for t in tasks:
+        order = sorted(idx[t])
+        if order:
+            by = {c: {r["index"]: r["score"] for r in g[t, c]} for c in list(configs) + ["dense"]}
+            out[t] = (order, {c: np.array([by[c][i] for i in order], dtype=float) for c in by})
+    return out
+
+
+def normalised(scores: dict, picks: dict, config: str) -> float | None:
+    """Mean over tasks of (config's mean score / dense's mean score) on the picked samples of each task; tasks
+    where dense scores 0 on the pick are left out."""
+    ratios = []
+    for t, (_, sc) in scores.items():
+        d = sc["dense"][picks[t]].mean()
+        if d > 0:
+            ratios.append(sc[config][picks[t]].mean() / d)
+    return float(np.mean(ratios)) if ratios else None
+
+
+def lossless_sparsity(curve: list[tuple[float, float | None]]) -> float:
+    """The highest sparsity up to which every measured point keeps >= LOSSLESS of dense: curve is [(sparsity,
+    normalised score)] of one method. 0 when even its sparsest point loses."""
+    best = 0.0
+    for sp, norm in sorted(curve):
+        if norm is None or norm < LOSSLESS:
+            break
+        best = sp
+    return best
+
+
+def lossless_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[dict]:
+    """Per method: its lossless sparsity and a paired-bootstrap 95 % interval over samples (resampled within each
+    task, the same draw for dense and every configuration of the method), with the mean KV-read fraction there."""
+    methods = defaultdict(list)
+    for c in {r["config"] for r in rows if r["task"] in tasks and r["method"] not in ("dense", "local")}:
+        methods[c.split("@")[0]].append(c)
+    g = group(rows)
+    out = []
+    for m, cs in sorted(methods.items(), key=lambda kv_: config_sort_key(kv_[0])):
+        scores = paired_scores(rows, tasks, cs)  # the samples this method and dense both finished
+        if not scores:
+            continue
+        idx = {t: set(i) for t, (i, _) in scores.items()}
+        sparsity = {c: mean(list(task_means(g, list(scores), c, idx, "sparsity").values())) for c in cs}
+        kv = {c: mean(list(task_means(g, list(scores), c, idx, "kv_read").values())) for c in cs}
+        if any(sparsity[c] is None for c in cs):
+            continue
+        rng = np.random.default_rng(seed)
+        full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
+        draws = [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
+        point = lossless_sparsity([(sparsity[c], normalised(scores, full, c)) for c in cs])
+        boot = [lossless_sparsity([(sparsity[c], normalised(scores, d, c)) for c in cs]) for d in draws]
+        at = [c for c in cs if sparsity[c] == point]
+        out.append({"method": m, "lossless": point, "lo": float(np.percentile(boot, 2.5)),
+                    "hi": float(np.percentile(boot, 97.5)), "kv_read": kv[at[0]] if at else None,
+                    "points": len(cs), "max_sparsity": max(sparsity[c] for c in cs),
+                    "n": sum(len(i) for i, _ in scores.values())})
+    return out
+
+
+def write_lossless(out: Path, rows, tasks) -> list[str]:
+    table = lossless_table(rows, tasks)
+    lines = ["## Lossless sparsity (mean normalised score >= 0.95 of dense), paired bootstrap 95 % interval", "",
+             "The highest measured sparsity up to which every point of the method keeps >= 0.95 of dense (mean over "
+             "tasks of score / dense score, on the samples that dense and every configuration of the method finished). "
+             "Interval: 2,000 bootstrap draws of the samples within each task, the same draw for dense and each "
+             "configuration of the method (paired). Only measured points count: "
+             "a method whose highest point is still lossless may go further.", "",
+             "| method | lossless sparsity | 95 % interval | KV read there | points | highest measured | samples |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for r in table:
+        lines.append(f"| {label(r['method'])} | {r['lossless']:.2f} | [{r['lo']:.2f}, {r['hi']:.2f}] | "
+                     f"{fmt(r['kv_read'], 1, 2)} | {r['points']} | {r['max_sparsity']:.2f} | {r['n']} |")
+    return lines
+
+
+def layer_disagreement(rows) -> list[str]:
+    """Per layer, for tracked runs: QAdA against the oracle on the same queries (TP/FP/TN/FN, positive = local,
+    and Cohen's kappa), and the Gaussian log-mass estimate against the true bulk mass: mean |error| and mean signed
+    error (estimate - truth; negative = bulk underestimated, so heads wrongly local). With the moments the run used,
+    and, where recorded, with the exact moments of the prompt's bulk at that step: the gap between the two says
+    how much of the error is the moments and how much the Gaussian shape."""
+    tracked = [r for r in rows if "oracle_freq" in r and r.get("steps")]
+    if not tracked:
+        return []
+    lines = ["| layer | TP | FP | TN | FN | kappa | oracle long | QAdA long | abs log err | signed | abs err, exact moments | signed, exact |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    w = np.array([r["steps"] for r in tracked], dtype=float)
+    stack = lambda key: np.array([r[key] for r in tracked], dtype=float)  # noqa: E731  (runs, L, H)
+    q, o, b = stack("local_freq"), stack("oracle_freq"), stack("both_freq")
+    tp, fp, fn = b, q - b, o - b
+    tn = 1 - q - o + b
+    L = q.shape[1]
+    for layer in range(L):
+        avg = lambda x: float((x[:, layer].mean(-1) * w).sum() / w.sum())  # noqa: E731
+        TP, FP, TN, FN = avg(tp), avg(fp), avg(tn), avg(fn)
+        po, pe = TP + TN, (TP + FP) * (TP + FN) + (TN + FN) * (TN + FP)
+        kappa = (po - pe) / (1 - pe) if pe < 1 else float("nan")
+        cells = [f"{x:.2f}" for x in (TP, FP, TN, FN)] + [f"{kappa:.2f}", f"{FP + TN:.2f}", f"{FN + TN:.2f}"]
+        for key in ("log_err", "log_bias", "log_err_exact", "log_bias_exact"):
+            have = [r for r in tracked if key in r]
+            cells.append(f"{np.mean([np.mean(r[key][layer]) for r in have]):.2f}" if have else "–")
+        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Analysis tables
 
 
@@ -281,7 +399,11 @@ def log_error_table(rows, oracle_freq_rank) -> list[str]:
 def write_analysis(out: Path, rows, tasks, cur):
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
-    lines = [f"# Analysis of {out.name}", ""]
+    lines = [f"# Analysis of {out.name}", ""] + write_lossless(out, rows, tasks) + [""]
+    per_layer = layer_disagreement([r for r in task_rows if r["config"] == f"qada_rw@{MAIN_TAU:g}"])
+    if per_layer:
+        lines += [f"## Why QAdA and the oracle disagree, per layer (qada_rw@{MAIN_TAU:g}, tracked runs)", "",
+                  layer_disagreement.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + per_layer + [""]
     # agreement, App. C
     main = f"qada_rw@{MAIN_TAU:g}"
     tracked = [r for r in task_rows if r["config"] == main and "oracle_freq" in r]
@@ -572,14 +694,40 @@ def dense_table(root: str | Path) -> str:
     return text
 
 
+def compare_runs(a: str | Path, b: str | Path) -> str:
+    """Markdown: the records two run folders share (same task, sample and configuration, e.g. one run in fp32 and
+    one in bf16): how often the answers are identical and the scores equal, and how far sparsity and each head's
+    local frequency move."""
+    ra = {(r["task"], r["index"], r["config"]): r for r in read_records(a)}
+    rb = {(r["task"], r["index"], r["config"]): r for r in read_records(b)}
+    lines = [f"# {Path(a).name} vs {Path(b).name}", "", f"`python report.py {a} --compare {b}`", "",
+             "| config | records | identical answers | equal scores | mean abs. sparsity diff | mean abs. head-frequency diff |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for c in sorted({k[2] for k in ra.keys() & rb.keys()}, key=config_sort_key):
+        keys = [k for k in ra.keys() & rb.keys() if k[2] == c]
+        same = sum(ra[k]["pred"] == rb[k]["pred"] for k in keys)
+        score = sum(ra[k]["score"] == rb[k]["score"] for k in keys)
+        sp = [abs(ra[k]["sparsity"] - rb[k]["sparsity"]) for k in keys
+              if ra[k]["sparsity"] is not None and rb[k]["sparsity"] is not None]
+        fq = [float(np.abs(np.array(ra[k]["local_freq"]) - np.array(rb[k]["local_freq"])).mean()) for k in keys
+              if ra[k].get("local_freq") and rb[k].get("local_freq")]
+        lines.append(f"| {c} | {len(keys)} | {same}/{len(keys)} | {score}/{len(keys)} | {fmt(mean(sp), 1, 4)} | "
+                     f"{fmt(mean(fq), 1, 4)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="run folder of eval.py (with --dense-table: a folder of run folders)")
     p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's)")
     p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
                    "under OUT (a pilot over models and lengths), written to OUT/dense.md")
+    p.add_argument("--compare", default=None, metavar="OTHER", help="compare the records of OUT with those of the run "
+                   "folder OTHER (e.g. fp32 against bf16)")
     a = p.parse_args(argv)
-    if a.dense_table:
+    if a.compare:
+        print(compare_runs(a.out, a.compare))
+    elif a.dense_table:
         print(dense_table(a.out))
     else:
         report(a.out, a.tasks.split(",") if a.tasks else None)
