@@ -36,18 +36,35 @@ QAdA-vs-oracle agreement (appendix C) and the Gaussian log-mass error (Table 2).
 One JSON line per (sample, method, threshold) is appended to OUT/samples.jsonl as soon as it is decoded; a
 restart skips what is there, so an interrupted run resumes where it stopped. report.py turns the lines
 into tables and plots (run at the end, or any time on a partial run).
+
+Several processes, one per GPU (or per CPU core), through torch.distributed:
+
+    torchrun --standalone --nproc-per-node 8 eval.py --tasks ... --out results/ruler-4k
+
+Each rank loads the model on its own device (cuda:LOCAL_RANK; process group nccl on CUDA, gloo on CPU), runs
+its share of the samples and appends its records to OUT/samples.RANK.jsonl, so a restart resumes every rank's
+records. The share: when the grid holds a configuration with "own-task" labels (static_oracle), whole tasks
+per rank, because sample i of a task reads the oracle records of the task's samples 0 .. i-1 (own_task_freq);
+otherwise the (task, sample) jobs round-robin, so 8 ranks stay busy with 6 tasks. Rank 0 loads first (a model
+conversion, the calibration files, run.json: shared files written once) while the others wait; at the end it
+waits for every rank, merges the rank files into OUT/samples.jsonl in the order one process writes it, and
+writes run.json and the report. The progress bar is rank 0's share.
 """
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import calibrate
@@ -55,7 +72,7 @@ from attention import PATHS, HeadStats, SparseAttention, build_attention, path_i
 from checkpoints import load
 from criterion import static_labels
 from moments import ReferenceKeys, reference_words
-from report import read_records, report
+from report import read_records, report, result_files
 from tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -170,9 +187,13 @@ def head_stats(stats, n_kv_heads: int, n_local: int) -> dict:
         out["oracle_freq"] = r4(oracle.float().mean(0))
         out["both_freq"] = r4((labels & oracle).float().mean(0))
         out["oracle_step_sparsity"] = [round(x, 4) for x in oracle.float().mean((1, 2)).tolist()]
-        lm = torch.stack([torch.stack(step) for step in stats.log_masses]).cpu()  # (S, L, 3, H)
-        log_local, log_bulk, log_gauss = lm[:, :, 0], lm[:, :, 1], lm[:, :, 2]
-        for name, d in (("log_err", (log_bulk - log_gauss).abs()), ("dist_local", (log_bulk - log_local).abs())):
+        lm = torch.stack([torch.stack(step) for step in stats.log_masses]).cpu()  # (S, L, 4, H): oracle_view's
+        log_local, log_bulk, log_gauss, log_exact = lm[:, :, 0], lm[:, :, 1], lm[:, :, 2], lm[:, :, 3]
+        # Table 2's |error| of the Gaussian bulk estimate, its sign (negative: bulk underestimated, heads wrongly
+        # local), and both again with the exact moments of the step's bulk keys (moments vs Gaussian shape).
+        for name, d in (("log_err", (log_gauss - log_bulk).abs()), ("log_bias", log_gauss - log_bulk),
+                        ("log_err_exact", (log_exact - log_bulk).abs()), ("log_bias_exact", log_exact - log_bulk),
+                        ("dist_local", (log_bulk - log_local).abs())):
             ok = torch.isfinite(d)
             mean = torch.where(ok, d, 0).sum(0) / ok.sum(0).clamp(min=1)  # (L, H), over steps
             out[name] = r4(mean)
@@ -376,6 +397,93 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
     return written
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Several processes: --shard by hand, or torchrun
+
+
+def split(jobs, tasks: list[str], k: int, n: int, by_task: bool) -> list:
+    """Process k's share of `jobs` out of n: every n-th task (the context-free samples count as one more task),
+    so a task's static-oracle labels see its earlier samples; or, when `by_task` is False, every n-th job."""
+    if not by_task:
+        return jobs[k::n]
+    mine = set((tasks + [CTXFREE])[k::n])
+    return [j for j in jobs if j[0] in mine]
+
+
+def merge(out: Path, jobs) -> Path:
+    """Every record of OUT/samples*.jsonl into OUT/samples.jsonl, in the order one process writes them (`jobs`'
+    order, a sample's records in configuration order; records outside `jobs`, from earlier runs, first), each
+    (task, index, config) once; then the rank files are removed. The new file is renamed into place, so a kill
+    leaves the old files or the merged one (and rank files that the next merge skips as duplicates)."""
+    position = {}
+    for task, index, cfgs in jobs:
+        for c in cfgs:
+            position.setdefault((task, index, c.key), len(position))
+    records = {}
+    for r in read_records(out):  # samples.jsonl and every samples.R.jsonl; torn lines are skipped
+        records.setdefault((r["task"], r["index"], r["config"]), r)
+    ordered = sorted(records.values(), key=lambda r: position.get((r["task"], r["index"], r["config"]), -1))
+    path = out / "samples.jsonl"
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in ordered))
+    os.replace(tmp, path)
+    for p in result_files(out):
+        if p != path:
+            p.unlink()
+    return path
+
+
+def rank_lines(out: Path, world: int) -> list[int]:
+    """Lines in each rank's file OUT/samples.R.jsonl, a torn one included."""
+    paths = [out / f"samples.{r}.jsonl" for r in range(world)]
+    return [len(p.read_bytes().splitlines()) if p.is_file() else 0 for p in paths]
+
+
+def pick_device(device: str | None) -> str:
+    """--device checked: cpu, cuda or cuda:N. The default is cuda if available (cuda:LOCAL_RANK under torchrun),
+    else cpu; a bare "cuda" under torchrun is cuda:LOCAL_RANK too, so the ranks do not share one GPU."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"--device takes cpu, cuda or cuda:N; got {device!r}")
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA (torch {torch.__version__})")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+@contextmanager
+def process_group(device: str):
+    """torch.distributed's default group while the block runs, when torchrun started more than one process (nccl
+    for a CUDA device, gloo for the CPU); nothing otherwise. A rank with a small share waits for the slowest at
+    the end of the sweep, hence the long timeout."""
+    started = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if started:
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(days=7),
+                                device_id=torch.device(device) if cuda else None)
+    try:
+        yield
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+@contextmanager
+def rank_zero_first(rank: int, world: int):
+    """Rank 0 runs the block before the other ranks do: what it writes to shared caches (a converted model, the
+    calibration files, run.json), they then read instead of writing it at the same time."""
+    if world > 1 and rank > 0:
+        dist.barrier()
+    yield
+    if world > 1 and rank == 0:
+        dist.barrier()
+
+
 QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, taus="0.6,0.9", grid=["oracle=0.6", "qada_prompt=0.6"],
              sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1, calib_samples=1)
 
@@ -385,9 +493,13 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
         calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, dtype: str,
         threads: int | None, quick: bool = False, shard: str = "0/1", batch: int = 32, report_at_end: bool = True,
-        progress: bool = True) -> Path:
+        progress: bool = True, device: str | None = None) -> Path:
     if threads:
         torch.set_num_threads(threads)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if world > 1 and shard != "0/1":
+        raise ValueError("--shard splits a sweep by hand; under torchrun the ranks split it, so leave --shard out")
+    progress = progress and rank == 0  # one progress bar: rank 0's share
     out = Path(out)
     task_list = [t for t in tasks.split(",") if t]
     if batch < 1:
@@ -403,35 +515,49 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                     calib_seed=calib_seed, dtype=dtype)
     out.mkdir(parents=True, exist_ok=True)
     meta = out / "run.json"
-    if meta.is_file():  # resuming: refuse to mix runs with different settings in one file
-        old = dict({"dtype": "float32"}, **json.loads(meta.read_text())["settings"])  # runs before --dtype were fp32
-        clash = {k: (old.get(k), v) for k, v in settings.items() if k != "tasks" and old.get(k) != v}
-        if clash:
-            raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
-        settings["tasks"] = list(dict.fromkeys(old["tasks"] + task_list))
-    info = json.loads(meta.read_text()) if meta.is_file() else {"sessions": []}
-    info["settings"] = settings
-    meta.write_text(json.dumps(info, indent=1))  # now, so that a partial run describes itself
-
     t_start = time.perf_counter()
-    net, tok = load(model, dtype=DTYPES[dtype], progress=progress)
-    labels_dir = Path(static_labels) if static_labels else out / "static_labels"
-    resources = load_resources(net, tok, task_list, configs + abl + (ctxfree if ctxfree_samples else []), labels_dir,
-                               dict(length=length, samples=calib_samples, seed=calib_seed,
-                                    max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local,
-                                    ruler_tasks=static_tasks.split(",") if static_tasks else None), progress)
+    with rank_zero_first(rank, world):
+        if rank == 0:
+            if meta.is_file():  # resuming: refuse to mix runs with different settings in one file
+                old = dict({"dtype": "float32"}, **json.loads(meta.read_text())["settings"])  # before --dtype: fp32
+                clash = {k: (old.get(k), v) for k, v in settings.items() if k != "tasks" and old.get(k) != v}
+                if clash:
+                    raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
+                settings["tasks"] = list(dict.fromkeys(old["tasks"] + task_list))
+            info = json.loads(meta.read_text()) if meta.is_file() else {"sessions": []}
+            info["settings"] = settings
+            meta.write_text(json.dumps(info, indent=1))  # now, so that a partial run describes itself
+            before = rank_lines(out, world) if world > 1 else []  # lines a killed session left in rank files
+        net, tok = load(model, device=device, dtype=DTYPES[dtype], progress=progress)
+        labels_dir = Path(static_labels) if static_labels else out / "static_labels"
+        resources = load_resources(net, tok, task_list, configs + abl + (ctxfree if ctxfree_samples else []),
+                                   labels_dir, dict(length=length, samples=calib_samples, seed=calib_seed,
+                                                    max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local,
+                                                    ruler_tasks=static_tasks.split(",") if static_tasks else None),
+                                   progress)
     jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)
-    k, n_shards = (int(x) for x in shard.split("/"))
-    path = out / "samples.jsonl"
-    if n_shards > 1:  # a task's samples stay in one process, so its static-oracle labels see its earlier samples
-        mine = set(task_list[k::n_shards]) | ({CTXFREE} if k == 0 else set())
-        jobs = [j for j in jobs if j[0] in mine]
-        path = out / f"samples.{k}.jsonl"
-    n = sweep(net, tok, out, jobs, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress, path,
-              batch)
+    k, n_shards = (rank, world) if world > 1 else (int(x) for x in shard.split("/"))
+    mine, path = jobs, out / "samples.jsonl"
+    if n_shards > 1:  # whole tasks when a configuration reads its own task's earlier samples (and under --shard)
+        by_task = world == 1 or any(variant(c.method)[1] == "own-task" for c in configs + abl)
+        mine, path = split(jobs, task_list, k, n_shards, by_task), out / f"samples.{k}.jsonl"
+    n = sweep(net, tok, out, mine, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress,
+              path, batch)
+    if world > 1:
+        # Every rank's share is done once all have reached the barrier; then rank 0 alone goes on. No all_reduce of
+        # the counts: gloo's worker thread may free a collective's Python tensor while a rank that returned at once
+        # is already exiting, which aborts that rank (1 run in ~20 here); a barrier has no Python tensor.
+        dist.barrier()
+        if rank > 0:
+            return out
+        per_rank = [a - b for a, b in zip(rank_lines(out, world), before)]
+        n, path = sum(per_rank), merge(out, jobs)
     wall = time.perf_counter() - t_start
-    info["sessions"].append({"command": " ".join(sys.argv), "lines_written": n, "wall_s": round(wall, 1),
-                             "threads": torch.get_num_threads(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    session = {"command": " ".join(sys.argv), "lines_written": n, "wall_s": round(wall, 1),
+               "threads": torch.get_num_threads(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if world > 1:
+        session.update(ranks=world, device=str(net.device), lines_per_rank=per_rank)
+    info["sessions"].append(session)
     meta.write_text(json.dumps(info, indent=1))
     print(f"{n} runs written to {path} in {wall / 60:.1f} min")
     if report_at_end:
@@ -476,8 +602,13 @@ def main(argv=None) -> int:
                    "(default: smollm2-135m)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--shard", default="0/1", help="K/N: this process runs every N-th task (from the K-th) and writes "
-                   "OUT/samples.K.jsonl; start N processes (e.g. with --threads 1 each) to use N cores")
+    p.add_argument("--shard", default="0/1", help="K/N: this process runs every N-th task (from the K-th; the "
+                   "context-free samples count as one more task) and writes OUT/samples.K.jsonl; start N processes "
+                   "(e.g. with --threads 1 each) to use N cores. Under torchrun the ranks split the sweep instead: "
+                   "whole tasks when static_oracle (own-task labels) is in the grid, else samples round-robin; rank 0 "
+                   "merges their files into samples.jsonl")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, cuda:LOCAL_RANK "
+                   "under torchrun; else cpu)")
     p.add_argument("--batch", type=int, default=32, help="configurations of a sample decoded side by side as one "
                    "batch (memory: one copy of the prompt's KV cache per row)")
     p.add_argument("--quick", action="store_true", help=f"smoke run (~10 min): {QUICK}")
@@ -489,7 +620,9 @@ def main(argv=None) -> int:
             if k not in given:
                 setattr(args, k, v)
     try:
-        run(**vars(args), progress=sys.stderr.isatty() or True)
+        args.device = pick_device(args.device)
+        with process_group(args.device):
+            run(**vars(args), progress=sys.stderr.isatty() or True)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -218,7 +218,23 @@ def test_records_carry_the_statistics(tiny, resources, monkeypatch):
     close(qada["oracle_freq"], oracle.double().mean(0), 1e-4)
     close(qada["both_freq"], (labels & oracle).double().mean(0), 1e-4)
     close(qada["log_err"], (log_bulk - log_gauss).abs().mean(0), 2e-4)
+    close(qada["log_bias"], (log_gauss - log_bulk).mean(0), 2e-4)
     close(qada["dist_local"], (log_bulk - log_local).abs().mean(0), 2e-4)
+    # the same Gaussian estimate from the exact moments of each step's bulk keys (torch.cov in float64)
+    exact = []
+    for step in [built[0].calls[i:i + L] for i in range(0, len(built[0].calls), L)]:
+        per_layer = []
+        for layer, q, k in step:
+            T = k.shape[1]
+            bulk = k[:, N_SINK:T - (N_LOCAL - N_SINK)].double()  # (Hkv, N, D)
+            mean = bulk.mean(1)
+            cov = torch.stack([torch.cov(b.T, correction=0) for b in bulk])
+            per_layer.append(brute_force(q, k, 0.5, mean, cov)[4])
+        exact.append(torch.stack(per_layer))
+    exact = torch.stack(exact)  # (S, L, H)
+    close(qada["log_err_exact"], (exact - log_bulk).abs().mean(0), 2e-4)
+    close(qada["log_bias_exact"], (exact - log_bulk).mean(0), 2e-4)
+    assert (exact - log_gauss).abs().max() > 1e-2  # the reference prompt's moments are not the prompt's own
 
 
 def test_a_configuration_is_a_path_and_a_source():
