@@ -16,6 +16,7 @@ Labels are data: boolean tensors, True = local.
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -122,8 +123,12 @@ def static_labels(local_freq: torch.Tensor, sparsity: float) -> torch.Tensor:
 
 
 def save_labels(path: str | Path, local_freq: torch.Tensor, settings: dict) -> None:
-    """Save oracle local frequencies (L, H) with the settings that produced them, as JSON."""
-    Path(path).write_text(json.dumps({"settings": settings, "local_freq": local_freq.tolist()}, indent=1))
+    """Save oracle local frequencies (L, H) with the settings that produced them, as JSON. Written to a temporary
+    file and renamed, so that a reader (another rank of a torchrun sweep) never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"settings": settings, "local_freq": local_freq.tolist()}, indent=1))
+    os.replace(tmp, path)
 
 
 def load_labels(path: str | Path, sparsity: float) -> tuple[torch.Tensor, dict]:
