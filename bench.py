@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 
 import attention
-from attention import SparseAttention, keyword_inputs
+from attention import build_attention, keyword_inputs
 from checkpoints import load
 from criterion import qada_labels
 from model import KVCache, LlamaConfig
@@ -331,9 +331,12 @@ def bench_end_to_end(lengths, repeats: int, n_new: int, device: torch.device, ro
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         prefill_s = time.perf_counter() - t0
+        def build(method):  # through the one builder, for the prompt (the cache rolled back to it)
+            cache.length = n
+            return build_attention(method, cache, tau=TAU, reference=reference, n_sink=N_SINK, n_local=N_LOCAL)
+
         make = {"dense": lambda: sdpa_gqa_decode, "packed": lambda: None,  # None: the model's own (packed) dense
-                "qada": lambda: SparseAttention("qada", TAU, N_SINK, N_LOCAL, moments=reference.for_prompt(n)),
-                "local": lambda: SparseAttention("local", TAU, N_SINK, N_LOCAL)}
+                "qada": lambda: build("qada"), "local": lambda: build("local")}
         # The answer, untimed (and a warm-up): does each method still find the needle?
         found = {name: value in tok.decode(decode_timed(model, cache, n, logits, NEEDLE_TOKENS, make[name]())[1])
                  for name in make}
