@@ -59,11 +59,13 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def make_attention(model, tokenizer, cache, method: str, tau: float, moments: str, n_sink: int, n_local: int,
-                   static_labels: str | None, static_sparsity: float, progress: bool = True):
-    """generate's sources for what the path reads: Option 2's reference keys and a static labels file."""
+                   static_labels: str | None, static_sparsity: float, max_context: int | None = None,
+                   progress: bool = True):
+    """generate's sources for what the path reads: Option 2's reference keys (as long as the context allowed)
+    and a static labels file."""
     inputs = path_inputs(method)
     words = reference_words(moments) if "moments" in inputs else None
-    reference = ReferenceKeys(model, tokenizer, words, progress=progress) if words else None
+    reference = ReferenceKeys(model, tokenizer, words, n_max=max_context, progress=progress) if words else None
     static_local = None
     if "static_local" in inputs:
         static_local, _ = load_labels(static_labels, static_sparsity)
@@ -133,7 +135,7 @@ def run(prompt: str, model: str | None = None, max_new_tokens: int = 64, chat: b
     prefill_s = time.perf_counter() - t0
 
     attention = make_attention(net, tok, cache, method, tau, moments, n_sink, n_local, static_labels,
-                               static_sparsity, progress)
+                               static_sparsity, max_context, progress)
     generator = torch.Generator(device).manual_seed(seed)
     t0 = time.perf_counter()
     new = decode(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator, progress)
