@@ -297,29 +297,36 @@ def layer_disagreement(rows) -> list[str]:
     and Cohen's kappa), and the Gaussian log-mass estimate against the true bulk mass: mean |error| and mean signed
     error (estimate - truth; negative = bulk underestimated, so heads wrongly local). With the moments the run used,
     and, where recorded, with the exact moments of the prompt's bulk at that step: the gap between the two says
-    how much of the error is the moments and how much the Gaussian shape."""
+    how much of the error is the moments and how much the Gaussian shape. Every figure is a mean over (step, head),
+    runs weighted by their steps; the last rows group layer 0 and the thirds of the other layers."""
     tracked = [r for r in rows if "oracle_freq" in r and r.get("steps")]
     if not tracked:
         return []
-    lines = ["| layer | TP | FP | TN | FN | kappa | oracle long | QAdA long | abs log err | signed | abs err, exact moments | signed, exact |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     w = np.array([r["steps"] for r in tracked], dtype=float)
-    stack = lambda key: np.array([r[key] for r in tracked], dtype=float)  # noqa: E731  (runs, L, H)
-    q, o, b = stack("local_freq"), stack("oracle_freq"), stack("both_freq")
-    tp, fp, fn = b, q - b, o - b
-    tn = 1 - q - o + b
-    L = q.shape[1]
-    for layer in range(L):
-        avg = lambda x: float((x[:, layer].mean(-1) * w).sum() / w.sum())  # noqa: E731
-        TP, FP, TN, FN = avg(tp), avg(fp), avg(tn), avg(fn)
+    L = len(tracked[0]["oracle_freq"])
+
+    def row(name: str, layers: list[int]) -> str:
+        def avg(key: str, f=lambda x: x) -> float | None:
+            if not all(key in r for r in tracked):
+                return None
+            per_run = np.array([np.mean(f(np.array(r[key], dtype=float)[layers])) for r in tracked])
+            return float((per_run * w).sum() / w.sum())
+        q, o, b = avg("local_freq"), avg("oracle_freq"), avg("both_freq")
+        TP, FP, FN = b, q - b, o - b
+        TN = 1 - q - o + b
         po, pe = TP + TN, (TP + FP) * (TP + FN) + (TN + FN) * (TN + FP)
         kappa = (po - pe) / (1 - pe) if pe < 1 else float("nan")
-        cells = [f"{x:.2f}" for x in (TP, FP, TN, FN)] + [f"{kappa:.2f}", f"{FP + TN:.2f}", f"{FN + TN:.2f}"]
-        for key in ("log_err", "log_bias", "log_err_exact", "log_bias_exact"):
-            have = [r for r in tracked if key in r]
-            cells.append(f"{np.mean([np.mean(r[key][layer]) for r in have]):.2f}" if have else "–")
-        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
-    return lines
+        cells = [f"{x:.2f}" for x in (TP, FP, TN, FN, kappa, FP + TN, FN + TN)]
+        cells += [fmt(avg(k), 1, 2) for k in ("log_err", "log_bias", "log_err_exact", "log_bias_exact")]
+        return f"| {name} | " + " | ".join(cells) + " |"
+
+    lines = ["| layer | TP | FP | TN | FN | kappa | oracle long | QAdA long | abs log err | signed | abs err, exact moments | signed, exact |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [row(str(layer), [layer]) for layer in range(L)]
+    third = (L - 1) / 3
+    groups = [("**layer 0**", [0])] + [(f"**layers {lo}-{hi - 1}**", list(range(lo, hi))) for lo, hi in
+                                        [(1, 1 + round(third)), (1 + round(third), 1 + round(2 * third)), (1 + round(2 * third), L)]]
+    return lines + [row(name, layers) for name, layers in groups if layers]
 
 
 # ---------------------------------------------------------------------------------------------------------
