@@ -595,9 +595,10 @@ def main(argv=None) -> int:
     p.add_argument("--calib-seed", type=int, default=1, help="task seed of the calibration prompts (not --seed)")
     p.add_argument("--calib-max-new-tokens", type=int, default=24, help="oracle decode steps per calibration prompt")
     p.add_argument("--seed", type=int, default=42, help="task seed of the evaluated prompts (RULER's)")
-    p.add_argument("--stop", default="sentence", choices=["sentence", "eos"],
-                   help="end an answer at EOS / max new tokens only (eos, RULER's rule), or also once it loops or, for "
-                        "niah, fwe and qa, once its sentence has ended (sentence; see answer_finished)")
+    p.add_argument("--stop", default="eos", choices=["eos", "sentence"],
+                   help="end an answer at EOS / max new tokens only (eos, RULER's rule: the headline numbers), or also "
+                        "once it loops or, for niah, fwe and qa, once its sentence has ended (sentence, cheaper; the "
+                        "SmolLM2 sweeps used it; see answer_finished)")
     p.add_argument("--sink", dest="n_sink", type=int, default=16, help="sink tokens")
     p.add_argument("--window", dest="n_local", type=int, default=128, help="local window, sinks included")
     p.add_argument("--model", default=None, help="a named offline model (checkpoints.py), a model folder or a hub id "
