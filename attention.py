@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from criterion import (check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels, window_mask,
                        window_slices)
-from moments import KeyMoments, ReferenceKeys, make_moments, mean_cov
+from moments import KeyMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
@@ -285,7 +285,7 @@ class SparseAttention:
         T = k.shape[1]
         log_gauss = log_exact = torch.full_like(log_local, math.nan)
         if T > self.n_local:
-            bulk = k[:, self.n_sink:T - (self.n_local - self.n_sink)]  # (Hkv, T - n_local, D)
+            bulk = k[:, self.n_sink:bulk_end(T, self.n_sink, self.n_local)]  # (Hkv, T - n_local, D)
             log_exact = gaussian_log_bulk(q, *mean_cov(bulk), T - self.n_local)
             if self.moments is not None:
                 log_gauss = gaussian_log_bulk(q, *self.moments.mean_cov(layer, k), T - self.n_local)

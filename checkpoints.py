@@ -151,9 +151,7 @@ def load(name: str | None = None, device=None, dtype=torch.float32, rope_theta: 
          progress: bool = True) -> tuple[Llama, Tokenizer]:
     """The model and tokenizer of `name` (see resolve)."""
     folder = resolve(name, progress)
-    model = load_model(folder, device, dtype, rope_theta)
-    model.model_dir = folder
-    return model, Tokenizer.from_dir(folder)
+    return load_model(folder, device, dtype, rope_theta), Tokenizer.from_dir(folder)  # the model knows its folder
 
 
 def main(argv=None) -> int:

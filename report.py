@@ -302,22 +302,21 @@ def layer_disagreement(rows) -> list[str]:
     tracked = [r for r in rows if "oracle_freq" in r and r.get("steps")]
     if not tracked:
         return []
+    S, q, o, b = head_counts(tracked)  # (L, H) step-weighted counts
     w = np.array([r["steps"] for r in tracked], dtype=float)
-    L = len(tracked[0]["oracle_freq"])
+    L = q.shape[0]
 
     def row(name: str, layers: list[int]) -> str:
-        def avg(key: str, f=lambda x: x) -> float | None:
+        def log_error(key: str) -> float | None:
             if not all(key in r for r in tracked):
                 return None
-            per_run = np.array([np.mean(f(np.array(r[key], dtype=float)[layers])) for r in tracked])
+            per_run = np.array([np.mean(np.array(r[key], dtype=float)[layers]) for r in tracked])
             return float((per_run * w).sum() / w.sum())
-        q, o, b = avg("local_freq"), avg("oracle_freq"), avg("both_freq")
-        TP, FP, FN = b, q - b, o - b
-        TN = 1 - q - o + b
+        TP, FP, TN, FN = confusion(q[layers].sum(), o[layers].sum(), b[layers].sum(), S * q[layers].size)
         po, pe = TP + TN, (TP + FP) * (TP + FN) + (TN + FN) * (TN + FP)
         kappa = (po - pe) / (1 - pe) if pe < 1 else float("nan")
         cells = [f"{x:.2f}" for x in (TP, FP, TN, FN, kappa, FP + TN, FN + TN)]
-        cells += [fmt(avg(k), 1, 2) for k in ("log_err", "log_bias", "log_err_exact", "log_bias_exact")]
+        cells += [fmt(log_error(k), 1, 2) for k in ("log_err", "log_bias", "log_err_exact", "log_bias_exact")]
         return f"| {name} | " + " | ".join(cells) + " |"
 
     lines = ["| layer | TP | FP | TN | FN | kappa | oracle long | QAdA long | abs log err | signed | abs err, exact moments | signed, exact |",
@@ -345,6 +344,13 @@ def head_counts(rows):
     return S, q, o, b
 
 
+def confusion(q: float, o: float, b: float, n: float) -> tuple[float, float, float, float]:
+    """TP, FP, TN, FN as fractions of n (step, head) pairs (positive = local), from head_counts' sums over them:
+    QAdA local q, oracle local o, both local b."""
+    tp, fp, fn = b / n, (q - b) / n, (o - b) / n
+    return tp, fp, max(1 - tp - fp - fn, 0.0), fn  # the clamp: float round-off of step-weighted frequencies
+
+
 def agreement_by_decile(rows) -> list[str]:
     S, q, o, b = head_counts(rows)
     if not S:
@@ -352,15 +358,12 @@ def agreement_by_decile(rows) -> list[str]:
     order = np.argsort(-(o / S).ravel(), kind="stable")  # heads most often local (oracle) first
     lines = ["| head decile (by oracle local freq.) | oracle local freq. | TP | FP | TN | FN | accuracy |", "|---|---|---|---|---|---|---|"]
     for d, chunk in enumerate(np.array_split(order, 10)):
-        qq, oo, bb = q.ravel()[chunk].sum(), o.ravel()[chunk].sum(), b.ravel()[chunk].sum()
         n = S * len(chunk)
-        tp, fp, fn = bb, qq - bb, oo - bb
-        tn = max(n - tp - fp - fn, 0.0)  # float round-off of the step-weighted frequencies
-        lines.append(f"| {10 * d}-{10 * d + 10}% | {oo / n:.2f} | {tp / n:.3f} | {fp / n:.3f} | {tn / n:.3f} | {fn / n:.3f} | {(tp + tn) / n:.3f} |")
-    tp, fp, fn = b.sum(), q.sum() - b.sum(), o.sum() - b.sum()
-    tn = S * q.size - tp - fp - fn
+        tp, fp, tn, fn = confusion(q.ravel()[chunk].sum(), o.ravel()[chunk].sum(), b.ravel()[chunk].sum(), n)
+        lines.append(f"| {10 * d}-{10 * d + 10}% | {o.ravel()[chunk].sum() / n:.2f} | {tp:.3f} | {fp:.3f} | {tn:.3f} | {fn:.3f} | {tp + tn:.3f} |")
     n = S * q.size
-    lines.append(f"| all | {o.sum() / n:.2f} | {tp / n:.3f} | {fp / n:.3f} | {tn / n:.3f} | {fn / n:.3f} | {(tp + tn) / n:.3f} |")
+    tp, fp, tn, fn = confusion(q.sum(), o.sum(), b.sum(), n)
+    lines.append(f"| all | {o.sum() / n:.2f} | {tp:.3f} | {fp:.3f} | {tn:.3f} | {fn:.3f} | {tp + tn:.3f} |")
     return lines
 
 
