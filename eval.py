@@ -68,7 +68,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import calibrate
-from attention import PATHS, HeadStats, SparseAttention, build_attention, path_inputs, summarize
+from attention import PATHS, SparseAttention, build_attention, path_inputs, summarize
 from checkpoints import DEFAULT, load
 from criterion import static_labels
 from moments import ReferenceKeys, reference_words
