@@ -1,4 +1,5 @@
-"""Decode-time attention paths: dense, local, oracle, static and QAdA (paper sections 2-3, Listing 1).
+"""Decode-time attention paths: dense, local, oracle, static and QAdA (paper sections 2-3, Listing 1), and QAdA and
+the oracle decided per KV group (ours: criterion.group_labels).
 
 A path is one function `path(q, k, v, **inputs) -> (y, labels)` for one layer and one decoded token of
 batch size 1: q (H, D) is the rotated query, k and v (Hkv, T, D) are the layer's filled KV cache, y (H, D)
@@ -24,12 +25,13 @@ of its group needs it. `reference_attention` is the explicit fp32 computation th
 import inspect
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from criterion import (check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels, window_mask,
-                       window_slices)
+from criterion import (check_tau, gaussian_log_bulk, group_labels, oracle_labels, oracle_log_masses, qada_labels,
+                       qada_log_masses, window_mask, window_slices)
 from moments import KeyMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 
 
@@ -163,12 +165,35 @@ def qada(q, k, v, *, layer, n_sink, n_local, tau, moments):
     return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
 
 
-PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada}
+def oracle_kv(q, k, v, *, n_sink, n_local, tau, rule="mean"):
+    """The adaptive oracle per KV group (criterion.group_labels on the true masses): analysis, reads everything."""
+    labels = group_labels(*oracle_log_masses(all_scores(q, k), n_sink, n_local), tau, k.shape[0], rule)
+    return reference_attention(q, k, v, labels, n_sink, n_local).to(q.dtype), labels
+
+
+def qada_kv(q, k, v, *, layer, n_sink, n_local, tau, moments, rule="mean"):
+    """QAdA decided once per KV group (ours): Eq. 7's two log masses per query head, then criterion.group_labels;
+    a group labelled long-context reads its KV head once for all G query heads, a local group reads its window."""
+    y_window, window_scores = window_attention(q, k, v, n_sink, n_local)
+    T = k.shape[1]
+    if T <= n_local:
+        return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    log_masses = qada_log_masses(q, window_scores, moments.quadratic_form(layer, k), T - n_local)
+    labels = group_labels(*log_masses, tau, k.shape[0], rule)
+    return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
+
+
+# A parameter with a default is a path's own setting, fixed by its entry here (functools.partial), not an input.
+PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada,
+         "oracle_kv": oracle_kv, "qada_kv": qada_kv, "qada_kv_all": partial(qada_kv, rule="all")}
+# Paths that compute every score to find their labels: the KV-read fraction of those labels is implied, not saved.
+ANALYSIS_ONLY = ("oracle", "oracle_kv")
 
 
 def keyword_inputs(path) -> tuple[str, ...]:
-    """The keyword-only parameters of a path function: what it reads (see the top of this file)."""
-    return tuple(p.name for p in inspect.signature(path).parameters.values() if p.kind == p.KEYWORD_ONLY)
+    """The keyword-only parameters of a path function without a default: what it reads (see the top of this file)."""
+    return tuple(p.name for p in inspect.signature(path).parameters.values()
+                 if p.kind == p.KEYWORD_ONLY and p.default is p.empty)
 
 
 def path_inputs(method: str) -> tuple[str, ...]:

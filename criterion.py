@@ -11,6 +11,10 @@ mu_s = q mu_K / sqrt(d) and sigma_s^2 = q Sigma_K q^T / d (Eq. 6: the mean of ex
 Gaussian with mean mu_K and covariance Sigma_K). Everything is compared in log space, in fp32.
 The static rule (paper appendix A) labels a fixed set of (layer, head) pairs from oracle statistics.
 
+Per KV group (ours, beyond the paper): under grouped-query attention a KV head's cache is read whenever any
+of its G query heads is long-context, so `group_labels` decides once per KV head from the G shares, and every
+query head of the group follows (all local, or all reading the whole cache).
+
 Labels are data: boolean tensors, True = local.
 """
 
@@ -55,6 +59,33 @@ def share_rule(log_local: torch.Tensor, log_bulk: torch.Tensor, tau: float) -> t
     return (log_local - log_bulk) >= local_logit(tau)
 
 
+GROUP_RULES = ("all", "mean")
+
+
+def group_labels(log_local: torch.Tensor, log_bulk: torch.Tensor, tau: float, n_kv_heads: int, rule: str
+                 ) -> torch.Tensor:
+    """One decision per KV head for its G query heads, from their log masses (H,): (H,) bool, constant per group.
+
+    With share_h = A_local,h / (A_local,h + A_bulk,h), a group is local when
+        rule "all":   min_h share_h >= tau      every query head would be local on its own (share_rule)
+        rule "mean":  mean_h share_h >= tau     (1 / G) sum_h share_h >= tau
+    "all" reads exactly the KV entries that per-query-head labels read (a KV head is read unless all its query heads
+    are local) but then gives every head of a read group its full attention, at no extra read. "mean" bounds the
+    group's average error: head h's window-only output differs from its full output by
+    y_full - y_window = (1 - share_h) (y_bulk - y_window), so the group's mean error is at most
+    (1 - mean share) * max_h |y_bulk,h - y_window,h| <= (1 - tau) * that; one head far below tau can be carried
+    by the others, which is what lets a group skip its cache more often than "all"."""
+    H = log_local.shape[0]
+    if rule == "all":
+        group_local = share_rule(log_local, log_bulk, tau).view(n_kv_heads, -1).all(-1)  # (Hkv,)
+    elif rule == "mean":
+        share = torch.sigmoid(log_local - log_bulk)  # 1 when there is no bulk (log_bulk = -inf)
+        group_local = share.view(n_kv_heads, -1).mean(-1) >= tau  # (Hkv,)
+    else:
+        raise ValueError(f"unknown group rule {rule!r}; choose from {', '.join(GROUP_RULES)}")
+    return group_local.repeat_interleave(H // n_kv_heads)
+
+
 def oracle_log_masses(scores: torch.Tensor, n_sink: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """log A_local and log A_bulk (H,) from every score (H, T); bulk is -inf when T <= n_local."""
     scores = scores.float()
@@ -91,18 +122,24 @@ def gaussian_log_bulk(q: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, n_
     return gaussian_log_mass(qg, *gaussian_form(mean, cov), n_bulk).view(H)
 
 
+def qada_log_masses(q: torch.Tensor, window_scores: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor],
+                    n_bulk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 7's two log masses (H,): log A_local from the window scores (H, W), and the Gaussian estimate of
+    log A_bulk from the bulk keys' `gaussian_form` for the query q (H, D)."""
+    H, D = q.shape
+    A, b = form
+    log_local = window_scores.float().logsumexp(-1)  # (H,)
+    return log_local, gaussian_log_mass(q.float().view(A.shape[0], -1, D), A, b, n_bulk).view(H)
+
+
 def qada_labels(q: torch.Tensor, window_scores: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor],
                 T: int, n_local: int, tau: float) -> torch.Tensor:
     """Eq. 7 from the query (H, D), its window scores (H, W) and the bulk keys' `gaussian_form`: (H,) bool.
 
     A context no longer than the window has no bulk: every head is exact on its window, so local."""
-    H, D = q.shape
     if T <= n_local:
-        return torch.ones(H, dtype=torch.bool, device=q.device)
-    A, b = form
-    log_local = window_scores.float().logsumexp(-1)  # (H,)
-    log_bulk = gaussian_log_mass(q.float().view(A.shape[0], -1, D), A, b, T - n_local).view(H)
-    return share_rule(log_local, log_bulk, tau)
+        return torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    return share_rule(*qada_log_masses(q, window_scores, form, T - n_local), tau)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -110,10 +147,17 @@ def qada_labels(q: torch.Tensor, window_scores: torch.Tensor, form: tuple[torch.
 # the oracle on calibration prompts are local for every query.
 
 
-def static_labels(local_freq: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """(L, H) bool: the round(sparsity * L * H) pairs with the highest local frequency (L, H)."""
+def static_labels(local_freq: torch.Tensor, sparsity: float, n_kv_heads: int | None = None) -> torch.Tensor:
+    """(L, H) bool: the round(sparsity * L * H) pairs with the highest local frequency (L, H).
+
+    With n_kv_heads, whole KV groups instead (DuoAttention's granularity, so that head sparsity is read
+    bandwidth): the round(sparsity * L * Hkv) KV heads whose query heads have the highest mean local frequency."""
     if not 0.0 <= sparsity <= 1.0:
         raise ValueError(f"static sparsity must lie in [0, 1], got {sparsity}")
+    L, H = local_freq.shape
+    if n_kv_heads is not None:
+        group_freq = local_freq.float().view(L, n_kv_heads, H // n_kv_heads).mean(-1)  # (L, Hkv)
+        return static_labels(group_freq, sparsity).repeat_interleave(H // n_kv_heads, dim=1)
     n = round(sparsity * local_freq.numel())
     labels = torch.zeros(local_freq.numel(), dtype=torch.bool)
     # A stable sort on a fixed order makes ties reproducible.

@@ -68,7 +68,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import calibrate
-from attention import PATHS, SparseAttention, build_attention, path_inputs, summarize
+from attention import ANALYSIS_ONLY, PATHS, SparseAttention, build_attention, path_inputs, summarize
 from checkpoints import DEFAULT, load
 from criterion import static_labels
 from moments import ReferenceKeys, reference_words
@@ -80,11 +80,13 @@ CALIB_TAU = 0.6  # the oracle threshold whose head frequencies give the static l
 
 # The paper's configurations (section 4.1) as a path of attention.PATHS plus the source of what it reads:
 # moments.OPTIONS for a path that reads moments, "random", "calibrated" or "own-task" for one that reads
-# static labels. Any other name of PATHS runs as itself, with the default source.
+# static labels (with "-kv": whole KV groups by their query heads' mean frequency). Any other name of PATHS runs as itself, with the default source.
 VARIANTS = {
     "random": ("static", "random"),
     "static": ("static", "calibrated"),
     "static_oracle": ("static", "own-task"),
+    "static_kv": ("static", "calibrated-kv"),  # whole KV groups (DuoAttention's granularity)
+    "static_oracle_kv": ("static", "own-task-kv"),
     "qada_rw": ("qada", "random-words"),
     "qada_prompt": ("qada", "prompt"),
     "qada_prompt_online": ("qada", "prompt-online"),
@@ -92,7 +94,7 @@ VARIANTS = {
     "qada_long": ("qada", "random-words-full"),
 }
 DEFAULT_SOURCE = {"moments": "random-words", "static_local": "calibrated"}
-LABEL_SOURCES = ("random", "calibrated", "own-task")
+LABEL_SOURCES = ("random", "calibrated", "own-task", "calibrated-kv", "own-task-kv")
 
 
 def variant(name: str) -> tuple[str, str | None]:
@@ -217,8 +219,8 @@ def config_labels(cfg: Config, source: str, model, sample, resources: dict, seed
         return random_labels(L, H, cfg.threshold, seed=zlib.crc32(f"{seed}:{sample.task}:{sample.index}:{cfg.threshold}".encode()))
     if source not in LABEL_SOURCES:
         raise ValueError(f"unknown label source {source!r}; choose from {', '.join(LABEL_SOURCES)}")
-    freq = resources["static_freq"]["ruler"] if source == "calibrated" else own_task_freq(resources, sample)
-    return static_labels(freq, cfg.threshold)
+    freq = resources["static_freq"]["ruler"] if source.startswith("calibrated") else own_task_freq(resources, sample)
+    return static_labels(freq, cfg.threshold, model.cfg.num_key_value_heads if source.endswith("-kv") else None)
 
 
 def config_attention(cfg: Config, model, sample, cache, resources: dict, track: bool, seed: int, n_sink: int,
@@ -313,7 +315,7 @@ def run_configs(cfgs: list[Config], model, tok, sample, cache, logits, n_prompt:
                "n_prompt": n_prompt, "n_new": len(ids), "decode_s": round(decode_s, 2),
                "batch": len(cfgs), "score": score(sample, text) if sample.outputs else None, "pred": text}
         rec.update(head_stats(att.stats, model.cfg.num_key_value_heads, n_local))
-        if path == "oracle":  # its labels imply a KV-read fraction, but the path reads every entry to find them
+        if path in ANALYSIS_ONLY:  # its labels imply a KV-read fraction, but the path reads every entry to find them
             rec["kv_read_implied"] = True
         records.append(rec)
     return records
@@ -347,7 +349,7 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
     sources = {variant(c.method) for c in configs}
     words = {reference_words(src) for path, src in sources if "moments" in path_inputs(path)} - {None}
     res = {"reference": {w: ReferenceKeys(model, tok, w, progress=progress) for w in sorted(words)}, "oracle_freq": {}}
-    if any(src in ("calibrated", "own-task") for path, src in sources if "static_local" in path_inputs(path)):
+    if any(src != "random" for path, src in sources if "static_local" in path_inputs(path)):
         res["static_freq"] = calibrate.ensure(model, tok, tasks, static_labels_dir, **calibrate_kwargs)
     return res
 
@@ -541,7 +543,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     k, n_shards = (rank, world) if world > 1 else (int(x) for x in shard.split("/"))
     mine, path = jobs, out / "samples.jsonl"
     if n_shards > 1:  # whole tasks when a configuration reads its own task's earlier samples (and under --shard)
-        by_task = world == 1 or any(variant(c.method)[1] == "own-task" for c in configs + abl)
+        by_task = world == 1 or any(variant(c.method)[1] in ("own-task", "own-task-kv") for c in configs + abl)
         mine, path = split(jobs, task_list, k, n_shards, by_task), out / f"samples.{k}.jsonl"
     n = sweep(net, tok, out, mine, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress,
               path, batch)

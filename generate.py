@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from attention import PATHS, build_attention, path_inputs
+from attention import ANALYSIS_ONLY, PATHS, build_attention, path_inputs
 from checkpoints import DEFAULT, MODELS, load
 from criterion import check_tau, load_labels
 from moments import OPTIONS, ReferenceKeys, reference_words
@@ -162,7 +162,7 @@ def print_report(r: dict) -> None:
           + (f", {r['moments']} moments" if r["moments"] else "") + f" | {r['device']} {r['dtype']} | load {r['load_s']:.1f} s")
     print(f"prompt {r['prompt_tokens']} tokens, prefill {r['prefill_s']:.1f} s | decode {r['new_tokens']} tokens, "
           f"{r['decode_tok_s']:.1f} tok/s ({r['decode_ms_per_token']:.0f} ms/token) | peak memory {r['peak_memory_mb']} MB")
-    implied = " (implied by the labels; the oracle path itself reads every entry)" if r["method"] == "oracle" else ""
+    implied = " (implied by the labels; the oracle path itself reads every entry)" if r["method"] in ANALYSIS_ONLY else ""
     print(f"heads labelled local (sparsity) {sparsity} | KV entries read {kv}{implied}")
 
 

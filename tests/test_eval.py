@@ -62,7 +62,9 @@ def prefill(tiny, tok, length=400):
 
 CONFIGS = [ev.Config("dense"), ev.Config("local"), ev.Config("random", 0.5), ev.Config("static", 0.5),
            ev.Config("static_oracle", 0.8), ev.Config("oracle", 0.6), ev.Config("qada_rw", 0.6),
-           ev.Config("qada_prompt", 0.9), ev.Config("qada_word", 0.6), ev.Config("qada_long", 0.6)]
+           ev.Config("qada_prompt", 0.9), ev.Config("qada_word", 0.6), ev.Config("qada_long", 0.6),
+           ev.Config("static_oracle_kv", 0.5), ev.Config("oracle_kv", 0.6), ev.Config("qada_kv", 0.6),
+           ev.Config("qada_kv_all", 0.2)]
 
 
 @pytest.mark.parametrize("stop", ["eos", "sentence"])
@@ -243,6 +245,8 @@ def test_a_configuration_is_a_path_and_a_source():
     assert ev.variant("qada_prompt") == ("qada", "prompt") and ev.variant("static_oracle") == ("static", "own-task")
     assert ev.variant("qada") == ("qada", "random-words") and ev.variant("static") == ("static", "calibrated")
     assert ev.variant("dense") == ("dense", None) and ev.variant("oracle") == ("oracle", None)
+    assert ev.variant("static_kv") == ("static", "calibrated-kv") and ev.variant("qada_kv") == ("qada_kv", "random-words")
+    assert [ev.threshold_kind(m) for m in ("static_oracle_kv", "oracle_kv", "qada_kv_all")] == ["sparsity", "tau", "tau"]
     kinds = {m: ev.threshold_kind(m) for m in ("dense", "local", "oracle", "qada", "random", "qada_prompt_online")}
     assert kinds == {"dense": None, "local": None, "oracle": "tau", "qada": "tau", "random": "sparsity",
                      "qada_prompt_online": "tau"}
@@ -278,6 +282,29 @@ def test_static_oracle_uses_earlier_samples_only(resources):
     assert torch.equal(ev.own_task_freq(res, S), torch.ones(2, 4))  # only sample 0 of the same task
     S.index = 3
     assert torch.allclose(ev.own_task_freq(res, S), torch.full((2, 4), 3 / 8))  # step-weighted
+
+
+def test_kv_label_sources_take_whole_kv_groups(tiny, resources):
+    """static_kv and static_oracle_kv label whole KV groups, ranked by their query heads' mean frequency, at the
+    requested sparsity; the per-head variants at the same sparsity pick other heads."""
+    tok, res = resources
+    L, H, Hkv = tiny.cfg.num_hidden_layers, tiny.cfg.num_attention_heads, tiny.cfg.num_key_value_heads
+    G = H // Hkv
+    gen = torch.Generator().manual_seed(0)  # frequencies in no order, so heads and groups rank differently
+    res = dict(res, static_freq={"ruler": torch.rand(L, H, generator=gen), "niah_single_1": torch.rand(L, H, generator=gen)})
+    class S:  # noqa: E701
+        task, index = "niah_single_1", 0
+    for name, freq in (("static_kv", res["static_freq"]["ruler"]), ("static_oracle_kv", res["static_freq"]["niah_single_1"])):
+        got = ev.config_labels(ev.Config(name, 0.5), ev.variant(name)[1], tiny, S, res, seed=0)
+        group_mean = [[float(freq[layer, g * G:(g + 1) * G].mean()) for g in range(Hkv)] for layer in range(L)]
+        ranked = sorted(((m, layer, g) for layer, row in enumerate(group_mean) for g, m in enumerate(row)), reverse=True)
+        want = torch.zeros(L, H, dtype=torch.bool)
+        for _, layer, g in ranked[:L * Hkv // 2]:
+            want[layer, g * G:(g + 1) * G] = True
+        assert torch.equal(got, want), name
+        per_head = ev.config_labels(ev.Config(name.removesuffix("_kv"), 0.5), ev.variant(name.removesuffix("_kv"))[1],
+                                    tiny, S, res, seed=0)
+        assert int(per_head.sum()) == int(got.sum()) and not torch.equal(per_head, got)
 
 
 def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path, monkeypatch):
@@ -350,6 +377,29 @@ def test_summary_averages_over_common_samples():
     assert cur["qada_rw@0.6"]["norm"] == pytest.approx((0.5 / 1.0 + 0.5 / 0.5) / 2)
     assert cur["qada_rw@0.6"]["worst_drop"] == pytest.approx(0.5)
     assert cur["qada_rw@0.6"]["sparsity"] == pytest.approx(0.7)
+
+
+def test_lossless_sparsity_and_kv_read_with_intervals():
+    """The lossless point on either axis is the last measured point before the first one under 0.95 of dense,
+    written out by hand here; with every sample alike the bootstrap interval is that point."""
+    rows = []
+    for task in ("a", "b"):
+        for i in range(4):
+            rows.append(row(task, i, "dense", 1.0, 0.0))
+            # sparsity 0.5 and 0.7 keep the score, 0.9 loses it; the KV read is not 1 - sparsity here (GQA)
+            for thr, sp, kv, sc in ((0.8, 0.5, 0.8, 1.0), (0.6, 0.7, 0.6, 0.96), (0.2, 0.9, 0.3, 0.5)):
+                rows.append(dict(row(task, i, f"qada_rw@{thr}", sc, sp), kv_read=kv))
+    sp, = report.lossless_table(rows, ["a", "b"], n_boot=50)
+    assert (sp["method"], sp["lossless"], sp["lo"], sp["hi"], sp["kv_read"]) == ("qada_rw", 0.7, 0.7, 0.7, 0.6)
+    kv, = report.lossless_table(rows, ["a", "b"], axis="kv_read", n_boot=50)
+    assert kv["lossless"] == pytest.approx(0.6) and kv["lo"] == pytest.approx(0.6) and kv["sparsity"] == 0.7
+    assert kv["min_kv_read"] == 0.3
+    # one task's sample 0 loses at 0.7: the point drops to 0.5 / KV read 0.8, and the interval spans both
+    rows = [dict(r, score=0.0) if (r["task"], r["index"], r["config"]) == ("a", 0, "qada_rw@0.6") else r for r in rows]
+    sp, = report.lossless_table(rows, ["a", "b"], n_boot=200)
+    kv, = report.lossless_table(rows, ["a", "b"], axis="kv_read", n_boot=200)
+    assert sp["lossless"] == 0.5 and (sp["lo"], sp["hi"]) == (0.5, 0.7)
+    assert kv["lossless"] == pytest.approx(0.8) and (kv["lo"], kv["hi"]) == pytest.approx((0.6, 0.8))
 
 
 def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch):

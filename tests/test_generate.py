@@ -8,7 +8,7 @@ import torch
 
 import checkpoints
 import generate
-from attention import PATHS
+from attention import PATHS, path_inputs
 from criterion import save_labels
 from moments import OPTIONS
 from tests.test_model import save_tiny
@@ -130,7 +130,9 @@ def test_text_report(tiny_dir, tmp_path, capsys, built, method):
 
 # Every path, and qada under every moments option, from a 3-token prompt: the context starts inside the window
 # (16, with 4 sinks) and grows past it while decoding.
-SHORT = [(m, None) for m in PATHS if m != "qada"] + [("qada", o) for o in OPTIONS]
+# every moments option with qada, the default one with the other paths that read moments
+SHORT = ([(m, None) for m in PATHS if "moments" not in path_inputs(m)] + [("qada", o) for o in OPTIONS]
+         + [(m, "random-words") for m in PATHS if "moments" in path_inputs(m) and m != "qada"])
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +163,11 @@ def test_short_prompt_grows_past_the_window(tiny_dir, tmp_path, capsys, monkeypa
     labels = check_statistics(r, att, 16)
     fits = [i for i, T in enumerate(att.stats.lengths) if T <= 16]
     assert r["new_token_ids"][:len(fits) + 1] == dense_short[:len(fits) + 1]
-    if method in ("local", "oracle", "qada"):  # no bulk: every head is exact on its window, so local
+    if method == "local" or "tau" in path_inputs(method):  # no bulk: every head is exact on its window, so local
         assert labels[fits].all()
     if method == "local":
         assert r["new_token_ids"] != dense_short  # past the window the paths really differ
-    if method == "qada":  # the Gaussian estimate was asked for once the bulk formed, and was a number
+    if "moments" in path_inputs(method):  # the Gaussian estimate was asked for once the bulk formed, and was a number
         assert len(att.moments.finite) == 2 * (30 - 1 - len(fits))  # 2 layers, every step past the window
         assert all(att.moments.finite)
     if option in ("prompt", "prompt-online"):  # Option 1 follows the bulk as it forms: Eq. 6 from its keys in fp64
