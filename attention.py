@@ -15,7 +15,7 @@ is the attention output and labels (H,) bool say which heads attended to their l
 
 `PATHS` lists the paths, and is the only list: the CLI, eval.py and report.py take their names from it,
 and a new path is one function plus one entry here. `SparseAttention` is what the model calls for each
-decode step; `build_attention` makes one for a prefilled prompt.
+decode step; `build_attention` makes one for a prefilled prompt; `BatchAttention` runs one per row of a batch.
 
 The savings are real: `mixed_attention` computes the window attention for every head (it is tiny), and full
 attention only for the long-context heads, reading a KV head's full cache only when at least one query head
@@ -315,6 +315,34 @@ class SparseAttention:
             if self.moments is not None:
                 log_gauss = gaussian_log_bulk(q, *self.moments.mean_cov(layer, k), T - self.n_local)
         return labels, torch.stack([log_local, log_bulk, log_gauss, log_exact])
+
+
+@dataclass
+class BatchAttention:
+    """Decode-time attention for B rows side by side: B prompts in a stacked cache (model.KVCache.stack), or one
+    prompt under B configurations (eval.py). Row b attends with rows[b], its own SparseAttention (path, labels,
+    statistics), on its own query and the filled part of its own cache, from start[b] on (after the left padding),
+    so a row reads a KV head only when that row needs it. Rows marked `done` (their answer has ended) are skipped:
+    their outputs are zeros and their cache is not read."""
+    rows: list[SparseAttention]
+    start: list[int] | None = None  # per row, the first filled position of the cache; None: every row from 0
+    done: list[bool] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.done = self.done or [False] * len(self.rows)
+        if self.start is not None and len(self.start) != len(self.rows):
+            raise ValueError(f"{len(self.rows)} rows but {len(self.start)} start positions")
+
+    def __call__(self, q, k, v, layer: int) -> torch.Tensor:
+        """q (B, H, 1, D), k/v (B, Hkv, T, D) -> (B, H, 1, D)."""
+        if q.shape[0] != len(self.rows):
+            raise ValueError(f"a batch of {q.shape[0]} rows for {len(self.rows)} attentions")
+        y = torch.zeros_like(q)
+        for b, att in enumerate(self.rows):
+            if not self.done[b]:
+                s = self.start[b] if self.start is not None else 0
+                y[b:b + 1] = att(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], layer)  # views, no copy
+        return y
 
 
 def build_attention(method: str, cache, *, tau: float = 0.6, moments: str = "random-words",

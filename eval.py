@@ -5,7 +5,8 @@
 
 Per sample: one dense prefill, then greedy decoding under every requested (method, threshold) from that same
 cache, stopping at EOS or the task's max new tokens. The configurations decode side by side as the rows of
-one batch, each row a copy of the prompt's cache with its own decode-time attention (RowAttention): a CPU
+one batch, each row a copy of the prompt's cache with its own decode-time attention (attention.BatchAttention,
+generate.decode_batch): a CPU
 decode step is dominated by reading the weights, which the rows share, so a sample's whole grid costs a few
 times one run. A row decodes exactly as it would alone (tests/test_eval.py).
 
@@ -68,9 +69,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import calibrate
-from attention import ANALYSIS_ONLY, PATHS, SparseAttention, build_attention, path_inputs, summarize
+from attention import ANALYSIS_ONLY, PATHS, BatchAttention, SparseAttention, build_attention, path_inputs, summarize
 from checkpoints import DEFAULT, load
 from criterion import static_labels
+from generate import decode_batch
 from moments import ReferenceKeys, reference_words
 from report import read_records, report, result_files
 from tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
@@ -257,43 +259,6 @@ def answer_finished(task: str, text: str) -> bool:
     return any(len(w) >= 3 or re.search(r"[A-Za-z]", w) for w in SENTENCE_END.findall(text))
 
 
-class RowAttention:
-    """Decode-time attention for a batch whose rows are one prompt under different configurations: row b attends
-    with attns[b]. Rows whose answer has ended are skipped: their outputs are zeros and their tokens are never
-    read."""
-
-    def __init__(self, attns: list):
-        self.attns, self.done = attns, [False] * len(attns)
-
-    def __call__(self, q, k, v, layer: int) -> torch.Tensor:
-        y = torch.zeros_like(q)  # (B, H, 1, D)
-        for b, att in enumerate(self.attns):
-            if not self.done[b]:
-                qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
-                y[b:b + 1] = att(qb, kb, vb, layer)
-        return y
-
-
-@torch.inference_mode()
-def decode_rows(model, cache, logits, max_new_tokens: int, attention: RowAttention, eos_ids, finished=None
-                ) -> list[list[int]]:
-    """Greedy decoding of every row (logits (B, V)) in lockstep, each row as generate.decode would decode it
-    alone, until each has ended: EOS, max_new_tokens, or the optional stop rule `finished(new_ids) -> bool`.
-    The batch shares the model's weight reads, which dominate a CPU decode step, so B rows cost far less than
-    B separate runs."""
-    outs = [[] for _ in range(logits.shape[0])]
-    while True:
-        tokens = logits.argmax(-1)  # (B,)
-        for b, t in enumerate(tokens.tolist()):
-            if not attention.done[b]:
-                outs[b].append(t)
-                ended = t in eos_ids or len(outs[b]) == max_new_tokens or (finished is not None and finished(outs[b]))
-                attention.done[b] = ended
-        if all(attention.done):
-            return outs
-        logits = model.decode_step(tokens, cache, attention)
-
-
 def run_configs(cfgs: list[Config], model, tok, sample, cache, logits, n_prompt: int, resources: dict, track: set[str],
                 seed: int, n_sink: int, n_local: int, stop: str = "sentence") -> list[dict]:
     """Decode `sample` under each configuration, side by side as the rows of one batch, from the prefilled
@@ -303,8 +268,8 @@ def run_configs(cfgs: list[Config], model, tok, sample, cache, logits, n_prompt:
     atts = [config_attention(c, model, sample, rows, resources, c.method in track, seed, n_sink, n_local) for c in cfgs]
     finished = (lambda ids: answer_finished(sample.task, tok.decode(ids))) if stop == "sentence" else None
     t0 = time.perf_counter()
-    new = decode_rows(model, rows, logits.expand(len(cfgs), -1), sample.max_new_tokens, RowAttention(atts),
-                      tok.eos_ids, finished)
+    new = decode_batch(model, rows, logits.expand(len(cfgs), -1), sample.max_new_tokens, BatchAttention(atts),
+                       tok.eos_ids, finished=finished)
     decode_s = (time.perf_counter() - t0) / len(cfgs)
     records = []
     for cfg, att, ids in zip(cfgs, atts, new):

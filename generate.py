@@ -1,6 +1,7 @@
 """Generate from a prompt file with dense, local, oracle, static or QAdA decode-time attention.
 
     python generate.py --prompt examples/needle.txt --tau 0.6
+    python generate.py --prompt a.txt b.txt c.txt --tau 0.6      # three prompts decoded as one batch
 
 Prefill is always dense; the chosen method labels every (layer, head) for every decoded token. The report
 gives load time, prompt tokens, prefill time, decode speed, peak memory, the fraction of heads labelled
@@ -18,8 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from attention import ANALYSIS_ONLY, PATHS, build_attention, path_inputs
+from attention import ANALYSIS_ONLY, PATHS, BatchAttention, build_attention, path_inputs
 from checkpoints import DEFAULT, MODELS, load
+from model import KVCache
 from criterion import check_tau, load_labels
 from moments import OPTIONS, ReferenceKeys, reference_words
 
@@ -38,18 +40,32 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
 
 
 @torch.inference_mode()
+def decode_batch(model, cache, logits, max_new_tokens: int, attention=None, eos_ids=(), temperature: float = 0.0,
+                 top_k: int | None = None, generator=None, progress: bool = False, finished=None) -> list[list[int]]:
+    """Decode every row of a batch (last logits (B, V)) in lockstep until each has ended: an EOS, max_new_tokens,
+    or the optional stop rule `finished(new_ids) -> bool`. A row decodes as it would alone; with a BatchAttention
+    an ended row is no longer attended (its cache is not read). The rows share each step's weight reads, which
+    dominate a decode step on a CPU, so B rows cost far less than B runs."""
+    outs = [[] for _ in range(logits.shape[0])]
+    done = attention.done if isinstance(attention, BatchAttention) else [False] * len(outs)
+    steps = tqdm(range(max_new_tokens), desc="decode", unit="tok", leave=False, disable=not progress)
+    for _ in steps:
+        tokens = sample(logits, temperature, top_k, generator)  # (B,)
+        for b, t in enumerate(tokens.tolist()):
+            if not done[b]:
+                outs[b].append(t)
+                done[b] = t in eos_ids or len(outs[b]) == max_new_tokens or bool(finished and finished(outs[b]))
+        if all(done):
+            break
+        logits = model.decode_step(tokens, cache, attention)
+    return outs
+
+
 def decode(model, cache, logits, max_new_tokens: int, attention=None, eos_ids=(), temperature: float = 0.0,
            top_k: int | None = None, generator=None, progress: bool = False) -> list[int]:
-    """Decode up to max_new_tokens after a prefill whose last logits (1, V) are given; stops after an EOS."""
-    steps = tqdm(range(max_new_tokens), desc="decode", unit="tok", leave=False, disable=not progress)
-    out = []
-    for _ in steps:
-        token = sample(logits, temperature, top_k, generator)
-        out.append(int(token[0]))
-        if out[-1] in eos_ids or len(out) == max_new_tokens:
-            break
-        logits = model.decode_step(token, cache, attention)
-    return out
+    """Decode one prompt (last logits (1, V)) up to max_new_tokens; stops after an EOS."""
+    return decode_batch(model, cache, logits, max_new_tokens, attention, eos_ids, temperature, top_k, generator,
+                        progress)[0]
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -58,11 +74,10 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process peak
 
 
-def make_attention(model, tokenizer, cache, method: str, tau: float, moments: str, n_sink: int, n_local: int,
-                   static_labels: str | None, static_sparsity: float, max_context: int | None = None,
-                   progress: bool = True):
-    """generate's sources for what the path reads: Option 2's reference keys (as long as the context allowed)
-    and a static labels file."""
+def attention_sources(model, tokenizer, method: str, moments: str, static_labels: str | None, static_sparsity: float,
+                      max_context: int | None = None, progress: bool = True) -> dict:
+    """What the path reads besides the prompt, made once for every prompt of a run: Option 2's reference keys (as
+    long as the context allowed) and static labels from a calibrate.py file; as build_attention's keywords."""
     inputs = path_inputs(method)
     words = reference_words(moments) if "moments" in inputs else None
     reference = ReferenceKeys(model, tokenizer, words, n_max=max_context, progress=progress) if words else None
@@ -72,14 +87,12 @@ def make_attention(model, tokenizer, cache, method: str, tau: float, moments: st
         L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
         if tuple(static_local.shape) != (L, H):
             raise ValueError(f"{static_labels} labels {tuple(static_local.shape)} heads; this model has ({L}, {H})")
-    return build_attention(method, cache, tau=tau, moments=moments, reference=reference, static_local=static_local,
-                           n_sink=n_sink, n_local=n_local)
+    return {"reference": reference, "static_local": static_local}
 
 
-def check_args(prompt: str, max_new_tokens: int, tau: float, n_sink: int, n_local: int, temperature: float,
-               top_k: int | None, static_sparsity: float, rope_theta: float | None, method: str,
-               static_labels: str | None, **_) -> str:
-    """Validate the numbers and read the prompt file; ValueError/FileNotFoundError carry one clear line."""
+def check_args(max_new_tokens: int, tau: float, n_sink: int, n_local: int, temperature: float, top_k: int | None,
+               static_sparsity: float, rope_theta: float | None, method: str, static_labels: str | None, **_) -> None:
+    """Validate the numbers; ValueError carries one clear line."""
     check_tau(tau)
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -97,22 +110,48 @@ def check_args(prompt: str, max_new_tokens: int, tau: float, n_sink: int, n_loca
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(PATHS)}")
     if "static_local" in path_inputs(method) and static_labels is None:
         raise ValueError(f"--method {method} needs --static-labels FILE (made by calibrate.py)")
-    path = Path(prompt)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} not found")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise ValueError(f"prompt file {path} is empty")
-    return text
 
 
-def run(prompt: str, model: str | None = None, max_new_tokens: int = 64, chat: bool = True, device: str | None = None,
-        dtype: str = "float32", rope_theta: float | None = None, max_context: int | None = None, seed: int = 0,
-        temperature: float = 0.0, top_k: int | None = None, method: str = "qada", tau: float = 0.6,
-        moments: str = "random-words", n_sink: int = 16, n_local: int = 128, static_labels: str | None = None,
-        static_sparsity: float = 0.5, threads: int | None = None, progress: bool = True) -> dict:
-    """Everything the CLI does, returning the text and the report as a dict."""
-    text = check_args(**locals())
+def read_prompts(files: list[str]) -> list[tuple[str, str]]:
+    """(name, text) of every prompt: a text file is one prompt; a .jsonl file holds one per line, each a JSON
+    string or an object with a "prompt" field. FileNotFoundError/ValueError carry one clear line."""
+    prompts = []
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {path} not found")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix != ".jsonl":
+            prompts.append((str(path), text))
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                prompts.append((f"{path}:{i}", item if isinstance(item, str) else item["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path} line {i}: expected a JSON string or an object with a \"prompt\" field") from None
+    for name, text in prompts:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"prompt {name} is empty")
+    if not prompts:
+        raise ValueError(f"no prompt in {', '.join(files)}")
+    return prompts
+
+
+def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int = 64, chat: bool = True,
+              device: str | None = None, dtype: str = "float32", rope_theta: float | None = None,
+              max_context: int | None = None, seed: int = 0, temperature: float = 0.0, top_k: int | None = None,
+              method: str = "qada", tau: float = 0.6, moments: str = "random-words", n_sink: int = 16,
+              n_local: int = 128, static_labels: str | None = None, static_sparsity: float = 0.5,
+              threads: int | None = None, progress: bool = True) -> list[dict]:
+    """Everything the CLI does for the prompt files `prompts`, decoded as one batch: a report per prompt.
+
+    Each prompt is prefilled alone into its own cache and gets its own attention (labels, moments, statistics);
+    then the caches are stacked left-padded (model.KVCache.stack) and every row decodes in lockstep."""
+    check_args(**locals())
+    named = read_prompts(prompts)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -120,40 +159,61 @@ def run(prompt: str, model: str | None = None, max_new_tokens: int = 64, chat: b
     t0 = time.perf_counter()
     net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
     load_s = time.perf_counter() - t0
-
-    if chat and tok.has_chat_template:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
-    else:
-        ids = tok.encode(text, add_special_tokens=True)
     max_context = max_context or net.cfg.max_position_embeddings
-    if len(ids) + max_new_tokens > max_context:
-        raise ValueError(f"prompt is {len(ids)} tokens + {max_new_tokens} new tokens, longer than the model's "
-                         f"context of {max_context} (raise it with --max-context, e.g. with --rope-theta)")
-    cache = net.new_cache(len(ids) + max_new_tokens)
-    t0 = time.perf_counter()
-    logits = net.prefill(torch.tensor([ids], device=device), cache, progress=progress)
-    prefill_s = time.perf_counter() - t0
+    sources = attention_sources(net, tok, method, moments, static_labels, static_sparsity, max_context, progress)
 
-    attention = make_attention(net, tok, cache, method, tau, moments, n_sink, n_local, static_labels,
-                               static_sparsity, max_context, progress)
+    rows = []  # per prompt: ids, cache, last logits, prefill seconds, attention
+    for name, text in named:
+        if chat and tok.has_chat_template:
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+        else:
+            ids = tok.encode(text, add_special_tokens=True)
+        if len(ids) + max_new_tokens > max_context:
+            raise ValueError(f"prompt {name} is {len(ids)} tokens + {max_new_tokens} new tokens, longer than the "
+                             f"model's context of {max_context} (raise it with --max-context, e.g. with --rope-theta)")
+        cache = net.new_cache(len(ids) + max_new_tokens)
+        t0 = time.perf_counter()
+        logits = net.prefill(torch.tensor([ids], device=device), cache, progress=progress)
+        prefill_s = time.perf_counter() - t0
+        att = build_attention(method, cache, tau=tau, moments=moments, n_sink=n_sink, n_local=n_local, **sources)
+        rows.append((ids, cache, logits, prefill_s, att))
+
+    if len(rows) == 1:
+        _, cache, logits, _, attention = rows[0]
+    else:  # one batch: left-padded rows, each attended by its own attention on its own part of the cache
+        cache = KVCache.stack([r[1] for r in rows], max_new_tokens)
+        logits = torch.cat([r[2] for r in rows])  # (B, V)
+        attention = BatchAttention([r[4] for r in rows], start=cache.start.tolist())
     generator = torch.Generator(device).manual_seed(seed)
     t0 = time.perf_counter()
-    new = decode(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator, progress)
+    new = decode_batch(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator,
+                       progress)
     decode_s = time.perf_counter() - t0
+    steps = max(len(n) for n in new)  # batch decode steps: the rows share each one
 
-    stats = attention.stats.summary(net.cfg.num_key_value_heads)
-    return {
-        "text": tok.decode(new), "method": method, "tau": tau if "tau" in attention.inputs else None,
-        "moments": moments if attention.moments is not None else None,
-        "model": str(net.model_dir), "device": str(device), "dtype": dtype, "load_s": round(load_s, 2),
-        "prompt_tokens": len(ids), "prefill_s": round(prefill_s, 2), "new_tokens": len(new),
-        "decode_tok_s": round(len(new) / decode_s, 2), "decode_ms_per_token": round(1000 * decode_s / len(new), 1),
-        "peak_memory_mb": round(peak_memory_mb(device)), "sparsity": stats["sparsity"], "kv_read": stats["kv_read"],
-        "layer_sparsity": stats.get("layer_sparsity"), "new_token_ids": new,
-    }
+    reports = []
+    for (name, _), (ids, _, _, prefill_s, att), out in zip(named, rows, new):
+        stats = att.stats.summary(net.cfg.num_key_value_heads)
+        reports.append({
+            "prompt": name, "text": tok.decode(out), "method": method, "tau": tau if "tau" in att.inputs else None,
+            "moments": moments if att.moments is not None else None,
+            "model": str(net.model_dir), "device": str(device), "dtype": dtype, "load_s": round(load_s, 2),
+            "batch": len(rows), "prompt_tokens": len(ids), "prefill_s": round(prefill_s, 2), "new_tokens": len(out),
+            "decode_tok_s": round(len(out) / decode_s, 2), "decode_ms_per_token": round(1000 * decode_s / steps, 1),
+            "peak_memory_mb": round(peak_memory_mb(device)), "sparsity": stats["sparsity"], "kv_read": stats["kv_read"],
+            "layer_sparsity": stats.get("layer_sparsity"), "new_token_ids": out,
+        })
+    return reports
+
+
+def run(prompt: str, model: str | None = None, **kwargs) -> dict:
+    """One prompt file (see run_batch): its report as a dict."""
+    return run_batch([prompt], model, **kwargs)[0]
 
 
 def print_report(r: dict) -> None:
+    if r["batch"] > 1:
+        print(f"=== {r['prompt']} ({r['batch']} prompts decoded as one batch)")
     print(r["text"])
     print("-" * 72)
     sparsity = "n/a" if r["sparsity"] is None else f"{r['sparsity']:.3f}"
@@ -168,7 +228,9 @@ def print_report(r: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--prompt", required=True, help="text file holding the prompt (the user turn when chatting)")
+    p.add_argument("--prompt", required=True, nargs="+", metavar="FILE",
+                   help="text file holding the prompt (the user turn when chatting); several files, or a .jsonl file "
+                        "of prompts (one JSON string or {\"prompt\": ...} per line), decode as one batch with a report each")
     p.add_argument("--model", default=None, help=f"a named offline model ({', '.join(MODELS)}; default {DEFAULT}), "
                    "a Hugging Face model folder or a hub id")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
@@ -195,14 +257,15 @@ def main(argv=None) -> int:
     args = vars(p.parse_args(argv))
     as_json = args.pop("json")
     try:
-        report = run(**args, progress=not as_json and sys.stderr.isatty())
+        reports = run_batch(args.pop("prompt"), **args, progress=not as_json and sys.stderr.isatty())
     except (OSError, ValueError) as e:  # bad input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if as_json:
-        print(json.dumps(report))
-    else:
-        print_report(report)
+    for r in reports:  # --json: one object per line (JSONL when several prompts)
+        if as_json:
+            print(json.dumps(r))
+        else:
+            print_report(r)
     return 0
 
 

@@ -104,14 +104,18 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, D) in fp32 for integer `positions` (T,)."""
+    """cos, sin of shape (T, D), or (B, 1, T, D) for positions per row (B, T), in fp32 for integer `positions`."""
+    if positions.dim() == 2:
+        cos, sin = rope_cos_sin(inv_freq, positions.flatten())
+        shape = (positions.shape[0], 1, positions.shape[1], -1)  # (B, 1, T, D): broadcast over heads
+        return cos.view(shape), sin.view(shape)
     angles = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, D)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by the angles in cos/sin (T, D); computed in fp32."""
+    """Rotate x (B, H, T, D) by the angles in cos/sin (T, D) or (B, 1, T, D); computed in fp32."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -128,15 +132,33 @@ class KVCache:
     `length` is the number of positions filled. Rolling back to an earlier length (for example to decode
     the same prefilled prompt under several methods) is just `cache.length = n`: later writes overwrite.
     Keys are stored after RoPE, which is what the attention scores and the QAdA moments need.
+
+    Prompts of different lengths share one cache left-padded (`stack`): row b's prompt fills positions
+    start[b] .. length - 1, it counts its RoPE positions from start[b], and nothing attends to its padding.
     """
 
     def __init__(self, cfg: LlamaConfig, max_len: int, batch: int = 1, device=None, dtype=torch.float32):
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)  # (L, B, Hkv, T, D)
+        self.cfg = cfg
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
         self.length = 0
+        self.start = None  # (B,) long: each row's first filled position when left-padded (stack); None: all 0
 
+    @classmethod
+    def stack(cls, caches: list["KVCache"], extra: int) -> "KVCache":
+        """One cache whose row b holds the filled part of caches[b] (each of batch 1), right-aligned at the longest
+        length, with room for `extra` more positions: prompts of different lengths decoded side by side."""
+        n = max(c.length for c in caches)
+        first = caches[0]
+        out = cls(first.cfg, n + extra, len(caches), device=first.k.device, dtype=first.k.dtype)
+        for b, c in enumerate(caches):
+            out.k[:, b, :, n - c.length:n] = c.k[:, 0, :, :c.length]  # (L, Hkv, length, D)
+            out.v[:, b, :, n - c.length:n] = c.v[:, 0, :, :c.length]
+        out.length = n
+        out.start = torch.tensor([n - c.length for c in caches], device=first.k.device)
+        return out
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, Hkv, T, D) at positions [length, length + T); return views of all filled keys/values."""
         end = self.length + k.shape[2]
@@ -151,6 +173,7 @@ class KVCache:
         prefill decoded side by side (eval.py decodes every method of a sample this way)."""
         out = copy.copy(self)
         out.k, out.v = self.k[:, :1].repeat(1, batch, 1, 1, 1), self.v[:, :1].repeat(1, batch, 1, 1, 1)
+        out.start = None if self.start is None else self.start[:1].repeat(batch)
         return out
 
 
@@ -194,8 +217,13 @@ class Attention(nn.Module):
         elif T == 1:
             # Plain dense decoding, packed: a group's G query heads go to SDPA as G query positions of their
             # KV head, so each KV head is read once (enable_gqa would read it once per query head).
-            y = F.scaled_dot_product_attention(q.view(B, self.Hkv, -1, self.D), k, v)  # (B, Hkv, G, D)
+            mask = None
+            if cache.start is not None:  # left-padded rows: no row sees its padding
+                mask = (torch.arange(k.shape[2], device=x.device) >= cache.start[:, None])[:, None, None]  # (B, 1, 1, T)
+            y = F.scaled_dot_product_attention(q.view(B, self.Hkv, -1, self.D), k, v, attn_mask=mask)  # (B, Hkv, G, D)
             y = y.view(B, self.H, 1, self.D)
+        elif cache.start is not None:
+            raise ValueError("a stacked (left-padded) cache decodes one token at a time; prefill each prompt alone")
         elif start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -263,7 +291,9 @@ class Llama(nn.Module):
         """
         B, T = ids.shape
         cache = cache if cache is not None else self.new_cache(T, B)
-        positions = torch.arange(cache.length, cache.length + T, device=ids.device)
+        positions = torch.arange(cache.length, cache.length + T, device=ids.device)  # (T,)
+        if cache.start is not None:  # left-padded rows count their positions from their own first token
+            positions = positions[None] - cache.start[:, None]  # (B, T)
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         x = self.model.embed_tokens(ids)  # (B, T, C)
         for block in self.model.layers:

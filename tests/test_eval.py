@@ -93,31 +93,6 @@ def test_a_batch_row_decodes_as_the_configuration_alone(tiny, resources, stop):
         assert len({batched[c]["n_new"] for c in CONFIGS}) > 1  # rows end at different steps
 
 
-def test_row_attention_gives_each_row_its_own_attention():
-    """Row b of RowAttention is attns[b] on row b's query and cache alone (held against the fp32 reference with
-    that row's labels); ended rows output zeros and their attention is not called."""
-    from attention import SparseAttention, reference_attention
-    B, H, Hkv, T, D = 3, 4, 2, 300, 8
-    g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
-    static = torch.tensor([[True, False, False, True]])  # (L, H) for layer 0: one local head in each group
-    labels = [torch.zeros(H, dtype=torch.bool), torch.ones(H, dtype=torch.bool), static[0]]
-    atts = [SparseAttention("dense"), SparseAttention("local"), SparseAttention("static", static_local=static)]
-    rows = ev.RowAttention(atts)
-    y = rows(q, k, v, 0)
-    for b, att in enumerate(atts):
-        ref = reference_attention(q[b, :, 0], k[b], v[b], labels[b], 16, 128)  # SparseAttention's default window
-        torch.testing.assert_close(y[b, :, 0], ref)
-        assert att.stats.lengths == [T] and torch.equal(att.stats.labels[0][0], labels[b])
-        other = reference_attention(q[b, :, 0], k[b - 1], v[b - 1], labels[b], 16, 128)  # another row's cache
-        assert not torch.allclose(y[b, :, 0], other, atol=1e-3)
-    assert not torch.allclose(y[1, :, 0], reference_attention(q[1, :, 0], k[1], v[1], labels[0], 16, 128), atol=1e-3)
-    rows.done[1] = True
-    y = rows(q, k, v, 0)
-    assert torch.equal(y[1], torch.zeros_like(y[1]))
-    assert len(atts[1].stats.lengths) == 1 and len(atts[0].stats.lengths) == 2  # the ended row's path never ran
-
-
 class Recorder:
     """A configuration's attention that keeps the (layer, q (H, D), k (Hkv, T, D)) of every call."""
 

@@ -57,7 +57,7 @@ class CheckedMoments:
 @pytest.fixture
 def built(monkeypatch):
     """The attention of every generate run of the test, in order; its stats hold every label decided."""
-    runs, make = [], generate.make_attention
+    runs, make = [], generate.build_attention
 
     def spy(*args, **kwargs):
         att = make(*args, **kwargs)
@@ -65,7 +65,7 @@ def built(monkeypatch):
             att.moments = CheckedMoments(att.moments)
         runs.append(att)
         return att
-    monkeypatch.setattr(generate, "make_attention", spy)
+    monkeypatch.setattr(generate, "build_attention", spy)
     return runs
 
 

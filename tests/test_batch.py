@@ -1,0 +1,124 @@
+"""Batched decoding: B prompts of different lengths in one left-padded cache, each row with its own attention,
+held against each prompt decoded alone (tokens, logits, labels, statistics)."""
+
+import json
+
+import pytest
+import torch
+
+import generate
+from attention import BatchAttention, SparseAttention, reference_attention
+from model import load_model
+from tests.test_generate import make_tiny_dir, write_prompt
+
+
+def test_batch_attention_gives_each_row_its_own_attention_on_its_own_part_of_the_cache():
+    """Row b is attns[b] on row b's query and row b's cache from start[b] on (held against the fp32 reference with
+    that row's labels); ended rows output zeros and their attention is not called."""
+    B, H, Hkv, T, D = 3, 4, 2, 300, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    static = torch.tensor([[True, False, False, True]])  # (L, H) for layer 0: one local head in each group
+    labels = [torch.zeros(H, dtype=torch.bool), torch.ones(H, dtype=torch.bool), static[0]]
+    atts = [SparseAttention("dense"), SparseAttention("local"), SparseAttention("static", static_local=static)]
+    start = [0, 40, 7]
+    rows = BatchAttention(atts, start=start)
+    y = rows(q, k, v, 0)
+    for b, att in enumerate(atts):
+        s = start[b]
+        ref = reference_attention(q[b, :, 0], k[b, :, s:], v[b, :, s:], labels[b], 16, 128)  # the default window
+        torch.testing.assert_close(y[b, :, 0], ref)
+        assert att.stats.lengths == [T - s] and torch.equal(att.stats.labels[0][0], labels[b])
+        other = reference_attention(q[b, :, 0], k[b - 1, :, s:], v[b - 1, :, s:], labels[b], 16, 128)  # another row's
+        assert not torch.allclose(y[b, :, 0], other, atol=1e-3)
+        if s:  # the padding before start really changes the result, so reading it would be caught
+            assert not torch.allclose(y[b, :, 0], reference_attention(q[b, :, 0], k[b], v[b], labels[b], 16, 128), atol=1e-3)
+    rows.done[1] = True
+    y = rows(q, k, v, 0)
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    assert len(atts[1].stats.lengths) == 1 and len(atts[0].stats.lengths) == 2  # the ended row's path never ran
+    with pytest.raises(ValueError, match="rows"):
+        BatchAttention(atts, start=[0, 1])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(str(make_tiny_dir(tmp_path_factory.mktemp("tiny_batch"))))
+
+
+def test_a_stacked_cache_decodes_each_prompt_as_alone(tiny):
+    """Plain dense decoding of three prompts of different lengths in one left-padded cache: each row's logits
+    equal that prompt's decoded alone at every step (RoPE positions counted from the row's own first token, the
+    padding masked)."""
+    lengths, steps = [37, 90, 64], 6
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 100, (1, n), generator=g) for n in lengths]
+    alone, caches, firsts = [], [], []
+    for ids in prompts:
+        cache = tiny.new_cache(ids.shape[1] + steps)
+        logits = tiny.prefill(ids, cache)
+        caches.append(tiny.new_cache(ids.shape[1] + steps))
+        firsts.append(tiny.prefill(ids, caches[-1]))
+        seq = [logits]
+        for _ in range(steps):
+            logits = tiny.decode_step(logits.argmax(-1), cache)
+            seq.append(logits)
+        alone.append(torch.cat(seq))  # (steps + 1, V)
+    stacked = type(caches[0]).stack(caches, steps)
+    assert stacked.start.tolist() == [90 - 37, 0, 90 - 64] and stacked.length == 90
+    logits, seq = torch.cat(firsts), [torch.cat(firsts)]
+    for _ in range(steps):
+        logits = tiny.decode_step(logits.argmax(-1), stacked)
+        seq.append(logits)
+    batched = torch.stack(seq, 1)  # (B, steps + 1, V)
+    for b in range(3):
+        torch.testing.assert_close(batched[b], alone[b], rtol=0, atol=1e-4)
+    assert (alone[0] - alone[1][:, :]).abs().max() > 1e-2  # the prompts really differ
+
+
+@pytest.mark.parametrize("method", ["dense", "local", "oracle", "qada", "qada_kv", "static"])
+def test_generate_decodes_several_prompts_as_one_batch_each_as_alone(tiny_dir_batch, tmp_path, method):
+    """generate.run_batch on three prompt files of different lengths gives each prompt the tokens, labels and
+    statistics it gets decoded alone."""
+    files = [str(write_prompt(tmp_path, n)) for n in (60, 150, 97)]
+    labels_file = tmp_path / "labels.json"
+    from criterion import save_labels
+    save_labels(labels_file, torch.linspace(0, 1, 8).view(2, 4), {"test": True})
+    kw = dict(model=str(tiny_dir_batch), max_new_tokens=12, method=method, moments="prompt", n_sink=4, n_local=16,
+              tau=0.2, static_labels=str(labels_file), progress=False)
+    batched = generate.run_batch(files, **kw)
+    assert [r["batch"] for r in batched] == [3, 3, 3] and [r["prompt"] for r in batched] == files
+    for f, r in zip(files, batched):
+        alone = generate.run(f, **kw)
+        same = ("new_token_ids", "text", "sparsity", "kv_read", "layer_sparsity", "prompt_tokens", "new_tokens")
+        assert {k: r[k] for k in same} == {k: alone[k] for k in same}, (method, f)
+    assert len({tuple(r["new_token_ids"]) for r in batched}) > 1  # different prompts, different answers
+    if method in ("qada", "qada_kv", "oracle"):
+        assert len({r["sparsity"] for r in batched}) > 1  # each row decided on its own
+
+
+@pytest.fixture(scope="module")
+def tiny_dir_batch(tmp_path_factory):
+    return make_tiny_dir(tmp_path_factory.mktemp("tiny_batch_cli"))
+
+
+def test_cli_takes_several_files_and_a_jsonl(tiny_dir_batch, tmp_path, capsys):
+    a, b = write_prompt(tmp_path, 40), write_prompt(tmp_path, 70)
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text(json.dumps({"prompt": a.read_text()}) + "\n\n" + json.dumps(b.read_text()) + "\n")
+    base = ["--model", str(tiny_dir_batch), "--max-new-tokens", "4", "--window", "16", "--sink", "4", "--json"]
+    assert generate.main(["--prompt", str(a), str(b)] + base) == 0
+    from_files = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert generate.main(["--prompt", str(jsonl)] + base) == 0
+    from_jsonl = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in from_jsonl] == [f"{jsonl}:1", f"{jsonl}:3"]
+    assert [r["new_token_ids"] for r in from_files] == [r["new_token_ids"] for r in from_jsonl]
+    assert [r["prompt_tokens"] for r in from_files] == [40, 70]
+    assert generate.main(["--prompt", str(a), str(b)] + base[:-1]) == 0
+    out = capsys.readouterr().out
+    assert out.count("2 prompts decoded as one batch") == 2 and out.count("KV entries read") == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "w1 w2"}\n')
+    assert generate.main(["--prompt", str(bad)] + base) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "line 1" in err and "Traceback" not in err
