@@ -6,9 +6,8 @@
 Per sample: one dense prefill, then greedy decoding under every requested (method, threshold) from that same
 cache, stopping at EOS or the task's max new tokens. The configurations decode side by side as the rows of
 one batch, each row a copy of the prompt's cache with its own decode-time attention (attention.BatchAttention,
-generate.decode_batch): a CPU
-decode step is dominated by reading the weights, which the rows share, so a sample's whole grid costs a few
-times one run. A row decodes exactly as it would alone (tests/test_eval.py).
+generate.decode_batch): a CPU decode step is dominated by reading the weights, which the rows share, so a
+sample's whole grid costs a few times one run. A row decodes exactly as it would alone (tests/test_eval.py).
 
 A configuration is a path of attention.PATHS (dense, local, oracle, static, qada, or any path added there)
 plus where its labels or moments come from; the paper's comparison (section 4.1) names these:
