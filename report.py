@@ -42,7 +42,7 @@ LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads
 COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "tab:green", "static_oracle": "tab:olive",
          "oracle": "tab:blue", "qada_rw": "tab:purple", "qada_prompt": "tab:pink", "qada_prompt_online": "tab:cyan",
          "qada_word": "tab:orange",
-         "qada_long": "tab:red", "static_kv": "darkgreen", "static_oracle_kv": "goldenrod", "oracle_kv": "navy",
+         "qada_long": "tab:red", "static_kv": "darkgreen", "static_oracle_kv": "darkorange", "oracle_kv": "navy",
          "qada_kv": "magenta", "qada_kv_all": "indigo"}
 MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_oracle": "x", "oracle": "o", "qada_rw": "D",
           "qada_prompt": "P", "qada_prompt_online": "X", "static_kv": "<", "static_oracle_kv": "+", "oracle_kv": "h",
@@ -511,6 +511,68 @@ def write_analysis(out: Path, rows, tasks, cur):
 # Plots
 
 
+def score_points(rows, tasks, config: str, n_boot: int = 1000, seed: int = 0) -> dict | None:
+    """One measured point of a configuration: mean over tasks of its score / dense score on the samples both
+    finished, with a paired-bootstrap 95 % interval (samples redrawn within each task, the same draw for dense),
+    and its mean sparsity and KV-read fraction on those samples."""
+    scores = paired_scores(rows, tasks, [config])
+    full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
+    norm = normalised(scores, full, config) if scores else None
+    if norm is None:
+        return None
+    rng = np.random.default_rng(seed)
+    boot = [normalised(scores, {t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()}, config)
+            for _ in range(n_boot)]
+    boot = [b for b in boot if b is not None]
+    g, idx = group(rows), {t: set(i) for t, (i, _) in scores.items()}
+    return {"norm": norm, "lo": float(np.percentile(boot, 2.5)), "hi": float(np.percentile(boot, 97.5)),
+            "sparsity": mean(list(task_means(g, list(scores), config, idx, "sparsity").values())),
+            "kv_read": mean(list(task_means(g, list(scores), config, idx, "kv_read").values())),
+            "n": sum(len(i) for i, _ in scores.values())}
+
+
+def figure_scores(out: Path, rows, tasks, methods):
+    """Fig. 4 with intervals: normalised score (95 % paired-bootstrap interval) against head sparsity and against
+    the fraction of KV entries read, a marker per measured configuration; and, when the KV-group paths ran, the
+    same for them beside their per-query-head counterparts (figKV)."""
+    import matplotlib.pyplot as plt
+    configs = {m: sorted({r["config"] for r in rows if r["method"] == m and r["task"] in tasks}, key=config_sort_key)
+               for m in methods}
+    points = {c: score_points(rows, tasks, c) for cs in configs.values() for c in cs}
+
+    def panel(ax, ms, x):
+        for m in ms:
+            pts = sorted((p[x], p["norm"], p["lo"], p["hi"]) for p in (points[c] for c in configs[m]) if p and p[x] is not None)
+            if not pts:
+                continue
+            xs, ys, lo, hi = map(np.array, zip(*pts))
+            ax.errorbar(xs, ys, yerr=[ys - lo, hi - ys], color=color(m), label=label(m), marker=MARKER.get(m, "o"),
+                        ms=5, lw=0.8, capsize=2, alpha=0.85, ls="--" if m in kv else "-")
+        ax.axhline(LOSSLESS, color="gray", ls=":", lw=1)
+        ax.set_xlabel({"sparsity": "head sparsity (fraction of query heads local)",
+                       "kv_read": "fraction of KV entries read (implied for the oracles)"}[x])
+        ax.set_ylabel("normalised score (score / dense), 95 % CI")
+        ax.grid(alpha=0.3)
+
+    n = max((p["n"] for p in points.values() if p), default=0)
+    paper = [m for m in methods if not m.endswith("_kv") and m != "qada_kv_all"]
+    kv = [m for m in methods if m not in paper]
+    figs = [("fig4_score_vs_sparsity.png", paper, "Score vs sparsity and KV read")]
+    if kv:  # the KV-group variants beside the per-query-head methods they refine
+        figs.append(("figKV_score_vs_kv_read.png", [m for m in ("static_oracle", "oracle", "qada_rw") if m in methods] + kv,
+                     "KV-group criteria vs per-query-head ones"))
+    for name, ms, title in figs:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+        for ax, x in zip(axes, ("sparsity", "kv_read")):
+            panel(ax, ms, x)
+        axes[1].invert_xaxis()  # left to right: more saved in both panels
+        axes[0].legend(fontsize=7, loc="lower left")
+        fig.suptitle(f"{title} ({len(tasks)} tasks, up to {n} samples per point; dotted: {LOSSLESS} of dense)")
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+
+
 def plots(out: Path, rows, tasks, cur, rr):
     import matplotlib
     matplotlib.use("Agg")
@@ -519,29 +581,7 @@ def plots(out: Path, rows, tasks, cur, rr):
     task_rows = [r for r in rows if r["task"] in tasks]
     methods = sorted({c.split("@")[0] for c in cur} - set(ABLATIONS), key=config_sort_key)
 
-    # Fig. 4: score vs sparsity per method
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for m in methods:
-        cs = sorted([c for c in cur if c.split("@")[0] == m], key=config_sort_key)
-        xs = [cur[c]["sparsity"] for c in cs]
-        for ax, key in zip(axes, ("score", "norm")):
-            ys = [cur[c][key] * (100 if key == "score" else 1) if cur[c][key] is not None else np.nan for c in cs]
-            style = dict(color=color(m), label=label(m), marker=MARKER.get(m, "o"), ms=7 if m == "static" else 5, alpha=0.85)
-            ax.plot(xs, ys, "-" if len(cs) > 1 else "", **style)
-            if is_tau(rows, m):
-                for c, x, y in zip(cs, xs, ys):
-                    ax.annotate(c.split("@")[1], (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7, color=color(m))
-    axes[0].set_ylabel("mean score over tasks (x100)")
-    axes[1].set_ylabel("mean normalised score (score / dense)")
-    for ax in axes:
-        ax.set_xlabel("sparsity (fraction of heads local)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    n = cur.get("dense", {}).get("n", 0)
-    fig.suptitle(f"Score vs sparsity ({len(tasks)} tasks, {n} samples in common; labels: tau)")
-    fig.tight_layout()
-    fig.savefig(out / "fig4_score_vs_sparsity.png", dpi=120)
-    plt.close(fig)
+    figure_scores(out, rows, tasks, methods)
 
     # Fig. 6b: sparsity vs tau with spread across tasks; Fig. 6c: per task + context-independent
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))

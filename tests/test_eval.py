@@ -377,6 +377,21 @@ def test_lossless_sparsity_and_kv_read_with_intervals():
     assert kv["lossless"] == pytest.approx(0.8) and (kv["lo"], kv["hi"]) == pytest.approx((0.6, 0.8))
 
 
+def test_score_points_carry_a_paired_interval():
+    """A figure's point: mean over tasks of score / dense on the shared samples, by hand, and its bootstrap interval
+    (a point when every sample agrees; around it when one sample of four fails)."""
+    rows = [row(t, i, "dense", 1.0, 0.0) for t in ("a", "b") for i in range(4)]
+    rows += [row(t, i, "qada_rw@0.6", 0.0 if (t, i) == ("a", 0) else 1.0, 0.7) for t in ("a", "b") for i in range(4)]
+    rows += [row("a", 4, "dense", 0.0, 0.0)]  # dense only: not shared, left out
+    p = report.score_points(rows, ["a", "b"], "qada_rw@0.6", n_boot=300)
+    assert p["norm"] == pytest.approx((3 / 4 + 1) / 2) and p["n"] == 8 and p["sparsity"] == pytest.approx(0.7)
+    # task a's draw holds k failures ~ Binomial(4, 1/4): P(k >= 3) = 5.1 %, P(k = 4) = 0.4 %, so the 2.5th
+    # percentile is k = 3, normalised (1/4 + 1) / 2; the 97.5th is k = 0
+    assert p["lo"] == pytest.approx(0.625) and p["hi"] == 1.0
+    same = report.score_points([dict(r, score=1.0) for r in rows if r["index"] < 4], ["a", "b"], "qada_rw@0.6", n_boot=50)
+    assert same["lo"] == same["norm"] == same["hi"] == 1.0
+
+
 def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch):
     import calibrate
     from criterion import load_labels
