@@ -1,19 +1,21 @@
 """Decode speed of QAdA against dense attention on this machine, and how close it comes to the ideal bound.
 
-    python bench.py                                  # both parts, the README's figures (~7 min, 2 CPU cores)
+    python bench.py                                  # both parts, the README's figures (2 CPU cores)
     python bench.py --parts attention --quick        # a smoke run
+    python bench.py --parts e2e --e2e-methods qada@0.2,qada_kv@0.6 --dtype bfloat16   # the KV-group paths too
     python bench.py --device cuda                    # on a GPU: synchronised timings, GPU time in profiles
 
-Everything runs in fp32, batch size 1, one decoded token at a time; the report states device and threads.
-Methods are timed interleaved (A, B, A, B, ... with the order rotated every repeat) so that other load on
-the machine hits both alike, and every figure is a median over repeats.
+The report states device, dtype, threads and the load average. Methods are timed interleaved (A, B, A, B, ...
+with the order rotated every repeat) so that other load on the machine hits both alike, and every figure is a
+median over repeats.
 
-Part 1, attention only (paper section 3, Listing 1). One decode step of attention over synthetic KV caches
-of T tokens, for two model shapes: the embedded SmolLM2-135M (H 9 query heads, Hkv 3 KV heads, D 64) and
-Llama-3-8B (H 32, Hkv 8, D 128). What real decoding sees is a cold cache: between two attention layers the
-model reads a layer of weights, between two steps all of them. So one timed step runs a stack of L layers,
-each with its own cache laid out as model.KVCache lays it out (a (Hkv, T + 1, D) buffer sliced to T), and
-the CPU caches are flushed (a 256 MB read) before every timed stack. Timed per stack, reported per layer:
+Part 1, attention only (paper section 3, Listing 1), fp32, one decode step of one prompt. Attention over
+synthetic KV caches of T tokens, for three model shapes: SmolLM2-135M (H 9 query heads, Hkv 3 KV heads, D 64),
+Qwen2.5-Coder-1.5B (H 12, Hkv 2, D 128) and Llama-3-8B (H 32, Hkv 8, D 128). What real decoding sees is a cold
+cache: between two attention layers the model reads a layer of weights, between two steps all of them. So one
+timed step runs a stack of L layers, each with its own cache laid out as model.KVCache lays it out (a
+(Hkv, T + 1, D) buffer sliced to T), and the CPU caches are flushed (a 256 MB read) before every timed stack.
+Timed per stack, reported per layer:
   dense      torch SDPA with enable_gqa over every layer's whole cache (`sdpa_gqa`);
   qada       attention.qada exactly as the model calls it: window attention (read in place from the cache),
              the Gaussian criterion (qada_labels) and full attention for the heads it labels long-context;
@@ -30,22 +32,25 @@ pairs that read their whole cache; the others read only their n_local = 128 wind
 cache is the cost of decode attention, so the ideal speedup over dense is 1 / (f + (1 - f) * 128 / T); the
 "% of bound" column is the share of it reached (above 100% where qada's full heads read the cache more
 efficiently than dense SDPA does). f = 1 shows the qada path at no saving.
-Stacks: 20 layers for SmolLM2's shapes (60 KV heads), 5 for Llama-3-8B's (40 KV heads), so that f = 0.5 and
-0.15 are met exactly. A per-stage and per-op profile of qada at f = 0.15 is written beside the table.
+Stacks: 20 layers for SmolLM2's shapes (60 KV heads), 10 for Qwen2.5-Coder-1.5B's (20), 5 for Llama-3-8B's (40),
+so that f = 0.5 and 0.15 are met exactly. A per-stage and per-op profile of qada at f = 0.15 is written beside
+the table.
 
-Part 2, end to end. Greedy decoding of the embedded model (30 layers, context 8192) on a needle-in-a-
-haystack prompt sized to each length with the tokenizer (noise lines, one "special magic number" line at
-half depth, the question, the chat template). Prefill (dense, reported separately) is done once per length.
-Four decode-time attentions are compared: dense (SDPA, enable_gqa), packed dense (the model's own), QAdA (tau 0.6,
-random-words moments, sink 16, window 128) and the all-local window (the floor: decoding with no
-long-context head at all). Each first writes its greedy answer (32 tokens, untimed) to check the needle;
-then they are timed in interleaved rounds, every run rolling the cache back to the prompt
-(cache.length = n) and decoding the same 8 tokens; ms/token is the median over the rounds. Sparsity
-(fraction of query heads labelled local) and KV-read fraction are QAdA's over those timed tokens. The
-bound is the speedup if qada's full heads cost their KV-read share of dense attention and deciding were
-free: dense / (window-only + KV read * (dense - window-only)). Lengths above the model's context use a RoPE
-theta override (--rope-theta, default 4e5 = 4x SmolLM2's 1e5) and moments from a random-words prompt of
-that length (computed once, ~2 prefills' time, then cached in ~/.cache/qada/moments).
+Part 2, end to end (--model, default the project's default model; --dtype). Greedy decoding of needle-in-a-
+haystack prompts sized to each length with the tokenizer (noise lines, one "special magic number" line at half
+depth, the question, the chat template), a different needle per prompt. Each prompt is prefilled alone, once
+(dense, reported separately); batch B decodes the first B prompts side by side in one left-padded cache
+(model.KVCache.stack, attention.BatchAttention). Compared per (length, batch): packed dense (the model's own
+decode, the best dense here), the all-local window (the floor: no long-context head at all) and each sparse
+path of --e2e-methods (PATH@TAU; random-words moments, sink 16, window 128). Each first writes its greedy
+answers (32 tokens, untimed) to count the needles found; then they are timed in interleaved rounds, every run
+rolling the cache back to the prompts and decoding the same 8 tokens per row; ms per step (one token of every
+row) is the median over the rounds. Sparsity and KV-read fraction are the method's over those tokens, averaged
+over rows. The bound is the speedup if the full heads cost their KV-read share of dense attention and
+deciding were free: dense / (window-only + KV read * (dense - window-only)), from the measured non-attention
+time (the window-only run) and the measured KV read. Lengths above the model's context use a RoPE theta
+override (--rope-theta) and moments from a random-words prompt of that length (computed once, then cached in
+~/.cache/qada/moments).
 
 Outputs in bench_results/: attention.md, end_to_end.md, profile.md (where the time goes), results.json
 and speedup.png.
@@ -65,15 +70,17 @@ from pathlib import Path
 import torch
 
 import attention
-from attention import build_attention, keyword_inputs
-from checkpoints import load
+from attention import BatchAttention, build_attention, keyword_inputs
+from checkpoints import DEFAULT, load
 from criterion import qada_labels
 from model import KVCache, LlamaConfig
 from moments import FixedMoments, ReferenceKeys
 
 N_SINK, N_LOCAL, TAU = 16, 128, 0.6
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHAPES = {  # name: H, Hkv, D, and L, the layers in one timed stack
     "SmolLM2-135M": dict(H=9, Hkv=3, D=64, L=20),
+    "Qwen2.5-Coder-1.5B": dict(H=12, Hkv=2, D=128, L=10),
     "Llama-3-8B": dict(H=32, Hkv=8, D=128, L=5),
 }
 FRACTIONS = (1.0, 0.5, 0.15, 0.0)
@@ -269,7 +276,8 @@ def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: fl
 
 
 def needle_prompt(tok, n_tokens: int, seed: int = 0) -> tuple[list[int], str]:
-    """Chat-template ids of a needle-in-a-haystack prompt of at most n_tokens (as close as whole lines allow)."""
+    """Chat-template ids of a needle-in-a-haystack prompt of at most n_tokens (as close as whole lines allow), and
+    the needle's value."""
     rng = random.Random(seed)
     key = f"{rng.choice(['quiet', 'amber', 'rapid', 'hollow', 'gentle'])}-{rng.choice(['harbor', 'falcon', 'meadow', 'lantern'])}"
     value = str(rng.randrange(1_000_000, 10_000_000))
@@ -281,6 +289,8 @@ def needle_prompt(tok, n_tokens: int, seed: int = 0) -> tuple[list[int], str]:
         text = ("A special magic number is hidden within the following text. Make sure to memorize it. "
                 "I will quiz you about the number afterwards.\n" + "\n".join(lines)
                 + f"\nWhat is the special magic number for {key} mentioned in the provided text?")
+        if not tok.has_chat_template:  # a base model: the raw text
+            return tok.encode(text, add_special_tokens=True)
         return tok.encode_chat([{"role": "user", "content": text}])
 
     per_line = (len(ids(101)) - len(ids(1))) / 100
@@ -290,32 +300,43 @@ def needle_prompt(tok, n_tokens: int, seed: int = 0) -> tuple[list[int], str]:
     return out, value
 
 
-def sdpa_gqa_decode(q, k, v, layer: int):
-    """`sdpa_gqa` in the model's decode_attention form: q (1, H, 1, D), k/v (1, Hkv, T, D) -> (1, H, 1, D)."""
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-
-
-def decode_timed(model, cache, n_prompt: int, logits, n_new: int, attn) -> tuple[float, list[int]]:
-    """Roll the cache back to the prompt and decode n_new greedy tokens; seconds per token and the tokens."""
+def decode_timed(model, cache, n_prompt: int, logits, n_new: int, attn) -> tuple[float, list[list[int]]]:
+    """Roll the cache back to the prompt(s) and decode n_new greedy tokens for every row (EOS not checked, so
+    every run does the same work); seconds per decode step and each row's tokens."""
     cache.length = n_prompt
-    token, out = logits.argmax(-1), []
+    token, outs = logits.argmax(-1), [[] for _ in range(logits.shape[0])]  # (B,)
     sync = (lambda: torch.cuda.synchronize(model.device)) if model.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     for _ in range(n_new):
-        out.append(int(token[0]))
+        for out, t in zip(outs, token.tolist()):
+            out.append(t)
         token = model.decode_step(token, cache, attn).argmax(-1)
     sync()
-    return (time.perf_counter() - t0) / n_new, out
+    return (time.perf_counter() - t0) / n_new, outs
 
 
-def bench_end_to_end(lengths, repeats: int, n_new: int, device: torch.device, rope_theta: float,
-                     profile_at: int | None = None) -> tuple[list[dict], str]:
+def parse_methods(text: str) -> list[tuple[str, float]]:
+    """"qada@0.6,qada_kv@0.4" -> [("qada", 0.6), ("qada_kv", 0.4)]: the sparse paths timed end to end."""
+    out = []
+    for item in text.split(","):
+        name, _, tau = item.strip().partition("@")
+        if name not in attention.PATHS or "tau" not in keyword_inputs(attention.PATHS[name]) or not tau:
+            raise ValueError(f"--e2e-methods takes PATH@TAU items of a path that reads tau, got {item!r}")
+        out.append((name, float(tau)))
+    return out
+
+
+def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n_new: int, device: torch.device,
+                     dtype: torch.dtype, rope_theta: float, profile_at: int | None = None) -> tuple[list[dict], str]:
+    """One row per (length, batch, sparse method): ms per decode step of the method, of packed dense (the model's
+    own decode, the best dense we have) and of the window only, in interleaved rounds; the bound from the measured
+    non-attention time (the window-only run) and the method's measured KV-read fraction."""
     rows, models, profile = [], {}, ""
 
     def model_for(theta):
         if theta not in models:
-            models[theta] = load("smollm2-135m", device, rope_theta=theta)  # the model of the tables below
+            models[theta] = load(model_name, device, dtype, rope_theta=theta)
         return models[theta]
 
     for T in lengths:
@@ -323,44 +344,58 @@ def bench_end_to_end(lengths, repeats: int, n_new: int, device: torch.device, ro
         if T > model.cfg.max_position_embeddings:
             model, tok = model_for(rope_theta)
         reference = ReferenceKeys(model, tok, n_max=max(T, model.cfg.max_position_embeddings))
-        ids, value = needle_prompt(tok, T - NEEDLE_TOKENS)
-        n = len(ids)
-        cache = model.new_cache(n + NEEDLE_TOKENS + 1)
-        t0 = time.perf_counter()
-        logits = model.prefill(torch.tensor([ids], device=device), cache)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        prefill_s = time.perf_counter() - t0
-        def build(method):  # through the one builder, for the prompt (the cache rolled back to it)
-            cache.length = n
-            return build_attention(method, cache, tau=TAU, reference=reference, n_sink=N_SINK, n_local=N_LOCAL)
+        prompts = [needle_prompt(tok, T - NEEDLE_TOKENS, seed=b) for b in range(max(batches))]  # different needles
+        caches, firsts, prefill_s = [], [], []
+        for ids, _ in prompts:  # each prompt prefilled alone, once; batch B takes the first B
+            caches.append(model.new_cache(len(ids) + NEEDLE_TOKENS + 1))
+            t0 = time.perf_counter()
+            firsts.append(model.prefill(torch.tensor([ids], device=device), caches[-1]))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            prefill_s.append(time.perf_counter() - t0)
+        for B in batches:
+            if B == 1:
+                cache = caches[0]
+            else:  # left-padded rows; the batch-1 caches stay as they are (the stack copies them)
+                cache = KVCache.stack(caches[:B], NEEDLE_TOKENS + 1)
+            logits, n = torch.cat(firsts[:B]), cache.length
 
-        make = {"dense": lambda: sdpa_gqa_decode, "packed": lambda: None,  # None: the model's own (packed) dense
-                "qada": lambda: build("qada"), "local": lambda: build("local")}
-        # The answer, untimed (and a warm-up): does each method still find the needle?
-        found = {name: value in tok.decode(decode_timed(model, cache, n, logits, NEEDLE_TOKENS, make[name]())[1])
-                 for name in make}
-        times, stats = {name: [] for name in make}, []
-        for r in range(repeats):  # short runs, interleaved, so that load bursts hit every method alike
-            for name in list(make)[r % len(make):] + list(make)[:r % len(make)]:
-                attn = make[name]()
-                times[name].append(decode_timed(model, cache, n, logits, n_new, attn)[0])
-                if name == "qada":
-                    stats.append(attn.stats.summary(model.cfg.num_key_value_heads))
-        ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-        sparsity, kv_read = stats[0]["sparsity"], stats[0]["kv_read"]  # greedy: every run decodes the same tokens
-        # If the full heads cost exactly their share of dense attention and deciding were free:
-        bound = {m: ms[m] / (ms["local"] + kv_read * (ms[m] - ms["local"])) for m in ("dense", "packed")}
-        rows.append(dict(T=n, theta=f"{model.cfg.rope_theta:g}", prefill_s=prefill_s, dense_ms=ms["dense"],
-                         packed_ms=ms["packed"], qada_ms=ms["qada"], local_ms=ms["local"],
-                         speedup=ms["dense"] / ms["qada"], bound=bound["dense"],
-                         speedup_packed=ms["packed"] / ms["qada"], bound_packed=bound["packed"],
-                         sparsity=sparsity, kv_read=kv_read,
-                         needle="/".join("yes" if found[m] else "no" for m in ("dense", "qada"))))
-        print(format_row(E2E_COLUMNS, rows[-1]), flush=True)
-        if T == profile_at:
-            profile = profile_decode(model, cache, n, logits, make, T)
-        del cache
+            def build(method, tau):  # through the one builder, one attention per prompt on its own cache
+                atts = [build_attention(method, c, tau=tau, reference=reference, n_sink=N_SINK, n_local=N_LOCAL)
+                        for c in caches[:B]]
+                return atts[0] if B == 1 else BatchAttention(atts, start=cache.start.tolist())
+
+            make = {"dense": lambda: None, "local": lambda: build("local", 1.0)}  # None: the model's packed dense
+            make |= {f"{m}@{tau:g}": (lambda m=m, tau=tau: build(m, tau)) for m, tau in methods}
+            # The answers, untimed (and a warm-up): how many rows still find their needle?
+            found = {}
+            for name in make:
+                outs = decode_timed(model, cache, n, logits, NEEDLE_TOKENS, make[name]())[1]
+                found[name] = sum(value in tok.decode(o) for o, (_, value) in zip(outs, prompts))
+            times, stats = {name: [] for name in make}, {}
+            for r in range(repeats):  # short runs, interleaved, so that load bursts hit every method alike
+                for name in list(make)[r % len(make):] + list(make)[:r % len(make)]:
+                    attn = make[name]()
+                    times[name].append(decode_timed(model, cache, n, logits, n_new, attn)[0])
+                    if name not in ("dense", "local") and name not in stats:  # greedy: every run decodes alike
+                        per_row = [a.stats.summary(model.cfg.num_key_value_heads) for a in getattr(attn, "rows", [attn])]
+                        stats[name] = (statistics.mean(x["sparsity"] for x in per_row),
+                                       statistics.mean(x["kv_read"] for x in per_row))
+            ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+            for m, tau in methods:
+                name = f"{m}@{tau:g}"
+                sparsity, kv_read = stats[name]
+                # If the full heads cost exactly their share of dense attention and deciding were free:
+                bound = ms["dense"] / (ms["local"] + kv_read * (ms["dense"] - ms["local"]))
+                rows.append(dict(T=n, batch=B, theta=f"{model.cfg.rope_theta:g}", prefill_s=sum(prefill_s[:B]),
+                                 method=name, dense_ms=ms["dense"], local_ms=ms["local"], ms=ms[name],
+                                 speedup=ms["dense"] / ms[name], bound=bound, of_bound=ms["dense"] / ms[name] / bound,
+                                 sparsity=sparsity, kv_read=kv_read, needle=f"{found['dense']}/{B}, {found[name]}/{B}"))
+                print(format_row(E2E_COLUMNS, rows[-1]), flush=True)
+            if T == profile_at and B == 1:
+                profile = profile_decode(model, cache, n, logits, make, model_name)
+            del cache
+        del caches
     return rows, profile
 
 
@@ -376,10 +411,10 @@ def top_ops(prof, device: torch.device, n: int, per: str, rows: int, scale: floa
             + [f"| {e.key} | {e.count / n:.1f} | {self_time(e, device) * scale / n:.2f} |" for e in ops])
 
 
-def profile_decode(model, cache, n_prompt: int, logits, make: dict, T: int, steps: int = 8) -> str:
+def profile_decode(model, cache, n_prompt: int, logits, make: dict, model_name: str, steps: int = 8) -> str:
     """Markdown: torch.profiler's heaviest ops of a decode step, per method (self time per token)."""
     from torch.profiler import profile
-    out = [f"### End to end, SmolLM2-135M, prompt of {n_prompt} tokens: the heaviest ops of a decode step", ""]
+    out = [f"### End to end, {model_name}, prompt of {n_prompt} tokens: the heaviest ops of a decode step", ""]
     for name, new in make.items():
         with profile() as prof:
             s, _ = decode_timed(model, cache, n_prompt, logits, steps, new())
@@ -397,12 +432,12 @@ ATTENTION_COLUMNS = [("shape", "shapes", "{}"), ("T", "T", "{}"), ("f", "f (KV r
                      ("qada_ms", "qada ms", "{:.3f}"), ("speedup", "speedup", "{:.2f}x"), ("ideal", "ideal", "{:.2f}x"),
                      ("of_bound", "% of bound", "{:.0%}"), ("speedup_packed", "speedup vs packed", "{:.2f}x"),
                      ("of_bound_packed", "% of bound vs packed", "{:.0%}"), ("criterion", "criterion / dense", "{:.1%}")]
-E2E_COLUMNS = [("T", "prompt tokens", "{}"), ("theta", "RoPE theta", "{}"), ("prefill_s", "prefill s", "{:.1f}"),
-               ("dense_ms", "dense ms/tok", "{:.1f}"), ("packed_ms", "packed dense ms/tok", "{:.1f}"),
-               ("qada_ms", "qada ms/tok", "{:.1f}"), ("local_ms", "window-only ms/tok", "{:.1f}"),
-               ("speedup", "speedup", "{:.2f}x"), ("bound", "bound", "{:.2f}x"),
-               ("speedup_packed", "speedup vs packed", "{:.2f}x"), ("bound_packed", "bound vs packed", "{:.2f}x"),
-               ("sparsity", "sparsity", "{:.2f}"), ("kv_read", "KV read", "{:.2f}"), ("needle", "needle found dense/qada", "{}")]
+E2E_COLUMNS = [("T", "prompt tokens", "{}"), ("batch", "batch", "{}"), ("theta", "RoPE theta", "{}"),
+               ("prefill_s", "prefill s", "{:.1f}"), ("method", "method", "{}"),
+               ("dense_ms", "packed dense ms/step", "{:.1f}"), ("local_ms", "window-only ms/step", "{:.1f}"),
+               ("ms", "method ms/step", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"), ("bound", "bound", "{:.2f}x"),
+               ("of_bound", "% of bound", "{:.0%}"), ("sparsity", "sparsity", "{:.2f}"), ("kv_read", "KV read", "{:.2f}"),
+               ("needle", "needles found dense, method", "{}")]
 
 
 def format_row(columns, row) -> str:
@@ -415,7 +450,7 @@ def table(columns, rows) -> str:
     return "\n".join([head, rule] + [format_row(columns, r) for r in rows])
 
 
-def plot(att_rows, e2e_rows, path: Path, setup: str) -> None:
+def plot(att_rows, e2e_rows, path: Path, setup: str, e2e_model: str = "") -> None:
     """Speedup vs context length: measured (solid) beside the ideal bound (dashed), one panel per part."""
     import matplotlib
     matplotlib.use("Agg")
@@ -426,18 +461,16 @@ def plot(att_rows, e2e_rows, path: Path, setup: str) -> None:
     colors = dict(zip(FRACTIONS, ["tab:gray", "tab:blue", "tab:red", "tab:green"]))
     for ax, panel in zip(axes[0], panels):
         if panel == "e2e":
-            Ts = [r["T"] for r in e2e_rows]
-            ax.plot(Ts, [r["speedup"] for r in e2e_rows], "o-", color="tab:purple", label="qada (tau 0.6)")
-            ax.plot(Ts, [r["bound"] for r in e2e_rows], "o--", color="tab:purple", mfc="none",
-                    label="bound at qada's KV read")
-            ax.plot(Ts, [r["speedup_packed"] for r in e2e_rows], "^-.", color="tab:orange",
-                    label="qada vs packed dense")
-            ax.plot(Ts, [r["dense_ms"] / r["local_ms"] for r in e2e_rows], "s:", color="k", mfc="none",
-                    label="window only (f = 0)")
-            for r in e2e_rows:
-                ax.annotate(f"f={r['kv_read']:.2f}", (r["T"], r["speedup"]), textcoords="offset points",
-                            xytext=(0, 7), ha="center", fontsize=8)
-            ax.set_title("End to end: SmolLM2-135M decode")
+            cmap = plt.get_cmap("tab10")
+            for i, key in enumerate(dict.fromkeys((r["method"], r["batch"]) for r in e2e_rows)):
+                rs = [r for r in e2e_rows if (r["method"], r["batch"]) == key]
+                Ts = [r["T"] for r in rs]
+                ax.plot(Ts, [r["speedup"] for r in rs], "o-", color=cmap(i), label=f"{key[0]}, batch {key[1]}")
+                ax.plot(Ts, [r["bound"] for r in rs], "o--", color=cmap(i), mfc="none", alpha=0.8)
+                for r in rs:
+                    ax.annotate(f"f={r['kv_read']:.2f}", (r["T"], r["speedup"]), textcoords="offset points",
+                                xytext=(0, 7), ha="center", fontsize=7, color=cmap(i))
+            ax.set_title(f"End to end: {e2e_model} decode (dashed: bound at the measured KV read)", fontsize=9)
             ax.legend(fontsize=8, loc="best")
         else:
             rows = [r for r in att_rows if r["shape"] == panel]
@@ -461,7 +494,7 @@ def plot(att_rows, e2e_rows, path: Path, setup: str) -> None:
         ax.set_xticks(Ts, [f"{T / 1024:.0f}k" if T >= 1024 else str(T) for T in Ts])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xlabel("context length T (tokens)")
-        ax.set_ylabel("speedup over dense (torch SDPA)")
+        ax.set_ylabel("speedup over packed dense" if panel == "e2e" else "speedup over dense (torch SDPA)")
         ax.axhline(1, color="k", lw=0.6)
         ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(f"QAdA decode speedup over dense attention: {setup}", fontsize=10)
@@ -475,20 +508,22 @@ def load_average() -> str:
     return f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores" if hasattr(os, "getloadavg") else "n/a"
 
 
-def setup_line(device: torch.device) -> str:
+def setup_line(device: torch.device, dtype: str = "float32") -> str:
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     else:
         where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    return f"{device.type} ({where}), fp32, torch {torch.__version__}"
+    return f"{device.type} ({where}), {dtype}, torch {torch.__version__}"
 
 
 def main(device: str | None, threads: int | None, repeats: int | None, parts: str, lengths: str | None,
-         quick: bool, decode_tokens: int, rope_theta: float, out: str) -> int:
+         quick: bool, decode_tokens: int, rope_theta: float, out: str, model: str, batches: str, e2e_methods: str,
+         dtype: str) -> int:
     t_start = time.perf_counter()
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    methods, batch_sizes = parse_methods(e2e_methods), [int(b) for b in batches.split(",")]
     setup = setup_line(device)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -508,18 +543,22 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
         profiles.append(profile_qada(8192 if 8192 in att_lengths else att_lengths[-1], att_repeats, device, timer))
         del timer
     if parts in ("e2e", "all"):
-        print(f"\n## End to end: SmolLM2-135M decode ms per token, median of {e2e_repeats} interleaved repeats "
-              f"of {decode_tokens} tokens\n")
+        e2e_setup = setup_line(device, dtype)
+        print(f"\n## End to end: {model} ({dtype}) decode ms per step, median of {e2e_repeats} interleaved repeats "
+              f"of {decode_tokens} tokens; load average {load_average()}\n")
         print(table(E2E_COLUMNS, []))
-        e2e_rows, prof = bench_end_to_end(e2e_lengths, e2e_repeats, decode_tokens, device, rope_theta,
+        e2e_rows, prof = bench_end_to_end(model, e2e_lengths, batch_sizes, methods, e2e_repeats, decode_tokens, device,
+                                          DTYPES[dtype], rope_theta,
                                           profile_at=8192 if 8192 in e2e_lengths else e2e_lengths[-1])
         profiles.append(prof)
         (out / "end_to_end.md").write_text(
-            f"End to end, {setup}: decode ms per token, median of {e2e_repeats} interleaved repeats of {decode_tokens} tokens; "
-            f"RoPE theta {rope_theta:g} above 8192 tokens.\n\n{table(E2E_COLUMNS, e2e_rows)}\n")
+            f"End to end, {model}, {e2e_setup}: decode ms per step (a step decodes one token of every row), median of "
+            f"{e2e_repeats} interleaved repeats of {decode_tokens} tokens; rows of a batch are different prompts; RoPE "
+            f"theta {rope_theta:g} above the model's context; load average {load_average()} at the end.\n\n"
+            f"{table(E2E_COLUMNS, e2e_rows)}\n")
     (out / "profile.md").write_text(f"Profiles, {setup}.\n\n" + "\n".join(profiles))
     (out / "results.json").write_text(json.dumps({"setup": setup, "attention": att_rows, "end_to_end": e2e_rows}, indent=1))
-    plot(att_rows, e2e_rows, out / "speedup.png", setup)
+    plot(att_rows, e2e_rows, out / "speedup.png", setup, model)
     print(f"\nload average {load_average()}; wrote {out}/ (attention.md, end_to_end.md, profile.md, speedup.png) "
           f"in {time.perf_counter() - t_start:.0f} s")
     return 0
@@ -537,4 +576,9 @@ if __name__ == "__main__":
     p.add_argument("--decode-tokens", type=int, default=8, help="tokens decoded per method and timed repeat, end to end (default: 8)")
     p.add_argument("--rope-theta", type=float, default=4e5, help="RoPE base for end-to-end lengths above the model's context (default: 4e5)")
     p.add_argument("--out", default="bench_results", help="output folder (default: bench_results)")
+    p.add_argument("--model", default=DEFAULT, help=f"end-to-end model: a name, folder or hub id (default: {DEFAULT})")
+    p.add_argument("--batches", default="1,8", help="end-to-end batch sizes, each row a different prompt (default: 1,8)")
+    p.add_argument("--e2e-methods", default="qada@0.6", help="sparse paths timed end to end, PATH@TAU,... (e.g. "
+                   "qada@0.2,qada_kv@0.6: each at the tau where it keeps the score; default: qada@0.6)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="end-to-end weights and KV cache (default: float32)")
     sys.exit(main(**vars(p.parse_args())))

@@ -118,3 +118,22 @@ def test_markdown_table():
                  criterion=0.1, packed_ms=0.8, speedup_packed=1.6, of_bound_packed=0.33)]
     lines = bench.table(bench.ATTENTION_COLUMNS, rows).splitlines()
     assert len(lines) == 3 and lines[2].count("|") == lines[0].count("|") and "2.00x" in lines[2]
+
+
+def test_end_to_end_runs_batches_of_different_prompts(tmp_path, monkeypatch):
+    """Part 2 on a tiny random model: a row per (batch, method) with the bound computed from the row's own
+    timings and KV read; batch 3 holds three different needles in one left-padded cache."""
+    from tests.test_generate import make_tiny_dir
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))  # the reference keys cached in the test's folder only
+    folder = make_tiny_dir(tmp_path / "tiny")
+    methods = bench.parse_methods("qada@0.6,qada_kv@0.3")
+    rows, _ = bench.bench_end_to_end(str(folder), [300], [1, 3], methods, repeats=2, n_new=3,
+                                     device=torch.device("cpu"), dtype=torch.float32, rope_theta=4e5)
+    assert [(r["batch"], r["method"]) for r in rows] == [(1, "qada@0.6"), (1, "qada_kv@0.3"), (3, "qada@0.6"),
+                                                         (3, "qada_kv@0.3")]
+    for r in rows:
+        assert r["bound"] == pytest.approx(r["dense_ms"] / (r["local_ms"] + r["kv_read"] * (r["dense_ms"] - r["local_ms"])))
+        assert r["of_bound"] == pytest.approx(r["speedup"] / r["bound"]) and 0 < r["kv_read"] <= 1
+        assert r["needle"].endswith(f"/{r['batch']}") and 250 < r["T"] <= 300 - bench.NEEDLE_TOKENS
+    with pytest.raises(ValueError, match="PATH@TAU"):
+        bench.parse_methods("local@0.5")
