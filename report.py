@@ -430,10 +430,11 @@ def write_analysis(out: Path, rows, tasks, cur):
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
     lines = [f"# Analysis of {out.name}", ""] + write_lossless(out, rows, tasks) + [""]
-    per_layer = layer_disagreement([r for r in task_rows if r["config"] == f"qada_rw@{MAIN_TAU:g}"])
-    if per_layer:
-        lines += [f"## Why QAdA and the oracle disagree, per layer (qada_rw@{MAIN_TAU:g}, tracked runs)", "",
-                  layer_disagreement.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + per_layer + [""]
+    for m in ("qada_rw", "qada_prompt"):  # random-words moments, then the prompt's own (fixed) where tracked
+        per_layer = layer_disagreement([r for r in task_rows if r["config"] == f"{m}@{MAIN_TAU:g}"])
+        if per_layer:
+            lines += [f"## Why QAdA and the oracle disagree, per layer ({m}@{MAIN_TAU:g}, tracked runs)", "",
+                      layer_disagreement.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + per_layer + [""]
     # agreement, App. C
     main = f"qada_rw@{MAIN_TAU:g}"
     tracked = [r for r in task_rows if r["config"] == main and "oracle_freq" in r]
