@@ -567,7 +567,8 @@ def figure_scores(out: Path, rows, tasks, methods):
         for ax, x in zip(axes, ("sparsity", "kv_read")):
             panel(ax, ms, x)
         axes[1].invert_xaxis()  # left to right: more saved in both panels
-        axes[0].legend(fontsize=7, loc="lower left")
+        if axes[0].get_legend_handles_labels()[0]:  # no finished pair with dense yet: nothing to label
+            axes[0].legend(fontsize=7, loc="lower left")
         fig.suptitle(f"{title} ({len(tasks)} tasks, up to {n} samples per point; dotted: {LOSSLESS} of dense)")
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
