@@ -344,6 +344,11 @@ class BatchAttention:
                 y[b:b + 1] = att(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], layer)  # views, no copy
         return y
 
+    def select(self, keep: list[int]) -> "BatchAttention":
+        """The same attentions (statistics keep accumulating in them) for the rows `keep` only."""
+        return BatchAttention([self.rows[b] for b in keep], None if self.start is None else [self.start[b] for b in keep],
+                              [self.done[b] for b in keep])
+
 
 def build_attention(method: str, cache, *, tau: float = 0.6, moments: str = "random-words",
                     reference: ReferenceKeys | None = None, static_local: torch.Tensor | None = None,

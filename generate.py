@@ -45,18 +45,29 @@ def decode_batch(model, cache, logits, max_new_tokens: int, attention=None, eos_
     """Decode every row of a batch (last logits (B, V)) in lockstep until each has ended: an EOS, max_new_tokens,
     or the optional stop rule `finished(new_ids) -> bool`. A row decodes as it would alone; with a BatchAttention
     an ended row is no longer attended (its cache is not read). The rows share each step's weight reads, which
-    dominate a decode step on a CPU, so B rows cost far less than B runs."""
+    dominate a decode step on a CPU, so B rows cost far less than B runs. Once half the rows have ended, the batch
+    goes on with the others only (their cache rows copied out): the ended rows no longer cost the linear layers."""
     outs = [[] for _ in range(logits.shape[0])]
+    live = list(range(len(outs)))  # the original row of each row of the current batch
     done = attention.done if isinstance(attention, BatchAttention) else [False] * len(outs)
     steps = tqdm(range(max_new_tokens), desc="decode", unit="tok", leave=False, disable=not progress)
     for _ in steps:
         tokens = sample(logits, temperature, top_k, generator)  # (B,)
-        for b, t in enumerate(tokens.tolist()):
-            if not done[b]:
-                outs[b].append(t)
-                done[b] = t in eos_ids or len(outs[b]) == max_new_tokens or bool(finished and finished(outs[b]))
+        for j, t in enumerate(tokens.tolist()):
+            if not done[j]:
+                out = outs[live[j]]
+                out.append(t)
+                done[j] = t in eos_ids or len(out) == max_new_tokens or bool(finished and finished(out))
         if all(done):
             break
+        keep = [j for j, d in enumerate(done) if not d]
+        if len(keep) <= len(done) // 2:  # compact: a copy of the cache rows left, at most log2(B) times
+            cache, tokens, live = cache.select_rows(keep), tokens[keep], [live[j] for j in keep]
+            if isinstance(attention, BatchAttention):
+                attention = attention.select(keep)
+                done = attention.done
+            else:
+                done = [False] * len(keep)
         logits = model.decode_step(tokens, cache, attention)
     return outs
 

@@ -168,6 +168,14 @@ class KVCache:
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, Hkv, end, D)
 
+    def select_rows(self, rows: list[int]) -> "KVCache":
+        """A new cache holding only `rows` (copied), at the same length: a batch drops the rows that have ended."""
+        out = copy.copy(self)
+        index = torch.tensor(rows, device=self.k.device)
+        out.k, out.v = self.k.index_select(1, index), self.v.index_select(1, index)  # (L, len(rows), Hkv, T, D)
+        out.start = None if self.start is None else self.start[index]
+        return out
+
     def repeat_rows(self, batch: int) -> "KVCache":
         """A new cache of `batch` rows, each a copy of row 0 at the same length: several continuations of one
         prefill decoded side by side (eval.py decodes every method of a sample this way)."""

@@ -122,3 +122,47 @@ def test_cli_takes_several_files_and_a_jsonl(tiny_dir_batch, tmp_path, capsys):
     assert generate.main(["--prompt", str(bad)] + base) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "line 1" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("method", [None, "qada", "oracle"])
+def test_rows_that_end_leave_the_batch_and_the_rest_decode_as_alone(tiny, monkeypatch, method):
+    """Rows ending at different steps: once half have ended the batch goes on with the others only (their
+    cache rows copied out); every row's tokens and labels still equal its prompt decoded alone."""
+    from attention import build_attention
+    from model import KVCache
+    g = torch.Generator().manual_seed(4)  # six prompts whose greedy continuations all differ
+    prompts = [torch.randint(0, 100, (1, n), generator=g) for n in (150, 40, 97, 120, 66, 131)]
+    n_new = 16
+
+    def prefilled():
+        caches = [tiny.new_cache(p.shape[1] + n_new) for p in prompts]
+        return caches, [tiny.prefill(p, c) for p, c in zip(prompts, caches)]
+
+    def attn(cache):
+        return None if method is None else build_attention(method, cache, tau=0.3, moments="prompt", n_sink=4, n_local=16)
+
+    caches, firsts = prefilled()
+    free = [generate.decode(tiny, c, f, n_new, attn(c)) for c, f in zip(caches, firsts)]  # no EOS: the paths
+    # A stop rule that ends five rows early, each at its own step (once its tokens are its free run's first 2, 4,
+    # ... 10), so that the batch shrinks twice (6 -> 3 -> 1 rows); the row that runs on is the one whose tokens
+    # vary most
+    survivor = max(range(len(free)), key=lambda r: len(set(free[r])))
+    assert len({tuple(seq) for seq in free}) == len(free) and len(set(free[survivor])) >= 8
+    stops = [free[r][:2 * (i + 1)] for i, r in enumerate(r for r in range(len(free)) if r != survivor)]
+    finished = lambda ids: ids in stops  # noqa: E731
+    caches, firsts = prefilled()
+    alone_atts = [attn(c) for c in caches]
+    alone = [generate.decode_batch(tiny, c, f, n_new, a, finished=finished)[0] for c, f, a in zip(caches, firsts, alone_atts)]
+    caches, firsts = prefilled()
+    stacked = KVCache.stack(caches, n_new)
+    atts = [attn(c) for c in caches]
+    batch_attn = None if method is None else BatchAttention(atts, start=stacked.start.tolist())
+    selected = []
+    original = KVCache.select_rows
+    monkeypatch.setattr(KVCache, "select_rows", lambda self, rows: selected.append(list(rows)) or original(self, rows))
+    batched = generate.decode_batch(tiny, stacked, torch.cat(firsts), n_new, batch_attn, finished=finished)
+    assert batched == alone and sorted(map(len, alone)) == [2, 4, 6, 8, 10, n_new]
+    assert [len(rows) for rows in selected] == [3, 1]  # compacted twice, to the rows still decoding
+    if method is not None:
+        for a, b in zip(atts, alone_atts):
+            assert a.stats.lengths == b.stats.lengths and torch.equal(a.stats.label_tensor(), b.stats.label_tensor())
