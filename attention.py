@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from criterion import (check_tau, gaussian_log_bulk, group_labels, oracle_labels, oracle_log_masses, qada_labels,
                        qada_log_masses, window_mask, window_slices)
-from moments import KeyMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
+from moments import KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
@@ -274,6 +274,7 @@ class SparseAttention:
     moments: KeyMoments | None = None
     static_local: torch.Tensor | None = None  # (L, H) bool
     stats: HeadStats | None = None
+    exact: KeyMoments | None = None  # analysis: the current bulk's own moments, kept by Welford's update (oracle_view)
 
     def __post_init__(self):
         self.inputs = path_inputs(self.method)
@@ -310,8 +311,10 @@ class SparseAttention:
         T = k.shape[1]
         log_gauss = log_exact = torch.full_like(log_local, math.nan)
         if T > self.n_local:
-            bulk = k[:, self.n_sink:bulk_end(T, self.n_sink, self.n_local)]  # (Hkv, T - n_local, D)
-            log_exact = gaussian_log_bulk(q, *mean_cov(bulk), T - self.n_local)
+            # The same moments either way; the update costs O(d^2) per step where the direct form costs O(T d^2)
+            exact = (self.exact.mean_cov(layer, k) if self.exact is not None
+                     else mean_cov(k[:, self.n_sink:bulk_end(T, self.n_sink, self.n_local)]))  # bulk (Hkv, T - n_local, D)
+            log_exact = gaussian_log_bulk(q, *exact, T - self.n_local)
             if self.moments is not None:
                 log_gauss = gaussian_log_bulk(q, *self.moments.mean_cov(layer, k), T - self.n_local)
         return labels, torch.stack([log_local, log_bulk, log_gauss, log_exact])
@@ -358,5 +361,6 @@ def build_attention(method: str, cache, *, tau: float = 0.6, moments: str = "ran
     reference prompt's keys) and `static_local` labels (L, H); what the path does not read is ignored."""
     inputs = path_inputs(method)
     key_moments = make_moments(moments, cache, reference, n_sink, n_local) if "moments" in inputs else None
+    exact = OnlineMoments(cache, n_sink, n_local) if track_oracle else None
     return SparseAttention(method, tau, n_sink, n_local, key_moments,
-                           static_local if "static_local" in inputs else None, HeadStats(n_local, track_oracle))
+                           static_local if "static_local" in inputs else None, HeadStats(n_local, track_oracle), exact)
