@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from attention import ANALYSIS_ONLY, PATHS, BatchAttention, build_attention, path_inputs
 from checkpoints import DEFAULT, MODELS, load
-from model import KVCache
 from criterion import check_tau, load_labels
+from model import KVCache
 from moments import OPTIONS, ReferenceKeys, reference_words
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -173,7 +173,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     max_context = max_context or net.cfg.max_position_embeddings
     sources = attention_sources(net, tok, method, moments, static_labels, static_sparsity, max_context, progress)
 
-    rows = []  # per prompt: ids, cache, last logits, prefill seconds, attention
+    rows, caches = [], []  # per prompt: (ids, last logits, prefill seconds, attention); its prefilled cache
     for name, text in named:
         if chat and tok.has_chat_template:
             ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
@@ -187,14 +187,16 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         logits = net.prefill(torch.tensor([ids], device=device), cache, progress=progress)
         prefill_s = time.perf_counter() - t0
         att = build_attention(method, cache, tau=tau, moments=moments, n_sink=n_sink, n_local=n_local, **sources)
-        rows.append((ids, cache, logits, prefill_s, att))
+        rows.append((ids, logits, prefill_s, att))
+        caches.append(cache)
 
     if len(rows) == 1:
-        _, cache, logits, _, attention = rows[0]
+        (_, logits, _, attention), cache = rows[0], caches[0]
     else:  # one batch: left-padded rows, each attended by its own attention on its own part of the cache
-        cache = KVCache.stack([r[1] for r in rows], max_new_tokens)
-        logits = torch.cat([r[2] for r in rows])  # (B, V)
-        attention = BatchAttention([r[4] for r in rows], start=cache.start.tolist())
+        cache = KVCache.stack(caches, max_new_tokens)
+        logits = torch.cat([r[1] for r in rows])  # (B, V)
+        attention = BatchAttention([r[3] for r in rows], start=cache.start.tolist())
+    del caches  # the stack holds the prompts now (the attentions keep moments, not caches)
     generator = torch.Generator(device).manual_seed(seed)
     t0 = time.perf_counter()
     new = decode_batch(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator,
@@ -203,7 +205,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     steps = max(len(n) for n in new)  # batch decode steps: the rows share each one
 
     reports = []
-    for (name, _), (ids, _, _, prefill_s, att), out in zip(named, rows, new):
+    for (name, _), (ids, _, prefill_s, att), out in zip(named, rows, new):
         stats = att.stats.summary(net.cfg.num_key_value_heads)
         reports.append({
             "prompt": name, "text": tok.decode(out), "method": method, "tau": tau if "tau" in att.inputs else None,
