@@ -81,7 +81,8 @@ CALIB_TAU = 0.6  # the oracle threshold whose head frequencies give the static l
 
 # The paper's configurations (section 4.1) as a path of attention.PATHS plus the source of what it reads:
 # moments.OPTIONS for a path that reads moments, "random", "calibrated" or "own-task" for one that reads
-# static labels (with "-kv": whole KV groups by their query heads' mean frequency). Any other name of PATHS runs as itself, with the default source.
+# static labels (with "-kv": whole KV groups by their query heads' mean frequency). Any other name of PATHS runs
+# as itself, with the default source.
 VARIANTS = {
     "random": ("static", "random"),
     "static": ("static", "calibrated"),

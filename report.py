@@ -228,6 +228,12 @@ def paired_scores(rows, tasks, configs):
     return out
 
 
+def paired_mean(g, scores: dict, config: str, field: str) -> float | None:
+    """Mean over tasks of `config`'s mean `field` on the paired samples of `scores` (paired_scores)."""
+    idx = {t: set(i) for t, (i, _) in scores.items()}
+    return mean(list(task_means(g, list(scores), config, idx, field).values()))
+
+
 def normalised(scores: dict, picks: dict, config: str) -> float | None:
     """Mean over tasks of (config's mean score / dense's mean score) on the picked samples of each task; tasks
     where dense scores 0 on the pick are left out."""
@@ -264,9 +270,8 @@ def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed
         scores = paired_scores(rows, tasks, cs)  # the samples this method and dense both finished
         if not scores:
             continue
-        idx = {t: set(i) for t, (i, _) in scores.items()}
-        sparsity = {c: mean(list(task_means(g, list(scores), c, idx, "sparsity").values())) for c in cs}
-        kv = {c: mean(list(task_means(g, list(scores), c, idx, "kv_read").values())) for c in cs}
+        sparsity = {c: paired_mean(g, scores, c, "sparsity") for c in cs}
+        kv = {c: paired_mean(g, scores, c, "kv_read") for c in cs}
         if any(sparsity[c] is None for c in cs):
             continue
         x = sparsity if axis == "sparsity" else {c: 1 - kv[c] for c in cs}  # higher = saves more
@@ -525,10 +530,9 @@ def score_points(rows, tasks, config: str, n_boot: int = 1000, seed: int = 0) ->
     boot = [normalised(scores, {t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()}, config)
             for _ in range(n_boot)]
     boot = [b for b in boot if b is not None]
-    g, idx = group(rows), {t: set(i) for t, (i, _) in scores.items()}
+    g = group(rows)
     return {"norm": norm, "lo": float(np.percentile(boot, 2.5)), "hi": float(np.percentile(boot, 97.5)),
-            "sparsity": mean(list(task_means(g, list(scores), config, idx, "sparsity").values())),
-            "kv_read": mean(list(task_means(g, list(scores), config, idx, "kv_read").values())),
+            "sparsity": paired_mean(g, scores, config, "sparsity"), "kv_read": paired_mean(g, scores, config, "kv_read"),
             "n": sum(len(i) for i, _ in scores.values())}
 
 
