@@ -30,17 +30,20 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from criterion import (check_tau, gaussian_log_bulk, group_labels, oracle_labels, oracle_log_masses, qada_labels,
-                       qada_log_masses, window_mask, window_slices)
+from criterion import (check_tau, gaussian_log_bulk, gaussian_log_mass, group_labels, oracle_labels, oracle_log_masses,
+                       qada_labels, window_mask, window_slices)
 from moments import KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (H, D) over the local window of the cache k, v (Hkv, T, D): output (H, D), scores (H, W).
+    """Attention of q (H, D) over the local window of the cache k, v (Hkv, T, D): the output (H, D) and the log of
+    the window's attention mass, log A_local = log sum_{i in I} exp(s_i) (H,), in fp32.
 
     The window is read in place as its two slices, sinks and recent tokens, each a view of the cache: only
-    the (H, W) scores are concatenated, never keys or values."""
+    the (H, W) scores are concatenated, never keys or values. Deciding costs a few eager ops per layer, each a
+    few microseconds on the CPU whatever its size, so the count matters: one log_softmax gives both the weights
+    (its exp) and the mass, since log A_local = s_0 - log p_0 for any window position, here the first sink."""
     H, D = q.shape
     Hkv = k.shape[0]
     qg = q.view(Hkv, H // Hkv, D)  # (Hkv, G, D)
@@ -48,12 +51,14 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: 
     # torch.bmm (not @, whose reshapes cost more than the product at these sizes) and the scale in place
     scores = [torch.bmm(qg, k[:, s].transpose(1, 2)) for s in parts]  # (Hkv, G, W_part) each
     scores = (torch.cat(scores, -1) if len(scores) > 1 else scores[0]).float().mul_(1 / math.sqrt(D))
-    p = scores.softmax(-1).to(v.dtype)  # (Hkv, G, W)
+    log_p = scores.log_softmax(-1)  # (Hkv, G, W)
+    p = log_p.exp().to(v.dtype)
     y, start = None, 0
     for s in parts:
         p_part, start = p[..., start:start + s.stop - s.start], start + s.stop - s.start
         y = torch.bmm(p_part, v[:, s]) if y is None else y.baddbmm_(p_part, v[:, s])  # (Hkv, G, D)
-    return y.view(H, D), scores.view(H, -1)
+    log_local = scores[..., 0] - log_p[..., 0]  # (Hkv, G)
+    return y.view(H, D), log_local.view(H)
 
 
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -156,12 +161,12 @@ def static(q, k, v, *, layer, n_sink, n_local, static_local):
 
 def qada(q, k, v, *, layer, n_sink, n_local, tau, moments):
     """Listing 1: window scores, the Gaussian bulk estimate, then full attention for long-context heads only."""
-    y_window, window_scores = window_attention(q, k, v, n_sink, n_local)
+    y_window, log_local = window_attention(q, k, v, n_sink, n_local)
     T = k.shape[1]
     if T <= n_local:  # no bulk: the window is the whole context, every head is exact and local
         return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
     form = moments.quadratic_form(layer, k)  # Eq. 6's (A, b): q A q^T + q b = mu_s + sigma_s^2 / 2
-    labels = qada_labels(q, window_scores, form, T, n_local, tau)
+    labels = qada_labels(q, log_local, form, T, n_local, tau)
     return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
 
 
@@ -174,12 +179,12 @@ def oracle_kv(q, k, v, *, n_sink, n_local, tau, rule="mean"):
 def qada_kv(q, k, v, *, layer, n_sink, n_local, tau, moments, rule="mean"):
     """QAdA decided once per KV group (ours): Eq. 7's two log masses per query head, then criterion.group_labels;
     a group labelled long-context reads its KV head once for all G query heads, a local group reads its window."""
-    y_window, window_scores = window_attention(q, k, v, n_sink, n_local)
+    y_window, log_local = window_attention(q, k, v, n_sink, n_local)
     T = k.shape[1]
     if T <= n_local:
         return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-    log_masses = qada_log_masses(q, window_scores, moments.quadratic_form(layer, k), T - n_local)
-    labels = group_labels(*log_masses, tau, k.shape[0], rule)
+    log_bulk = gaussian_log_mass(q, moments.quadratic_form(layer, k), T - n_local)
+    labels = group_labels(log_local, log_bulk, tau, k.shape[0], rule)
     return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
 
 

@@ -19,7 +19,7 @@ Timed per stack, reported per layer:
   dense      torch SDPA with enable_gqa over every layer's whole cache (`sdpa_gqa`);
   qada       attention.qada exactly as the model calls it: window attention (read in place from the cache),
              the Gaussian criterion (qada_labels) and full attention for the heads it labels long-context;
-  criterion  qada's work before the full heads (window attention and scores, the Gaussian term, labels):
+  criterion  qada's work before the full heads (window attention and its log mass, the Gaussian term, labels):
              the price of deciding, reported as a fraction of dense;
   packed     attention.dense, the project's dense path, as qada's full heads compute it (full_attention on every KV head:
              SDPA with a group's query heads as query positions, reading each KV head once where SDPA's
@@ -175,11 +175,11 @@ class Stack:
         return [path(self.q[i], *self.kv[i], **kw)[0] for i in range(self.L)]
 
     def criterion(self, moments):
-        """What qada does before its full heads: window attention and scores, the Gaussian term, labels."""
+        """What qada does before its full heads: window attention and its log mass, the Gaussian term, labels."""
         out = []
         for i, (k, v) in enumerate(self.kv):
-            y_window, scores = attention.window_attention(self.q[i], k, v, N_SINK, N_LOCAL)
-            out.append(qada_labels(self.q[i], scores, moments.quadratic_form(i, k), self.T, N_LOCAL, TAU))
+            y_window, log_local = attention.window_attention(self.q[i], k, v, N_SINK, N_LOCAL)
+            out.append(qada_labels(self.q[i], log_local, moments.quadratic_form(i, k), self.T, N_LOCAL, TAU))
         return out
 
     def check(self, full: torch.Tensor, moments) -> None:
@@ -237,18 +237,18 @@ def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: fl
         local = (~full).repeat_interleave(G, 1).to(device)  # (L, H)
         pre = []  # inputs of each stage, computed once
         for i, (k, v) in enumerate(stack.kv):
-            y_window, scores = attention.window_attention(stack.q[i], k, v, N_SINK, N_LOCAL)
-            pre.append((y_window, scores, moments.quadratic_form(i, k)))
+            y_window, log_local = attention.window_attention(stack.q[i], k, v, N_SINK, N_LOCAL)
+            pre.append((y_window, log_local, moments.quadratic_form(i, k)))
 
         def stage(fn):
             return lambda: [fn(i, *stack.kv[i], *pre[i]) for i in range(stack.L)]
 
         q = stack.q
         stages = {
-            "window attention and scores (window_attention)": stage(
+            "window attention and its log mass (window_attention)": stage(
                 lambda i, k, v, *_: attention.window_attention(q[i], k, v, N_SINK, N_LOCAL)),
             "Gaussian term + labels (qada_labels)": stage(
-                lambda i, k, v, yw, s, form: qada_labels(q[i], s, form, T, N_LOCAL, TAU)),
+                lambda i, k, v, yw, log_local, form: qada_labels(q[i], log_local, form, T, N_LOCAL, TAU)),
             "full heads (mixed_attention)": stage(lambda i, k, v, yw, *_: attention.mixed_attention(
                 q[i], k, v, local[i], N_SINK, N_LOCAL, yw)),
             "qada, whole": lambda: stack.run(attention.qada, moments),

@@ -107,39 +107,37 @@ def gaussian_form(mean: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, 
     return cov.float() / (2 * D), mean.float() / math.sqrt(D)
 
 
-def gaussian_log_mass(qg: torch.Tensor, A: torch.Tensor, b: torch.Tensor, n_bulk: int) -> torch.Tensor:
-    """log(n_bulk * E[exp(s)]) = log n_bulk + q A q^T + q b for queries qg (Hkv, G, D) in fp32: (Hkv, G)."""
-    qa_b = torch.baddbmm(b[:, None, :], qg, A)  # (Hkv, G, D): q A + b
-    return (qa_b * qg).sum(-1) + math.log(n_bulk)
+def gaussian_exponent(q: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """mu_s + sigma_s^2 / 2 = q A q^T + q b for the query q (H, D), with the bulk keys' `gaussian_form` (A, b) per KV
+    head, shared by its G = H / Hkv query heads: (H,) in fp32."""
+    A, b = form
+    H, D = q.shape
+    qg = q.float().view(A.shape[0], -1, D)  # (Hkv, G, D)
+    return (torch.baddbmm(b[:, None, :], qg, A) * qg).sum(-1).view(H)  # (q A + b) . q
+
+
+def gaussian_log_mass(q: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor], n_bulk: int) -> torch.Tensor:
+    """Eqs. 5-6: the estimated log A_bulk = log(n_bulk * E[exp(s)]) = log n_bulk + mu_s + sigma_s^2 / 2, (H,)."""
+    return gaussian_exponent(q, form) + math.log(n_bulk)
 
 
 def gaussian_log_bulk(q: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, n_bulk: int) -> torch.Tensor:
     """log(T_bulk * E[exp(q k / sqrt(d))]) for k ~ N(mean, cov), Eqs. 5-6; (H,).
 
     q (H, D); mean (Hkv, D) and cov (Hkv, D, D) per KV head, shared by its G = H / Hkv query heads."""
-    H, D = q.shape
-    qg = q.float().view(mean.shape[0], -1, D)  # (Hkv, G, D)
-    return gaussian_log_mass(qg, *gaussian_form(mean, cov), n_bulk).view(H)
+    return gaussian_log_mass(q, gaussian_form(mean, cov), n_bulk)
 
 
-def qada_log_masses(q: torch.Tensor, window_scores: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor],
-                    n_bulk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 7's two log masses (H,): log A_local from the window scores (H, W), and the Gaussian estimate of
-    log A_bulk from the bulk keys' `gaussian_form` for the query q (H, D)."""
-    H, D = q.shape
-    A, b = form
-    log_local = window_scores.float().logsumexp(-1)  # (H,)
-    return log_local, gaussian_log_mass(q.float().view(A.shape[0], -1, D), A, b, n_bulk).view(H)
-
-
-def qada_labels(q: torch.Tensor, window_scores: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor],
+def qada_labels(q: torch.Tensor, log_local: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor],
                 T: int, n_local: int, tau: float) -> torch.Tensor:
-    """Eq. 7 from the query (H, D), its window scores (H, W) and the bulk keys' `gaussian_form`: (H,) bool.
+    """Eq. 7 from the query (H, D), the log of its window mass (H,) and the bulk keys' `gaussian_form`: (H,) bool.
 
+    share_rule with the estimated log A_bulk = log T_bulk + mu_s + sigma_s^2 / 2, the constant log T_bulk moved to
+    the threshold's side: the same comparison, one op fewer per layer on the decoding path.
     A context no longer than the window has no bulk: every head is exact on its window, so local."""
     if T <= n_local:
         return torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-    return share_rule(*qada_log_masses(q, window_scores, form, T - n_local), tau)
+    return (log_local - gaussian_exponent(q, form)) >= local_logit(tau) + math.log(T - n_local)
 
 
 # ---------------------------------------------------------------------------------------------------------

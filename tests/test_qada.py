@@ -67,7 +67,7 @@ def test_qada_labels_follow_the_local_share():
     D, T = 8, 1000
     q = torch.zeros(2, D)
     mean, cov = torch.zeros(1, D), torch.zeros(1, D, D)  # bulk scores all 0: A_bulk = T_bulk
-    window = torch.stack([torch.full((N_LOCAL,), 10.0), torch.zeros(N_LOCAL)])
+    window = torch.stack([torch.full((N_LOCAL,), 10.0), torch.zeros(N_LOCAL)]).logsumexp(-1)  # log A_local per head
     labels = qada_labels(q, window, gaussian_form(mean, cov), T, N_LOCAL, tau=0.6)
     assert labels.tolist() == [True, False]
     # head 1: share = 128 / 1000 exactly, so the threshold sits right there
@@ -172,6 +172,22 @@ def test_mixed_attention_equals_fp32_reference(T, pattern, dtype, tol):
     ref = reference_attention(q, k, v, local, N_SINK, N_LOCAL)
     assert got.dtype == dtype
     assert (got.float() - ref).abs().max() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])  # bf16: scores rounded to 8 bits
+@pytest.mark.parametrize("T", [1, N_LOCAL - 1, N_LOCAL, N_LOCAL + 1, 700])
+def test_window_attention_mass_equals_float64_logsumexp(T, dtype, tol):
+    """window_attention's log A_local (taken from its log_softmax) equals the log-sum-exp of the window's scores
+    computed in float64 from the cache, and its output equals the fp32 reference with every head local."""
+    q, k, v = random_qkv(T, seed=T, dtype=dtype)
+    q = q * torch.linspace(0.2, 4.0, H, dtype=dtype)[:, None]  # flat to peaked heads, so the first sink's weight varies
+    y, log_local = attention.window_attention(q, k, v, N_SINK, N_LOCAL)
+    window = [i for i in range(T) if i < N_SINK or i >= T - (N_LOCAL - N_SINK)]
+    scores = torch.stack([q[h].double() @ k[h // (H // HKV), window].double().T for h in range(H)]) / math.sqrt(D)
+    assert log_local.dtype == torch.float32
+    torch.testing.assert_close(log_local.double(), scores.logsumexp(-1), rtol=tol, atol=tol)
+    ref = attention.reference_attention(q, k, v, torch.ones(H, dtype=torch.bool), N_SINK, N_LOCAL)
+    torch.testing.assert_close(y.float(), ref, rtol=0, atol=30 * tol)
 
 
 @pytest.mark.parametrize("T", [N_LOCAL + 1, 900])
