@@ -225,8 +225,20 @@ def bench_attention(lengths, repeats: int, device: torch.device, timer: Timer) -
     return rows
 
 
-def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: float = 0.15) -> str:
-    """Markdown: qada's stages timed apart (cold caches, like the main table), then torch.profiler's ops."""
+def compiled_decision(T: int):
+    """qada's decision (window_attention, then qada_labels) through torch.compile at a fixed context T. An upper bound
+    on what compiling buys: decoding changes T every step (dynamic shapes or a recompile), and the labels' host sync
+    before the full heads ends the graph in any case."""
+    def decide(q, k, v, A, b):
+        y_window, log_local = attention.window_attention(q, k, v, N_SINK, N_LOCAL)
+        return y_window, qada_labels(q, log_local, (A, b), T, N_LOCAL, TAU)
+    return torch.compile(decide, dynamic=False, fullgraph=True)
+
+
+def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: float = 0.15,
+                 compile_decision: bool = False) -> str:
+    """Markdown: qada's stages timed apart (cold caches, like the main table), then torch.profiler's ops. With
+    `compile_decision`, the decision under torch.compile beside the eager one."""
     from torch.profiler import profile
     out = []
     for shape, dims in SHAPES.items():
@@ -249,11 +261,20 @@ def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: fl
                 lambda i, k, v, *_: attention.window_attention(q[i], k, v, N_SINK, N_LOCAL)),
             "Gaussian term + labels (qada_labels)": stage(
                 lambda i, k, v, yw, log_local, form: qada_labels(q[i], log_local, form, T, N_LOCAL, TAU)),
+            "deciding, eager (both above)": stage(lambda i, k, v, yw, log_local, form: qada_labels(
+                q[i], attention.window_attention(q[i], k, v, N_SINK, N_LOCAL)[1], form, T, N_LOCAL, TAU)),
             "full heads (mixed_attention)": stage(lambda i, k, v, yw, *_: attention.mixed_attention(
                 q[i], k, v, local[i], N_SINK, N_LOCAL, yw)),
             "qada, whole": lambda: stack.run(attention.qada, moments),
             "dense": lambda: stack.run(sdpa_gqa),
         }
+        if compile_decision:
+            decide = compiled_decision(T)
+            for i, (k, v) in enumerate(stack.kv):  # compiles once (every layer has the same shapes), checked
+                y_window, labels = decide(q[i], k, v, *pre[i][2])
+                torch.testing.assert_close(y_window, pre[i][0], rtol=1e-4, atol=1e-5)
+                assert torch.equal(labels, qada_labels(q[i], pre[i][1], pre[i][2], T, N_LOCAL, TAU))
+            stages["deciding, torch.compile (fixed T)"] = stage(lambda i, k, v, yw, log_local, form: decide(q[i], k, v, *form))
         t = timer.interleaved(stages, repeats)
         ideal_full = t["dense"] * f  # the full heads' share of the dense read
         out += [f"### {shape} shapes, T = {T}, f = {f}: qada's stages (us per layer, cold caches)", "",
@@ -518,7 +539,7 @@ def setup_line(device: torch.device, dtype: str = "float32") -> str:
 
 def main(device: str | None, threads: int | None, repeats: int | None, parts: str, lengths: str | None,
          quick: bool, decode_tokens: int, rope_theta: float, out: str, model: str, batches: str, e2e_methods: str,
-         dtype: str) -> int:
+         dtype: str, compile_decision: bool) -> int:
     t_start = time.perf_counter()
     if threads:
         torch.set_num_threads(threads)
@@ -540,7 +561,8 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
         att_rows = bench_attention(att_lengths, att_repeats, device, timer)
         (out / "attention.md").write_text(f"Attention only, {setup}: ms per layer and decode step, median of "
                                           f"{att_repeats} interleaved repeats.\n\n{table(ATTENTION_COLUMNS, att_rows)}\n")
-        profiles.append(profile_qada(8192 if 8192 in att_lengths else att_lengths[-1], att_repeats, device, timer))
+        profiles.append(profile_qada(8192 if 8192 in att_lengths else att_lengths[-1], att_repeats, device, timer,
+                                     compile_decision=compile_decision))
         del timer
     if parts in ("e2e", "all"):
         e2e_setup = setup_line(device, dtype)
@@ -581,4 +603,6 @@ if __name__ == "__main__":
     p.add_argument("--e2e-methods", default="qada@0.6", help="sparse paths timed end to end, PATH@TAU,... (e.g. "
                    "qada@0.2,qada_kv@0.6: each at the tau where it keeps the score; default: qada@0.6)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="end-to-end weights and KV cache (default: float32)")
+    p.add_argument("--compile", dest="compile_decision", action="store_true", help="profile also qada's decision under torch.compile (inductor: "
+                   "needs a C++ compiler on the CPU, ~20 s per shape to compile)")
     sys.exit(main(**vars(p.parse_args())))

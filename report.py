@@ -5,7 +5,9 @@
 Reads OUT/samples*.jsonl (complete or partial, every shard) and writes into OUT:
     summary.csv       task x config: n, score (x100), sparsity, KV-read fraction, answer tokens, decode time
     summary.md        the same as pivot tables, with the dense score and the local-window floor per task
-    analysis.md       agreement with the oracle by head decile and recall of long-context heads (App. C),
+    analysis.md       lossless sparsity and KV read with paired-bootstrap intervals, the paper's claims against
+                      ours with intervals, QAdA against the oracle per layer,
+                      agreement with the oracle by head decile and recall of long-context heads (App. C),
                       the Gaussian log-mass error (Table 2), the context-independent question (Fig. 6c),
                       the moments ablations (Fig. 5e-g)
     fig4_score_vs_sparsity.png, fig5_moments_ablation.png, fig6a_sparsity_along_answer.png,
@@ -256,38 +258,59 @@ def lossless_sparsity(curve: list[tuple[float, float | None]]) -> float:
     return best
 
 
-def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed: int = 0) -> list[dict]:
-    """Per method: its lossless sparsity and a paired-bootstrap 95 % interval over samples (resampled within each
-    task, the same draw for dense and every configuration of the method), with the mean KV-read fraction there.
-    axis "kv_read": the lowest lossless KV-read fraction instead (the saving 1 - kv_read in place of sparsity), what
-    sets decode time under grouped-query attention."""
+def method_configs(rows, tasks) -> dict[str, list[str]]:
+    """{method: its configurations} measured on the tasks, dense and local aside."""
     methods = defaultdict(list)
     for c in {r["config"] for r in rows if r["task"] in tasks and r["method"] not in ("dense", "local")}:
         methods[c.split("@")[0]].append(c)
+    return dict(sorted(methods.items(), key=lambda kv_: config_sort_key(kv_[0])))
+
+
+def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "sparsity", n_boot: int = 2000,
+                   seed: int = 0) -> dict[str, dict] | None:
+    """Each method's lossless point (configs: {method: its configurations}) and n_boot bootstrap values of it, all on
+    the samples that dense and every listed configuration finished, with the same draws (samples resampled within
+    each task): paired between a method's configurations and dense, and between methods, so that differences of
+    methods have intervals too. axis "kv_read": the point is 1 - the lowest lossless KV-read fraction."""
+    scores = paired_scores(rows, tasks, [c for cs in configs.values() for c in cs])
+    if not scores:
+        return None
     g = group(rows)
-    out = []
-    for m, cs in sorted(methods.items(), key=lambda kv_: config_sort_key(kv_[0])):
-        scores = paired_scores(rows, tasks, cs)  # the samples this method and dense both finished
-        if not scores:
-            continue
+    rng = np.random.default_rng(seed)
+    full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
+    draws = [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
+    out = {}
+    for m, cs in configs.items():
         sparsity = {c: paired_mean(g, scores, c, "sparsity") for c in cs}
         kv = {c: paired_mean(g, scores, c, "kv_read") for c in cs}
         if any(sparsity[c] is None for c in cs):
             continue
         x = sparsity if axis == "sparsity" else {c: 1 - kv[c] for c in cs}  # higher = saves more
-        rng = np.random.default_rng(seed)
-        full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
-        draws = [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
         point = lossless_sparsity([(x[c], normalised(scores, full, c)) for c in cs])
-        boot = [lossless_sparsity([(x[c], normalised(scores, d, c)) for c in cs]) for d in draws]
-        lo, hi = float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
-        at = [c for c in cs if x[c] == point]
-        row = {"method": m, "lossless": point, "lo": lo, "hi": hi, "kv_read": kv[at[0]] if at else None,
-               "sparsity": sparsity[at[0]] if at else None, "points": len(cs),
-               "max_sparsity": max(sparsity[c] for c in cs), "min_kv_read": min(kv[c] for c in cs),
-               "n": sum(len(i) for i, _ in scores.values())}
+        boot = np.array([lossless_sparsity([(x[c], normalised(scores, d, c)) for c in cs]) for d in draws])
+        out[m] = {"point": point, "boot": boot, "at": [c for c in cs if x[c] == point], "sparsity": sparsity,
+                  "kv_read": kv, "n": sum(len(i) for i, _ in scores.values())}
+    return out
+
+
+def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed: int = 0) -> list[dict]:
+    """Per method: its lossless sparsity and a paired-bootstrap 95 % interval over samples (resampled within each
+    task, the same draw for dense and every configuration of the method), with the mean KV-read fraction there.
+    axis "kv_read": the lowest lossless KV-read fraction instead (the saving 1 - kv_read in place of sparsity), what
+    sets decode time under grouped-query attention."""
+    out = []
+    for m, cs in method_configs(rows, tasks).items():
+        res = lossless_draws(rows, tasks, {m: cs}, axis, n_boot, seed)  # each method on all the samples it finished
+        if not res or m not in res:
+            continue
+        r = res[m]
+        lo, hi = float(np.percentile(r["boot"], 2.5)), float(np.percentile(r["boot"], 97.5))
+        at = r["at"][0] if r["at"] else None
+        row = {"method": m, "lossless": r["point"], "lo": lo, "hi": hi, "kv_read": r["kv_read"][at] if at else None,
+               "sparsity": r["sparsity"][at] if at else None, "points": len(cs),
+               "max_sparsity": max(r["sparsity"].values()), "min_kv_read": min(r["kv_read"].values()), "n": r["n"]}
         if axis == "kv_read":  # back to a read fraction: lower is better, the interval flips
-            row.update(lossless=1 - point, lo=1 - hi, hi=1 - lo)
+            row.update(lossless=1 - r["point"], lo=1 - hi, hi=1 - lo)
         out.append(row)
     return out
 
@@ -315,6 +338,112 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
         lines.append(f"| {label(r['method'])} | {r['lossless']:.2f} | [{r['lo']:.2f}, {r['hi']:.2f}] | "
                      f"{fmt(r['sparsity'], 1, 2)} | {r['points']} | {r['min_kv_read']:.2f} | {r['n']} |")
     return lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The paper's claims against ours, each with a 95 % interval (issue 10)
+
+
+def static_oracle_freq(g, tasks) -> dict[str, list]:
+    """Per task, how often the adaptive oracle (tau MAIN_TAU) labels each (layer, head) local over all the task's
+    evaluated prompts, step-weighted: the paper's static oracle (appendix C) ranks heads by it."""
+    out = {}
+    for t in tasks:
+        rs = [r for r in g.get((t, f"oracle@{MAIN_TAU:g}"), []) if r.get("local_freq")]
+        if rs:
+            out[t] = (sum(r["steps"] * np.array(r["local_freq"]) for r in rs) / sum(r["steps"] for r in rs)).tolist()
+    return out
+
+
+def run_recall(r, static_freq: list) -> tuple[float, float] | None:
+    """One tracked run: the share of the oracle's long-context (step, head) pairs that QAdA labelled long, and that
+    static-oracle labels at the run's own sparsity leave long (appendix C); None if the oracle never needed one."""
+    S = r["steps"]
+    q, o, b = (S * np.array(r[k]) for k in ("local_freq", "oracle_freq", "both_freq"))
+    long_oracle = S - o  # (L, H): steps the oracle needs the whole context
+    if long_oracle.sum() <= 0:
+        return None
+    static = static_labels(torch.tensor(static_freq), float(q.sum() / (S * q.size))).numpy()
+    return float((S - q - o + b).sum() / long_oracle.sum()), float(long_oracle[~static].sum() / long_oracle.sum())
+
+
+def mean_draws(values: dict[str, list[float]], n_boot: int = 2000, seed: int = 0) -> tuple[float, np.ndarray]:
+    """The mean over tasks of each task's mean value, and its bootstrap draws (values resampled within each task)."""
+    vals = {t: np.array(v, dtype=float) for t, v in values.items() if v}
+    rng = np.random.default_rng(seed)
+    boot = [np.mean([v[rng.integers(0, len(v), len(v))].mean() for v in vals.values()]) for _ in range(n_boot)]
+    return float(np.mean([v.mean() for v in vals.values()])), np.array(boot)
+
+
+def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
+    """Markdown: what the paper reports against what these records show, each with a 95 % bootstrap interval. A
+    claim about a difference between methods uses lossless points on the samples every method in it finished, with
+    the same draws for all (paired). Verdict: a value claim is "consistent" when the paper's figure or range meets
+    our interval; a direction claim "holds" when the interval excludes 0 on the paper's side, is "reversed" when it
+    excludes 0 on the other, and is "not resolved" otherwise."""
+    g = group(rows)
+    cfgs = method_configs(rows, tasks)
+    claims = []  # (claim, where, paper's value, ours point, draws, kind: "value" (lo, hi) or "direction" 0, digits)
+
+    def lossless(*methods):
+        if not all(m in cfgs for m in methods):
+            return None
+        res = lossless_draws(rows, tasks, {m: cfgs[m] for m in methods}, n_boot=n_boot, seed=seed)
+        return None if not res or not all(m in res for m in methods) else [res[m] for m in methods]
+
+    for m, claim, where, paper in (("static_oracle", "static oracle heads: lossless head sparsity", "§4.1, Fig. 4", (0.6, 0.7)),
+                                   ("oracle", "adaptive oracle: lossless head sparsity", "§1, Fig. 2, §4.1", (0.85, 0.9))):
+        r = lossless(m)
+        if r:
+            claims.append((claim, where, f"{paper[0]:g}-{paper[1]:g}", r[0]["point"], r[0]["boot"], paper, 2))
+    for a, b, claim, where in (("oracle", "static_oracle", "adaptive oracle minus static oracle (lossless sparsity)", "§4.1: ~+0.2"),
+                               ("qada_rw", "static", "QAdA (random words) minus static heads", "§4.2: QAdA outperforms static"),
+                               ("qada_rw", "static_oracle", "QAdA (random words) minus static oracle", "§4.2: matches it"),
+                               ("qada_rw", "qada_prompt", "random-words moments minus the prompt's own", "App. E: Option 2 better")):
+        r = lossless(a, b)
+        if r:
+            paper = "≈ 0" if "matches" in where else "> 0"
+            claims.append((claim, where, paper, r[0]["point"] - r[1]["point"], r[0]["boot"] - r[1]["boot"],
+                           None if paper == "≈ 0" else 0.0, 2))
+    tracked = [r for r in rows if r["task"] in tasks and r["config"] == f"qada_rw@{MAIN_TAU:g}" and "log_err" in r]
+    for key, claim, paper in (("log_err", "Gaussian bulk estimate off by a factor (exp of the mean abs. log error)", (2, 5)),
+                              ("dist_local", "A_bulk and A_local differ by a factor (exp of the mean abs. log ratio)", (15, 50))):
+        for layers, which in ((slice(None), "every layer"), (slice(1, None), "layers 1 and up")):
+            per_task = defaultdict(list)
+            for r in tracked:  # (L, H) per run: its mean over decode steps
+                per_task[r["task"]].append(float(np.mean(np.array(r[key], dtype=float)[layers])))
+            if per_task:
+                point, boot = mean_draws(per_task, n_boot, seed)
+                claims.append((f"{claim}, {which} (qada_rw@{MAIN_TAU:g})", "App. C, Table 2", f"{paper[0]}-{paper[1]}",
+                               float(np.exp(point)), np.exp(boot), paper, 1))
+    freq = static_oracle_freq(g, tasks)
+    for m in ("qada_prompt", "qada_rw"):  # the paper's appendix C uses the prompt's own moments (Option 1)
+        per_task = defaultdict(list)
+        for r in rows:
+            if r["task"] in freq and r["config"] == f"{m}@{MAIN_TAU:g}" and "oracle_freq" in r and r.get("steps"):
+                rec = run_recall(r, freq[r["task"]])
+                if rec:
+                    per_task[r["task"]].append(rec[0] - rec[1])
+        if per_task:
+            point, boot = mean_draws(per_task, n_boot, seed)
+            claims.append((f"recall of the oracle's long-context heads, {m}@{MAIN_TAU:g} minus static oracle",
+                           "App. C, Fig. 9", "> 0", point, boot, 0.0, 3))
+    lines = ["| claim | paper | paper's figure | ours | 95 % interval | verdict |", "|---|---|---:|---:|---|---|"]
+    for claim, where, paper, point, boot, ref, digits in claims:
+        lo, hi = float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+        lines.append(f"| {claim} | {where} | {paper} | {point:.{digits}f} | [{lo:.{digits}f}, {hi:.{digits}f}] | "
+                     f"{verdict(lo, hi, ref)} |")
+    return lines
+
+
+def verdict(lo: float, hi: float, ref) -> str:
+    """Our interval [lo, hi] against the paper: ref (a, b) a value or range it reports, None "about equal" (a difference
+    of 0), a number x "greater than x"."""
+    if isinstance(ref, tuple):
+        return "below the paper" if hi < ref[0] else "above the paper" if lo > ref[1] else "consistent"
+    if ref is None:
+        return "consistent" if lo <= 0 <= hi else ("ours higher" if lo > 0 else "ours lower")
+    return "holds" if lo > ref else "reversed" if hi < ref else "not resolved"
 
 
 def layer_disagreement(rows) -> list[str]:
@@ -435,6 +564,8 @@ def write_analysis(out: Path, rows, tasks, cur):
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
     lines = [f"# Analysis of {out.name}", ""] + write_lossless(out, rows, tasks) + [""]
+    lines += ["## The paper's claims against ours", "", claims_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""]
+    lines += claims_table(rows, tasks) + [""]
     for m in ("qada_rw", "qada_prompt"):  # random-words moments, then the prompt's own (fixed) where tracked
         per_layer = layer_disagreement([r for r in task_rows if r["config"] == f"{m}@{MAIN_TAU:g}"])
         if per_layer:
@@ -449,11 +580,7 @@ def write_analysis(out: Path, rows, tasks, cur):
     lines += agreement_by_decile(tracked)
     # recall vs static oracle
     # static oracle labels as in the paper: the oracle's (tau 0.6) head frequencies on the task's evaluated prompts
-    static_freq = {}
-    for t in tasks:
-        rs = [r for r in g.get((t, f"oracle@{MAIN_TAU:g}"), []) if r.get("local_freq")]
-        if rs:
-            static_freq[t] = (sum(r["steps"] * np.array(r["local_freq"]) for r in rs) / sum(r["steps"] for r in rs)).tolist()
+    static_freq = static_oracle_freq(g, tasks)
     rr = recall_rows([r for r in task_rows if r["method"] in ("qada_rw", "qada_prompt", "qada_prompt_online")], static_freq)
     lines += ["", "## Recall of the oracle's long-context heads: QAdA vs static oracle labels at the same sparsity", "",
               "Positives here are the oracle's long-context (step, head) pairs on QAdA's decoding; the static oracle "

@@ -392,6 +392,60 @@ def test_score_points_carry_a_paired_interval():
     assert same["lo"] == same["norm"] == same["hi"] == 1.0
 
 
+def test_claims_table_against_hand_computed_values():
+    """Every claim's figure and verdict, worked out by hand from records where all samples agree (so each interval
+    is its point): lossless points, paired differences, Table 2's factors (every layer and layers 1 up) and the
+    recall of long-context heads against static-oracle labels at the run's own sparsity."""
+    grid = {"oracle": [(0.2, 0.95, 0.5)], "static_oracle": [(0.5, 0.5, 1.0), (0.7, 0.7, 0.5)],
+            "static": [(0.5, 0.5, 1.0), (0.8, 0.8, 1.0)], "qada_rw": [(0.2, 0.9, 0.2)],
+            "qada_prompt": [(0.6, 0.5, 1.0), (0.1, 0.7, 0.9)]}
+    # (layer, head) maps of 2 x 2: the oracle needs layer 1 every step; QAdA keeps layer 1 head 0 local half the time
+    # and layer 0 head 1 long on 2 steps where the oracle has it local (not a recall of a long-context pair); the
+    # oracle needs layer 0 head 0 on 1 step, which QAdA misses
+    tracked = {"steps": 10, "log_err": [[10.0, 10.0], [1.0, 1.0]], "dist_local": [[3.0, 3.0], [3.0, 3.0]],
+               "oracle_freq": [[0.9, 1.0], [0.0, 0.0]], "local_freq": [[1.0, 0.8], [0.5, 0.0]],
+               "both_freq": [[0.9, 0.8], [0.0, 0.0]]}
+    rows = []
+    for task in ("a", "b"):
+        for i in range(4):
+            rows += [row(task, i, "dense", 1.0, 0.0), dict(row(task, i, "qada_rw@0.6", 1.0, 0.85), **tracked),
+                     dict(row(task, i, "oracle@0.6", 1.0, 0.88), steps=10, local_freq=[[1.0, 1.0], [0.0, 0.0]])]
+            rows += [row(task, i, f"{m}@{thr}", sc, sp) for m, points in grid.items() for thr, sp, sc in points]
+    table = report.claims_table(rows, ["a", "b"], n_boot=50)
+    got = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[3:] for line in table[2:]}
+
+    def check(prefix, ours, interval, verdict):
+        (cells,) = [v for k, v in got.items() if k.startswith(prefix)]
+        assert cells == [ours, interval, verdict + " |"], (prefix, cells)
+
+    check("static oracle heads", "0.50", "[0.50, 0.50]", "below the paper")
+    check("adaptive oracle: lossless", "0.88", "[0.88, 0.88]", "consistent")
+    check("adaptive oracle minus static oracle", "0.38", "[0.38, 0.38]", "holds")
+    check("QAdA (random words) minus static heads", "0.05", "[0.05, 0.05]", "holds")
+    check("QAdA (random words) minus static oracle", "0.35", "[0.35, 0.35]", "ours higher")
+    check("random-words moments minus", "0.35", "[0.35, 0.35]", "holds")  # prompt moments: 0.9 of dense at 0.7
+    check("Gaussian bulk estimate off by a factor (exp of the mean abs. log error), every layer", "244.7",
+          "[244.7, 244.7]", "above the paper")  # exp((10 + 1) / 2)
+    check("Gaussian bulk estimate off by a factor (exp of the mean abs. log error), layers 1", "2.7", "[2.7, 2.7]",
+          "consistent")
+    check("A_bulk and A_local differ by a factor (exp of the mean abs. log ratio), every", "20.1", "[20.1, 20.1]",
+          "consistent")
+    # QAdA keeps 15 of the oracle's 21 long (step, head) pairs long; static labels at its sparsity 0.575 (2 heads:
+    # layer 0's, the oracle's most local) keep 20: 15/21 - 20/21
+    check("recall of the oracle's long-context heads, qada_rw", "-0.238", "[-0.238, -0.238]", "reversed")
+    # one sample of task a where QAdA loses at 0.85 opens the interval of its differences
+    rows = [dict(r, score=0.0) if (r["task"], r["index"], r["config"]) == ("a", 0, "qada_rw@0.6") else r for r in rows]
+    table = report.claims_table(rows, ["a", "b"], n_boot=200)
+    got = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[3:] for line in table[2:]}
+    check("QAdA (random words) minus static heads", "-0.80", "[-0.80, 0.05]", "not resolved")
+    # the verdict's edges: an interval touching the paper's side is not yet on it
+    assert [report.verdict(0.0, 0.1, 0.0), report.verdict(0.01, 0.1, 0.0), report.verdict(-0.1, -0.01, 0.0)] == [
+        "not resolved", "holds", "reversed"]
+    assert [report.verdict(0.5, 0.59, (0.6, 0.7)), report.verdict(0.5, 0.6, (0.6, 0.7)), report.verdict(0.71, 0.8, (0.6, 0.7)),
+            report.verdict(-0.1, 0.0, None), report.verdict(0.01, 0.1, None)] == [
+        "below the paper", "consistent", "above the paper", "consistent", "ours higher"]
+
+
 def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch):
     import calibrate
     from criterion import load_labels
