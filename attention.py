@@ -68,11 +68,38 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     read once (SDPA with enable_gqa reads it once per query head). k and v are views of the cache: SDPA
     reads them in place, nothing is copied. No mask: the decoded token sees every cached position.
     SDPA on the CPU shares its work out by heads, so a lone KV head would keep one thread busy and the
-    others idle; it is computed instead as two matrix products, which BLAS spreads over every thread."""
-    if q.shape[0] == 1 and q.device.type == "cpu" and torch.get_num_threads() > 1:
-        scores = torch.mm(q[0], k[0].T).float().mul_(1 / math.sqrt(q.shape[-1]))  # (G, T)
-        return torch.mm(scores.softmax(-1).to(v.dtype), v[0])[None]  # (1, G, D)
+    others idle; its context is split between the threads instead (split_context_attention)."""
+    threads = torch.get_num_threads()
+    if q.shape[0] == 1 and q.device.type == "cpu" and threads > 1 and k.shape[1] >= 2 * threads:
+        return split_context_attention(q, k, v, threads)
     return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # (1, n, G, D) -> (n, G, D)
+
+
+def split_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int) -> torch.Tensor:
+    """One KV head's attention, q (1, G, D) over k, v (1, T, D), its context cut into `chunks` slices that SDPA's CPU
+    kernel attends side by side, one per thread (the split-KV of flash-decoding): (1, G, D).
+
+    Slice i holds positions [i s, i s + h), s = T // chunks, h = T - (chunks - 1) s: views of the cache, as SDPA's
+    "heads". When chunks does not divide T a slice shares h - s positions with the one before, masked out of it.
+    Each slice's output is normalised by its own mass; the kernel also returns its log-sum-exp, and a softmax over
+    those gives each slice's share of the total mass: the weights that merge the slices into exact attention.
+    Public SDPA returns no log-sum-exp, so this calls the CPU kernel that SDPA itself dispatches to."""
+    _, T, D = k.shape
+    G = q.shape[1]
+    s = T // chunks
+    h = T - (chunks - 1) * s
+
+    def slices(x):  # (1, chunks, h, D), a view
+        return x.as_strided((1, chunks, h, D), (0, s * x.stride(1), x.stride(1), x.stride(2)))
+
+    mask = None
+    if h > s:
+        mask = torch.zeros(1, chunks, 1, h, dtype=q.dtype, device=q.device)
+        mask[:, 1:, :, :h - s] = -math.inf  # the positions each slice shares with the one before
+    y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.expand(chunks, G, D)[None], slices(k), slices(v), attn_mask=mask)[:2]  # (1, chunks, G, D), (1, chunks, G)
+    share = lse[0].float().softmax(0)  # (chunks, G)
+    return (y[0].float() * share[..., None]).sum(0, keepdim=True).to(q.dtype)  # (1, G, D)
 
 
 def _runs(flags: list[bool]) -> list[tuple[int, int]]:
