@@ -71,13 +71,12 @@ import torch
 
 import attention
 from attention import BatchAttention, build_attention, keyword_inputs
-from checkpoints import DEFAULT, load
+from checkpoints import DEFAULT, DTYPES, load
 from criterion import qada_labels
 from model import KVCache, LlamaConfig
 from moments import FixedMoments, ReferenceKeys
 
 N_SINK, N_LOCAL, TAU = 16, 128, 0.6
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHAPES = {  # name: H, Hkv, D, and L, the layers in one timed stack
     "SmolLM2-135M": dict(H=9, Hkv=3, D=64, L=20),
     "Qwen2.5-Coder-1.5B": dict(H=12, Hkv=2, D=128, L=10),

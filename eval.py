@@ -69,14 +69,13 @@ from tqdm import tqdm
 
 import calibrate
 from attention import ANALYSIS_ONLY, PATHS, BatchAttention, SparseAttention, build_attention, path_inputs, summarize
-from checkpoints import DEFAULT, load
+from checkpoints import DEFAULT, DTYPES, load
 from criterion import static_labels
 from generate import decode_batch
 from moments import ReferenceKeys, reference_words
 from report import read_records, report, result_files
 from tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CALIB_TAU = 0.6  # the oracle threshold whose head frequencies give the static labels (paper appendix A)
 
 # The paper's configurations (section 4.1) as a path of attention.PATHS plus the source of what it reads:

@@ -20,12 +20,10 @@ import torch
 from tqdm import tqdm
 
 from attention import ANALYSIS_ONLY, PATHS, BatchAttention, build_attention, path_inputs
-from checkpoints import DEFAULT, MODELS, load
+from checkpoints import DEFAULT, DTYPES, MODELS, load
 from criterion import check_tau, load_labels
 from model import KVCache
 from moments import OPTIONS, ReferenceKeys, reference_words
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
