@@ -73,7 +73,8 @@ from checkpoints import DEFAULT, DTYPES, load
 from criterion import static_labels
 from generate import decode_batch
 from moments import ReferenceKeys, reference_words
-from report import read_records, report, result_files
+from records import read_records, result_files
+from report import report
 from tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
 
 CALIB_TAU = 0.6  # the oracle threshold whose head frequencies give the static labels (paper appendix A)

@@ -25,74 +25,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from criterion import static_labels
+from plots import plots
+from records import (ABLATIONS, MAIN_TAU, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
+                     lossless_table, mean, mean_draws, method_configs, read_records, recall_rows, run_recall,
+                     static_oracle_freq, summary_rows)
 from tasks import CTXFREE, TASKS as TASK_ORDER
-
-# How the configurations the paper compares are drawn; any other name (a new path of attention.PATHS, a new
-# variant of eval.py) is drawn too, after these, with its own name and a colour of its own.
-ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_prompt_online",
-         "qada_word", "qada_long", "static_kv", "static_oracle_kv", "oracle_kv", "qada_kv", "qada_kv_all")
-LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
-         "static_oracle": "static oracle", "oracle": "adaptive oracle", "qada_rw": "QAdA (random words)",
-         "qada_prompt": "QAdA (current prompt, fixed)", "qada_prompt_online": "QAdA (current prompt, online; ours)",
-         "qada_word": "QAdA (one repeated word)",
-         "qada_long": "QAdA (longer random-words prompt)", "static_kv": "static per KV head (RULER)",
-         "static_oracle_kv": "static oracle per KV head", "oracle_kv": "adaptive oracle per KV group (mean share)",
-         "qada_kv": "QAdA per KV group (mean share; ours)", "qada_kv_all": "QAdA per KV group (all local; ours)"}
-COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "tab:green", "static_oracle": "tab:olive",
-         "oracle": "tab:blue", "qada_rw": "tab:purple", "qada_prompt": "tab:pink", "qada_prompt_online": "tab:cyan",
-         "qada_word": "tab:orange",
-         "qada_long": "tab:red", "static_kv": "darkgreen", "static_oracle_kv": "darkorange", "oracle_kv": "navy",
-         "qada_kv": "magenta", "qada_kv_all": "indigo"}
-MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_oracle": "x", "oracle": "o", "qada_rw": "D",
-          "qada_prompt": "P", "qada_prompt_online": "X", "static_kv": "<", "static_oracle_kv": "+", "oracle_kv": "h",
-          "qada_kv": "*", "qada_kv_all": "d"}
-ABLATIONS = ("qada_word", "qada_long")
-MAIN_TAU = 0.6  # the paper's tau for the head maps, agreement and log-error tables
-
-
-def result_files(out: Path) -> list[Path]:
-    """samples.jsonl, plus samples.K.jsonl written by shards of a parallel sweep (eval.py --shard)."""
-    return sorted(Path(out).glob("samples*.jsonl"))
-
-
-def read_records(out: Path) -> list[dict]:
-    """Every complete line of the run's result files (a line torn by a kill is ignored)."""
-    rows = []
-    for path in result_files(out):
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
-def config_sort_key(cfg: str):
-    method, _, thr = cfg.partition("@")
-    return (ORDER.index(method) if method in ORDER else len(ORDER)), method, float(thr or 0)
-
-
-def label(method: str) -> str:
-    return LABEL.get(method, method)
-
-
-def color(method: str) -> str:
-    """A known method's colour, or one of a spare palette picked by the name (stable from run to run)."""
-    spare = ("tab:gray", "gold", "teal", "navy", "crimson", "darkgreen", "sienna", "indigo")
-    return COLOR.get(method) or spare[sum(map(ord, method)) % len(spare)]
-
-
-def is_tau(rows, method: str) -> bool:
-    """Whether `method`'s threshold is a tau (its records say so)."""
-    return any(r.get("threshold_kind") == "tau" for r in rows if r["method"] == method)
-
-
-def mean(xs):
-    xs = [x for x in xs if x is not None]
-    return float(np.mean(xs)) if xs else None
 
 
 def fmt(x, scale=1.0, digits=1):
@@ -101,62 +39,6 @@ def fmt(x, scale=1.0, digits=1):
 
 # ---------------------------------------------------------------------------------------------------------
 # Summary
-
-
-def group(rows):
-    """{(task, config): [rows]}."""
-    g = defaultdict(list)
-    for r in rows:
-        g[r["task"], r["config"]].append(r)
-    return g
-
-
-def summary_rows(rows) -> list[dict]:
-    out = []
-    for (task, cfg), rs in sorted(group(rows).items(), key=lambda kv: (kv[0][0], config_sort_key(kv[0][1]))):
-        out.append({"task": task, "config": cfg, "method": rs[0]["method"], "threshold": rs[0]["threshold"], "n": len(rs),
-                    "score": mean([r["score"] for r in rs]), "sparsity": mean([r["sparsity"] for r in rs]),
-                    "kv_read": mean([r["kv_read"] for r in rs]), "new_tokens": mean([r["n_new"] for r in rs]),
-                    "decode_s": mean([r["decode_s"] for r in rs])})
-    return out
-
-
-def common_indices(g, tasks, configs) -> dict[str, set]:
-    """Per task, the sample indices that every config in `configs` has finished."""
-    out = {}
-    for t in tasks:
-        sets = [{r["index"] for r in g.get((t, c), [])} for c in configs]
-        out[t] = set.intersection(*sets) if sets else set()
-    return out
-
-
-def task_means(g, tasks, cfg, idx, field="score"):
-    """Per task, the mean of `field` over the samples in idx[task]; None where missing."""
-    out = {}
-    for t in tasks:
-        vals = [r[field] for r in g.get((t, cfg), []) if r["index"] in idx[t] and r[field] is not None]
-        out[t] = float(np.mean(vals)) if vals else None
-    return out
-
-
-def curves(rows, tasks, configs):
-    """Per config over the tasks' common samples: mean score, mean normalised score (score / dense), worst drop,
-    mean sparsity, sparsity std across tasks, kv read."""
-    g = group(rows)
-    idx = common_indices(g, tasks, configs + ["dense"])
-    dense = task_means(g, tasks, "dense", idx)
-    out = {}
-    for c in configs:
-        sc, sp, kv = task_means(g, tasks, c, idx), task_means(g, tasks, c, idx, "sparsity"), task_means(g, tasks, c, idx, "kv_read")
-        ts = [t for t in tasks if sc[t] is not None]
-        if not ts:
-            continue
-        norm = [sc[t] / dense[t] for t in ts if dense[t]]
-        out[c] = {"score": np.mean([sc[t] for t in ts]), "norm": np.mean(norm) if norm else None,
-                  "worst_drop": max((dense[t] - sc[t]) for t in ts if dense[t] is not None) if dense else None,
-                  "sparsity": mean([sp[t] for t in ts]), "sparsity_std": float(np.std([sp[t] for t in ts if sp[t] is not None])),
-                  "kv_read": mean([kv[t] for t in ts]), "n": sum(len(idx[t]) for t in ts), "per_task": sc, "per_task_sparsity": sp}
-    return out
 
 
 def write_summary(out: Path, rows, tasks):
@@ -211,108 +93,7 @@ def write_summary(out: Path, rows, tasks):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Lossless sparsity with a paired bootstrap (issue 10: numbers a reviewer would accept)
-
-LOSSLESS = 0.95  # a configuration is lossless when its mean normalised score is at least this fraction of dense
-
-
-def paired_scores(rows, tasks, configs):
-    """{task: (indices, {config: scores})} over the samples that dense and every config have finished, so that a
-    bootstrap draws the same samples for every method (paired)."""
-    g = group(rows)
-    idx = common_indices(g, tasks, list(configs) + ["dense"])
-    out = {}
-    for t in tasks:
-        order = sorted(idx[t])
-        if order:
-            by = {c: {r["index"]: r["score"] for r in g[t, c]} for c in list(configs) + ["dense"]}
-            out[t] = (order, {c: np.array([by[c][i] for i in order], dtype=float) for c in by})
-    return out
-
-
-def paired_mean(g, scores: dict, config: str, field: str) -> float | None:
-    """Mean over tasks of `config`'s mean `field` on the paired samples of `scores` (paired_scores)."""
-    idx = {t: set(i) for t, (i, _) in scores.items()}
-    return mean(list(task_means(g, list(scores), config, idx, field).values()))
-
-
-def normalised(scores: dict, picks: dict, config: str) -> float | None:
-    """Mean over tasks of (config's mean score / dense's mean score) on the picked samples of each task; tasks
-    where dense scores 0 on the pick are left out."""
-    ratios = []
-    for t, (_, sc) in scores.items():
-        d = sc["dense"][picks[t]].mean()
-        if d > 0:
-            ratios.append(sc[config][picks[t]].mean() / d)
-    return float(np.mean(ratios)) if ratios else None
-
-
-def lossless_sparsity(curve: list[tuple[float, float | None]]) -> float:
-    """The highest sparsity up to which every measured point keeps >= LOSSLESS of dense: curve is [(sparsity,
-    normalised score)] of one method. 0 when even its sparsest point loses."""
-    best = 0.0
-    for sp, norm in sorted(curve):
-        if norm is None or norm < LOSSLESS:
-            break
-        best = sp
-    return best
-
-
-def method_configs(rows, tasks) -> dict[str, list[str]]:
-    """{method: its configurations} measured on the tasks, dense and local aside."""
-    methods = defaultdict(list)
-    for c in {r["config"] for r in rows if r["task"] in tasks and r["method"] not in ("dense", "local")}:
-        methods[c.split("@")[0]].append(c)
-    return dict(sorted(methods.items(), key=lambda kv_: config_sort_key(kv_[0])))
-
-
-def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "sparsity", n_boot: int = 2000,
-                   seed: int = 0) -> dict[str, dict] | None:
-    """Each method's lossless point (configs: {method: its configurations}) and n_boot bootstrap values of it, all on
-    the samples that dense and every listed configuration finished, with the same draws (samples resampled within
-    each task): paired between a method's configurations and dense, and between methods, so that differences of
-    methods have intervals too. axis "kv_read": the point is 1 - the lowest lossless KV-read fraction."""
-    scores = paired_scores(rows, tasks, [c for cs in configs.values() for c in cs])
-    if not scores:
-        return None
-    g = group(rows)
-    rng = np.random.default_rng(seed)
-    full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
-    draws = [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
-    out = {}
-    for m, cs in configs.items():
-        sparsity = {c: paired_mean(g, scores, c, "sparsity") for c in cs}
-        kv = {c: paired_mean(g, scores, c, "kv_read") for c in cs}
-        if any(sparsity[c] is None for c in cs):
-            continue
-        x = sparsity if axis == "sparsity" else {c: 1 - kv[c] for c in cs}  # higher = saves more
-        point = lossless_sparsity([(x[c], normalised(scores, full, c)) for c in cs])
-        boot = np.array([lossless_sparsity([(x[c], normalised(scores, d, c)) for c in cs]) for d in draws])
-        out[m] = {"point": point, "boot": boot, "at": [c for c in cs if x[c] == point], "sparsity": sparsity,
-                  "kv_read": kv, "n": sum(len(i) for i, _ in scores.values())}
-    return out
-
-
-def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed: int = 0) -> list[dict]:
-    """Per method: its lossless sparsity and a paired-bootstrap 95 % interval over samples (resampled within each
-    task, the same draw for dense and every configuration of the method), with the mean KV-read fraction there.
-    axis "kv_read": the lowest lossless KV-read fraction instead (the saving 1 - kv_read in place of sparsity), what
-    sets decode time under grouped-query attention."""
-    out = []
-    for m, cs in method_configs(rows, tasks).items():
-        res = lossless_draws(rows, tasks, {m: cs}, axis, n_boot, seed)  # each method on all the samples it finished
-        if not res or m not in res:
-            continue
-        r = res[m]
-        lo, hi = float(np.percentile(r["boot"], 2.5)), float(np.percentile(r["boot"], 97.5))
-        at = r["at"][0] if r["at"] else None
-        row = {"method": m, "lossless": r["point"], "lo": lo, "hi": hi, "kv_read": r["kv_read"][at] if at else None,
-               "sparsity": r["sparsity"][at] if at else None, "points": len(cs),
-               "max_sparsity": max(r["sparsity"].values()), "min_kv_read": min(r["kv_read"].values()), "n": r["n"]}
-        if axis == "kv_read":  # back to a read fraction: lower is better, the interval flips
-            row.update(lossless=1 - r["point"], lo=1 - hi, hi=1 - lo)
-        out.append(row)
-    return out
+# Lossless sparsity with a paired bootstrap (records.lossless_table)
 
 
 def write_lossless(out: Path, rows, tasks) -> list[str]:
@@ -342,37 +123,6 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------------------
 # The paper's claims against ours, each with a 95 % interval (issue 10)
-
-
-def static_oracle_freq(g, tasks) -> dict[str, list]:
-    """Per task, how often the adaptive oracle (tau MAIN_TAU) labels each (layer, head) local over all the task's
-    evaluated prompts, step-weighted: the paper's static oracle (appendix C) ranks heads by it."""
-    out = {}
-    for t in tasks:
-        rs = [r for r in g.get((t, f"oracle@{MAIN_TAU:g}"), []) if r.get("local_freq")]
-        if rs:
-            out[t] = (sum(r["steps"] * np.array(r["local_freq"]) for r in rs) / sum(r["steps"] for r in rs)).tolist()
-    return out
-
-
-def run_recall(r, static_freq: list) -> tuple[float, float] | None:
-    """One tracked run: the share of the oracle's long-context (step, head) pairs that QAdA labelled long, and that
-    static-oracle labels at the run's own sparsity leave long (appendix C); None if the oracle never needed one."""
-    S = r["steps"]
-    q, o, b = (S * np.array(r[k]) for k in ("local_freq", "oracle_freq", "both_freq"))
-    long_oracle = S - o  # (L, H): steps the oracle needs the whole context
-    if long_oracle.sum() <= 0:
-        return None
-    static = static_labels(torch.tensor(static_freq), float(q.sum() / (S * q.size))).numpy()
-    return float((S - q - o + b).sum() / long_oracle.sum()), float(long_oracle[~static].sum() / long_oracle.sum())
-
-
-def mean_draws(values: dict[str, list[float]], n_boot: int = 2000, seed: int = 0) -> tuple[float, np.ndarray]:
-    """The mean over tasks of each task's mean value, and its bootstrap draws (values resampled within each task)."""
-    vals = {t: np.array(v, dtype=float) for t, v in values.items() if v}
-    rng = np.random.default_rng(seed)
-    boot = [np.mean([v[rng.integers(0, len(v), len(v))].mean() for v in vals.values()]) for _ in range(n_boot)]
-    return float(np.mean([v.mean() for v in vals.values()])), np.array(boot)
 
 
 def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
@@ -486,25 +236,6 @@ def layer_disagreement(rows) -> list[str]:
 # Analysis tables
 
 
-def head_counts(rows):
-    """Step-weighted per-(layer, head) counts over tracked records: steps, qada local, oracle local, both local."""
-    S = q = o = b = 0
-    for r in rows:
-        if "oracle_freq" not in r:
-            continue
-        s = r["steps"]
-        S, q = S + s, q + s * np.array(r["local_freq"])
-        o, b = o + s * np.array(r["oracle_freq"]), b + s * np.array(r["both_freq"])
-    return S, q, o, b
-
-
-def confusion(q: float, o: float, b: float, n: float) -> tuple[float, float, float, float]:
-    """TP, FP, TN, FN as fractions of n (step, head) pairs (positive = local), from head_counts' sums over them:
-    QAdA local q, oracle local o, both local b."""
-    tp, fp, fn = b / n, (q - b) / n, (o - b) / n
-    return tp, fp, max(1 - tp - fp - fn, 0.0), fn  # the clamp: float round-off of step-weighted frequencies
-
-
 def agreement_by_decile(rows) -> list[str]:
     S, q, o, b = head_counts(rows)
     if not S:
@@ -519,27 +250,6 @@ def agreement_by_decile(rows) -> list[str]:
     tp, fp, tn, fn = confusion(q.sum(), o.sum(), b.sum(), n)
     lines.append(f"| all | {o.sum() / n:.2f} | {tp:.3f} | {fp:.3f} | {tn:.3f} | {fn:.3f} | {tp + tn:.3f} |")
     return lines
-
-
-def recall_rows(rows, static_freq: dict) -> list[dict]:
-    """Recall of the oracle's long-context (head, step) pairs: QAdA vs static oracle labels at QAdA's sparsity."""
-    out = []
-    by = defaultdict(list)
-    for r in rows:
-        if "oracle_freq" in r and r["task"] in static_freq:
-            by[r["task"], r["config"]].append(r)
-    for (task, cfg), rs in sorted(by.items(), key=lambda kv: (kv[0][0], config_sort_key(kv[0][1]))):
-        S, q, o, b = head_counts(rs)
-        long_oracle = S - o  # per head: steps the oracle says long-context
-        if long_oracle.sum() == 0:
-            continue
-        tn = S - q - o + b  # both long
-        sparsity = q.sum() / (S * q.size)
-        static = static_labels(torch.tensor(static_freq[task]), float(sparsity)).numpy()
-        out.append({"task": task, "config": cfg, "qada_sparsity": float(sparsity), "oracle_sparsity": float(o.sum() / (S * q.size)),
-                    "recall_qada": float(tn.sum() / long_oracle.sum()),
-                    "recall_static_oracle": float(long_oracle[~static].sum() / long_oracle.sum())})
-    return out
 
 
 def log_error_table(rows, oracle_freq_rank) -> list[str]:
@@ -641,207 +351,6 @@ def write_analysis(out: Path, rows, tasks, cur):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plots
-
-
-def score_points(rows, tasks, config: str, n_boot: int = 1000, seed: int = 0) -> dict | None:
-    """One measured point of a configuration: mean over tasks of its score / dense score on the samples both
-    finished, with a paired-bootstrap 95 % interval (samples redrawn within each task, the same draw for dense),
-    and its mean sparsity and KV-read fraction on those samples."""
-    scores = paired_scores(rows, tasks, [config])
-    full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
-    norm = normalised(scores, full, config) if scores else None
-    if norm is None:
-        return None
-    rng = np.random.default_rng(seed)
-    boot = [normalised(scores, {t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()}, config)
-            for _ in range(n_boot)]
-    boot = [b for b in boot if b is not None]
-    g = group(rows)
-    return {"norm": norm, "lo": float(np.percentile(boot, 2.5)), "hi": float(np.percentile(boot, 97.5)),
-            "sparsity": paired_mean(g, scores, config, "sparsity"), "kv_read": paired_mean(g, scores, config, "kv_read"),
-            "n": sum(len(i) for i, _ in scores.values())}
-
-
-def figure_scores(out: Path, rows, tasks, methods):
-    """Fig. 4 with intervals: normalised score (95 % paired-bootstrap interval) against head sparsity and against
-    the fraction of KV entries read, a marker per measured configuration; and, when the KV-group paths ran, the
-    same for them beside their per-query-head counterparts (figKV)."""
-    import matplotlib.pyplot as plt
-    configs = {m: sorted({r["config"] for r in rows if r["method"] == m and r["task"] in tasks}, key=config_sort_key)
-               for m in methods}
-    points = {c: score_points(rows, tasks, c) for cs in configs.values() for c in cs}
-
-    def panel(ax, ms, x):
-        for m in ms:
-            pts = sorted((p[x], p["norm"], p["lo"], p["hi"]) for p in (points[c] for c in configs[m]) if p and p[x] is not None)
-            if not pts:
-                continue
-            xs, ys, lo, hi = map(np.array, zip(*pts))
-            ax.errorbar(xs, ys, yerr=[ys - lo, hi - ys], color=color(m), label=label(m), marker=MARKER.get(m, "o"),
-                        ms=5, lw=0.8, capsize=2, alpha=0.85, ls="--" if m in kv else "-")
-        ax.axhline(LOSSLESS, color="gray", ls=":", lw=1)
-        ax.set_xlabel({"sparsity": "head sparsity (fraction of query heads local)",
-                       "kv_read": "fraction of KV entries read (implied for the oracles)"}[x])
-        ax.set_ylabel("normalised score (score / dense), 95 % CI")
-        ax.grid(alpha=0.3)
-
-    n = max((p["n"] for p in points.values() if p), default=0)
-    paper = [m for m in methods if not m.endswith("_kv") and m != "qada_kv_all"]
-    kv = [m for m in methods if m not in paper]
-    figs = [("fig4_score_vs_sparsity.png", paper, "Score vs sparsity and KV read")]
-    if kv:  # the KV-group variants beside the per-query-head methods they refine
-        figs.append(("figKV_score_vs_kv_read.png", [m for m in ("static_oracle", "oracle", "qada_rw") if m in methods] + kv,
-                     "KV-group criteria vs per-query-head ones"))
-    for name, ms, title in figs:
-        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-        for ax, x in zip(axes, ("sparsity", "kv_read")):
-            panel(ax, ms, x)
-        axes[1].invert_xaxis()  # left to right: more saved in both panels
-        if axes[0].get_legend_handles_labels()[0]:  # no finished pair with dense yet: nothing to label
-            axes[0].legend(fontsize=7, loc="lower left")
-        fig.suptitle(f"{title} ({len(tasks)} tasks, up to {n} samples per point; dotted: {LOSSLESS} of dense)")
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-
-
-def plots(out: Path, rows, tasks, cur, rr):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    g = group(rows)
-    task_rows = [r for r in rows if r["task"] in tasks]
-    methods = sorted({c.split("@")[0] for c in cur} - set(ABLATIONS), key=config_sort_key)
-
-    figure_scores(out, rows, tasks, methods)
-
-    # Fig. 6b: sparsity vs tau with spread across tasks; Fig. 6c: per task + context-independent
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for i, m in enumerate(m for m in methods if is_tau(rows, m)):
-        cs = sorted([c for c in cur if c.split("@")[0] == m], key=config_sort_key)
-        if cs:
-            x = [float(c.split("@")[1]) for c in cs]
-            y, s = np.array([cur[c]["sparsity"] for c in cs]), np.array([cur[c]["sparsity_std"] for c in cs])
-            axes[0].errorbar(x, y, yerr=s, color=color(m), label=label(m), marker="o", capsize=3)
-            dy = 6 - 12 * i  # the score labels of each method on a line of their own
-            for xi, yi, c in zip(x, y, cs):
-                if cur[c]["norm"] is not None:
-                    axes[0].annotate(f"{cur[c]['norm']:.2f}", (xi, yi), textcoords="offset points", xytext=(5, dy), fontsize=7, color=color(m))
-    axes[0].set_title("sparsity vs tau (±std over tasks; numbers: normalised score)")
-    cmap = plt.get_cmap("tab10")
-    cs = sorted({r["config"] for r in rows if r["method"] == "qada_rw"}, key=config_sort_key)
-    x = [float(c.split("@")[1]) for c in cs]
-    for i, t in enumerate(tasks + [CTXFREE]):
-        y = [mean([r["sparsity"] for r in g.get((t, c), [])]) for c in cs]
-        if any(v is not None for v in y):
-            axes[1].plot(x, [np.nan if v is None else v for v in y], marker="o", color="green" if t == CTXFREE else cmap(i),
-                         lw=3 if t == CTXFREE else 1.2, label="context-independent" if t == CTXFREE else t)
-    axes[1].set_title("QAdA (random words) sparsity per task")
-    for ax in axes:
-        ax.set_xlabel("tau")
-        ax.set_ylabel("sparsity")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "fig6bc_sparsity_vs_tau.png", dpi=120)
-    plt.close(fig)
-
-    # Fig. 7: per-(layer, head) long-context frequency
-    panels = [(t_label, cfg, sel) for t_label, sel in (("RULER tasks", tasks), ("context-independent", [CTXFREE]))
-              for cfg in (f"oracle@{MAIN_TAU:g}", f"qada_rw@{MAIN_TAU:g}")]
-    panels = [p for p in panels if any(r["config"] == p[1] and r["task"] in p[2] and "local_freq" in r for r in rows)]
-    if panels:
-        fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels) + 1, 6.5), squeeze=False,
-                                 gridspec_kw=dict(wspace=0.35))
-        for ax, (t_label, cfg, sel) in zip(axes[0], panels):
-            freq = np.mean([np.array(r["local_freq"]) for r in rows if r["config"] == cfg and r["task"] in sel and "local_freq" in r], 0)
-            im = ax.imshow(100 * (1 - freq), aspect="auto", cmap="viridis", vmin=0, vmax=100, origin="lower")
-            ax.set_title(f"{label(cfg.split('@')[0])}\ntau {cfg.split('@')[1]}, {t_label}", fontsize=9)
-            ax.set_xlabel("query head")
-            ax.set_ylabel("layer")
-            ax.set_xticks(range(freq.shape[1]))
-        fig.colorbar(im, ax=axes[0].tolist(), label="% of decode steps labelled long-context")
-        fig.savefig(out / "fig7_long_context_heads.png", dpi=120, bbox_inches="tight")
-        plt.close(fig)
-
-    # Fig. 6a: sparsity along the generated answer, per task
-    cfgs = [f"oracle@{MAIN_TAU:g}", f"qada_rw@{MAIN_TAU:g}"]
-    show = [t for t in tasks if any(g.get((t, c)) for c in cfgs)]
-    if show:
-        cols = min(3, len(show))
-        rws = (len(show) + cols - 1) // cols
-        fig, axes = plt.subplots(rws, cols, figsize=(4.5 * cols, 3.2 * rws), squeeze=False)
-        for ax, t in zip(axes.ravel(), show):
-            for c, field, ls, name in [(cfgs[0], "step_sparsity", "-", label("oracle")),
-                                       (cfgs[1], "step_sparsity", "-", label("qada_rw")),
-                                       (cfgs[1], "oracle_step_sparsity", ":", "oracle on QAdA's decoding")]:
-                seqs = [r[field] for r in g.get((t, c), []) if r.get(field)]
-                if not seqs:
-                    continue
-                color_ = color("oracle" if field == "oracle_step_sparsity" else c.split("@")[0])
-                n = max(map(len, seqs))
-                m = np.array([np.nanmean([s[i] for s in seqs if len(s) > i]) for i in range(n)])
-                sd = np.array([np.nanstd([s[i] for s in seqs if len(s) > i]) for i in range(n)])
-                cnt = np.array([sum(len(s) > i for s in seqs) for i in range(n)])
-                keep = cnt >= max(2, len(seqs) // 4)
-                xs = np.arange(1, n + 1)[keep]
-                ax.plot(xs, m[keep], ls, color=color_, label=name)
-                if ls == "-":
-                    ax.fill_between(xs, (m - sd)[keep], (m + sd)[keep], color=color_, alpha=0.2)
-            ax.set_title(t, fontsize=9)
-            ax.set_xlabel("decode step")
-            ax.set_ylabel("sparsity")
-            ax.set_ylim(0, 1)
-            ax.grid(alpha=0.3)
-        for ax in axes.ravel()[len(show):]:
-            ax.axis("off")
-        axes[0, 0].legend(fontsize=8)
-        fig.suptitle(f"Sparsity along the answer, tau {MAIN_TAU:g} (mean ± std over samples)")
-        fig.tight_layout()
-        fig.savefig(out / "fig6a_sparsity_along_answer.png", dpi=120)
-        plt.close(fig)
-
-    # Fig. 5e-g: moments ablations
-    comp_methods = ("qada_rw", "qada_prompt", "qada_prompt_online", "qada_word", "qada_long")
-    abl = [c for c in {r["config"] for r in task_rows} if c.split("@")[0] in ("qada_word", "qada_long")]
-    if abl:
-        taus = sorted({float(c.split("@")[1]) for c in abl})
-        comp = [f"{m}@{t:g}" for m in comp_methods for t in taus if any(r["config"] == f"{m}@{t:g}" for r in task_rows)]
-        cv = curves(task_rows, tasks, comp + ["dense"])
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        for m in comp_methods:
-            cs = [c for c in comp if c.startswith(m + "@") and c in cv]
-            if cs:
-                ax.plot([cv[c]["sparsity"] for c in cs], [cv[c]["norm"] for c in cs], marker="o", color=color(m), label=label(m))
-                for c in cs:
-                    ax.annotate(c.split("@")[1], (cv[c]["sparsity"], cv[c]["norm"]), textcoords="offset points", xytext=(3, 4), fontsize=7)
-        ax.set_xlabel("sparsity")
-        ax.set_ylabel("normalised score (score / dense)")
-        ax.set_title(f"Moments ablations ({cv[comp[0]]['n'] if comp and comp[0] in cv else 0} samples in common; labels: tau)", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "fig5efg_moments_ablation.png", dpi=120)
-        plt.close(fig)
-
-    # App. C: recall of long-context heads vs sparsity
-    if rr:
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        for i, t in enumerate(sorted({r["task"] for r in rr})):
-            rs = sorted([r for r in rr if r["task"] == t and r["config"].startswith("qada_rw")], key=lambda r: r["qada_sparsity"])
-            if rs:
-                ax.plot([r["qada_sparsity"] for r in rs], [r["recall_qada"] for r in rs], "-o", color=cmap(i), label=f"{t} QAdA")
-                ax.plot([r["qada_sparsity"] for r in rs], [r["recall_static_oracle"] for r in rs], "--x", color=cmap(i), label=f"{t} static oracle")
-        ax.set_xlabel("sparsity of QAdA (static oracle matched to it)")
-        ax.set_ylabel("recall of oracle long-context (step, head) pairs")
-        ax.set_title("Recall of long-context heads (oracle at the same tau)", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        fig.savefig(out / "figC_recall_long_context_heads.png", dpi=120)
-        plt.close(fig)
 
 
 def report(out: str | Path, tasks: list[str] | None = None) -> None:
@@ -873,7 +382,7 @@ def dense_table(root: str | Path) -> str:
     runs.sort(key=lambda run: (run[0], run[1]))
     tasks = [t for t in TASK_ORDER if any(r["task"] == t for *_, rows in runs for r in rows)]
     head = [f"{m} {n // 1024}k" for m, n, _, _ in runs]
-    lines = [f"# Dense score per task (x100, mean over n samples) and seconds per sample", "",
+    lines = ["# Dense score per task (x100, mean over n samples) and seconds per sample", "",
              f"`python report.py --dense-table {root}`; dtype {', '.join(sorted({d for _, _, d, _ in runs}))}. "
              "s/sample = median of prefill + decode seconds.", "",
              "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(runs)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import eval as ev
-import report
+import records
 from tests.test_generate import make_tiny_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ def keys(records: list[dict]) -> list[tuple]:
 def assert_one_run(out: Path, lines_per_rank: list[int]):
     """The files one process leaves: samples.jsonl alone and run.json with one session, written by rank 0; and
     the lines each rank wrote in that session."""
-    assert report.result_files(out) == [out / "samples.jsonl"]  # the rank files are merged and gone
+    assert records.result_files(out) == [out / "samples.jsonl"]  # the rank files are merged and gone
     sessions = json.loads((out / "run.json").read_text())["sessions"]
     assert len(sessions) == 1 and sessions[0]["ranks"] == 2
     assert sessions[0]["lines_per_rank"] == lines_per_rank and sessions[0]["lines_written"] == sum(lines_per_rank)
@@ -132,7 +132,7 @@ def test_merge_orders_as_one_process_and_keeps_each_record_once(tmp_path):
     write("samples.0.jsonl", [("a", i, c) for i in (1, 0) for c in ("local", "dense")])
     write("samples.1.jsonl", [("b", i, c) for i in (1, 0) for c in ("local", "dense")], '{"task": "b", "ind')
     ev.merge(tmp_path, jobs)
-    assert report.result_files(tmp_path) == [tmp_path / "samples.jsonl"]
+    assert records.result_files(tmp_path) == [tmp_path / "samples.jsonl"]
     assert keys(lines(tmp_path)) == [("old", 0, "dense")] + [(t, i, c.key) for t, i, cs in jobs for c in cs]
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import eval as ev
+import records
 import report
 from tests.test_generate import kv_read_by_hand, make_tiny_dir
 
@@ -302,7 +303,7 @@ def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path, monkeypatch):
     second = ev.sweep(tiny, tok, out, jobs, dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
     assert (first, second) == (5, 4)
     assert ev.sweep(tiny, tok, out, jobs, dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False) == 0
-    rows = report.read_records(out)
+    rows = records.read_records(out)
     assert len(rows) == 9 and len({(r["task"], r["index"], r["config"]) for r in rows}) == 9
     report.report(out, ["niah_single_1"])  # tables and plots from a partial run do not fail
     assert (out / "summary.md").is_file() and (out / "fig4_score_vs_sparsity.png").is_file()
@@ -316,7 +317,7 @@ def test_ctxfree_runs_without_qada_among_the_methods(tmp_path, monkeypatch):
     assert ev.main(["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "0", "--methods", "dense",
                     "--taus", "0.6", "--ablations", "", "--ctxfree-samples", "1", "--model", str(tiny_dir),
                     "--no-report"]) == 0
-    assert {r["config"] for r in report.read_records(out)} == {"oracle@0.6", "qada_rw@0.6"}
+    assert {r["config"] for r in records.read_records(out)} == {"oracle@0.6", "qada_rw@0.6"}
 
 
 @pytest.mark.parametrize("text, done", [(" 1234567.", False), (" 1234567. This", True), (" France.\n", True),
@@ -345,9 +346,9 @@ def row(task, index, config, score, sparsity):
 def test_summary_averages_over_common_samples():
     rows = [row("a", 0, "dense", 1.0, 0.0), row("a", 1, "dense", 0.5, 0.0), row("b", 0, "dense", 0.5, 0.0),
             row("a", 0, "qada_rw@0.6", 0.5, 0.8), row("b", 0, "qada_rw@0.6", 0.5, 0.6)]  # a#1 has no qada run yet
-    s = {(r["task"], r["config"]): r for r in report.summary_rows(rows)}
+    s = {(r["task"], r["config"]): r for r in records.summary_rows(rows)}
     assert s["a", "dense"]["score"] == 0.75 and s["a", "dense"]["n"] == 2
-    cur = report.curves(rows, ["a", "b"], ["dense", "qada_rw@0.6"])
+    cur = records.curves(rows, ["a", "b"], ["dense", "qada_rw@0.6"])
     assert cur["dense"]["score"] == pytest.approx(0.75)  # a#0 and b#0 only: (1.0 + 0.5) / 2
     assert cur["qada_rw@0.6"]["norm"] == pytest.approx((0.5 / 1.0 + 0.5 / 0.5) / 2)
     assert cur["qada_rw@0.6"]["worst_drop"] == pytest.approx(0.5)
@@ -364,15 +365,15 @@ def test_lossless_sparsity_and_kv_read_with_intervals():
             # sparsity 0.5 and 0.7 keep the score, 0.9 loses it; the KV read is not 1 - sparsity here (GQA)
             for thr, sp, kv, sc in ((0.8, 0.5, 0.8, 1.0), (0.6, 0.7, 0.6, 0.96), (0.2, 0.9, 0.3, 0.5)):
                 rows.append(dict(row(task, i, f"qada_rw@{thr}", sc, sp), kv_read=kv))
-    sp, = report.lossless_table(rows, ["a", "b"], n_boot=50)
+    sp, = records.lossless_table(rows, ["a", "b"], n_boot=50)
     assert (sp["method"], sp["lossless"], sp["lo"], sp["hi"], sp["kv_read"]) == ("qada_rw", 0.7, 0.7, 0.7, 0.6)
-    kv, = report.lossless_table(rows, ["a", "b"], axis="kv_read", n_boot=50)
+    kv, = records.lossless_table(rows, ["a", "b"], axis="kv_read", n_boot=50)
     assert kv["lossless"] == pytest.approx(0.6) and kv["lo"] == pytest.approx(0.6) and kv["sparsity"] == 0.7
     assert kv["min_kv_read"] == 0.3
     # one task's sample 0 loses at 0.7: the point drops to 0.5 / KV read 0.8, and the interval spans both
     rows = [dict(r, score=0.0) if (r["task"], r["index"], r["config"]) == ("a", 0, "qada_rw@0.6") else r for r in rows]
-    sp, = report.lossless_table(rows, ["a", "b"], n_boot=200)
-    kv, = report.lossless_table(rows, ["a", "b"], axis="kv_read", n_boot=200)
+    sp, = records.lossless_table(rows, ["a", "b"], n_boot=200)
+    kv, = records.lossless_table(rows, ["a", "b"], axis="kv_read", n_boot=200)
     assert sp["lossless"] == 0.5 and (sp["lo"], sp["hi"]) == (0.5, 0.7)
     assert kv["lossless"] == pytest.approx(0.8) and (kv["lo"], kv["hi"]) == pytest.approx((0.6, 0.8))
 
@@ -383,12 +384,12 @@ def test_score_points_carry_a_paired_interval():
     rows = [row(t, i, "dense", 1.0, 0.0) for t in ("a", "b") for i in range(4)]
     rows += [row(t, i, "qada_rw@0.6", 0.0 if (t, i) == ("a", 0) else 1.0, 0.7) for t in ("a", "b") for i in range(4)]
     rows += [row("a", 4, "dense", 0.0, 0.0)]  # dense only: not shared, left out
-    p = report.score_points(rows, ["a", "b"], "qada_rw@0.6", n_boot=300)
+    p = records.score_points(rows, ["a", "b"], "qada_rw@0.6", n_boot=300)
     assert p["norm"] == pytest.approx((3 / 4 + 1) / 2) and p["n"] == 8 and p["sparsity"] == pytest.approx(0.7)
     # task a's draw holds k failures ~ Binomial(4, 1/4): P(k >= 3) = 5.1 %, P(k = 4) = 0.4 %, so the 2.5th
     # percentile is k = 3, normalised (1/4 + 1) / 2; the 97.5th is k = 0
     assert p["lo"] == pytest.approx(0.625) and p["hi"] == 1.0
-    same = report.score_points([dict(r, score=1.0) for r in rows if r["index"] < 4], ["a", "b"], "qada_rw@0.6", n_boot=50)
+    same = records.score_points([dict(r, score=1.0) for r in rows if r["index"] < 4], ["a", "b"], "qada_rw@0.6", n_boot=50)
     assert same["lo"] == same["norm"] == same["hi"] == 1.0
 
 

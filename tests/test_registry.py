@@ -9,6 +9,7 @@ import torch
 import attention
 import eval as ev
 import generate
+import records
 import report
 from attention import mixed_attention
 from tests.test_generate import make_tiny_dir, write_prompt
@@ -59,7 +60,7 @@ def eval_run(out, tiny_dir, methods, *extra):
     argv = ["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "1", "--methods", methods,
             "--ablations", "", "--ctxfree-samples", "0", "--track", "", "--model", str(tiny_dir), "--no-report", *extra]
     assert ev.main(argv) == 0
-    return {r["config"]: r for r in report.read_records(out)}
+    return {r["config"]: r for r in records.read_records(out)}
 
 
 def test_eval_and_report_run_a_registered_path(tiny_dir, tmp_path, registered):

@@ -1,0 +1,324 @@
+"""Run records of eval.py and the statistics drawn from them: reading the rank files, configuration names and
+order, means over the samples every compared configuration finished, the lossless point with a paired bootstrap,
+and the oracle-agreement counts of tracked runs. report.py writes tables from these, plots.py figures.
+"""
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from criterion import static_labels
+
+
+# The order and names in which tables and figures list the configurations the paper compares; any other name (a new
+# path of attention.PATHS, a new variant of eval.py) is listed too, after these, under its own name.
+ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_prompt_online",
+         "qada_word", "qada_long", "static_kv", "static_oracle_kv", "oracle_kv", "qada_kv", "qada_kv_all")
+LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
+         "static_oracle": "static oracle", "oracle": "adaptive oracle", "qada_rw": "QAdA (random words)",
+         "qada_prompt": "QAdA (current prompt, fixed)", "qada_prompt_online": "QAdA (current prompt, online; ours)",
+         "qada_word": "QAdA (one repeated word)",
+         "qada_long": "QAdA (longer random-words prompt)", "static_kv": "static per KV head (RULER)",
+         "static_oracle_kv": "static oracle per KV head", "oracle_kv": "adaptive oracle per KV group (mean share)",
+         "qada_kv": "QAdA per KV group (mean share; ours)", "qada_kv_all": "QAdA per KV group (all local; ours)"}
+ABLATIONS = ("qada_word", "qada_long")
+MAIN_TAU = 0.6  # the paper's tau for the head maps, agreement and log-error tables
+
+
+def result_files(out: Path) -> list[Path]:
+    """samples.jsonl, plus samples.K.jsonl written by shards of a parallel sweep (eval.py --shard)."""
+    return sorted(Path(out).glob("samples*.jsonl"))
+
+
+def read_records(out: Path) -> list[dict]:
+    """Every complete line of the run's result files (a line torn by a kill is ignored)."""
+    rows = []
+    for path in result_files(out):
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def config_sort_key(cfg: str):
+    method, _, thr = cfg.partition("@")
+    return (ORDER.index(method) if method in ORDER else len(ORDER)), method, float(thr or 0)
+
+
+def label(method: str) -> str:
+    return LABEL.get(method, method)
+
+
+def is_tau(rows, method: str) -> bool:
+    """Whether `method`'s threshold is a tau (its records say so)."""
+    return any(r.get("threshold_kind") == "tau" for r in rows if r["method"] == method)
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return float(np.mean(xs)) if xs else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Means over the samples every compared configuration finished
+
+
+def group(rows):
+    """{(task, config): [rows]}."""
+    g = defaultdict(list)
+    for r in rows:
+        g[r["task"], r["config"]].append(r)
+    return g
+
+
+def summary_rows(rows) -> list[dict]:
+    out = []
+    for (task, cfg), rs in sorted(group(rows).items(), key=lambda kv: (kv[0][0], config_sort_key(kv[0][1]))):
+        out.append({"task": task, "config": cfg, "method": rs[0]["method"], "threshold": rs[0]["threshold"], "n": len(rs),
+                    "score": mean([r["score"] for r in rs]), "sparsity": mean([r["sparsity"] for r in rs]),
+                    "kv_read": mean([r["kv_read"] for r in rs]), "new_tokens": mean([r["n_new"] for r in rs]),
+                    "decode_s": mean([r["decode_s"] for r in rs])})
+    return out
+
+
+def common_indices(g, tasks, configs) -> dict[str, set]:
+    """Per task, the sample indices that every config in `configs` has finished."""
+    out = {}
+    for t in tasks:
+        sets = [{r["index"] for r in g.get((t, c), [])} for c in configs]
+        out[t] = set.intersection(*sets) if sets else set()
+    return out
+
+
+def task_means(g, tasks, cfg, idx, field="score"):
+    """Per task, the mean of `field` over the samples in idx[task]; None where missing."""
+    out = {}
+    for t in tasks:
+        vals = [r[field] for r in g.get((t, cfg), []) if r["index"] in idx[t] and r[field] is not None]
+        out[t] = float(np.mean(vals)) if vals else None
+    return out
+
+
+def curves(rows, tasks, configs):
+    """Per config over the tasks' common samples: mean score, mean normalised score (score / dense), worst drop,
+    mean sparsity, sparsity std across tasks, kv read."""
+    g = group(rows)
+    idx = common_indices(g, tasks, configs + ["dense"])
+    dense = task_means(g, tasks, "dense", idx)
+    out = {}
+    for c in configs:
+        sc, sp, kv = task_means(g, tasks, c, idx), task_means(g, tasks, c, idx, "sparsity"), task_means(g, tasks, c, idx, "kv_read")
+        ts = [t for t in tasks if sc[t] is not None]
+        if not ts:
+            continue
+        norm = [sc[t] / dense[t] for t in ts if dense[t]]
+        out[c] = {"score": np.mean([sc[t] for t in ts]), "norm": np.mean(norm) if norm else None,
+                  "worst_drop": max((dense[t] - sc[t]) for t in ts if dense[t] is not None) if dense else None,
+                  "sparsity": mean([sp[t] for t in ts]), "sparsity_std": float(np.std([sp[t] for t in ts if sp[t] is not None])),
+                  "kv_read": mean([kv[t] for t in ts]), "n": sum(len(idx[t]) for t in ts), "per_task": sc, "per_task_sparsity": sp}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lossless sparsity with a paired bootstrap (issue 10: numbers a reviewer would accept)
+
+
+LOSSLESS = 0.95  # a configuration is lossless when its mean normalised score is at least this fraction of dense
+
+
+def paired_scores(rows, tasks, configs):
+    """{task: (indices, {config: scores})} over the samples that dense and every config have finished, so that a
+    bootstrap draws the same samples for every method (paired)."""
+    g = group(rows)
+    idx = common_indices(g, tasks, list(configs) + ["dense"])
+    out = {}
+    for t in tasks:
+        order = sorted(idx[t])
+        if order:
+            by = {c: {r["index"]: r["score"] for r in g[t, c]} for c in list(configs) + ["dense"]}
+            out[t] = (order, {c: np.array([by[c][i] for i in order], dtype=float) for c in by})
+    return out
+
+
+def paired_mean(g, scores: dict, config: str, field: str) -> float | None:
+    """Mean over tasks of `config`'s mean `field` on the paired samples of `scores` (paired_scores)."""
+    idx = {t: set(i) for t, (i, _) in scores.items()}
+    return mean(list(task_means(g, list(scores), config, idx, field).values()))
+
+
+def normalised(scores: dict, picks: dict, config: str) -> float | None:
+    """Mean over tasks of (config's mean score / dense's mean score) on the picked samples of each task; tasks
+    where dense scores 0 on the pick are left out."""
+    ratios = []
+    for t, (_, sc) in scores.items():
+        d = sc["dense"][picks[t]].mean()
+        if d > 0:
+            ratios.append(sc[config][picks[t]].mean() / d)
+    return float(np.mean(ratios)) if ratios else None
+
+
+def lossless_sparsity(curve: list[tuple[float, float | None]]) -> float:
+    """The highest sparsity up to which every measured point keeps >= LOSSLESS of dense: curve is [(sparsity,
+    normalised score)] of one method. 0 when even its sparsest point loses."""
+    best = 0.0
+    for sp, norm in sorted(curve):
+        if norm is None or norm < LOSSLESS:
+            break
+        best = sp
+    return best
+
+
+def method_configs(rows, tasks) -> dict[str, list[str]]:
+    """{method: its configurations} measured on the tasks, dense and local aside."""
+    methods = defaultdict(list)
+    for c in {r["config"] for r in rows if r["task"] in tasks and r["method"] not in ("dense", "local")}:
+        methods[c.split("@")[0]].append(c)
+    return dict(sorted(methods.items(), key=lambda kv_: config_sort_key(kv_[0])))
+
+
+def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "sparsity", n_boot: int = 2000,
+                   seed: int = 0) -> dict[str, dict] | None:
+    """Each method's lossless point (configs: {method: its configurations}) and n_boot bootstrap values of it, all on
+    the samples that dense and every listed configuration finished, with the same draws (samples resampled within
+    each task): paired between a method's configurations and dense, and between methods, so that differences of
+    methods have intervals too. axis "kv_read": the point is 1 - the lowest lossless KV-read fraction."""
+    scores = paired_scores(rows, tasks, [c for cs in configs.values() for c in cs])
+    if not scores:
+        return None
+    g = group(rows)
+    rng = np.random.default_rng(seed)
+    full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
+    draws = [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
+    out = {}
+    for m, cs in configs.items():
+        sparsity = {c: paired_mean(g, scores, c, "sparsity") for c in cs}
+        kv = {c: paired_mean(g, scores, c, "kv_read") for c in cs}
+        if any(sparsity[c] is None for c in cs):
+            continue
+        x = sparsity if axis == "sparsity" else {c: 1 - kv[c] for c in cs}  # higher = saves more
+        point = lossless_sparsity([(x[c], normalised(scores, full, c)) for c in cs])
+        boot = np.array([lossless_sparsity([(x[c], normalised(scores, d, c)) for c in cs]) for d in draws])
+        out[m] = {"point": point, "boot": boot, "at": [c for c in cs if x[c] == point], "sparsity": sparsity,
+                  "kv_read": kv, "n": sum(len(i) for i, _ in scores.values())}
+    return out
+
+
+def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed: int = 0) -> list[dict]:
+    """Per method: its lossless sparsity and a paired-bootstrap 95 % interval over samples (resampled within each
+    task, the same draw for dense and every configuration of the method), with the mean KV-read fraction there.
+    axis "kv_read": the lowest lossless KV-read fraction instead (the saving 1 - kv_read in place of sparsity), what
+    sets decode time under grouped-query attention."""
+    out = []
+    for m, cs in method_configs(rows, tasks).items():
+        res = lossless_draws(rows, tasks, {m: cs}, axis, n_boot, seed)  # each method on all the samples it finished
+        if not res or m not in res:
+            continue
+        r = res[m]
+        lo, hi = float(np.percentile(r["boot"], 2.5)), float(np.percentile(r["boot"], 97.5))
+        at = r["at"][0] if r["at"] else None
+        row = {"method": m, "lossless": r["point"], "lo": lo, "hi": hi, "kv_read": r["kv_read"][at] if at else None,
+               "sparsity": r["sparsity"][at] if at else None, "points": len(cs),
+               "max_sparsity": max(r["sparsity"].values()), "min_kv_read": min(r["kv_read"].values()), "n": r["n"]}
+        if axis == "kv_read":  # back to a read fraction: lower is better, the interval flips
+            row.update(lossless=1 - r["point"], lo=1 - hi, hi=1 - lo)
+        out.append(row)
+    return out
+
+
+def score_points(rows, tasks, config: str, n_boot: int = 1000, seed: int = 0) -> dict | None:
+    """One measured point of a configuration: mean over tasks of its score / dense score on the samples both
+    finished, with a paired-bootstrap 95 % interval (samples redrawn within each task, the same draw for dense),
+    and its mean sparsity and KV-read fraction on those samples."""
+    scores = paired_scores(rows, tasks, [config])
+    full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
+    norm = normalised(scores, full, config) if scores else None
+    if norm is None:
+        return None
+    rng = np.random.default_rng(seed)
+    boot = [normalised(scores, {t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()}, config)
+            for _ in range(n_boot)]
+    boot = [b for b in boot if b is not None]
+    g = group(rows)
+    return {"norm": norm, "lo": float(np.percentile(boot, 2.5)), "hi": float(np.percentile(boot, 97.5)),
+            "sparsity": paired_mean(g, scores, config, "sparsity"), "kv_read": paired_mean(g, scores, config, "kv_read"),
+            "n": sum(len(i) for i, _ in scores.values())}
+
+
+def mean_draws(values: dict[str, list[float]], n_boot: int = 2000, seed: int = 0) -> tuple[float, np.ndarray]:
+    """The mean over tasks of each task's mean value, and its bootstrap draws (values resampled within each task)."""
+    vals = {t: np.array(v, dtype=float) for t, v in values.items() if v}
+    rng = np.random.default_rng(seed)
+    boot = [np.mean([v[rng.integers(0, len(v), len(v))].mean() for v in vals.values()]) for _ in range(n_boot)]
+    return float(np.mean([v.mean() for v in vals.values()])), np.array(boot)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Agreement with the oracle (tracked runs)
+
+
+def head_counts(rows):
+    """Step-weighted per-(layer, head) counts over tracked records: steps, qada local, oracle local, both local."""
+    S = q = o = b = 0
+    for r in rows:
+        if "oracle_freq" not in r:
+            continue
+        s = r["steps"]
+        S, q = S + s, q + s * np.array(r["local_freq"])
+        o, b = o + s * np.array(r["oracle_freq"]), b + s * np.array(r["both_freq"])
+    return S, q, o, b
+
+
+def confusion(q: float, o: float, b: float, n: float) -> tuple[float, float, float, float]:
+    """TP, FP, TN, FN as fractions of n (step, head) pairs (positive = local), from head_counts' sums over them:
+    QAdA local q, oracle local o, both local b."""
+    tp, fp, fn = b / n, (q - b) / n, (o - b) / n
+    return tp, fp, max(1 - tp - fp - fn, 0.0), fn  # the clamp: float round-off of step-weighted frequencies
+
+
+def recall_rows(rows, static_freq: dict) -> list[dict]:
+    """Recall of the oracle's long-context (head, step) pairs: QAdA vs static oracle labels at QAdA's sparsity."""
+    out = []
+    by = defaultdict(list)
+    for r in rows:
+        if "oracle_freq" in r and r["task"] in static_freq:
+            by[r["task"], r["config"]].append(r)
+    for (task, cfg), rs in sorted(by.items(), key=lambda kv: (kv[0][0], config_sort_key(kv[0][1]))):
+        S, q, o, b = head_counts(rs)
+        long_oracle = S - o  # per head: steps the oracle says long-context
+        if long_oracle.sum() == 0:
+            continue
+        tn = S - q - o + b  # both long
+        sparsity = q.sum() / (S * q.size)
+        static = static_labels(torch.tensor(static_freq[task]), float(sparsity)).numpy()
+        out.append({"task": task, "config": cfg, "qada_sparsity": float(sparsity), "oracle_sparsity": float(o.sum() / (S * q.size)),
+                    "recall_qada": float(tn.sum() / long_oracle.sum()),
+                    "recall_static_oracle": float(long_oracle[~static].sum() / long_oracle.sum())})
+    return out
+
+
+def static_oracle_freq(g, tasks) -> dict[str, list]:
+    """Per task, how often the adaptive oracle (tau MAIN_TAU) labels each (layer, head) local over all the task's
+    evaluated prompts, step-weighted: the paper's static oracle (appendix C) ranks heads by it."""
+    out = {}
+    for t in tasks:
+        rs = [r for r in g.get((t, f"oracle@{MAIN_TAU:g}"), []) if r.get("local_freq")]
+        if rs:
+            out[t] = (sum(r["steps"] * np.array(r["local_freq"]) for r in rs) / sum(r["steps"] for r in rs)).tolist()
+    return out
+
+
+def run_recall(r, static_freq: list) -> tuple[float, float] | None:
+    """One tracked run: the share of the oracle's long-context (step, head) pairs that QAdA labelled long, and that
+    static-oracle labels at the run's own sparsity leave long (appendix C); None if the oracle never needed one."""
+    S = r["steps"]
+    q, o, b = (S * np.array(r[k]) for k in ("local_freq", "oracle_freq", "both_freq"))
+    long_oracle = S - o  # (L, H): steps the oracle needs the whole context
+    if long_oracle.sum() <= 0:
+        return None
+    static = static_labels(torch.tensor(static_freq), float(q.sum() / (S * q.size))).numpy()
+    return float((S - q - o + b).sum() / long_oracle.sum()), float(long_oracle[~static].sum() / long_oracle.sum())
