@@ -52,8 +52,9 @@ time (the window-only run) and the measured KV read. Lengths above the model's c
 override (--rope-theta) and moments from a random-words prompt of that length (computed once, then cached in
 ~/.cache/qada/moments).
 
-Outputs in bench_results/: attention.md, end_to_end.md, profile.md (where the time goes), results.json
-and speedup.png.
+Outputs in --out (bench_results/): per part its table (attention.md, end_to_end.md), where the time goes
+(attention_profile.md, end_to_end_profile.md) and its rows (attention.json, end_to_end.json); speedup.png draws
+every part in the folder, so the two parts may run apart.
 """
 
 import argparse
@@ -523,6 +524,12 @@ def plot(att_rows, e2e_rows, path: Path, setup: str, e2e_model: str = "") -> Non
     plt.close(fig)
 
 
+def write_part(out: Path, part: str, setup: str, rows: list[dict], profile: str, **extra) -> None:
+    """A part's profile (PART_profile.md) and rows (PART.json) beside its table (PART.md)."""
+    (out / f"{part}_profile.md").write_text(f"Profiles, {setup}.\n\n{profile}")
+    (out / f"{part}.json").write_text(json.dumps({"setup": setup, "rows": rows, **extra}, indent=1))
+
+
 def load_average() -> str:
     """The 1-minute load average and the core count: other processes' load is part of every timing."""
     return f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores" if hasattr(os, "getloadavg") else "n/a"
@@ -552,7 +559,6 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
     e2e_lengths = given or ([2048] if quick else [2048, 4096, 8192, 16384])
     att_repeats, e2e_repeats = repeats or (3 if quick else 5), repeats or (2 if quick else 6)
     print(f"# {setup}; load average {load_average()}")
-    att_rows, e2e_rows, profiles = [], [], []
     if parts in ("attention", "all"):
         timer = Timer(device)
         print(f"\n## Attention only: ms per layer and decode step, median of {att_repeats} interleaved repeats\n")
@@ -560,8 +566,9 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
         att_rows = bench_attention(att_lengths, att_repeats, device, timer)
         (out / "attention.md").write_text(f"Attention only, {setup}: ms per layer and decode step, median of "
                                           f"{att_repeats} interleaved repeats.\n\n{table(ATTENTION_COLUMNS, att_rows)}\n")
-        profiles.append(profile_qada(8192 if 8192 in att_lengths else att_lengths[-1], att_repeats, device, timer,
-                                     compile_decision=compile_decision))
+        prof = profile_qada(8192 if 8192 in att_lengths else att_lengths[-1], att_repeats, device, timer,
+                            compile_decision=compile_decision)
+        write_part(out, "attention", setup, att_rows, prof)
         del timer
     if parts in ("e2e", "all"):
         e2e_setup = setup_line(device, dtype)
@@ -571,17 +578,18 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
         e2e_rows, prof = bench_end_to_end(model, e2e_lengths, batch_sizes, methods, e2e_repeats, decode_tokens, device,
                                           DTYPES[dtype], rope_theta,
                                           profile_at=8192 if 8192 in e2e_lengths else e2e_lengths[-1])
-        profiles.append(prof)
+        write_part(out, "end_to_end", e2e_setup, e2e_rows, prof, model=model)
         (out / "end_to_end.md").write_text(
             f"End to end, {model}, {e2e_setup}: decode ms per step (a step decodes one token of every row), median of "
             f"{e2e_repeats} interleaved repeats of {decode_tokens} tokens; rows of a batch are different prompts; RoPE "
             f"theta {rope_theta:g} above the model's context; load average {load_average()} at the end.\n\n"
             f"{table(E2E_COLUMNS, e2e_rows)}\n")
-    (out / "profile.md").write_text(f"Profiles, {setup}.\n\n" + "\n".join(profiles))
-    (out / "results.json").write_text(json.dumps({"setup": setup, "attention": att_rows, "end_to_end": e2e_rows}, indent=1))
-    plot(att_rows, e2e_rows, out / "speedup.png", setup, model)
-    print(f"\nload average {load_average()}; wrote {out}/ (attention.md, end_to_end.md, profile.md, speedup.png) "
-          f"in {time.perf_counter() - t_start:.0f} s")
+    # The plot draws every part in the folder: a part run alone keeps the other's last results beside it.
+    done = {part: json.loads((out / f"{part}.json").read_text()) for part in ("attention", "end_to_end")
+            if (out / f"{part}.json").is_file()}
+    plot(done.get("attention", {}).get("rows", []), done.get("end_to_end", {}).get("rows", []), out / "speedup.png",
+         " | ".join(d["setup"] for d in done.values()), done.get("end_to_end", {}).get("model", model))
+    print(f"\nload average {load_average()}; wrote {out}/ in {time.perf_counter() - t_start:.0f} s")
     return 0
 
 

@@ -2,6 +2,8 @@
 
 No timings are asserted: speed is what bench.py reports, these tests only pin what it computes."""
 
+import json
+
 import pytest
 import torch
 
@@ -138,3 +140,20 @@ def test_end_to_end_runs_batches_of_different_prompts(tmp_path, monkeypatch):
         assert r["needle"].endswith(f"/{r['batch']}") and 250 < r["T"] <= 300 - bench.NEEDLE_TOKENS
     with pytest.raises(ValueError, match="PATH@TAU"):
         bench.parse_methods("local@0.5")
+
+
+def test_the_two_parts_run_apart_into_one_folder(tmp_path, monkeypatch):
+    """Each part writes its own table, profile and rows; the second run keeps the first's, and the plot draws both."""
+    from tests.test_generate import make_tiny_dir
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    folder, out = make_tiny_dir(tmp_path / "tiny"), tmp_path / "bench"
+    common = dict(device="cpu", threads=None, repeats=1, lengths="300", quick=True, decode_tokens=2, rope_theta=4e5,
+                  out=str(out), model=str(folder), batches="1", e2e_methods="qada@0.6", dtype="float32",
+                  compile_decision=False)
+    assert bench.main(parts="attention", **common) == 0
+    first = (out / "attention.json").read_text()
+    assert bench.main(parts="e2e", **common) == 0
+    assert (out / "attention.json").read_text() == first  # not overwritten by the other part
+    for part in ("attention", "end_to_end"):
+        assert (out / f"{part}.md").is_file() and (out / f"{part}_profile.md").read_text().startswith("Profiles")
+    assert len(json.loads((out / "end_to_end.json").read_text())["rows"]) == 1 and (out / "speedup.png").is_file()
