@@ -118,6 +118,36 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
     for r in lossless_table(rows, tasks, axis="kv_read"):
         lines.append(f"| {label(r['method'])} | {r['lossless']:.2f} | [{r['lo']:.2f}, {r['hi']:.2f}] | "
                      f"{fmt(r['sparsity'], 1, 2)} | {r['points']} | {r['min_kv_read']:.2f} | {r['n']} |")
+    diffs = kv_read_differences(rows, tasks)
+    if diffs:
+        lines += ["", "## Per KV group against per query head and static per KV head (issue 12): lossless KV read, paired",
+                  "", kv_read_differences.__doc__.split("\n\n")[0].replace("\n    ", " "), "",
+                  "| method | lossless KV read | against | its lossless KV read | difference | 95 % interval | samples |",
+                  "|---|---:|---|---:|---:|---|---:|"]
+        lines += diffs
+    return lines
+
+
+KV_COMPARISONS = (("qada_kv_all", "qada_rw"), ("qada_kv", "qada_rw"), ("qada_kv_all", "static_oracle_kv"),
+                  ("qada_kv", "static_oracle_kv"), ("oracle_kv", "oracle"), ("qada_kv_all", "qada_kv"))
+
+
+def kv_read_differences(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
+    """Each pair's lossless KV-read fractions on the samples both methods (and dense) finished, and the difference
+    (first minus second: below 0, the first reads less at no loss) with a 95 % interval from the same bootstrap
+    draws for both (paired)."""
+    cfgs, lines = method_configs(rows, tasks), []
+    for a, b in KV_COMPARISONS:
+        if a not in cfgs or b not in cfgs:
+            continue
+        res = lossless_draws(rows, tasks, {a: cfgs[a], b: cfgs[b]}, axis="kv_read", n_boot=n_boot, seed=seed)
+        if not res or a not in res or b not in res:
+            continue
+        read_a, read_b = 1 - res[a]["point"], 1 - res[b]["point"]  # the draws hold 1 - the lossless read
+        diff = res[b]["boot"] - res[a]["boot"]
+        lo, hi = float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))
+        lines.append(f"| {label(a)} | {read_a:.2f} | {label(b)} | {read_b:.2f} | {read_a - read_b:+.2f} | "
+                     f"[{lo:+.2f}, {hi:+.2f}] | {res[a]['n']} |")
     return lines
 
 

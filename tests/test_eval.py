@@ -447,6 +447,22 @@ def test_claims_table_against_hand_computed_values():
         "below the paper", "consistent", "above the paper", "consistent", "ours higher"]
 
 
+def test_kv_read_differences_are_paired():
+    """Issue 12's comparison by hand: the group rule is lossless down to 0.7 of the KV read, per-head QAdA to 0.8, so
+    the difference is -0.10, a point when every sample agrees; the pairs with methods that never ran are left out."""
+    rows = []
+    for task in ("a", "b"):
+        for i in range(4):
+            rows.append(row(task, i, "dense", 1.0, 0.0))
+            for m, points in {"qada_kv_all": [(0.6, 0.3, 0.7, 1.0), (0.2, 0.6, 0.4, 0.5)],
+                              "qada_rw": [(0.8, 0.5, 0.9, 1.0), (0.6, 0.6, 0.8, 0.97), (0.4, 0.8, 0.6, 0.6)]}.items():
+                rows += [dict(row(task, i, f"{m}@{thr}", sc, sp), kv_read=kv) for thr, sp, kv, sc in points]
+    lines = report.kv_read_differences(rows, ["a", "b"], n_boot=50)
+    assert len(lines) == 1
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert cells[1:] == ["0.70", "QAdA (random words)", "0.80", "-0.10", "[-0.10, -0.10]", "8"]
+
+
 def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch):
     import calibrate
     from criterion import load_labels
