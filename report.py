@@ -5,8 +5,9 @@
 Reads OUT/samples*.jsonl (complete or partial, every shard) and writes into OUT:
     summary.csv       task x config: n, score (x100), sparsity, KV-read fraction, answer tokens, decode time
     summary.md        the same as pivot tables, with the dense score and the local-window floor per task
-    analysis.md       lossless sparsity and KV read with paired-bootstrap intervals, the paper's claims against
-                      ours with intervals, QAdA against the oracle per layer,
+    analysis.md       lossless sparsity and KV read with paired-bootstrap intervals, the KV-group rules against
+                      per-head QAdA (issue 12), the paper's claims against ours with intervals, QAdA against the
+                      oracle per layer,
                       agreement with the oracle by head decile and recall of long-context heads (App. C),
                       the Gaussian log-mass error (Table 2), the context-independent question (Fig. 6c),
                       the moments ablations (Fig. 5e-g)
