@@ -30,9 +30,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from criterion import (check_tau, gaussian_log_bulk, gaussian_log_mass, group_labels, oracle_labels, oracle_log_masses,
-                       qada_labels, window_mask, window_slices)
-from moments import KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
+from criterion import (check_tau, gaussian_exponent, gaussian_log_bulk, gaussian_log_mass, group_labels, local_logit,
+                       oracle_labels, oracle_log_masses, qada_labels, window_mask, window_slices)
+from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
@@ -358,31 +358,79 @@ class BatchAttention:
     prompt under B configurations (eval.py). Row b attends with rows[b], its own SparseAttention (path, labels,
     statistics), on its own query and the filled part of its own cache, from start[b] on (after the left padding),
     so a row reads a KV head only when that row needs it. Rows marked `done` (their answer has ended) are skipped:
-    their outputs are zeros and their cache is not read."""
+    their outputs are zeros and their cache is not read.
+
+    When every row is QAdA with fixed moments (B prompts under one method), the decision is taken for all rows at
+    once (qada_rows): one window pass and one Gaussian term for the batch instead of one per row, each row with its
+    own moments, tau and context length; each row's full heads are then read on its own. `batched=False` keeps the
+    row-by-row path, which the tests hold the batched one to."""
     rows: list[SparseAttention]
     start: list[int] | None = None  # per row, the first filled position of the cache; None: every row from 0
     done: list[bool] = field(default_factory=list)
+    batched: bool = True
 
     def __post_init__(self):
         self.done = self.done or [False] * len(self.rows)
         if self.start is not None and len(self.start) != len(self.rows):
             raise ValueError(f"{len(self.rows)} rows but {len(self.start)} start positions")
+        first = self.rows[0] if self.rows else None
+        self.all_qada = self.batched and first is not None and all(
+            a.method == "qada" and isinstance(a.moments, FixedMoments) and not a.stats.track_oracle
+            and (a.n_sink, a.n_local) == (first.n_sink, first.n_local) for a in self.rows)
+        self.forms = {}  # (layer, rows) -> the rows' quadratic forms stacked, (n Hkv, D, D) and (n Hkv, D)
 
     def __call__(self, q, k, v, layer: int) -> torch.Tensor:
         """q (B, H, 1, D), k/v (B, Hkv, T, D) -> (B, H, 1, D)."""
         if q.shape[0] != len(self.rows):
             raise ValueError(f"a batch of {q.shape[0]} rows for {len(self.rows)} attentions")
         y = torch.zeros_like(q)
-        for b, att in enumerate(self.rows):
-            if not self.done[b]:
-                s = self.start[b] if self.start is not None else 0
-                y[b:b + 1] = att(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], layer)  # views, no copy
+        live = [b for b in range(len(self.rows)) if not self.done[b]]
+        start = self.start or [0] * len(self.rows)
+        if self.all_qada and live and all(k.shape[2] - start[b] > self.rows[b].n_local for b in live):
+            return self.qada_rows(q, k, v, layer, live, y)
+        for b in live:
+            s = start[b]
+            y[b:b + 1] = self.rows[b](q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], layer)  # views, no copy
+        return y
+
+    def qada_rows(self, q, k, v, layer: int, live: list[int], y: torch.Tensor) -> torch.Tensor:
+        """QAdA (attention.qada) for the live rows, deciding for all of them at once. Each row's window (its own
+        sinks after its padding, the recent positions every row shares) is gathered into one (n Hkv, W, D) batch, a
+        copy of W = n_local positions per row, and goes through window_attention as a context that is all window;
+        the labels compare each row's log masses with its own threshold (Eq. 7 with log T_bulk on that side)."""
+        B, H, _, D = q.shape
+        Hkv, T = k.shape[1], k.shape[2]
+        first, n = self.rows[live[0]], len(live)
+        n_sink, n_local = first.n_sink, first.n_local
+        rows = torch.tensor(live, device=q.device)
+        start = torch.tensor([self.start[b] if self.start else 0 for b in live], device=q.device)
+        sinks = start[:, None] + torch.arange(n_sink, device=q.device)  # (n, n_sink)
+        recent = slice(T - (n_local - n_sink), T)
+
+        def window(x):  # (B, Hkv, T, D) -> (n Hkv, W, D): each live row's sinks, then the recent positions
+            return torch.cat([x[rows[:, None], :, sinks].transpose(1, 2), x[rows, :, recent]], 2).view(n * Hkv, -1, D)
+
+        qs = q[rows, :, 0]  # (n, H, D)
+        y_window, log_local = window_attention(qs.reshape(n * H, D), window(k), window(v), n_sink, n_local)
+        key = (layer, tuple(live))
+        if key not in self.forms:
+            forms = [self.rows[b].moments.quadratic_form(layer, k) for b in live]
+            self.forms = {kk: f for kk, f in self.forms.items() if kk[1] == key[1]}  # rows that ended are gone
+            self.forms[key] = torch.cat([A for A, _ in forms]), torch.cat([b for _, b in forms])
+        threshold = torch.tensor([local_logit(self.rows[b].tau) + math.log(T - (self.start[b] if self.start else 0)
+                                                                             - n_local) for b in live], device=q.device)
+        labels = (log_local - gaussian_exponent(qs.reshape(n * H, D), self.forms[key])).view(n, H) >= threshold[:, None]
+        y_window = y_window.view(n, H, D)
+        for i, b in enumerate(live):
+            s = self.start[b] if self.start else 0
+            y[b, :, 0] = mixed_attention(qs[i], k[b, :, s:], v[b, :, s:], labels[i], n_sink, n_local, y_window[i])
+            self.rows[b].stats.record(layer, T - s, labels[i])
         return y
 
     def select(self, keep: list[int]) -> "BatchAttention":
         """The same attentions (statistics keep accumulating in them) for the rows `keep` only."""
         return BatchAttention([self.rows[b] for b in keep], None if self.start is None else [self.start[b] for b in keep],
-                              [self.done[b] for b in keep])
+                              [self.done[b] for b in keep], self.batched)
 
 
 def build_attention(method: str, cache, *, tau: float = 0.6, moments: str = "random-words",

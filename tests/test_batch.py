@@ -41,6 +41,41 @@ def test_batch_attention_gives_each_row_its_own_attention_on_its_own_part_of_the
         BatchAttention(atts, start=[0, 1])
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, dtype, tol):
+    """B prompts under QAdA, each with its own moments, tau and padding: the batched decision (one window pass and
+    one Gaussian term for every row) gives each row the labels and output of its own path, and a row that ended is
+    left out of it. The row-by-row path is not called on the batched route."""
+    from moments import FixedMoments
+    B, H, Hkv, T, D, L = 4, 6, 2, 400, 16, 2
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(B, H, 1, D, generator=g) * torch.linspace(0.5, 3.0, H)[:, None, None]).to(dtype)
+    k, v = torch.randn(B, Hkv, T, D, generator=g).to(dtype), torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    start, taus = [0, 50, 13, 200], [0.6, 0.3, 0.8, 0.5]
+
+    def attentions():
+        gm = torch.Generator().manual_seed(5)  # the same moments for both routes, different for every row
+        moments = [FixedMoments(torch.randn(L, Hkv, D, generator=gm) * 0.5, torch.eye(D).expand(L, Hkv, D, D) * 0.1 *
+                                torch.rand(L, Hkv, 1, 1, generator=gm), 100) for _ in range(B)]
+        return [SparseAttention("qada", tau, 4, 32, moments=m) for tau, m in zip(taus, moments)]
+
+    alone = BatchAttention(attentions(), start=start, batched=False)
+    rows = BatchAttention(attentions(), start=start)
+    want = [alone(q, k, v, layer) for layer in range(L)]
+    monkeypatch.setattr(SparseAttention, "__call__", lambda *a: pytest.fail("the row-by-row path ran"))
+    got = [rows(q, k, v, layer) for layer in range(L)]
+    for w, y in zip(want, got):
+        torch.testing.assert_close(y.float(), w.float(), rtol=0, atol=tol)
+    labels = torch.stack([a.stats.label_tensor() for a in rows.rows])  # (B, S, L, H)
+    assert torch.equal(labels, torch.stack([a.stats.label_tensor() for a in alone.rows]))
+    assert 0.1 < labels.float().mean() < 0.9 and len({float(m) for m in labels.float().mean((1, 2, 3))}) > 1
+    assert [a.stats.lengths for a in rows.rows] == [[T - s] for s in start]  # one decode step, each row's own T
+    rows.done[2] = True
+    y = rows(q, k, v, 0)
+    assert torch.equal(y[2], torch.zeros_like(y[2])) and len(rows.rows[2].stats.lengths) == 1
+    torch.testing.assert_close(y[3].float(), want[0][3].float(), rtol=0, atol=tol)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return load_model(str(make_tiny_dir(tmp_path_factory.mktemp("tiny_batch"))))
