@@ -375,7 +375,8 @@ class BatchAttention:
             raise ValueError(f"{len(self.rows)} rows but {len(self.start)} start positions")
         first = self.rows[0] if self.rows else None
         self.all_qada = self.batched and first is not None and all(
-            a.method == "qada" and isinstance(a.moments, FixedMoments) and not a.stats.track_oracle
+            isinstance(a, SparseAttention) and a.method == "qada" and isinstance(a.moments, FixedMoments)
+            and not a.stats.track_oracle
             and (a.n_sink, a.n_local) == (first.n_sink, first.n_local) for a in self.rows)
         self.forms = {}  # (layer, rows) -> the rows' quadratic forms stacked, (n Hkv, D, D) and (n Hkv, D)
 
