@@ -1,6 +1,6 @@
 """One-off measurement (issue 11): does torch.compile of the whole decode step pay on this CPU?
 
-    python bench_results/session5/compile_step.py --threads 2
+    python bench_results/compile_step.py --threads 2 > bench_results/compile_step.md
 
 The default model in bf16 on the shipped needle prompt; greedy decoding of 16 tokens, eager against
 torch.compile(model.forward, dynamic=True), for dense and for QAdA (tau 0.6, random-words moments). QAdA's step
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attention import build_attention  # noqa: E402
 from checkpoints import DEFAULT, load  # noqa: E402
 from moments import ReferenceKeys  # noqa: E402
@@ -25,7 +25,7 @@ from moments import ReferenceKeys  # noqa: E402
 def main(threads: int, tokens: int) -> None:
     torch.set_num_threads(threads)
     model, tok = load(DEFAULT, dtype=torch.bfloat16, progress=False)
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     ids = tok.encode_chat([{"role": "user", "content": (root / "examples/needle.txt").read_text()}])
     cache = model.new_cache(len(ids) + tokens)
     first = model.prefill(torch.tensor([ids]), cache).argmax(-1)  # (1,)
