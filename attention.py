@@ -220,6 +220,9 @@ PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qa
          "oracle_kv": oracle_kv, "qada_kv": qada_kv, "qada_kv_all": partial(qada_kv, rule="all")}
 # Paths that compute every score to find their labels: the KV-read fraction of those labels is implied, not saved.
 ANALYSIS_ONLY = ("oracle", "oracle_kv")
+# The QAdA paths BatchAttention can decide for a whole batch at once, and how their labels follow from the log masses:
+# per query head (None), or criterion.group_labels' rule per KV group. Any other path runs row by row.
+BATCHED_RULES = {"qada": None, "qada_kv": "mean", "qada_kv_all": "all"}
 
 
 def keyword_inputs(path) -> tuple[str, ...]:
@@ -360,9 +363,10 @@ class BatchAttention:
     so a row reads a KV head only when that row needs it. Rows marked `done` (their answer has ended) are skipped:
     their outputs are zeros and their cache is not read.
 
-    When every row is QAdA with fixed moments (B prompts under one method), the decision is taken for all rows at
-    once (qada_rows): one window pass and one Gaussian term for the batch instead of one per row, each row with its
-    own moments, tau and context length; each row's full heads are then read on its own. `batched=False` keeps the
+    When every row runs the same QAdA path (BATCHED_RULES) with fixed moments (B prompts under one method), the
+    decision is taken for all rows at once (qada_rows): one window pass and one Gaussian term for the batch instead
+    of one per row, each row with its own moments and context length (and tau, per query head); each row's full heads
+    are then read on its own. `batched=False` keeps the
     row-by-row path, which the tests hold the batched one to."""
     rows: list[SparseAttention]
     start: list[int] | None = None  # per row, the first filled position of the cache; None: every row from 0
@@ -374,10 +378,11 @@ class BatchAttention:
         if self.start is not None and len(self.start) != len(self.rows):
             raise ValueError(f"{len(self.rows)} rows but {len(self.start)} start positions")
         first = self.rows[0] if self.rows else None
-        self.all_qada = self.batched and first is not None and all(
-            isinstance(a, SparseAttention) and a.method == "qada" and isinstance(a.moments, FixedMoments)
-            and not a.stats.track_oracle
-            and (a.n_sink, a.n_local) == (first.n_sink, first.n_local) for a in self.rows)
+        # one method with fixed moments for every row (and one tau for a KV-group rule), nothing tracked
+        self.all_qada = self.batched and isinstance(first, SparseAttention) and first.method in BATCHED_RULES and all(
+            isinstance(a, SparseAttention) and a.method == first.method and isinstance(a.moments, FixedMoments)
+            and not a.stats.track_oracle and (a.n_sink, a.n_local) == (first.n_sink, first.n_local)
+            and (a.tau == first.tau or BATCHED_RULES[a.method] is None) for a in self.rows)
         self.forms = {}  # (layer, rows) -> the rows' quadratic forms stacked, (n Hkv, D, D) and (n Hkv, D)
 
     def __call__(self, q, k, v, layer: int) -> torch.Tensor:
@@ -395,10 +400,11 @@ class BatchAttention:
         return y
 
     def qada_rows(self, q, k, v, layer: int, live: list[int], y: torch.Tensor) -> torch.Tensor:
-        """QAdA (attention.qada) for the live rows, deciding for all of them at once. Each row's window (its own
-        sinks after its padding, the recent positions every row shares) is gathered into one (n Hkv, W, D) batch, a
-        copy of W = n_local positions per row, and goes through window_attention as a context that is all window;
-        the labels compare each row's log masses with its own threshold (Eq. 7 with log T_bulk on that side)."""
+        """A QAdA path (qada or its KV-group forms) for the live rows, deciding for all of them at once. Each row's
+        window (its own sinks after its padding, the recent positions every row shares) is gathered into one
+        (n Hkv, W, D) batch, a copy of W = n_local positions per row, and goes through window_attention as a context
+        that is all window; each row's log masses then give its labels as its path would (qada: Eq. 7 against the
+        row's own threshold, log T_bulk on that side; the group rules: criterion.group_labels)."""
         B, H, _, D = q.shape
         Hkv, T = k.shape[1], k.shape[2]
         first, n = self.rows[live[0]], len(live)
@@ -418,9 +424,15 @@ class BatchAttention:
             forms = [self.rows[b].moments.quadratic_form(layer, k) for b in live]
             self.forms = {kk: f for kk, f in self.forms.items() if kk[1] == key[1]}  # rows that ended are gone
             self.forms[key] = torch.cat([A for A, _ in forms]), torch.cat([b for _, b in forms])
-        threshold = torch.tensor([local_logit(self.rows[b].tau) + math.log(T - (self.start[b] if self.start else 0)
-                                                                             - n_local) for b in live], device=q.device)
-        labels = (log_local - gaussian_exponent(qs.reshape(n * H, D), self.forms[key])).view(n, H) >= threshold[:, None]
+        log_n_bulk = [math.log(T - (self.start[b] if self.start else 0) - n_local) for b in live]
+        exponent = gaussian_exponent(qs.reshape(n * H, D), self.forms[key]).view(n, H)
+        rule = BATCHED_RULES[first.method]
+        if rule is None:  # per query head, as qada_labels: each row's tau and log T_bulk on the threshold's side
+            threshold = torch.tensor([local_logit(self.rows[b].tau) + x for b, x in zip(live, log_n_bulk)], device=q.device)
+            labels = log_local.view(n, H) - exponent >= threshold[:, None]
+        else:  # per KV group, as qada_kv: the n rows' n Hkv groups in one call
+            log_bulk = exponent + torch.tensor(log_n_bulk, device=q.device)[:, None]
+            labels = group_labels(log_local, log_bulk.view(-1), first.tau, n * Hkv, rule).view(n, H)
         y_window = y_window.view(n, H, D)
         for i, b in enumerate(live):
             s = self.start[b] if self.start else 0

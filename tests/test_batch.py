@@ -41,23 +41,25 @@ def test_batch_attention_gives_each_row_its_own_attention_on_its_own_part_of_the
         BatchAttention(atts, start=[0, 1])
 
 
+@pytest.mark.parametrize("method", ["qada", "qada_kv", "qada_kv_all"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, dtype, tol):
-    """B prompts under QAdA, each with its own moments, tau and padding: the batched decision (one window pass and
-    one Gaussian term for every row) gives each row the labels and output of its own path, and a row that ended is
-    left out of it. The row-by-row path is not called on the batched route."""
+def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, method, dtype, tol):
+    """B prompts under a QAdA path, each with its own moments and padding (and tau, per query head): the batched
+    decision (one window pass and one Gaussian term for every row) gives each row the labels and output of its own
+    path, and a row that ended is left out of it. The row-by-row path is not called on the batched route."""
     from moments import FixedMoments
     B, H, Hkv, T, D, L = 4, 6, 2, 400, 16, 2
     g = torch.Generator().manual_seed(3)
     q = (torch.randn(B, H, 1, D, generator=g) * torch.linspace(0.5, 3.0, H)[:, None, None]).to(dtype)
     k, v = torch.randn(B, Hkv, T, D, generator=g).to(dtype), torch.randn(B, Hkv, T, D, generator=g).to(dtype)
-    start, taus = [0, 50, 13, 200], [0.6, 0.3, 0.8, 0.5]
+    start = [0, 50, 13, 200]
+    taus = [0.6, 0.3, 0.8, 0.5] if method == "qada" else [0.4] * B  # a group rule takes one tau for the batch
 
     def attentions():
         gm = torch.Generator().manual_seed(5)  # the same moments for both routes, different for every row
         moments = [FixedMoments(torch.randn(L, Hkv, D, generator=gm) * 0.5, torch.eye(D).expand(L, Hkv, D, D) * 0.1 *
                                 torch.rand(L, Hkv, 1, 1, generator=gm), 100) for _ in range(B)]
-        return [SparseAttention("qada", tau, 4, 32, moments=m) for tau, m in zip(taus, moments)]
+        return [SparseAttention(method, tau, 4, 32, moments=m) for tau, m in zip(taus, moments)]
 
     alone = BatchAttention(attentions(), start=start, batched=False)
     rows = BatchAttention(attentions(), start=start)
