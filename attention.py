@@ -393,13 +393,13 @@ class BatchAttention:
         live = [b for b in range(len(self.rows)) if not self.done[b]]
         start = self.start or [0] * len(self.rows)
         if self.all_qada and live and all(k.shape[2] - start[b] > self.rows[b].n_local for b in live):
-            return self.qada_rows(q, k, v, layer, live, y)
+            return self.qada_rows(q, k, v, layer, live, start, y)
         for b in live:
             s = start[b]
             y[b:b + 1] = self.rows[b](q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], layer)  # views, no copy
         return y
 
-    def qada_rows(self, q, k, v, layer: int, live: list[int], y: torch.Tensor) -> torch.Tensor:
+    def qada_rows(self, q, k, v, layer: int, live: list[int], start: list[int], y: torch.Tensor) -> torch.Tensor:
         """A QAdA path (qada or its KV-group forms) for the live rows, deciding for all of them at once. Each row's
         window (its own sinks after its padding, the recent positions every row shares) is gathered into one
         (n Hkv, W, D) batch, a copy of W = n_local positions per row, and goes through window_attention as a context
@@ -410,8 +410,8 @@ class BatchAttention:
         first, n = self.rows[live[0]], len(live)
         n_sink, n_local = first.n_sink, first.n_local
         rows = torch.tensor(live, device=q.device)
-        start = torch.tensor([self.start[b] if self.start else 0 for b in live], device=q.device)
-        sinks = start[:, None] + torch.arange(n_sink, device=q.device)  # (n, n_sink)
+        first_pos = torch.tensor([start[b] for b in live], device=q.device)
+        sinks = first_pos[:, None] + torch.arange(n_sink, device=q.device)  # (n, n_sink)
         recent = slice(T - (n_local - n_sink), T)
 
         def window(x):  # (B, Hkv, T, D) -> (n Hkv, W, D): each live row's sinks, then the recent positions
@@ -424,7 +424,7 @@ class BatchAttention:
             forms = [self.rows[b].moments.quadratic_form(layer, k) for b in live]
             self.forms = {kk: f for kk, f in self.forms.items() if kk[1] == key[1]}  # rows that ended are gone
             self.forms[key] = torch.cat([A for A, _ in forms]), torch.cat([b for _, b in forms])
-        log_n_bulk = [math.log(T - (self.start[b] if self.start else 0) - n_local) for b in live]
+        log_n_bulk = [math.log(T - start[b] - n_local) for b in live]
         exponent = gaussian_exponent(qs.reshape(n * H, D), self.forms[key]).view(n, H)
         rule = BATCHED_RULES[first.method]
         if rule is None:  # per query head, as qada_labels: each row's tau and log T_bulk on the threshold's side
@@ -435,7 +435,7 @@ class BatchAttention:
             labels = group_labels(log_local, log_bulk.view(-1), first.tau, n * Hkv, rule).view(n, H)
         y_window = y_window.view(n, H, D)
         for i, b in enumerate(live):
-            s = self.start[b] if self.start else 0
+            s = start[b]
             y[b, :, 0] = mixed_attention(qs[i], k[b, :, s:], v[b, :, s:], labels[i], n_sink, n_local, y_window[i])
             self.rows[b].stats.record(layer, T - s, labels[i])
         return y
