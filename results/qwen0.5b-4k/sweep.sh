@@ -1,0 +1,15 @@
+#!/bin/bash
+# Issue #10's second length: 4k on the research model (Qwen2.5-Coder-0.5B, bf16), 15 samples per task, the 8k grid
+# without issue 12's KV-group paths (asked at 8k only). Two ranks of one thread each; rerun to resume.
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2
+exec torchrun --nproc-per-node 2 eval.py --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
+  --tasks niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
+  --length 4096 --samples 15 --stop eos --batch 36 \
+  --methods dense,local,random,static,static_oracle,oracle,qada_rw,qada_prompt \
+  --sparsities 0.5,0.6,0.7,0.8,0.85,0.9,0.95 \
+  --grid oracle=0.8,0.7,0.6,0.4,0.2,0.1,0.05,0.02,0.005 \
+  --grid qada_rw=0.8,0.7,0.6,0.4,0.2,0.1,0.05,0.02,0.005 \
+  --grid qada_prompt=0.6,0.2,0.1,0.05,0.01 \
+  --track qada_rw,qada_prompt --calib-samples 2 \
+  --ablations '' --ctxfree-samples 0 --no-report --out results/qwen0.5b-4k
