@@ -5,7 +5,8 @@
 Reads OUT/samples*.jsonl (complete or partial, every shard) and writes into OUT:
     summary.csv       task x config: n, score (x100), sparsity, KV-read fraction, answer tokens, decode time
     summary.md        the same as pivot tables, with the dense score and the local-window floor per task
-    analysis.md       lossless sparsity and KV read with paired-bootstrap intervals, the KV-group rules against
+    analysis.md       lossless sparsity and KV read with paired-bootstrap intervals, score / dense per configuration
+                      with its interval, the KV-group rules against
                       per-head QAdA (issue 12), the paper's claims against ours with intervals, QAdA against the
                       oracle per layer,
                       agreement with the oracle by head decile and recall of long-context heads (App. C),
@@ -30,7 +31,7 @@ import numpy as np
 from plots import plots
 from records import (ABLATIONS, MAIN_TAU, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
                      lossless_table, mean, mean_draws, method_configs, read_records, recall_rows, run_recall,
-                     static_oracle_freq, summary_rows)
+                     score_points, static_oracle_freq, summary_rows)
 from tasks import CTXFREE, TASKS as TASK_ORDER
 
 
@@ -126,6 +127,21 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
                   "| method | lossless KV read | against | its lossless KV read | difference | 95 % interval | samples |",
                   "|---|---:|---|---:|---:|---|---:|"]
         lines += diffs
+    return lines
+
+
+def score_table(rows, tasks) -> list[str]:
+    """Every measured configuration as a point of Fig. 4: the mean over tasks of score / dense on the samples it and
+    dense both finished, with a paired-bootstrap 95 % interval (1,000 draws of the samples within each task), and
+    its head sparsity and KV read on those samples. Where samples are few, these intervals are the ones to quote."""
+    configs = sorted({r["config"] for r in rows if r["task"] in tasks and r["method"] not in ("dense", *ABLATIONS)},
+                     key=config_sort_key)
+    lines = ["| config | head sparsity | KV read | score / dense | 95 % interval | samples |", "|---|---:|---:|---:|---|---:|"]
+    for c in configs:
+        p = score_points(rows, tasks, c)
+        if p:
+            lines.append(f"| {c} | {fmt(p['sparsity'], 1, 2)} | {fmt(p['kv_read'], 1, 2)} | {p['norm']:.2f} | "
+                         f"[{p['lo']:.2f}, {p['hi']:.2f}] | {p['n']} |")
     return lines
 
 
@@ -305,6 +321,8 @@ def write_analysis(out: Path, rows, tasks, cur):
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
     lines = [f"# Analysis of {out.name}", ""] + write_lossless(out, rows, tasks) + [""]
+    lines += ["## Score / dense per configuration, paired bootstrap 95 % interval", "",
+              score_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + score_table(rows, tasks) + [""]
     lines += ["## The paper's claims against ours", "", claims_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""]
     lines += claims_table(rows, tasks) + [""]
     for m in ("qada_rw", "qada_prompt"):  # random-words moments, then the prompt's own (fixed) where tracked
