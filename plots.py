@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from records import ABLATIONS, LOSSLESS, MAIN_TAU, config_sort_key, curves, group, is_tau, label, mean, score_points
+from records import ABLATIONS, LOSSLESS, MAIN_TAU, config_sort_key, curves, group, is_tau, label, mean
 from tasks import CTXFREE
 
 # Each configuration of records.ORDER in its colour and marker; any other method gets a colour picked by its name.
@@ -26,14 +26,12 @@ def color(method: str) -> str:
     return COLOR.get(method) or spare[sum(map(ord, method)) % len(spare)]
 
 
-def figure_scores(out: Path, rows, tasks, methods):
+def figure_scores(out: Path, tasks, methods, points):
     """Fig. 4 with intervals: normalised score (95 % paired-bootstrap interval) against head sparsity and against
     the fraction of KV entries read, a marker per measured configuration; and, when the KV-group paths ran, the
     same for them beside their per-query-head counterparts (figKV)."""
     import matplotlib.pyplot as plt
-    configs = {m: sorted({r["config"] for r in rows if r["method"] == m and r["task"] in tasks}, key=config_sort_key)
-               for m in methods}
-    points = {c: score_points(rows, tasks, c) for cs in configs.values() for c in cs}
+    configs = {m: [c for c in points if c.split("@")[0] == m] for m in methods}  # points come in config order
 
     def panel(ax, ms, x):
         for m in ms:
@@ -69,7 +67,7 @@ def figure_scores(out: Path, rows, tasks, methods):
         plt.close(fig)
 
 
-def plots(out: Path, rows, tasks, cur, rr):
+def plots(out: Path, rows, tasks, cur, rr, points):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -77,7 +75,7 @@ def plots(out: Path, rows, tasks, cur, rr):
     task_rows = [r for r in rows if r["task"] in tasks]
     methods = sorted({c.split("@")[0] for c in cur} - set(ABLATIONS), key=config_sort_key)
 
-    figure_scores(out, rows, tasks, methods)
+    figure_scores(out, tasks, methods, points)
 
     # Fig. 6b: sparsity vs tau with spread across tasks; Fig. 6c: per task + context-independent
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -249,6 +249,13 @@ def score_points(rows, tasks, config: str, n_boot: int = 1000, seed: int = 0) ->
             "n": sum(len(i) for i, _ in scores.values())}
 
 
+def measured_points(rows, tasks) -> dict[str, dict]:
+    """score_points for every configuration the tasks ran (dense included, the ablations left out), in config order:
+    computed once per report, read by analysis.md's table and by Fig. 4."""
+    configs = sorted({r["config"] for r in rows if r["task"] in tasks and r["method"] not in ABLATIONS}, key=config_sort_key)
+    return {c: p for c in configs if (p := score_points(rows, tasks, c))}
+
+
 def mean_draws(values: dict[str, list[float]], n_boot: int = 2000, seed: int = 0) -> tuple[float, np.ndarray]:
     """The mean over tasks of each task's mean value, and its bootstrap draws (values resampled within each task)."""
     vals = {t: np.array(v, dtype=float) for t, v in values.items() if v}

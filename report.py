@@ -30,8 +30,8 @@ import numpy as np
 
 from plots import plots
 from records import (ABLATIONS, MAIN_TAU, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
-                     lossless_table, mean, mean_draws, method_configs, read_records, recall_rows, run_recall,
-                     score_points, static_oracle_freq, summary_rows)
+                     lossless_table, mean, mean_draws, measured_points, method_configs, read_records, recall_rows,
+                     run_recall, static_oracle_freq, summary_rows)
 from tasks import CTXFREE, TASKS as TASK_ORDER
 
 
@@ -130,16 +130,13 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
     return lines
 
 
-def score_table(rows, tasks) -> list[str]:
+def score_table(points: dict[str, dict]) -> list[str]:
     """Every measured configuration as a point of Fig. 4: the mean over tasks of score / dense on the samples it and
     dense both finished, with a paired-bootstrap 95 % interval (1,000 draws of the samples within each task), and
     its head sparsity and KV read on those samples. Where samples are few, these intervals are the ones to quote."""
-    configs = sorted({r["config"] for r in rows if r["task"] in tasks and r["method"] not in ("dense", *ABLATIONS)},
-                     key=config_sort_key)
     lines = ["| config | head sparsity | KV read | score / dense | 95 % interval | samples |", "|---|---:|---:|---:|---|---:|"]
-    for c in configs:
-        p = score_points(rows, tasks, c)
-        if p:
+    for c, p in points.items():
+        if c != "dense":  # the reference: 1 by construction
             lines.append(f"| {c} | {fmt(p['sparsity'], 1, 2)} | {fmt(p['kv_read'], 1, 2)} | {p['norm']:.2f} | "
                          f"[{p['lo']:.2f}, {p['hi']:.2f}] | {p['n']} |")
     return lines
@@ -317,12 +314,12 @@ def log_error_table(rows, oracle_freq_rank) -> list[str]:
     return lines
 
 
-def write_analysis(out: Path, rows, tasks, cur):
+def write_analysis(out: Path, rows, tasks, cur, points):
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
     lines = [f"# Analysis of {out.name}", ""] + write_lossless(out, rows, tasks) + [""]
     lines += ["## Score / dense per configuration, paired bootstrap 95 % interval", "",
-              score_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + score_table(rows, tasks) + [""]
+              score_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + score_table(points) + [""]
     lines += ["## The paper's claims against ours", "", claims_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""]
     lines += claims_table(rows, tasks) + [""]
     for m in ("qada_rw", "qada_prompt"):  # random-words moments, then the prompt's own (fixed) where tracked
@@ -413,8 +410,9 @@ def report(out: str | Path, tasks: list[str] | None = None) -> None:
         tasks = json.loads(meta.read_text())["settings"]["tasks"] if meta.is_file() else sorted({r["task"] for r in rows} - {CTXFREE})
         tasks = [t for t in tasks if any(r["task"] == t for r in rows)]
     cur = write_summary(out, rows, tasks)
-    rr = write_analysis(out, rows, tasks, cur)
-    plots(out, rows, tasks, cur, rr)
+    points = measured_points(rows, tasks)  # the bootstrap behind both the table and Fig. 4
+    rr = write_analysis(out, rows, tasks, cur, points)
+    plots(out, rows, tasks, cur, rr, points)
     print(f"tables and plots written to {out}")
 
 

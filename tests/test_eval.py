@@ -392,7 +392,7 @@ def test_score_points_carry_a_paired_interval():
     same = records.score_points([dict(r, score=1.0) for r in rows if r["index"] < 4], ["a", "b"], "qada_rw@0.6", n_boot=50)
     assert same["lo"] == same["norm"] == same["hi"] == 1.0
     # analysis.md's table lists that point (and no row for dense, the reference) with the same interval
-    table = report.score_table(rows, ["a", "b"])
+    table = report.score_table(records.measured_points(rows, ["a", "b"]))
     assert table[2:] == ["| qada_rw@0.6 | 0.70 | 0.30 | 0.88 | [0.62, 1.00] | 8 |"]
 
 
