@@ -1,25 +1,29 @@
 """Decode-time attention paths: dense, local, oracle, static and QAdA (paper sections 2-3, Listing 1), and QAdA and
-the oracle decided per KV group (ours: criterion.group_labels).
+the oracle decided per KV group (ours: criterion.local_labels' group rules).
 
-A path is one function `path(q, k, v, **inputs) -> (y, labels)` for one layer and one decoded token of
-batch size 1: q (H, D) is the rotated query, k and v (Hkv, T, D) are the layer's filled KV cache, y (H, D)
-is the attention output and labels (H,) bool say which heads attended to their local window only
-(True = local). The keyword-only parameters name what else the path reads, from this list:
+A path is one function `path(q, k, v, **inputs) -> (y, labels)` for one layer and one decoded token of one row:
+q (H, D) is the rotated query, k and v (Hkv, T, D) are the layer's filled KV cache, y (H, D) is the attention
+output and labels (H,) bool say which heads attended to their local window only (True = local). Its keyword-only
+parameters without a default name what else it reads; the ones used here:
 
     layer          the layer index
     n_sink         sink tokens at the start of the window
-    n_local        window size T_local, sinks included
+    n_local        the window's size, the paper's T_local, sinks included
     tau            the local-share threshold of Eq. 2 / Eq. 7
     moments        moments.KeyMoments: the bulk keys' Gaussian (qada)
     static_local   (L, H) bool labels fixed for every query (static)
 
-`PATHS` lists the paths, and is the only list: the CLI, eval.py and report.py take their names from it,
-and a new path is one function plus one entry here. `SparseAttention` is what the model calls for each
-decode step; `build_attention` makes one for a prefilled prompt; `BatchAttention` runs one per row of a batch.
+A new path may read a new input: it is one more keyword, which DecodeAttention passes through by name (the CLIs
+set it with `--set NAME=VALUE`). A keyword with a default is a setting its PATHS entry fixes (functools.partial).
 
-The savings are real: `mixed_attention` computes the window attention for every head (it is tiny), and full
-attention only for the long-context heads, reading a KV head's full cache only when at least one query head
-of its group needs it. `reference_attention` is the explicit fp32 computation the tests hold it against.
+`PATHS` is the one list of methods: the CLI and the research harness take their names from it, and a new method is
+one function plus one entry. `DecodeAttention` is what the model calls at each decode step, `build_attention` makes
+one for a prefilled prompt, and `BatchAttention` runs one per row of a batch.
+
+Reading order: `qada` below (Listing 1) -> criterion.qada_labels (Eq. 7) -> moments (Eq. 6's inputs) ->
+`mixed_attention` (what is read). The kernels come last: `window_attention` (the window's output and log mass),
+`mixed_attention` (full attention only for the KV heads some query head needs: the saving is real),
+`reference_attention` (the explicit fp32 computation the tests hold the others against).
 """
 
 import inspect
@@ -30,9 +34,312 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from criterion import (check_tau, gaussian_exponent, gaussian_log_bulk, gaussian_log_mass, group_labels, local_logit,
-                       oracle_labels, oracle_log_masses, qada_labels, window_mask, window_slices)
+from criterion import (TAU, check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels, window_mask,
+                       window_slices)
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
+
+# ---------------------------------------------------------------------------------------------------------
+# The paths
+
+
+def dense(q, k, v):
+    """Every head reads the whole cache; each KV head once for its G query heads (the best dense we have)."""
+    H, D = q.shape
+    y = full_attention(q.view(k.shape[0], -1, D), k, v)  # (Hkv, G, D)
+    return y.view(H, D), torch.zeros(H, dtype=torch.bool, device=q.device)
+
+
+def local(q, k, v, *, n_sink, n_local):
+    """Every head on its window: the floor every method is measured against."""
+    y, _ = window_attention(q, k, v, n_sink, n_local)
+    return y, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+
+
+def oracle(q, k, v, *, n_sink, n_local, tau, rule=None):
+    """Eq. 2 needs every score, so this path reads the whole cache and saves nothing: it is for analysis.
+    With a `rule`, one decision per KV group from the true shares (criterion.local_labels)."""
+    labels = oracle_labels(all_scores(q, k), n_sink, n_local, tau, k.shape[0], rule)
+    return reference_attention(q, k, v, labels, n_sink, n_local).to(q.dtype), labels
+
+
+def static(q, k, v, *, layer, n_sink, n_local, static_local):
+    """A fixed set of (layer, head) pairs is local for every query (paper appendix A)."""
+    labels = static_local[layer].to(q.device)
+    return mixed_attention(q, k, v, labels, n_sink, n_local), labels
+
+
+def qada(q, k, v, *, layer, n_sink, n_local, tau, moments, rule=None):
+    """Listing 1: the window's scores, the Gaussian estimate of the bulk (Eq. 7), then full attention for the
+    long-context heads only. With a `rule`, one decision per KV group (ours): a group labelled long-context reads
+    its KV head once for all G query heads, a local group reads its window only."""
+    y_window, log_local = window_attention(q, k, v, n_sink, n_local)
+    T = k.shape[1]
+    if T <= n_local:  # no bulk: the window is the whole context, every head is exact and local
+        return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    form = moments.quadratic_form(layer, k)  # Eq. 6's (A, b): q A q^T + q b = mu_s + sigma_s^2 / 2
+    labels = qada_labels(q, log_local, form, T - n_local, tau, rule)
+    return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
+
+
+PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada,
+         "oracle_kv": partial(oracle, rule="mean"), "qada_kv": partial(qada, rule="mean"),
+         "qada_kv_all": partial(qada, rule="all")}
+# Paths that compute every score to find their labels: the KV-read fraction of those labels is implied, not saved.
+ANALYSIS_ONLY = ("oracle", "oracle_kv")
+
+
+def path_inputs(method: str) -> tuple[str, ...]:
+    """What the path registered as `method` reads: its keyword-only parameters without a default."""
+    if method not in PATHS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(PATHS)}")
+    return tuple(p.name for p in inspect.signature(PATHS[method]).parameters.values()
+                 if p.kind == p.KEYWORD_ONLY and p.default is p.empty)
+
+
+def qada_rule(method: str) -> tuple[bool, str | None]:
+    """Whether the path registered as `method` is `qada`, and the KV-group rule its entry fixes (None: per head).
+    BatchAttention decides for a whole batch of such rows at once."""
+    path = PATHS[method]
+    fixed = path.keywords if isinstance(path, partial) else {}
+    return getattr(path, "func", path) is qada, fixed.get("rule")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the model calls at each decode step
+
+
+@dataclass
+class DecodeAttention:
+    """The decode-time attention of path `method` for every layer of one row, with what the path reads."""
+    method: str = "qada"
+    n_sink: int = 16
+    n_local: int = 128  # the window's size T_local, sinks included
+    inputs: dict = field(default_factory=dict)  # what else the path reads, by keyword: tau, moments, static_local, ...
+    stats: "HeadStats | None" = None
+    exact: OnlineMoments | None = None  # analysis: the current bulk's own moments, kept by Welford's update (oracle_view)
+
+    def __post_init__(self):
+        if not 0 <= self.n_sink < self.n_local:
+            raise ValueError(f"need 0 <= n_sink < n_local, got n_sink={self.n_sink}, n_local={self.n_local}")
+        reads = path_inputs(self.method)
+        given = dict(self.inputs, n_sink=self.n_sink, n_local=self.n_local)
+        missing = [name for name in reads if name != "layer" and given.get(name) is None]
+        if missing:
+            raise ValueError(f"the {self.method} path reads {', '.join(missing)}; give "
+                             + ", ".join(f"--set {m}=VALUE" for m in missing) + " (or build_attention's keywords)")
+        self.with_layer = "layer" in reads
+        self.inputs = {name: given[name] for name in reads if name != "layer"}  # exactly what the path reads
+        if "tau" in self.inputs:
+            check_tau(self.inputs["tau"])
+        if self.stats is None:
+            self.stats = HeadStats(self.n_local)
+
+    @property
+    def tau(self) -> float | None:
+        return self.inputs.get("tau")
+
+    @property
+    def moments(self) -> KeyMoments | None:
+        return self.inputs.get("moments")
+
+    def __call__(self, q, k, v, layer: int) -> torch.Tensor:
+        """q (1, H, 1, D), k/v (1, Hkv, T, D) -> (1, H, 1, D)."""
+        if q.shape[0] != 1:
+            raise ValueError("DecodeAttention decodes one row; BatchAttention runs one per row of a batch")
+        _, H, _, D = q.shape
+        q1, k1, v1 = q.view(H, D), k.squeeze(0), v.squeeze(0)
+        y, labels = PATHS[self.method](q1, k1, v1, **self.inputs, **({"layer": layer} if self.with_layer else {}))
+        oracle_local = log_masses = None
+        if self.stats.track_oracle:  # analysis: every score, the true masses beside the Gaussian estimate
+            oracle_local, log_masses = self.oracle_view(q1, k1, layer)
+        self.stats.record(layer, k1.shape[1], labels, oracle_local, log_masses)
+        return y.view(1, H, 1, D)
+
+    def oracle_view(self, q, k, layer: int):
+        """The oracle's labels (at the path's tau, else criterion.TAU) and the log masses (4, H): local, true bulk,
+        the Gaussian estimate of the bulk from the path's moments, and from the exact moments of this step's bulk
+        keys (which separates error in the moments from error in the Gaussian shape)."""
+        scores = all_scores(q, k)
+        log_local, log_bulk = oracle_log_masses(scores, self.n_sink, self.n_local)
+        labels = oracle_labels(scores, self.n_sink, self.n_local, self.tau or TAU)
+        T = k.shape[1]
+        log_gauss = log_exact = torch.full_like(log_local, math.nan)
+        if T > self.n_local:
+            # The same moments either way; the update costs O(d^2) per step where the direct form costs O(T d^2)
+            exact = (self.exact.mean_cov(layer, k) if self.exact is not None
+                     else mean_cov(k[:, self.n_sink:bulk_end(T, self.n_sink, self.n_local)]))  # bulk (Hkv, T - n_local, D)
+            log_exact = gaussian_log_bulk(q, *exact, T - self.n_local)
+            if self.moments is not None:
+                log_gauss = gaussian_log_bulk(q, *self.moments.mean_cov(layer, k), T - self.n_local)
+        return labels, torch.stack([log_local, log_bulk, log_gauss, log_exact])
+
+
+@dataclass
+class BatchAttention:
+    """Decode-time attention for B rows side by side: B prompts in a stacked cache (model.KVCache.stack), or one
+    prompt under B configurations (lab/sweep.py). Row b attends with rows[b], its own DecodeAttention (path, labels,
+    statistics), on its own query and the filled part of its own cache, from start[b] on (after the left padding),
+    so a row reads a KV head only when that row needs it. Rows marked `done` (their answer has ended) are skipped:
+    their outputs are zeros and their cache is not read.
+
+    When every row runs the same `qada` path (qada_rule) with fixed moments, the decision is taken for all rows at
+    once (qada_rows): one window pass and one Gaussian term for the batch instead of one per row, each row with its
+    own moments, context length and tau; each row's full heads are then read on its own. `batched=False` keeps the
+    row-by-row path, which the tests hold the batched one to."""
+    rows: list[DecodeAttention]
+    start: list[int] | None = None  # per row, the first filled position of the cache; None: every row from 0
+    done: list[bool] = field(default_factory=list)
+    batched: bool = True
+
+    def __post_init__(self):
+        self.done = self.done or [False] * len(self.rows)
+        if self.start is not None and len(self.start) != len(self.rows):
+            raise ValueError(f"{len(self.rows)} rows but {len(self.start)} start positions")
+        first = self.rows[0] if self.rows else None
+        # one qada path with fixed moments for every row, one window, nothing tracked
+        self.all_qada = self.batched and isinstance(first, DecodeAttention) and qada_rule(first.method)[0] and all(
+            isinstance(a, DecodeAttention) and a.method == first.method and isinstance(a.moments, FixedMoments)
+            and not a.stats.track_oracle
+            and (a.n_sink, a.n_local) == (first.n_sink, first.n_local) for a in self.rows)
+        self.cached = {}  # (layer, live rows) -> their quadratic forms stacked, taus and first positions
+
+    def __call__(self, q, k, v, layer: int) -> torch.Tensor:
+        """q (B, H, 1, D), k/v (B, Hkv, T, D) -> (B, H, 1, D)."""
+        if q.shape[0] != len(self.rows):
+            raise ValueError(f"a batch of {q.shape[0]} rows for {len(self.rows)} attentions")
+        y = torch.zeros_like(q)
+        live = [b for b in range(len(self.rows)) if not self.done[b]]
+        start = self.start or [0] * len(self.rows)
+        if self.all_qada and live and all(k.shape[2] - start[b] > self.rows[b].n_local for b in live):
+            return self.qada_rows(q, k, v, layer, live, start, y)
+        for b in live:
+            s = start[b]
+            y[b:b + 1] = self.rows[b](q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], layer)  # views, no copy
+        return y
+
+    def qada_rows(self, q, k, v, layer: int, live: list[int], start: list[int], y: torch.Tensor) -> torch.Tensor:
+        """The live rows' `qada` path, deciding for all of them at once. Each row's window (its own sinks after its
+        padding, the recent positions every row shares) is gathered into one (n Hkv, W, D) batch, a copy of
+        W = n_local positions per row, and goes through window_attention as a context that is all window; then
+        criterion.qada_labels decides for the n rows together, each with its own moments, T_bulk and tau."""
+        B, H, _, D = q.shape
+        T = k.shape[2]
+        first, n = self.rows[live[0]], len(live)
+        n_sink, n_local = first.n_sink, first.n_local
+        key = (layer, tuple(live))
+        if key not in self.cached:
+            forms = [self.rows[b].moments.quadratic_form(layer, k) for b in live]
+            self.cached = {kk: c for kk, c in self.cached.items() if kk[1] == key[1]}  # rows that ended are gone
+            self.cached[key] = (torch.stack([A for A, _ in forms]), torch.stack([b for _, b in forms]),  # (n, Hkv, ...)
+                                torch.tensor([[self.rows[b].tau] for b in live], dtype=torch.float64, device=q.device),
+                                torch.tensor([start[b] for b in live], device=q.device))  # (n,)
+        A, b_, tau, first_pos = self.cached[key]
+        rows = torch.tensor(live, device=q.device)
+        sinks = first_pos[:, None] + torch.arange(n_sink, device=q.device)  # (n, n_sink)
+        recent = slice(T - (n_local - n_sink), T)
+
+        def window(x):  # (B, Hkv, T, D) -> (n Hkv, W, D): each live row's sinks, then the recent positions
+            return torch.cat([x[rows[:, None], :, sinks].transpose(1, 2), x[rows, :, recent]], 2).view(-1, n_local, D)
+
+        qs = q[rows, :, 0]  # (n, H, D)
+        y_window, log_local = window_attention(qs.reshape(n * H, D), window(k), window(v), n_sink, n_local)
+        n_bulk = (T - n_local - first_pos[:, None]).float()  # (n, 1): each row's T_bulk
+        labels = qada_labels(qs, log_local.view(n, H), (A, b_), n_bulk, tau, qada_rule(first.method)[1])  # (n, H)
+        y_window = y_window.view(n, H, D)
+        for i, b in enumerate(live):
+            s = start[b]
+            y[b, :, 0] = mixed_attention(qs[i], k[b, :, s:], v[b, :, s:], labels[i], n_sink, n_local, y_window[i])
+            self.rows[b].stats.record(layer, T - s, labels[i])
+        return y
+
+    def select(self, keep: list[int]) -> "BatchAttention":
+        """The same attentions (statistics keep accumulating in them) for the rows `keep` only."""
+        return BatchAttention([self.rows[b] for b in keep], None if self.start is None else [self.start[b] for b in keep],
+                              [self.done[b] for b in keep], self.batched)
+
+
+def build_attention(method: str, cache, *, n_sink: int = 16, n_local: int = 128, moments_source: str = "random-words",
+                    reference: ReferenceKeys | None = None, track_oracle: bool = False, **inputs) -> DecodeAttention:
+    """The decode-time attention of `method` for the prompt prefilled in `cache` (row 0). `inputs` are what the path
+    reads by keyword (tau, static_local, a new path's own); what it does not read is dropped. A path that reads
+    `moments` gets them from `moments_source` (moments.SOURCES; Option 2 reads `reference`, the reference prompt's
+    keys) unless `inputs` hands it a KeyMoments. `track_oracle` records the oracle's labels and masses beside."""
+    reads = path_inputs(method)
+    if "moments" in reads and "moments" not in inputs:
+        inputs["moments"] = make_moments(moments_source, cache, reference, n_sink, n_local)
+    exact = OnlineMoments(cache, n_sink, n_local) if track_oracle else None
+    return DecodeAttention(method, n_sink, n_local, {k: v for k, v in inputs.items() if k in reads},
+                           HeadStats(n_local, track_oracle), exact)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+@dataclass
+class HeadStats:
+    """Labels of every (decode step, layer, query head), and on request the oracle's beside them."""
+    n_local: int = 128
+    track_oracle: bool = False
+    labels: list = field(default_factory=list)  # per step: list over layers of (H,) bool
+    oracle: list = field(default_factory=list)
+    log_masses: list = field(default_factory=list)  # per step: list over layers of (4, H): oracle_view's
+    lengths: list = field(default_factory=list)  # T per step
+
+    def record(self, layer: int, T: int, labels, oracle_labels=None, log_masses=None):
+        if layer == 0:
+            self.labels.append([]), self.oracle.append([]), self.log_masses.append([]), self.lengths.append(T)
+        self.labels[-1].append(labels)
+        if oracle_labels is not None:
+            self.oracle[-1].append(oracle_labels)
+            self.log_masses[-1].append(log_masses)
+
+    def label_tensor(self) -> torch.Tensor:
+        """(S, L, H) bool on the CPU."""
+        return torch.stack([torch.stack(step) for step in self.labels]).cpu()
+
+    def oracle_tensor(self) -> torch.Tensor:
+        return torch.stack([torch.stack(step) for step in self.oracle]).cpu()
+
+    def summary(self, n_kv_heads: int) -> dict:
+        return summarize(self.label_tensor(), torch.tensor(self.lengths), n_kv_heads, self.n_local,
+                         self.oracle_tensor() if self.track_oracle and self.oracle else None)
+
+
+def kv_read_fraction(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int) -> float:
+    """Fraction of KV entries read: a KV head reads its whole cache (T) unless every query head of its
+    group is local, then only min(T, n_local). labels (S, L, H) bool, lengths (S,)."""
+    S, L, H = labels.shape
+    group_local = labels.view(S, L, n_kv_heads, H // n_kv_heads).all(-1)  # (S, L, Hkv)
+    T = lengths.double()[:, None, None]
+    read = torch.where(group_local, T.clamp(max=n_local), T)
+    return float(read.sum() / (T * torch.ones_like(read)).sum())
+
+
+def summarize(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int,
+              oracle: torch.Tensor | None = None) -> dict:
+    """Query-head sparsity, KV-read fraction and per-layer sparsity; agreement counts with the oracle if given."""
+    if labels.numel() == 0:
+        return {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
+    out = {"steps": labels.shape[0], "sparsity": float(labels.double().mean()),
+           "kv_read": kv_read_fraction(labels, lengths, n_kv_heads, n_local),
+           "layer_sparsity": labels.float().mean((0, 2)).tolist()}
+    if oracle is not None:  # positive = local, as in the paper's appendix C
+        out["agreement"] = {"TP": int((labels & oracle).sum()), "FP": int((labels & ~oracle).sum()),
+                            "TN": int((~labels & ~oracle).sum()), "FN": int((~labels & oracle).sum())}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The kernels: plain torch, the readable reference (tuned for the CPU: see the notes on thread splits)
+
+
+def all_scores(q, k):
+    """Every score s = q K^T / sqrt(d) in fp32, (H, T): what the oracle (analysis only) needs. A group's query
+    heads share one product with their KV head (no per-head copy of the keys)."""
+    Hkv, T, D = k.shape
+    qg = q.float().view(Hkv, -1, D)  # (Hkv, G, D)
+    return torch.bmm(qg, k.float().transpose(1, 2)).view(-1, T) / math.sqrt(D)
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
@@ -147,313 +454,3 @@ def reference_attention(q, k, v, labels, n_sink, n_local):
     keep = in_window[None, :] | ~labels[:, None]  # (H, T)
     weights = all_scores(q, k).masked_fill(~keep, -math.inf).softmax(-1)  # (H, T)
     return torch.bmm(weights.view(Hkv, H // Hkv, T), v.float()).view(H, D)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The paths
-
-
-def all_scores(q, k):
-    """Every score s = q K^T / sqrt(d) in fp32, (H, T): what the oracle (analysis only) needs. A group's query
-    heads share one product with their KV head (no per-head copy of the keys)."""
-    Hkv, T, D = k.shape
-    qg = q.float().view(Hkv, -1, D)  # (Hkv, G, D)
-    return torch.bmm(qg, k.float().transpose(1, 2)).view(-1, T) / math.sqrt(D)
-
-
-def dense(q, k, v):
-    """Every head reads the whole cache; each KV head once for its G query heads (the best dense we have)."""
-    H, D = q.shape
-    y = full_attention(q.view(k.shape[0], -1, D), k, v)  # (Hkv, G, D)
-    return y.view(H, D), torch.zeros(H, dtype=torch.bool, device=q.device)
-
-
-def local(q, k, v, *, n_sink, n_local):
-    """Every head on its window: the floor every method is measured against."""
-    y, _ = window_attention(q, k, v, n_sink, n_local)
-    return y, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-
-
-def oracle(q, k, v, *, n_sink, n_local, tau):
-    """Eq. 2 needs every score, so this path reads the whole cache and saves nothing: it is for analysis."""
-    labels = oracle_labels(all_scores(q, k), n_sink, n_local, tau)
-    return reference_attention(q, k, v, labels, n_sink, n_local).to(q.dtype), labels
-
-
-def static(q, k, v, *, layer, n_sink, n_local, static_local):
-    """A fixed set of (layer, head) pairs is local for every query (paper appendix A)."""
-    labels = static_local[layer].to(q.device)
-    return mixed_attention(q, k, v, labels, n_sink, n_local), labels
-
-
-def qada(q, k, v, *, layer, n_sink, n_local, tau, moments):
-    """Listing 1: window scores, the Gaussian bulk estimate, then full attention for long-context heads only."""
-    y_window, log_local = window_attention(q, k, v, n_sink, n_local)
-    T = k.shape[1]
-    if T <= n_local:  # no bulk: the window is the whole context, every head is exact and local
-        return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-    form = moments.quadratic_form(layer, k)  # Eq. 6's (A, b): q A q^T + q b = mu_s + sigma_s^2 / 2
-    labels = qada_labels(q, log_local, form, T, n_local, tau)
-    return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
-
-
-def oracle_kv(q, k, v, *, n_sink, n_local, tau, rule="mean"):
-    """The adaptive oracle per KV group (criterion.group_labels on the true masses): analysis, reads everything."""
-    labels = group_labels(*oracle_log_masses(all_scores(q, k), n_sink, n_local), tau, k.shape[0], rule)
-    return reference_attention(q, k, v, labels, n_sink, n_local).to(q.dtype), labels
-
-
-def qada_kv(q, k, v, *, layer, n_sink, n_local, tau, moments, rule="mean"):
-    """QAdA decided once per KV group (ours): Eq. 7's two log masses per query head, then criterion.group_labels;
-    a group labelled long-context reads its KV head once for all G query heads, a local group reads its window."""
-    y_window, log_local = window_attention(q, k, v, n_sink, n_local)
-    T = k.shape[1]
-    if T <= n_local:
-        return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-    log_bulk = gaussian_log_mass(q, moments.quadratic_form(layer, k), T - n_local)
-    labels = group_labels(log_local, log_bulk, tau, k.shape[0], rule)
-    return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
-
-
-# A parameter with a default is a path's own setting, fixed by its entry here (functools.partial), not an input.
-PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada,
-         "oracle_kv": oracle_kv, "qada_kv": qada_kv, "qada_kv_all": partial(qada_kv, rule="all")}
-# Paths that compute every score to find their labels: the KV-read fraction of those labels is implied, not saved.
-ANALYSIS_ONLY = ("oracle", "oracle_kv")
-# The QAdA paths BatchAttention can decide for a whole batch at once, and how their labels follow from the log masses:
-# per query head (None), or criterion.group_labels' rule per KV group. Any other path runs row by row.
-BATCHED_RULES = {"qada": None, "qada_kv": "mean", "qada_kv_all": "all"}
-
-
-def keyword_inputs(path) -> tuple[str, ...]:
-    """The keyword-only parameters of a path function without a default: what it reads (see the top of this file)."""
-    return tuple(p.name for p in inspect.signature(path).parameters.values()
-                 if p.kind == p.KEYWORD_ONLY and p.default is p.empty)
-
-
-def path_inputs(method: str) -> tuple[str, ...]:
-    """What the path registered as `method` reads."""
-    if method not in PATHS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(PATHS)}")
-    return keyword_inputs(PATHS[method])
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Statistics
-
-
-@dataclass
-class HeadStats:
-    """Labels of every (decode step, layer, query head), and on request the oracle's beside them."""
-    n_local: int = 128
-    track_oracle: bool = False
-    labels: list = field(default_factory=list)  # per step: list over layers of (H,) bool
-    oracle: list = field(default_factory=list)
-    log_masses: list = field(default_factory=list)  # per step: list over layers of (4, H): oracle_view's
-    lengths: list = field(default_factory=list)  # T per step
-
-    def record(self, layer: int, T: int, labels, oracle_labels=None, log_masses=None):
-        if layer == 0:
-            self.labels.append([]), self.oracle.append([]), self.log_masses.append([]), self.lengths.append(T)
-        self.labels[-1].append(labels)
-        if oracle_labels is not None:
-            self.oracle[-1].append(oracle_labels)
-            self.log_masses[-1].append(log_masses)
-
-    def label_tensor(self) -> torch.Tensor:
-        """(S, L, H) bool on the CPU."""
-        return torch.stack([torch.stack(step) for step in self.labels]).cpu()
-
-    def oracle_tensor(self) -> torch.Tensor:
-        return torch.stack([torch.stack(step) for step in self.oracle]).cpu()
-
-    def summary(self, n_kv_heads: int) -> dict:
-        return summarize(self.label_tensor(), torch.tensor(self.lengths), n_kv_heads, self.n_local,
-                         self.oracle_tensor() if self.track_oracle and self.oracle else None)
-
-
-def kv_read_fraction(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int) -> float:
-    """Fraction of KV entries read: a KV head reads its whole cache (T) unless every query head of its
-    group is local, then only min(T, n_local). labels (S, L, H) bool, lengths (S,)."""
-    S, L, H = labels.shape
-    group_local = labels.view(S, L, n_kv_heads, H // n_kv_heads).all(-1)  # (S, L, Hkv)
-    T = lengths.double()[:, None, None]
-    read = torch.where(group_local, T.clamp(max=n_local), T)
-    return float(read.sum() / (T * torch.ones_like(read)).sum())
-
-
-def summarize(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int,
-              oracle: torch.Tensor | None = None) -> dict:
-    """Query-head sparsity, KV-read fraction and per-layer sparsity; agreement counts with the oracle if given."""
-    if labels.numel() == 0:
-        return {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
-    out = {"steps": labels.shape[0], "sparsity": float(labels.double().mean()),
-           "kv_read": kv_read_fraction(labels, lengths, n_kv_heads, n_local),
-           "layer_sparsity": labels.float().mean((0, 2)).tolist()}
-    if oracle is not None:  # positive = local, as in the paper's appendix C
-        out["agreement"] = {"TP": int((labels & oracle).sum()), "FP": int((labels & ~oracle).sum()),
-                            "TN": int((~labels & ~oracle).sum()), "FN": int((~labels & oracle).sum())}
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SparseAttention:
-    """The decode-time attention the model calls: path `method` for every layer, with what it reads."""
-    method: str = "qada"
-    tau: float = 0.6
-    n_sink: int = 16
-    n_local: int = 128  # window size T_local, sinks included
-    moments: KeyMoments | None = None
-    static_local: torch.Tensor | None = None  # (L, H) bool
-    stats: HeadStats | None = None
-    exact: KeyMoments | None = None  # analysis: the current bulk's own moments, kept by Welford's update (oracle_view)
-
-    def __post_init__(self):
-        self.inputs = path_inputs(self.method)
-        check_tau(self.tau)
-        if not 0 <= self.n_sink < self.n_local:
-            raise ValueError(f"need 0 <= n_sink < n_local, got n_sink={self.n_sink}, n_local={self.n_local}")
-        for name in ("moments", "static_local"):
-            if name in self.inputs and getattr(self, name) is None:
-                raise ValueError(f"the {self.method} path needs {name} (see build_attention)")
-        if self.stats is None:
-            self.stats = HeadStats(self.n_local)
-
-    def __call__(self, q, k, v, layer: int) -> torch.Tensor:
-        """q (1, H, 1, D), k/v (1, Hkv, T, D) -> (1, H, 1, D)."""
-        if q.shape[0] != 1:
-            raise ValueError("sparse decoding supports batch size 1")
-        _, H, _, D = q.shape
-        q1, k1, v1 = q.view(H, D), k.squeeze(0), v.squeeze(0)
-        inputs = {name: layer if name == "layer" else getattr(self, name) for name in self.inputs}
-        y, labels = PATHS[self.method](q1, k1, v1, **inputs)
-        oracle_local = log_masses = None
-        if self.stats.track_oracle:  # analysis: every score, the true masses beside the Gaussian estimate
-            oracle_local, log_masses = self.oracle_view(q1, k1, layer)
-        self.stats.record(layer, k1.shape[1], labels, oracle_local, log_masses)
-        return y.view(1, H, 1, D)
-
-    def oracle_view(self, q, k, layer: int):
-        """The oracle's labels and the log masses (4, H): local, true bulk, the Gaussian estimate of the bulk from
-        the path's moments, and from the exact moments of this step's bulk keys (which separates error in the
-        moments from error in the Gaussian shape)."""
-        scores = all_scores(q, k)
-        log_local, log_bulk = oracle_log_masses(scores, self.n_sink, self.n_local)
-        labels = oracle_labels(scores, self.n_sink, self.n_local, self.tau)
-        T = k.shape[1]
-        log_gauss = log_exact = torch.full_like(log_local, math.nan)
-        if T > self.n_local:
-            # The same moments either way; the update costs O(d^2) per step where the direct form costs O(T d^2)
-            exact = (self.exact.mean_cov(layer, k) if self.exact is not None
-                     else mean_cov(k[:, self.n_sink:bulk_end(T, self.n_sink, self.n_local)]))  # bulk (Hkv, T - n_local, D)
-            log_exact = gaussian_log_bulk(q, *exact, T - self.n_local)
-            if self.moments is not None:
-                log_gauss = gaussian_log_bulk(q, *self.moments.mean_cov(layer, k), T - self.n_local)
-        return labels, torch.stack([log_local, log_bulk, log_gauss, log_exact])
-
-
-@dataclass
-class BatchAttention:
-    """Decode-time attention for B rows side by side: B prompts in a stacked cache (model.KVCache.stack), or one
-    prompt under B configurations (eval.py). Row b attends with rows[b], its own SparseAttention (path, labels,
-    statistics), on its own query and the filled part of its own cache, from start[b] on (after the left padding),
-    so a row reads a KV head only when that row needs it. Rows marked `done` (their answer has ended) are skipped:
-    their outputs are zeros and their cache is not read.
-
-    When every row runs the same QAdA path (BATCHED_RULES) with fixed moments (B prompts under one method), the
-    decision is taken for all rows at once (qada_rows): one window pass and one Gaussian term for the batch instead
-    of one per row, each row with its own moments and context length (and tau, per query head); each row's full heads
-    are then read on its own. `batched=False` keeps the
-    row-by-row path, which the tests hold the batched one to."""
-    rows: list[SparseAttention]
-    start: list[int] | None = None  # per row, the first filled position of the cache; None: every row from 0
-    done: list[bool] = field(default_factory=list)
-    batched: bool = True
-
-    def __post_init__(self):
-        self.done = self.done or [False] * len(self.rows)
-        if self.start is not None and len(self.start) != len(self.rows):
-            raise ValueError(f"{len(self.rows)} rows but {len(self.start)} start positions")
-        first = self.rows[0] if self.rows else None
-        # one method with fixed moments for every row (and one tau for a KV-group rule), nothing tracked
-        self.all_qada = self.batched and isinstance(first, SparseAttention) and first.method in BATCHED_RULES and all(
-            isinstance(a, SparseAttention) and a.method == first.method and isinstance(a.moments, FixedMoments)
-            and not a.stats.track_oracle and (a.n_sink, a.n_local) == (first.n_sink, first.n_local)
-            and (a.tau == first.tau or BATCHED_RULES[a.method] is None) for a in self.rows)
-        self.forms = {}  # (layer, rows) -> the rows' quadratic forms stacked, (n Hkv, D, D) and (n Hkv, D)
-
-    def __call__(self, q, k, v, layer: int) -> torch.Tensor:
-        """q (B, H, 1, D), k/v (B, Hkv, T, D) -> (B, H, 1, D)."""
-        if q.shape[0] != len(self.rows):
-            raise ValueError(f"a batch of {q.shape[0]} rows for {len(self.rows)} attentions")
-        y = torch.zeros_like(q)
-        live = [b for b in range(len(self.rows)) if not self.done[b]]
-        start = self.start or [0] * len(self.rows)
-        if self.all_qada and live and all(k.shape[2] - start[b] > self.rows[b].n_local for b in live):
-            return self.qada_rows(q, k, v, layer, live, start, y)
-        for b in live:
-            s = start[b]
-            y[b:b + 1] = self.rows[b](q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], layer)  # views, no copy
-        return y
-
-    def qada_rows(self, q, k, v, layer: int, live: list[int], start: list[int], y: torch.Tensor) -> torch.Tensor:
-        """A QAdA path (qada or its KV-group forms) for the live rows, deciding for all of them at once. Each row's
-        window (its own sinks after its padding, the recent positions every row shares) is gathered into one
-        (n Hkv, W, D) batch, a copy of W = n_local positions per row, and goes through window_attention as a context
-        that is all window; each row's log masses then give its labels as its path would (qada: Eq. 7 against the
-        row's own threshold, log T_bulk on that side; the group rules: criterion.group_labels)."""
-        B, H, _, D = q.shape
-        Hkv, T = k.shape[1], k.shape[2]
-        first, n = self.rows[live[0]], len(live)
-        n_sink, n_local = first.n_sink, first.n_local
-        rows = torch.tensor(live, device=q.device)
-        first_pos = torch.tensor([start[b] for b in live], device=q.device)
-        sinks = first_pos[:, None] + torch.arange(n_sink, device=q.device)  # (n, n_sink)
-        recent = slice(T - (n_local - n_sink), T)
-
-        def window(x):  # (B, Hkv, T, D) -> (n Hkv, W, D): each live row's sinks, then the recent positions
-            return torch.cat([x[rows[:, None], :, sinks].transpose(1, 2), x[rows, :, recent]], 2).view(n * Hkv, -1, D)
-
-        qs = q[rows, :, 0]  # (n, H, D)
-        y_window, log_local = window_attention(qs.reshape(n * H, D), window(k), window(v), n_sink, n_local)
-        key = (layer, tuple(live))
-        if key not in self.forms:
-            forms = [self.rows[b].moments.quadratic_form(layer, k) for b in live]
-            self.forms = {kk: f for kk, f in self.forms.items() if kk[1] == key[1]}  # rows that ended are gone
-            self.forms[key] = torch.cat([A for A, _ in forms]), torch.cat([b for _, b in forms])
-        log_n_bulk = [math.log(T - start[b] - n_local) for b in live]
-        exponent = gaussian_exponent(qs.reshape(n * H, D), self.forms[key]).view(n, H)
-        rule = BATCHED_RULES[first.method]
-        if rule is None:  # per query head, as qada_labels: each row's tau and log T_bulk on the threshold's side
-            threshold = torch.tensor([local_logit(self.rows[b].tau) + x for b, x in zip(live, log_n_bulk)], device=q.device)
-            labels = log_local.view(n, H) - exponent >= threshold[:, None]
-        else:  # per KV group, as qada_kv: the n rows' n Hkv groups in one call
-            log_bulk = exponent + torch.tensor(log_n_bulk, device=q.device)[:, None]
-            labels = group_labels(log_local, log_bulk.view(-1), first.tau, n * Hkv, rule).view(n, H)
-        y_window = y_window.view(n, H, D)
-        for i, b in enumerate(live):
-            s = start[b]
-            y[b, :, 0] = mixed_attention(qs[i], k[b, :, s:], v[b, :, s:], labels[i], n_sink, n_local, y_window[i])
-            self.rows[b].stats.record(layer, T - s, labels[i])
-        return y
-
-    def select(self, keep: list[int]) -> "BatchAttention":
-        """The same attentions (statistics keep accumulating in them) for the rows `keep` only."""
-        return BatchAttention([self.rows[b] for b in keep], None if self.start is None else [self.start[b] for b in keep],
-                              [self.done[b] for b in keep], self.batched)
-
-
-def build_attention(method: str, cache, *, tau: float = 0.6, moments: str = "random-words",
-                    reference: ReferenceKeys | None = None, static_local: torch.Tensor | None = None,
-                    n_sink: int = 16, n_local: int = 128, track_oracle: bool = False) -> SparseAttention:
-    """The decode-time attention of `method` for the prompt prefilled in `cache` (row 0), built from what its
-    path reads: the key moments of option `moments` (moments.OPTIONS; Option 2 reads `reference`, the
-    reference prompt's keys) and `static_local` labels (L, H); what the path does not read is ignored."""
-    inputs = path_inputs(method)
-    key_moments = make_moments(moments, cache, reference, n_sink, n_local) if "moments" in inputs else None
-    exact = OnlineMoments(cache, n_sink, n_local) if track_oracle else None
-    return SparseAttention(method, tau, n_sink, n_local, key_moments,
-                           static_local if "static_local" in inputs else None, HeadStats(n_local, track_oracle), exact)

@@ -1,7 +1,7 @@
 """The labelling rules: which heads may attend to the local window only, for the current query.
 
-A head is *local* when the share of its attention mass on the local window I (the first `n_sink` tokens
-plus the most recent `n_local - n_sink`) reaches tau:
+A head is *local* when the share of its attention mass on the local window I reaches tau. The window is the
+first `n_sink` tokens plus the most recent `n_local - n_sink`: `n_local` is the paper's T_local (128), sinks included.
 
     oracle (paper Eq. 2):  A_local / (A_local + A_bulk)                                    >= tau
     QAdA   (paper Eq. 7):  A_local / (A_local + T_bulk * exp(mu_s + sigma_s^2 / 2))        >= tau
@@ -12,8 +12,10 @@ Gaussian with mean mu_K and covariance Sigma_K). Everything is compared in log s
 The static rule (paper appendix A) labels a fixed set of (layer, head) pairs from oracle statistics.
 
 Per KV group (ours, beyond the paper): under grouped-query attention a KV head's cache is read whenever any
-of its G query heads is long-context, so `group_labels` decides once per KV head from the G shares, and every
-query head of the group follows (all local, or all reading the whole cache).
+of its G query heads is long-context, so `local_labels` can decide once per KV head from the G shares (a `rule`),
+and every query head of the group follows (all local, or all reading the whole cache).
+
+Both rules meet in `local_labels`; Eq. 7 is `qada_labels`, written once and called by every path that decides.
 
 Labels are data: boolean tensors, True = local.
 """
@@ -24,6 +26,8 @@ import os
 from pathlib import Path
 
 import torch
+
+TAU = 0.6  # the paper's threshold: its default for QAdA and the oracle, and appendix A's for static labels
 
 
 def check_tau(tau: float) -> float:
@@ -47,27 +51,27 @@ def window_mask(T: int, n_sink: int, n_local: int, device=None) -> torch.Tensor:
     return (pos < n_sink) | (pos >= T - (n_local - n_sink))
 
 
-def local_logit(tau: float) -> float:
-    """log(tau / (1 - tau)): the share A_local / (A_local + A_bulk) reaches tau exactly when
-    log A_local - log A_bulk reaches this (one subtraction and one comparison per head; inf at tau = 1)."""
+def tau_logit(tau):
+    """log(tau / (1 - tau)), of a float or a tensor of taus: the share A_local / (A_local + A_bulk) reaches tau exactly
+    when log A_local - log A_bulk reaches this (inf at tau = 1)."""
+    if isinstance(tau, torch.Tensor):  # computed in float64 as for a float, so both give the same fp32 threshold
+        return tau.double().div(1 - tau.double()).log().float()
     return math.inf if tau == 1.0 else math.log(tau / (1.0 - tau))
-
-
-def share_rule(log_local: torch.Tensor, log_bulk: torch.Tensor, tau: float) -> torch.Tensor:
-    """The labelling rule shared by oracle and QAdA, from the two log masses: (H,) bool.
-    With no bulk (log_bulk = -inf) every head is local, even at tau = 1."""
-    return (log_local - log_bulk) >= local_logit(tau)
 
 
 GROUP_RULES = ("all", "mean")
 
 
-def group_labels(log_local: torch.Tensor, log_bulk: torch.Tensor, tau: float, n_kv_heads: int, rule: str
-                 ) -> torch.Tensor:
-    """One decision per KV head for its G query heads, from their log masses (H,): (H,) bool, constant per group.
+def local_labels(log_local: torch.Tensor, log_bulk: torch.Tensor, tau, n_kv_heads: int | None = None,
+                 rule: str | None = None) -> torch.Tensor:
+    """The one labelling rule of oracle and QAdA, from the two log masses (..., H): (..., H) bool, True = local.
 
-    With share_h = A_local,h / (A_local,h + A_bulk,h), a group is local when
-        rule "all":   min_h share_h >= tau      every query head would be local on its own (share_rule)
+    rule None: per query head, share_h = A_local,h / (A_local,h + A_bulk,h) >= tau, compared in log space.
+    With no bulk (log_bulk = -inf) every head is local, even at tau = 1. `tau` is a float, or a tensor that
+    broadcasts against (..., H) per head and (..., Hkv) per group (one tau per row of a batch: (B, 1)).
+
+    Per KV group (ours): one decision for the G = H / Hkv query heads of a KV head, which every head then follows:
+        rule "all":   min_h share_h >= tau      every query head would be local on its own
         rule "mean":  mean_h share_h >= tau     (1 / G) sum_h share_h >= tau
     "all" reads exactly the KV entries that per-query-head labels read (a KV head is read unless all its query heads
     are local) but then gives every head of a read group its full attention, at no extra read. "mean" bounds the
@@ -75,15 +79,18 @@ def group_labels(log_local: torch.Tensor, log_bulk: torch.Tensor, tau: float, n_
     y_full - y_window = (1 - share_h) (y_bulk - y_window), so the group's mean error is at most
     (1 - mean share) * max_h |y_bulk,h - y_window,h| <= (1 - tau) * that; one head far below tau can be carried
     by the others, which is what lets a group skip its cache more often than "all"."""
-    H = log_local.shape[0]
-    if rule == "all":
-        group_local = share_rule(log_local, log_bulk, tau).view(n_kv_heads, -1).all(-1)  # (Hkv,)
-    elif rule == "mean":
-        share = torch.sigmoid(log_local - log_bulk)  # 1 when there is no bulk (log_bulk = -inf)
-        group_local = share.view(n_kv_heads, -1).mean(-1) >= tau  # (Hkv,)
-    else:
+    if rule is None:
+        return (log_local - log_bulk) >= tau_logit(tau)
+    if rule not in GROUP_RULES:
         raise ValueError(f"unknown group rule {rule!r}; choose from {', '.join(GROUP_RULES)}")
-    return group_local.repeat_interleave(H // n_kv_heads)
+    *lead, H = log_local.shape
+    if rule == "all":
+        group_local = local_labels(log_local, log_bulk, tau).view(*lead, n_kv_heads, -1).all(-1)  # (..., Hkv)
+    else:
+        share = torch.sigmoid(log_local - log_bulk)  # 1 when there is no bulk (log_bulk = -inf)
+        tau = tau.float() if isinstance(tau, torch.Tensor) else tau  # fp32, as a float is compared
+        group_local = share.view(*lead, n_kv_heads, -1).mean(-1) >= tau  # (..., Hkv)
+    return group_local.repeat_interleave(H // n_kv_heads, dim=-1)
 
 
 def oracle_log_masses(scores: torch.Tensor, n_sink: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,9 +102,10 @@ def oracle_log_masses(scores: torch.Tensor, n_sink: int, n_local: int) -> tuple[
     return log_local, log_bulk
 
 
-def oracle_labels(scores: torch.Tensor, n_sink: int, n_local: int, tau: float) -> torch.Tensor:
-    """Eq. 2 from every score (H, T): (H,) bool."""
-    return share_rule(*oracle_log_masses(scores, n_sink, n_local), tau)
+def oracle_labels(scores: torch.Tensor, n_sink: int, n_local: int, tau: float, n_kv_heads: int | None = None,
+                  rule: str | None = None) -> torch.Tensor:
+    """Eq. 2 from every score (H, T): (H,) bool; per KV group with a `rule` (local_labels)."""
+    return local_labels(*oracle_log_masses(scores, n_sink, n_local), tau, n_kv_heads, rule)
 
 
 def gaussian_form(mean: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,36 +116,34 @@ def gaussian_form(mean: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def gaussian_exponent(q: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """mu_s + sigma_s^2 / 2 = q A q^T + q b for the query q (H, D), with the bulk keys' `gaussian_form` (A, b) per KV
-    head, shared by its G = H / Hkv query heads: (H,) in fp32."""
+    """mu_s + sigma_s^2 / 2 = q A q^T + q b for queries q (..., H, D), with the bulk keys' `gaussian_form` per KV head,
+    A (..., Hkv, D, D) and b (..., Hkv, D), each shared by its G = H / Hkv query heads: (..., H) in fp32."""
     A, b = form
-    H, D = q.shape
-    qg = q.float().view(A.shape[0], -1, D)  # (Hkv, G, D)
-    return (torch.baddbmm(b[:, None, :], qg, A) * qg).sum(-1).view(H)  # (q A + b) . q
+    *lead, H, D = q.shape
+    qg = q.float().reshape(-1, H // A.shape[-3], D)  # (N Hkv, G, D)
+    qA_b = torch.baddbmm(b.reshape(-1, 1, D), qg, A.reshape(-1, D, D))  # (N Hkv, G, D): q A + b
+    return (qA_b * qg).sum(-1).view(*lead, H)
 
 
-def gaussian_log_mass(q: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor], n_bulk: int) -> torch.Tensor:
-    """Eqs. 5-6: the estimated log A_bulk = log(n_bulk * E[exp(s)]) = log n_bulk + mu_s + sigma_s^2 / 2, (H,)."""
-    return gaussian_exponent(q, form) + math.log(n_bulk)
+def estimated_log_bulk(q: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor], n_bulk) -> torch.Tensor:
+    """Eqs. 5-6: log A_bulk estimated as log(T_bulk E[exp(s)]) = log T_bulk + mu_s + sigma_s^2 / 2, (..., H).
+    `n_bulk` is T_bulk, an int or a tensor that broadcasts against (..., H) (one per row of a batch: (B, 1))."""
+    log_n = n_bulk.double().log().float() if isinstance(n_bulk, torch.Tensor) else math.log(n_bulk)
+    return gaussian_exponent(q, form) + log_n
 
 
 def gaussian_log_bulk(q: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, n_bulk: int) -> torch.Tensor:
-    """log(T_bulk * E[exp(q k / sqrt(d))]) for k ~ N(mean, cov), Eqs. 5-6; (H,).
-
-    q (H, D); mean (Hkv, D) and cov (Hkv, D, D) per KV head, shared by its G = H / Hkv query heads."""
-    return gaussian_log_mass(q, gaussian_form(mean, cov), n_bulk)
+    """estimated_log_bulk from the moments themselves, mean (Hkv, D) and cov (Hkv, D, D): for analysis."""
+    return estimated_log_bulk(q, gaussian_form(mean, cov), n_bulk)
 
 
-def qada_labels(q: torch.Tensor, log_local: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor],
-                T: int, n_local: int, tau: float) -> torch.Tensor:
-    """Eq. 7 from the query (H, D), the log of its window mass (H,) and the bulk keys' `gaussian_form`: (H,) bool.
-
-    share_rule with the estimated log A_bulk = log T_bulk + mu_s + sigma_s^2 / 2, the constant log T_bulk moved to
-    the threshold's side: the same comparison, one op fewer per layer on the decoding path.
-    A context no longer than the window has no bulk: every head is exact on its window, so local."""
-    if T <= n_local:
-        return torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-    return (log_local - gaussian_exponent(q, form)) >= local_logit(tau) + math.log(T - n_local)
+def qada_labels(q: torch.Tensor, log_local: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor], n_bulk, tau,
+                rule: str | None = None) -> torch.Tensor:
+    """Eq. 7, the only place it is written: local_labels with the window's true log mass log_local (..., H) and the
+    Gaussian estimate of the bulk's from the query q (..., H, D) and the bulk keys' `gaussian_form`: (..., H) bool.
+    Per query head (rule None, the paper's) or per KV group (rule "all" or "mean", ours)."""
+    log_bulk = estimated_log_bulk(q, form, n_bulk)
+    return local_labels(log_local, log_bulk, tau, form[0].shape[-3], rule)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -177,7 +183,7 @@ def load_labels(path: str | Path, sparsity: float) -> tuple[torch.Tensor, dict]:
     """Static labels (L, H) at `sparsity` from a file written by save_labels, and its settings."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"static labels file {path} not found (make one with calibrate.py)")
+        raise FileNotFoundError(f"static labels file {path} not found (make one with python -m lab.calibrate)")
     try:
         data = json.loads(path.read_text())
         local_freq = torch.tensor(data["local_freq"], dtype=torch.float32)

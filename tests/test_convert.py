@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import convert_gguf
-from convert_gguf import convert, unpermute_qk
+from weights import convert_gguf
+from weights.convert_gguf import convert, unpermute_qk
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,7 +159,7 @@ def test_convert_tiny_gguf_round_trip(tmp_path, tied):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from tokenizer import Tokenizer
+    from weights.tokenizer import Tokenizer
 
     expected = write_tiny_gguf(tmp_path / "tiny.gguf", tied=tied)
     out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
@@ -190,7 +190,7 @@ def test_convert_tiny_gguf_round_trip(tmp_path, tied):
 
 
 def test_convert_tiny_gguf_with_add_bos_adds_bos_to_raw_text_only(tmp_path):
-    from tokenizer import Tokenizer
+    from weights.tokenizer import Tokenizer
 
     write_tiny_gguf(tmp_path / "tiny.gguf", add_bos=True)
     tok = Tokenizer.from_dir(convert(tmp_path / "tiny.gguf", tmp_path / "tiny"))
@@ -204,7 +204,7 @@ def test_convert_tiny_qwen2_gguf(tmp_path):
     stops on <|im_end|> and <|endoftext|>, and the tokenizer uses Qwen's NFC + split regex."""
     from safetensors.torch import load_file
 
-    from tokenizer import Tokenizer
+    from weights.tokenizer import Tokenizer
 
     expected = write_tiny_gguf(tmp_path / "tiny.gguf", tied=False, arch="qwen2")
     out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
@@ -271,7 +271,7 @@ def test_convert_rejects_other_architectures_and_files(tmp_path):
 
 def test_cli_converts_a_file_and_reports_errors_in_one_line(tmp_path):
     write_tiny_gguf(tmp_path / "tiny.gguf")
-    cli = [sys.executable, str(ROOT / "convert_gguf.py"), "--gguf"]
+    cli = [sys.executable, "-m", "weights.convert_gguf", "--gguf"]
     done = subprocess.run(cli + [str(tmp_path / "tiny.gguf")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert convert_gguf.is_complete(tmp_path / "tiny") and f"wrote {tmp_path / 'tiny'}" in done.stdout

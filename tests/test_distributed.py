@@ -1,7 +1,8 @@
-"""eval.py under torchrun: 2 CPU processes (gloo) on the tiny model give, once rank 0 has merged their files, the
+"""lab.sweep under torchrun: 2 CPU processes (gloo) on the tiny model give, once rank 0 has merged their files, the
 same records in the same order as one process (timings aside), with run.json written once and no rank file left;
 a restart decodes only what no file holds yet. About 40 s on 2 busy cores: six subprocesses of a few seconds each."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -10,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import eval as ev
-import records
+from lab import records, sweep
 from tests.test_generate import make_tiny_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,11 +36,11 @@ def tiny_dir(tmp_path_factory):
 
 
 def eval_py(out: Path, args: list[str], tiny_dir: Path, cache: Path, ranks: int = 0, report_at_end: bool = False):
-    """eval.py in a subprocess of one thread: alone (ranks 0) or under torchrun with `ranks` CPU processes."""
+    """lab.sweep in a subprocess of one thread: alone (ranks 0) or under torchrun with `ranks` CPU processes."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", QADA_CACHE=str(cache))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks else []
-    cmd = [sys.executable, *launcher, str(ROOT / "eval.py"), "--out", str(out), *args, "--model", str(tiny_dir),
+    cmd = [sys.executable, *launcher, "-m", "lab.sweep", "--out", str(out), *args, "--model", str(tiny_dir),
            "--ablations", "", "--track", "qada_rw", "--device", "cpu"] + ([] if report_at_end else ["--no-report"])
     r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -48,7 +48,9 @@ def eval_py(out: Path, args: list[str], tiny_dir: Path, cache: Path, ranks: int 
 
 
 def lines(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    """The records of a finished run: one compressed file."""
+    assert records.result_files(out) == [out / "samples.jsonl.gz"]
+    return [json.loads(line) for line in gzip.decompress((out / "samples.jsonl.gz").read_bytes()).decode().splitlines()]
 
 
 def untimed(records: list[dict]) -> list[dict]:
@@ -60,9 +62,9 @@ def keys(records: list[dict]) -> list[tuple]:
 
 
 def assert_one_run(out: Path, lines_per_rank: list[int]):
-    """The files one process leaves: samples.jsonl alone and run.json with one session, written by rank 0; and
+    """The files one process leaves: samples.jsonl.gz alone and run.json with one session, written by rank 0; and
     the lines each rank wrote in that session."""
-    assert records.result_files(out) == [out / "samples.jsonl"]  # the rank files are merged and gone
+    assert records.result_files(out) == [out / "samples.jsonl.gz"]  # the rank files are merged and gone
     sessions = json.loads((out / "run.json").read_text())["sessions"]
     assert len(sessions) == 1 and sessions[0]["ranks"] == 2
     assert sessions[0]["lines_per_rank"] == lines_per_rank and sessions[0]["lines_written"] == sum(lines_per_rank)
@@ -86,7 +88,7 @@ def test_two_ranks_write_what_one_process_writes(tiny_dir, tmp_path, by_task):
         assert labels[0] != labels[1]
         assert (tmp_path / "ranks" / "summary.md").is_file()  # the report, from rank 0
     else:
-        assert [r["task"] for r in one].index(ev.CTXFREE) == 5  # after fwe#0
+        assert [r["task"] for r in one].index(sweep.CTXFREE) == 5  # after fwe#0
         assert len(list((tmp_path / "cache_ranks" / "moments").glob("*.pt"))) == 1  # no temporary file left
 
 
@@ -98,23 +100,23 @@ def test_a_restart_decodes_only_what_is_missing(tiny_dir, tmp_path):
     out = tmp_path / "ranks"
     out.mkdir()
     merged = [r for r in one if (r["task"], r["index"]) == ("fwe", 0)]
-    kept = [dict(r, decode_s=-1.0) for r in one if r["task"] == ev.CTXFREE]  # marked
+    kept = [dict(r, decode_s=-1.0) for r in one if r["task"] == sweep.CTXFREE]  # marked
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in merged))
     (out / "samples.1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"task": "fwe", "ind')
     eval_py(out, ROUND_ROBIN, tiny_dir, tmp_path / "cache", ranks=2)
     two = lines(out)
     assert keys(two) == keys(one) and untimed(two) == untimed(one)
-    assert two[:len(merged)] == merged and [r for r in two if r["task"] == ev.CTXFREE] == kept  # not decoded again
+    assert two[:len(merged)] == merged and [r for r in two if r["task"] == sweep.CTXFREE] == kept  # not decoded again
     assert_one_run(out, [5, 5])  # fwe#1 | fwe#2: only the missing records
 
 
 def test_the_split_covers_every_job_once():
     """--shard and torchrun share one rule: whole tasks (the context-free samples one more task), or round-robin."""
-    cfgs = [ev.Config("dense")]
-    jobs = ev.plan(["a", "b", "c"], 2, cfgs, [], 0, cfgs, 1)
-    by_task = [ev.split(jobs, ["a", "b", "c"], k, 2, True) for k in range(2)]
-    assert [{t for t, _, _ in share} for share in by_task] == [{"a", "c"}, {"b", ev.CTXFREE}]
-    robin = [ev.split(jobs, ["a", "b", "c"], k, 2, False) for k in range(2)]
+    cfgs = [sweep.Config("dense")]
+    jobs = sweep.plan(["a", "b", "c"], 2, cfgs, [], 0, cfgs, 1)
+    by_task = [sweep.split(jobs, ["a", "b", "c"], k, 2, True) for k in range(2)]
+    assert [{t for t, _, _ in share} for share in by_task] == [{"a", "c"}, {"b", sweep.CTXFREE}]
+    robin = [sweep.split(jobs, ["a", "b", "c"], k, 2, False) for k in range(2)]
     assert [len(share) for share in robin] == [4, 3] and robin[0][1] == jobs[2]
     for shares in (by_task, robin):
         assert sorted(j[:2] for share in shares for j in share) == sorted(j[:2] for j in jobs)
@@ -123,7 +125,7 @@ def test_the_split_covers_every_job_once():
 def test_merge_orders_as_one_process_and_keeps_each_record_once(tmp_path):
     """Rank files in the wrong order, a record both merged and in a rank file, a torn line and a record of an
     earlier run: one line per record, the earlier run's first, then plan order."""
-    jobs = ev.plan(["a", "b"], 2, [ev.Config("dense"), ev.Config("local")], [], 0, [], 0)
+    jobs = sweep.plan(["a", "b"], 2, [sweep.Config("dense"), sweep.Config("local")], [], 0, [], 0)
 
     def write(name, records, tail=""):
         (tmp_path / name).write_text("".join(json.dumps(dict(task=t, index=i, config=c)) + "\n" for t, i, c in records)
@@ -131,16 +133,15 @@ def test_merge_orders_as_one_process_and_keeps_each_record_once(tmp_path):
     write("samples.jsonl", [("old", 0, "dense"), ("a", 0, "dense")])
     write("samples.0.jsonl", [("a", i, c) for i in (1, 0) for c in ("local", "dense")])
     write("samples.1.jsonl", [("b", i, c) for i in (1, 0) for c in ("local", "dense")], '{"task": "b", "ind')
-    ev.merge(tmp_path, jobs)
-    assert records.result_files(tmp_path) == [tmp_path / "samples.jsonl"]
+    sweep.merge(tmp_path, jobs)
     assert keys(lines(tmp_path)) == [("old", 0, "dense")] + [(t, i, c.key) for t, i, cs in jobs for c in cs]
 
 
 @pytest.mark.parametrize("device, message", [("tpu", "--device takes cpu, cuda or cuda:N"),
                                              ("cuda:x", "--device takes"), ("cuda:0", "no CUDA")])
 def test_a_bad_device_is_one_line(tmp_path, capsys, device, message):
-    if ev.torch.cuda.is_available() and device == "cuda:0":
+    if sweep.torch.cuda.is_available() and device == "cuda:0":
         pytest.skip("this machine has CUDA")
-    assert ev.main(["--out", str(tmp_path / "run"), "--device", device]) == 2
+    assert sweep.main(["--out", str(tmp_path / "run"), "--device", device]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1

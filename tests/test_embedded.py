@@ -9,7 +9,7 @@ import torch
 from attention import build_attention
 from generate import decode
 from model import load_model
-from tokenizer import Tokenizer
+from weights.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -59,10 +59,10 @@ def test_qada_on_a_needle_prompt(smol):
     dense, _ = run("dense")
     assert "7302916" in tok.decode(dense)
     assert "7302916" not in tok.decode(run("local")[0])
-    found, qada = run("qada", tau=0.6, moments="prompt")
+    found, qada = run("qada", tau=0.6, moments_source="prompt")
     assert "7302916" in tok.decode(found)
     assert qada.stats.summary(3)["sparsity"] > 0.5
-    assert run("qada", tau=1.0, moments="prompt")[0] == dense
+    assert run("qada", tau=1.0, moments_source="prompt")[0] == dense
 
 
 def needle_prefill(model, tok):
@@ -112,7 +112,7 @@ def test_qada_labels_equal_eq7_from_first_principles(smol):
     bulk = cache.k[:, 0, :, n_sink:n - (n_local - n_sink)].double()  # (L, Hkv, N, D) at prefill
     mean = bulk.mean(-2)
     cov = torch.stack([torch.stack([torch.cov(b.T, correction=0) for b in layer]) for layer in bulk])
-    attention = build_attention("qada", cache, tau=tau, moments="prompt", n_sink=n_sink, n_local=n_local)
+    attention = build_attention("qada", cache, tau=tau, moments_source="prompt", n_sink=n_sink, n_local=n_local)
     checked, disagree, n_local_labels = 0, [], 0
 
     def recording(q, k, v, layer):

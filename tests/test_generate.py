@@ -1,16 +1,16 @@
 """The generate.py CLI on a tiny random model: the report against the labels each step decided, prompts shorter
-than the window under every path and moments option, and one clear line for each bad input."""
+than the window under every path and moments source, and one clear line for each bad input."""
 
 import json
 
 import pytest
 import torch
 
-import checkpoints
+from weights import checkpoints
 import generate
 from attention import PATHS, path_inputs
 from criterion import save_labels
-from moments import OPTIONS
+from moments import SOURCES
 from tests.test_model import save_tiny
 
 
@@ -62,7 +62,7 @@ def built(monkeypatch):
     def spy(*args, **kwargs):
         att = make(*args, **kwargs)
         if att.moments is not None:
-            att.moments = CheckedMoments(att.moments)
+            att.inputs["moments"] = CheckedMoments(att.moments)
         runs.append(att)
         return att
     monkeypatch.setattr(generate, "build_attention", spy)
@@ -128,10 +128,10 @@ def test_text_report(tiny_dir, tmp_path, capsys, built, method):
     assert ("prompt moments" in out) == (method == "qada")
 
 
-# Every path, and qada under every moments option, from a 3-token prompt: the context starts inside the window
+# Every path, and qada under every moments source, from a 3-token prompt: the context starts inside the window
 # (16, with 4 sinks) and grows past it while decoding.
-# every moments option with qada, the default one with the other paths that read moments
-SHORT = ([(m, None) for m in PATHS if "moments" not in path_inputs(m)] + [("qada", o) for o in OPTIONS]
+# every moments source with qada, the default one with the other paths that read moments
+SHORT = ([(m, None) for m in PATHS if "moments" not in path_inputs(m)] + [("qada", o) for o in SOURCES]
          + [(m, "random-words") for m in PATHS if "moments" in path_inputs(m) and m != "qada"])
 
 
@@ -153,8 +153,8 @@ def test_short_prompt_grows_past_the_window(tiny_dir, tmp_path, capsys, monkeypa
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))  # Option 2's reference keys cached here only
     labels_file = tmp_path / "labels.json"
     save_labels(labels_file, torch.linspace(0, 1, 8).view(2, 4), {"test": True})
-    argv = ["--prompt", str(write_prompt(tmp_path, 3)), "--model", str(tiny_dir), "--method", method, "--window",
-            "16", "--sink", "4", "--max-new-tokens", "30", "--static-labels", str(labels_file), "--json"]
+    argv = ["--prompt", str(write_prompt(tmp_path, 3)), "--model", str(tiny_dir), "--method", method, "--n-local",
+            "16", "--n-sink", "4", "--max-new-tokens", "30", "--static-labels", str(labels_file), "--json"]
     assert generate.main(argv + (["--moments", option] if option else [])) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["prompt_tokens"] == 3 and r["new_tokens"] == 30 and r["moments"] == option
@@ -200,9 +200,21 @@ def test_bad_inputs(tiny_dir, tmp_path, capsys):
     assert "tau" in error_of(capsys, ["--prompt", str(good), "--tau", "1.5"] + model)
     assert "tau" in error_of(capsys, ["--prompt", str(good), "--tau", "0"] + model)
     assert "max-new-tokens" in error_of(capsys, ["--prompt", str(good), "--max-new-tokens", "0"] + model)
-    assert "--sink" in error_of(capsys, ["--prompt", str(good), "--sink", "200"] + model)
+    assert "--n-sink" in error_of(capsys, ["--prompt", str(good), "--n-sink", "200"] + model)
     assert "no such folder" in error_of(capsys, ["--prompt", str(good), "--model", str(tmp_path / "nope")])
     assert "static-labels" in error_of(capsys, ["--prompt", str(good), "--method", "static"] + model)
+
+
+def test_bad_prompt_files_name_the_real_cause(tiny_dir, tmp_path, capsys):
+    model = ["--model", str(tiny_dir)]
+    assert error_of(capsys, ["--prompt", "/dev/null"] + model) == "error: prompt file /dev/null is not a regular file"
+    assert "is not a regular file" in error_of(capsys, ["--prompt", str(tmp_path)] + model)  # a folder
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"prompt": 5}\n')
+    assert error_of(capsys, ["--prompt", str(prompts)] + model) == \
+        f'error: {prompts} line 2: "prompt" must be a string, got int'
+    prompts.write_text('"fine"\n["a list"]\n')
+    assert "line 2: expected a JSON string or an object" in error_of(capsys, ["--prompt", str(prompts)] + model)
 
 
 def test_corrupt_weights(tiny_dir, tmp_path, capsys):
@@ -217,7 +229,7 @@ def test_corrupt_weights(tiny_dir, tmp_path, capsys):
 
 def test_no_cache_and_no_network(tmp_path, capsys, monkeypatch):
     """The embedded default with an empty cache and no registry: one line saying what to run."""
-    import downloads
+    from weights import downloads
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
 
     class Failed:

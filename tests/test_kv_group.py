@@ -1,4 +1,4 @@
-"""QAdA and the oracle decided per KV group (criterion.group_labels), held against the rules recomputed from
+"""QAdA and the oracle decided per KV group (criterion.local_labels with a rule), held against the rules recomputed from
 first principles in float64, and their outputs against the fp32 reference."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from attention import SparseAttention, kv_read_fraction, reference_attention
+from attention import DecodeAttention, kv_read_fraction, reference_attention
 from criterion import static_labels
 from moments import FixedMoments
 from tests.test_qada import eq7_share, rand
@@ -32,7 +32,7 @@ def heads(T, seed=0):
 def run(method, tau, q, k, v, mean, cov):
     T = k.shape[1]
     moments = None if mean is None else FixedMoments(mean[None], cov[None], T - N_LOCAL)
-    attn = SparseAttention(method, tau, N_SINK, N_LOCAL, moments=moments)
+    attn = DecodeAttention(method, N_SINK, N_LOCAL, dict(tau=tau, moments=moments))
     y = attn(q[None, :, None], k[None], v[None], 0)[0, :, 0]
     return y, attn.stats.labels[-1][0]
 

@@ -144,7 +144,7 @@ def test_sharded_checkpoint(tmp_path):
 
 
 def test_unknown_model_folder_and_hub_id(tmp_path, monkeypatch):
-    from checkpoints import resolve
+    from weights.checkpoints import resolve
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="no such folder"):
         resolve(str(tmp_path / "nowhere"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attention
-from attention import HeadStats, SparseAttention, kv_read_fraction, mixed_attention, reference_attention
+from attention import DecodeAttention, HeadStats, kv_read_fraction, mixed_attention, reference_attention
 from criterion import (check_tau, gaussian_form, gaussian_log_bulk, load_labels, oracle_log_masses, qada_labels, save_labels,
                        static_labels)
 from moments import (FixedMoments, OnlineMoments, ReferenceKeys, make_moments, mean_cov, prompt_moments,
@@ -68,11 +68,11 @@ def test_qada_labels_follow_the_local_share():
     q = torch.zeros(2, D)
     mean, cov = torch.zeros(1, D), torch.zeros(1, D, D)  # bulk scores all 0: A_bulk = T_bulk
     window = torch.stack([torch.full((N_LOCAL,), 10.0), torch.zeros(N_LOCAL)]).logsumexp(-1)  # log A_local per head
-    labels = qada_labels(q, window, gaussian_form(mean, cov), T, N_LOCAL, tau=0.6)
+    labels = qada_labels(q, window, gaussian_form(mean, cov), T - N_LOCAL, tau=0.6)
     assert labels.tolist() == [True, False]
     # head 1: share = 128 / 1000 exactly, so the threshold sits right there
-    assert qada_labels(q, window, gaussian_form(mean, cov), T, N_LOCAL, tau=0.127)[1]
-    assert not qada_labels(q, window, gaussian_form(mean, cov), T, N_LOCAL, tau=0.129)[1]
+    assert qada_labels(q, window, gaussian_form(mean, cov), T - N_LOCAL, tau=0.127)[1]
+    assert not qada_labels(q, window, gaussian_form(mean, cov), T - N_LOCAL, tau=0.129)[1]
 
 
 def eq7_share(q, window_keys, mean, cov, n_bulk):
@@ -102,7 +102,7 @@ def test_qada_path_labels_equal_eq7_written_plainly(T):
                            for h in range(Hkv * G)])
     straddled = 0
     for tau in torch.linspace(0.05, 0.95, 19).tolist():
-        attn = SparseAttention("qada", tau, N_SINK, N_LOCAL, moments=FixedMoments(mean[None], cov[None], T - N_LOCAL))
+        attn = DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=tau, moments=FixedMoments(mean[None], cov[None], T - N_LOCAL)))
         attn(q[None, :, None], k[None], v[None], 0)
         near = (shares - tau).abs() < 1e-5  # fp32 against fp64: either way is right
         got, want = attn.stats.labels[-1][0], shares >= tau
@@ -124,7 +124,7 @@ def make_attention(method, tau=0.6, static_local=None, L=1, T=None):
     moments = FixedMoments(rand(L, HKV, D, seed=9) * 0.1, random_cov(HKV, D, seed=10)[None].repeat(L, 1, 1, 1), 1000)
     if static_local is None:
         static_local = torch.zeros(L, H, dtype=torch.bool)
-    return SparseAttention(method, tau, N_SINK, N_LOCAL, moments=moments, static_local=static_local)
+    return DecodeAttention(method, N_SINK, N_LOCAL, dict(tau=tau, moments=moments, static_local=static_local))
 
 
 def call(attn, q, k, v, layer=0):
@@ -296,7 +296,7 @@ def test_online_moments_equal_float64_recomputation(tiny):
     cache = tiny.new_cache(T0 + steps + 1)
     logits = tiny.prefill(ids, cache)
     moments = OnlineMoments(cache, N_SINK, N_LOCAL)
-    attn = SparseAttention("qada", 0.6, N_SINK, N_LOCAL, moments=moments)
+    attn = DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.6, moments=moments))
     for _ in range(steps):
         logits = tiny.decode_step(logits.argmax(-1), cache, attn)
     T = cache.length
@@ -317,7 +317,7 @@ def test_prompt_moments_stay_those_of_the_prefill(tiny):
     cache = tiny.new_cache(T0 + steps + 1)
     logits = tiny.prefill(ids, cache)
     bulk = cache.k[:, 0, :, N_SINK:T0 - (N_LOCAL - N_SINK)].double()  # (L, Hkv, N, D) at prefill
-    attn = SparseAttention("qada", 0.6, N_SINK, N_LOCAL, moments=make_moments("prompt", cache, None, N_SINK, N_LOCAL))
+    attn = DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.6, moments=make_moments("prompt", cache, None, N_SINK, N_LOCAL)))
     for _ in range(steps):
         logits = tiny.decode_step(logits.argmax(-1), cache, attn)
     grown = cache.k[:, 0, :, N_SINK:cache.length - (N_LOCAL - N_SINK)].double()
@@ -339,7 +339,7 @@ def test_short_prompts_decode_past_the_window_with_every_moments_option(tiny, tm
     cache = tiny.new_cache(T0 + steps + 1)
     logits = tiny.prefill(ids, cache)
     reference = ReferenceKeys(tiny, WordTokenizer(), n_max=2048, root=tmp_path, progress=False)
-    attn = SparseAttention("qada", 0.99, N_SINK, N_LOCAL, moments=make_moments(option, cache, reference, N_SINK, N_LOCAL))
+    attn = DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.99, moments=make_moments(option, cache, reference, N_SINK, N_LOCAL)))
     for _ in range(steps):
         logits = tiny.decode_step(logits.argmax(-1), cache, attn)
     labels = attn.stats.label_tensor()  # (S, L, H)
@@ -354,7 +354,7 @@ def test_decoding_with_tau_one_equals_dense(tiny):
     for method in ("dense", "qada"):
         cache = tiny.new_cache(340)
         logits = tiny.prefill(ids, cache)
-        attn = SparseAttention("qada", 1.0, moments=prompt_moments(cache)) if method == "qada" else None
+        attn = DecodeAttention("qada", inputs=dict(tau=1.0, moments=prompt_moments(cache))) if method == "qada" else None
         seq = []
         for _ in range(30):
             token = logits.argmax(-1)

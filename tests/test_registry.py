@@ -1,5 +1,6 @@
 """Adding a method is one function and one PATHS entry: a toy path registered in attention.PATHS runs through
-generate.py, eval.py and report.py with no other change, and its threshold grid follows from what it reads."""
+generate.py, lab.sweep and lab.report with no other change, and its threshold grid follows from what it reads. A path
+that reads an input nobody else reads gets it by name, set with --set NAME=VALUE in both CLIs."""
 
 import json
 
@@ -7,10 +8,8 @@ import pytest
 import torch
 
 import attention
-import eval as ev
+from lab import records, report, sweep
 import generate
-import records
-import report
 from attention import mixed_attention
 from tests.test_generate import make_tiny_dir, write_prompt
 
@@ -28,6 +27,14 @@ def toy_tau(q, k, v, *, n_sink, n_local, tau):
     return mixed_attention(q, k, v, labels, n_sink, n_local), labels
 
 
+def toy_share(q, k, v, *, n_sink, n_local, share):
+    """A new input, `share`: the first round(share * H) query heads on their local window, the others on the whole
+    cache."""
+    H = q.shape[0]
+    labels = torch.arange(H, device=q.device) < round(share * H)
+    return mixed_attention(q, k, v, labels, n_sink, n_local), labels
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_dir(tmp_path_factory.mktemp("tiny_registry"))
@@ -38,6 +45,7 @@ def registered(monkeypatch, tmp_path):
     """The toy paths in the one registry (for this test only), and a cache folder of the test's own."""
     monkeypatch.setitem(attention.PATHS, "toy", toy)
     monkeypatch.setitem(attention.PATHS, "toy_tau", toy_tau)
+    monkeypatch.setitem(attention.PATHS, "toy_share", toy_share)
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
 
 
@@ -59,7 +67,7 @@ def test_generate_runs_a_registered_path(tiny_dir, tmp_path, capsys, registered)
 def eval_run(out, tiny_dir, methods, *extra):
     argv = ["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "1", "--methods", methods,
             "--ablations", "", "--ctxfree-samples", "0", "--track", "", "--model", str(tiny_dir), "--no-report", *extra]
-    assert ev.main(argv) == 0
+    assert sweep.main(argv) == 0
     return {r["config"]: r for r in records.read_records(out)}
 
 
@@ -81,8 +89,8 @@ def test_eval_and_report_run_a_registered_path(tiny_dir, tmp_path, registered):
 
 
 def test_the_threshold_grid_follows_what_a_path_reads(tiny_dir, tmp_path, registered):
-    assert ev.threshold_kind("toy_tau") == "tau" and ev.threshold_kind("toy") is None
-    keys = [c.key for c in ev.build_configs(["toy_tau", "toy"], [0.3, 0.7], [0.5])]
+    assert sweep.threshold_kind("toy_tau") == "tau" and sweep.threshold_kind("toy") is None
+    keys = [c.key for c in sweep.build_configs(["toy_tau", "toy"], [0.3, 0.7], [0.5])]
     assert keys == ["toy_tau@0.3", "toy_tau@0.7", "toy"]
     records = eval_run(tmp_path / "run", tiny_dir, "toy_tau,toy", "--taus", "0.3,0.7")
     assert set(records) == {"toy_tau@0.3", "toy_tau@0.7", "toy"}
@@ -90,3 +98,29 @@ def test_the_threshold_grid_follows_what_a_path_reads(tiny_dir, tmp_path, regist
     for tau, sparsity in ((0.3, 0.0), (0.7, 1.0)):  # the grid's tau reached the path
         r = records[f"toy_tau@{tau:g}"]
         assert (r["threshold"], r["threshold_kind"], r["sparsity"]) == (tau, "tau", sparsity)
+
+
+def test_a_path_with_a_new_input_runs_through_generate_the_sweep_and_the_report(tiny_dir, tmp_path, capsys,
+                                                                                 registered):
+    prompt = str(write_prompt(tmp_path, 300))
+    argv = ["--prompt", prompt, "--model", str(tiny_dir), "--method", "toy_share", "--max-new-tokens", "5", "--json"]
+    for share, sparsity in ((0.5, 0.5), (0.25, 0.25)):  # the value reaches the path: 2 or 1 of 4 heads local
+        assert generate.main(argv + ["--set", f"share={share}"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert r["method"] == "toy_share" and r["sparsity"] == sparsity and r["new_tokens"] == 5
+
+    # unset, misspelt, or set for a path that does not read it: one line naming the input, exit 2
+    assert generate.main(argv) == 2 and "reads share" in capsys.readouterr().err
+    assert generate.main(argv + ["--set", "shar=0.5"]) == 2 and "--set shar" in capsys.readouterr().err
+    assert generate.main(argv + ["--set", "tau=0.5"]) == 2 and "flag of its own" in capsys.readouterr().err
+
+    out = tmp_path / "run"
+    found = eval_run(out, tiny_dir, "dense,toy_share", "--set", "share=0.25")
+    assert found["toy_share"]["sparsity"] == 0.25 and found["dense"]["sparsity"] == 0.0
+    assert json.loads((out / "run.json").read_text())["settings"]["inputs"] == {"share": 0.25}
+    report.report(out)
+    assert "| toy_share | 0.250 |" in (out / "summary.md").read_text()
+    capsys.readouterr()
+    assert sweep.main(["--out", str(tmp_path / "other"), "--methods", "dense", "--set", "share=0.5",
+                       "--model", str(tiny_dir)]) == 2
+    assert "--set share: no path of --methods reads it" in capsys.readouterr().err

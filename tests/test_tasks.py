@@ -1,4 +1,4 @@
-"""Tests for tasks.py: length fitting, reproducibility, answers present in the context, and the metrics.
+"""Tests for lab.tasks: length fitting, reproducibility, answers present in the context, and the metrics.
 
 No model and no real tokenizer: a stand-in counts words and punctuation marks as tokens and wraps turns in a
 trivial chat template. The essay, SQuAD and HotpotQA tests read the real data files (about 1.5 s in total,
@@ -12,9 +12,7 @@ from collections import Counter
 
 import pytest
 
-import tasks
-
-
+from lab import tasks
 class StandInTokenizer:
     """Words and single punctuation marks are tokens; turns are wrapped in <|role|> ... <|end|> lines."""
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tokenizer import Tokenizer
+from weights.tokenizer import Tokenizer
 
 # No whitespace runs before digits: there transformers' GGUF tokenizer (no Digits split) and the
 # original SmolLM2 tokenizer (with it) legitimately differ; see test_whitespace_run_before_a_digit.
@@ -221,7 +221,7 @@ def test_qwen_split_equals_the_regex(qwen_tok):
     import regex
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from convert_gguf import QWEN2_SPLIT
+    from weights.convert_gguf import QWEN2_SPLIT
 
     to_byte = {c: b for b, c in bytes_to_unicode().items()}
     for text in QWEN_TEXTS:

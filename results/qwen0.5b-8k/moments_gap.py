@@ -19,10 +19,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from attention import all_scores  # noqa: E402
-from checkpoints import load  # noqa: E402
+from weights.checkpoints import load  # noqa: E402
+from weights.downloads import cache_dir  # noqa: E402
 from criterion import gaussian_log_bulk, oracle_log_masses  # noqa: E402
 from moments import ReferenceKeys, bulk_end, mean_cov  # noqa: E402
-from tasks import make_sample  # noqa: E402
+from lab.tasks import make_sample  # noqa: E402
 
 N_SINK, N_LOCAL = 16, 128
 
@@ -30,7 +31,7 @@ N_SINK, N_LOCAL = 16, 128
 def main(threads: int, tasks: list[str], samples: int, length: int) -> None:
     torch.set_num_threads(threads)
     model, tok = load("qwen2.5-coder-0.5b", dtype=torch.bfloat16, progress=False)
-    reference = ReferenceKeys(model, tok, "random", progress=False)
+    reference = ReferenceKeys(model, tok, "random", root=cache_dir() / "moments", progress=False)
     L, H, D = model.cfg.num_hidden_layers, model.cfg.num_attention_heads, model.cfg.head_dim
     rows = []  # per (sample, layer): (H,) tensors
     for task in tasks:

@@ -1,6 +1,6 @@
-"""Tables and plots from an eval.py run folder: the paper's Fig. 4, 5e-g, 6a-c, 7, appendix C and Table 2.
+"""Tables and plots from a lab.sweep run folder: the paper's Fig. 4, 5e-g, 6a-c, 7, appendix C and Table 2.
 
-    python report.py results/ruler-4k
+    python -m lab.report results/ruler-4k
 
 Reads OUT/samples*.jsonl (complete or partial, every shard) and writes into OUT:
     summary.csv       task x config: n, score (x100), sparsity, KV-read fraction, answer tokens, decode time
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from plots import plots
-from records import (ABLATIONS, MAIN_TAU, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
+from lab.plots import plots
+from lab.records import (ABLATIONS, MAIN_TAU, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
                      lossless_table, mean, mean_draws, measured_points, method_configs, read_records, recall_rows,
                      run_recall, static_oracle_freq, summary_rows)
-from tasks import CTXFREE, TASKS as TASK_ORDER
+from lab.tasks import CTXFREE, TASKS as TASK_ORDER
 
 
 def fmt(x, scale=1.0, digits=1):
@@ -430,7 +430,7 @@ def dense_table(root: str | Path) -> str:
     tasks = [t for t in TASK_ORDER if any(r["task"] == t for *_, rows in runs for r in rows)]
     head = [f"{m} {n // 1024}k" for m, n, _, _ in runs]
     lines = ["# Dense score per task (x100, mean over n samples) and seconds per sample", "",
-             f"`python report.py --dense-table {root}`; dtype {', '.join(sorted({d for _, _, d, _ in runs}))}. "
+             f"`python -m lab.report --dense-table {root}`; dtype {', '.join(sorted({d for _, _, d, _ in runs}))}. "
              "s/sample = median of prefill + decode seconds.", "",
              "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(runs)]
     means = [[] for _ in runs]
@@ -459,7 +459,7 @@ def compare_runs(a: str | Path, b: str | Path) -> str:
     local frequency move."""
     ra = {(r["task"], r["index"], r["config"]): r for r in read_records(a)}
     rb = {(r["task"], r["index"], r["config"]): r for r in read_records(b)}
-    lines = [f"# {Path(a).name} vs {Path(b).name}", "", f"`python report.py {a} --compare {b}`", "",
+    lines = [f"# {Path(a).name} vs {Path(b).name}", "", f"`python -m lab.report {a} --compare {b}`", "",
              "| config | records | identical answers | equal scores | mean abs. sparsity diff | mean abs. head-frequency diff |",
              "|---|---:|---:|---:|---:|---:|"]
     for c in sorted({k[2] for k in ra.keys() & rb.keys()}, key=config_sort_key):
@@ -477,7 +477,7 @@ def compare_runs(a: str | Path, b: str | Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="run folder of eval.py (with --dense-table: a folder of run folders)")
+    p.add_argument("out", help="run folder of lab.sweep (with --dense-table: a folder of run folders)")
     p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's)")
     p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
                    "under OUT (a pilot over models and lengths), written to OUT/dense.md")

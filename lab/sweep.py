@@ -1,16 +1,18 @@
 """Sparsity sweeps on the RULER-style tasks: every method and threshold decoded from one dense prefill per sample.
 
-    python eval.py --tasks niah_single_1,fwe --length 4096 --samples 20 --out results/ruler-4k
-    python eval.py --quick --out runs/quick          # a smoke run of about 10 minutes on 2 CPU cores
+    python -m lab.sweep --tasks niah_single_1,fwe --length 4096 --samples 20 --out results/ruler-4k
+    python -m lab.sweep --quick --out runs/quick          # a smoke run of about 10 minutes on 2 CPU cores
 
 Per sample: one dense prefill, then greedy decoding under every requested (method, threshold) from that same
 cache, stopping at EOS or the task's max new tokens. The configurations decode side by side as the rows of
 one batch, each row a copy of the prompt's cache with its own decode-time attention (attention.BatchAttention,
 generate.decode_batch): a CPU decode step is dominated by reading the weights, which the rows share, so a
-sample's whole grid costs a few times one run. A row decodes exactly as it would alone (tests/test_eval.py).
+sample's whole grid costs a few times one run. A row decodes exactly as it would alone (tests/test_sweep.py).
 
-A configuration is a path of attention.PATHS (dense, local, oracle, static, qada, or any path added there)
-plus where its labels or moments come from; the paper's comparison (section 4.1) names these:
+The words, as the records use them: a *path* is a function of attention.PATHS; a *source* is where what it reads
+comes from (moments.SOURCES for moments; random, calibrated or own-task static labels); a *method* is a path run
+with a source, under a name of its own (METHODS) or a path's name (its default source); a *config* is a method at
+one threshold, "method@threshold". The paper's comparison (section 4.1) names these methods:
 
     dense               full attention on every head
     local               every head on its local window (16 sinks + 112 recent tokens): the floor
@@ -33,13 +35,14 @@ is decoded under oracle and qada_rw to show that sparsity rises when the answer 
 For the tracked methods (--track) the oracle labels and log masses ride along on every step, giving the
 QAdA-vs-oracle agreement (appendix C) and the Gaussian log-mass error (Table 2).
 
-One JSON line per (sample, method, threshold) is appended to OUT/samples.jsonl as soon as it is decoded; a
-restart skips what is there, so an interrupted run resumes where it stopped. report.py turns the lines
-into tables and plots (run at the end, or any time on a partial run).
+One JSON line per (sample, config) is appended to OUT/samples.jsonl as soon as it is decoded; a restart skips
+what is there, so an interrupted run resumes where it stopped. At the end the records are merged into
+OUT/samples.jsonl.gz (lab.records reads both forms). lab.report turns them into tables and plots (run at the end,
+or any time on a partial run). Inputs of a path that have no flag of their own: --set NAME=VALUE.
 
 Several processes, one per GPU (or per CPU core), through torch.distributed:
 
-    torchrun --standalone --nproc-per-node 8 eval.py --tasks ... --out results/ruler-4k
+    torchrun --standalone --nproc-per-node 8 -m lab.sweep --tasks ... --out results/ruler-4k
 
 Each rank loads the model on its own device (cuda:LOCAL_RANK; process group nccl on CUDA, gloo on CPU), runs
 its share of the samples and appends its records to OUT/samples.RANK.jsonl, so a restart resumes every rank's
@@ -47,7 +50,7 @@ records. The share: when the grid holds a configuration with "own-task" labels (
 per rank, because sample i of a task reads the oracle records of the task's samples 0 .. i-1 (own_task_freq);
 otherwise the (task, sample) jobs round-robin, so 8 ranks stay busy with 6 tasks. Rank 0 loads first (a model
 conversion, the calibration files, run.json: shared files written once) while the others wait; at the end it
-waits for every rank, merges the rank files into OUT/samples.jsonl in the order one process writes it, and
+waits for every rank, merges the rank files into OUT/samples.jsonl.gz in the order one process writes them, and
 writes run.json and the report. The progress bar is rank 0's share.
 """
 
@@ -67,23 +70,22 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import calibrate
-from attention import ANALYSIS_ONLY, PATHS, BatchAttention, SparseAttention, build_attention, path_inputs, summarize
-from checkpoints import DEFAULT, DTYPES, load
-from criterion import static_labels
-from generate import decode_batch
+from attention import ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, path_inputs, summarize
+from criterion import TAU, static_labels
+from generate import decode_batch, parse_inputs
+from lab import calibrate
+from lab.records import read_records, result_files, write_records
+from lab.report import report
+from lab.tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
 from moments import ReferenceKeys, reference_words
-from records import read_records, result_files
-from report import report
-from tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
+from weights.checkpoints import DEFAULT, DTYPES, load
+from weights.downloads import cache_dir
 
-CALIB_TAU = 0.6  # the oracle threshold whose head frequencies give the static labels (paper appendix A)
-
-# The paper's configurations (section 4.1) as a path of attention.PATHS plus the source of what it reads:
-# moments.OPTIONS for a path that reads moments, "random", "calibrated" or "own-task" for one that reads
+# The paper's methods (section 4.1) as a path of attention.PATHS plus the source of what it reads:
+# moments.SOURCES for a path that reads moments, "random", "calibrated" or "own-task" for one that reads
 # static labels (with "-kv": whole KV groups by their query heads' mean frequency). Any other name of PATHS runs
-# as itself, with the default source.
-VARIANTS = {
+# as itself, with the default source. The static labels come from the oracle's head frequencies at criterion.TAU.
+METHODS = {
     "random": ("static", "random"),
     "static": ("static", "calibrated"),
     "static_oracle": ("static", "own-task"),
@@ -99,26 +101,26 @@ DEFAULT_SOURCE = {"moments": "random-words", "static_local": "calibrated"}
 LABEL_SOURCES = ("random", "calibrated", "own-task", "calibrated-kv", "own-task-kv")
 
 
-def variant(name: str) -> tuple[str, str | None]:
-    """(path, source) of a configuration name (VARIANTS, or a path of attention.PATHS)."""
-    if name in VARIANTS:
-        return VARIANTS[name]
+def path_and_source(name: str) -> tuple[str, str | None]:
+    """(path, source) of a method (a name of METHODS, or a path of attention.PATHS)."""
+    if name in METHODS:
+        return METHODS[name]
     if name not in PATHS:
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(list(PATHS) + list(VARIANTS))}")
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(list(PATHS) + list(METHODS))}")
     reads = [i for i in path_inputs(name) if i in DEFAULT_SOURCE]
     return name, DEFAULT_SOURCE[reads[0]] if reads else None
 
 
 def threshold_kind(name: str) -> str | None:
-    """What a configuration's threshold is: "tau" (adaptive paths), "sparsity" (static labels) or None."""
-    path, _ = variant(name)
+    """What a method's threshold is: "tau" (adaptive paths), "sparsity" (static labels) or None."""
+    path, _ = path_and_source(name)
     inputs = path_inputs(path)
     return "sparsity" if "static_local" in inputs else "tau" if "tau" in inputs else None
 
 
 @dataclass(frozen=True)
 class Config:
-    method: str  # a name of VARIANTS or of attention.PATHS
+    method: str  # a name of METHODS or of attention.PATHS
     threshold: float | None = None  # tau or sparsity (threshold_kind); None when the path has neither
 
     @property
@@ -148,7 +150,7 @@ def parse_grids(items: list[str]) -> dict[str, list[float]]:
         name, sep, values = item.partition("=")
         if not sep or not values:
             raise ValueError(f"--grid takes NAME=v1,v2,...; got {item!r}")
-        variant(name)  # an unknown name is an error here, not a silently ignored grid
+        path_and_source(name)  # an unknown name is an error here, not a silently ignored grid
         grids[name] = parse_grid(values)
     return grids
 
@@ -205,7 +207,7 @@ def head_stats(stats, n_kv_heads: int, n_local: int) -> dict:
 
 
 def own_task_freq(resources: dict, sample) -> torch.Tensor:
-    """Static-oracle frequencies for sample i of a task: the adaptive oracle's (tau CALIB_TAU) local frequency on the
+    """Static-oracle frequencies for sample i of a task: the adaptive oracle's (tau TAU) local frequency on the
     same task's evaluated samples 0 .. i-1 (step-weighted), so no prompt labels itself; sample 0 falls back to the
     task's calibration prompts (other seed)."""
     prev = [(f, s) for (t, j), (f, s) in resources.get("oracle_freq", {}).items() if t == sample.task and j < sample.index and s]
@@ -226,17 +228,19 @@ def config_labels(cfg: Config, source: str, model, sample, resources: dict, seed
 
 
 def config_attention(cfg: Config, model, sample, cache, resources: dict, track: bool, seed: int, n_sink: int,
-                     n_local: int) -> SparseAttention:
-    """The decode-time attention of one configuration, through attention.build_attention."""
-    path, source = variant(cfg.method)
-    inputs = path_inputs(path)
+                     n_local: int) -> DecodeAttention:
+    """The decode-time attention of one configuration, through attention.build_attention; the inputs set with --set
+    (resources["inputs"]) go to every path that reads them."""
+    path, source = path_and_source(cfg.method)
+    reads = path_inputs(path)
     kind = threshold_kind(cfg.method)
-    labels = config_labels(cfg, source, model, sample, resources, seed) if "static_local" in inputs else None
-    words = reference_words(source) if "moments" in inputs else None
-    return build_attention(path, cache, tau=cfg.threshold if kind == "tau" else CALIB_TAU,
-                           moments=source if "moments" in inputs else "random-words",
-                           reference=resources["reference"][words] if words else None, static_local=labels,
-                           n_sink=n_sink, n_local=n_local, track_oracle=track)
+    labels = config_labels(cfg, source, model, sample, resources, seed) if "static_local" in reads else None
+    words = reference_words(source) if "moments" in reads else None
+    return build_attention(path, cache, n_sink=n_sink, n_local=n_local,
+                           moments_source=source if "moments" in reads else "random-words",
+                           reference=resources["reference"][words] if words else None, track_oracle=track,
+                           tau=cfg.threshold if kind == "tau" else TAU, static_local=labels,
+                           **resources.get("inputs", {}))
 
 
 LIST_MARKER = re.compile(r"^\s*(\d+[.)]|[-*•])\s*")
@@ -274,7 +278,7 @@ def run_configs(cfgs: list[Config], model, tok, sample, cache, logits, n_prompt:
     records = []
     for cfg, att, ids in zip(cfgs, atts, new):
         text = tok.decode(ids)
-        path, source = variant(cfg.method)
+        path, source = path_and_source(cfg.method)
         rec = {"task": sample.task, "index": sample.index, "config": cfg.key, "method": cfg.method, "path": path,
                "source": source, "threshold": cfg.threshold, "threshold_kind": threshold_kind(cfg.method),
                "n_prompt": n_prompt, "n_new": len(ids), "decode_s": round(decode_s, 2),
@@ -288,11 +292,6 @@ def run_configs(cfgs: list[Config], model, tok, sample, cache, logits, n_prompt:
 
 # ---------------------------------------------------------------------------------------------------------
 # The sweep
-
-
-def done_keys(out: Path) -> set[tuple]:
-    """(task, index, config) of every record already written."""
-    return {(r["task"], r["index"], r["config"]) for r in read_records(out)}
 
 
 def plan(tasks: list[str], samples: int, configs: list[Config], ablations: list[Config], ablation_samples: int,
@@ -311,9 +310,9 @@ def plan(tasks: list[str], samples: int, configs: list[Config], ablations: list[
 def load_resources(model, tok, tasks: list[str], configs: list[Config], static_labels_dir: Path | None,
                    calibrate_kwargs: dict, progress: bool = True) -> dict:
     """The reference prompts' keys (Option 2) and static label frequencies that the configurations read."""
-    sources = {variant(c.method) for c in configs}
+    sources = {path_and_source(c.method) for c in configs}
     words = {reference_words(src) for path, src in sources if "moments" in path_inputs(path)} - {None}
-    res = {"reference": {w: ReferenceKeys(model, tok, w, progress=progress) for w in sorted(words)}, "oracle_freq": {}}
+    res = {"reference": {w: ReferenceKeys(model, tok, w, root=cache_dir() / "moments", progress=progress) for w in sorted(words)}, "oracle_freq": {}}
     if any(src != "random" for path, src in sources if "static_local" in path_inputs(path)):
         res["static_freq"] = calibrate.ensure(model, tok, tasks, static_labels_dir, **calibrate_kwargs)
     return res
@@ -329,7 +328,7 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
     resources.setdefault("oracle_freq", {})
     resources.setdefault("reference", {})
     for r in records:  # the oracle's head frequencies on finished samples: the static-oracle labels of later ones
-        if r["config"] == Config("oracle", CALIB_TAU).key and r.get("local_freq"):
+        if r["config"] == Config("oracle", TAU).key and r.get("local_freq"):
             resources["oracle_freq"][r["task"], r["index"]] = (torch.tensor(r["local_freq"]), r["steps"])
     if path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
         with open(path, "a") as f:  # end a line torn by a kill, so the next record starts on a line of its own
@@ -356,7 +355,7 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
                     rec["prefill_s"] = round(prefill_s, 2)
                     f.write(json.dumps(rec) + "\n")
             for cfg, rec in zip(group, records):
-                if cfg == Config("oracle", CALIB_TAU) and rec.get("local_freq"):
+                if cfg == Config("oracle", TAU) and rec.get("local_freq"):
                     resources["oracle_freq"][task, index] = (torch.tensor(rec["local_freq"]), rec["steps"])
             written += len(records)
             bar.update(len(records))
@@ -378,22 +377,20 @@ def split(jobs, tasks: list[str], k: int, n: int, by_task: bool) -> list:
 
 
 def merge(out: Path, jobs) -> Path:
-    """Every record of OUT/samples*.jsonl into OUT/samples.jsonl, in the order one process writes them (`jobs`'
-    order, a sample's records in configuration order; records outside `jobs`, from earlier runs, first), each
-    (task, index, config) once; then the rank files are removed. The new file is renamed into place, so a kill
-    leaves the old files or the merged one (and rank files that the next merge skips as duplicates)."""
+    """Every record of the run's files (lab.records.result_files) into OUT/samples.jsonl.gz, in the order one process
+    writes them (`jobs`' order, a sample's records in configuration order; records outside `jobs`, from earlier
+    runs, first), each (task, index, config) once; then the plain files are removed. The new file is renamed into
+    place, so a kill leaves the old files or the merged one (and plain files that the next merge skips as
+    duplicates)."""
     position = {}
     for task, index, cfgs in jobs:
         for c in cfgs:
             position.setdefault((task, index, c.key), len(position))
     records = {}
-    for r in read_records(out):  # samples.jsonl and every samples.R.jsonl; torn lines are skipped
+    for r in read_records(out):  # the compressed file first, then samples.jsonl and samples.R.jsonl
         records.setdefault((r["task"], r["index"], r["config"]), r)
     ordered = sorted(records.values(), key=lambda r: position.get((r["task"], r["index"], r["config"]), -1))
-    path = out / "samples.jsonl"
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in ordered))
-    os.replace(tmp, path)
+    path = write_records(out / "samples.jsonl.gz", ordered)
     for p in result_files(out):
         if p != path:
             p.unlink()
@@ -460,7 +457,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
         calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, dtype: str,
         threads: int | None, quick: bool = False, shard: str = "0/1", batch: int = 32, report_at_end: bool = True,
-        progress: bool = True, device: str | None = None) -> Path:
+        progress: bool = True, device: str | None = None, inputs: list[str] = ()) -> Path:
     if threads:
         torch.set_num_threads(threads)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -477,18 +474,23 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     grids = parse_grids(grid)
     configs = build_configs([m for m in methods.split(",") if m], parse_grid(taus), parse_grid(sparsities), grids)
     abl = build_configs([m for m in ablations.split(",") if m], parse_grid(ablation_taus), [])
-    ctxfree = [Config("oracle", CALIB_TAU)] + build_configs(["qada_rw"], parse_grid(taus), [], grids)  # Fig. 6c, 7b
+    ctxfree = [Config("oracle", TAU)] + build_configs(["qada_rw"], parse_grid(taus), [], grids)  # Fig. 6c, 7b
+    extra_inputs = parse_inputs(inputs, reserved={"layer", "n_sink", "n_local", "tau", "moments", "static_local"})
+    for name in extra_inputs:
+        if not any(name in path_inputs(path_and_source(c.method)[0]) for c in configs + abl):
+            raise ValueError(f"--set {name}: no path of --methods reads it")
     model = model or DEFAULT  # the name, not None, so a run keeps its model when the default changes
     settings = dict(tasks=task_list, length=length, seed=seed, stop=stop, n_sink=n_sink, n_local=n_local, model=model,
                     calib_seed=calib_seed, dtype=dtype)
+    if extra_inputs:
+        settings["inputs"] = extra_inputs
     out.mkdir(parents=True, exist_ok=True)
     meta = out / "run.json"
     t_start = time.perf_counter()
     with rank_zero_first(rank, world):
         if rank == 0:
             if meta.is_file():  # resuming: refuse to mix runs with different settings in one file
-                old = dict({"dtype": "float32"}, **json.loads(meta.read_text())["settings"])  # before --dtype: fp32
-                old["model"] = old.get("model") or "smollm2-135m"  # before named models: the default then
+                old = json.loads(meta.read_text())["settings"]
                 clash = {k: (old.get(k), v) for k, v in settings.items() if k != "tasks" and old.get(k) != v}
                 if clash:
                     raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
@@ -504,11 +506,12 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                                                     max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local,
                                                     ruler_tasks=static_tasks.split(",") if static_tasks else None),
                                    progress)
+        resources["inputs"] = extra_inputs
     jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)
     k, n_shards = (rank, world) if world > 1 else (int(x) for x in shard.split("/"))
     mine, path = jobs, out / "samples.jsonl"
     if n_shards > 1:  # whole tasks when a configuration reads its own task's earlier samples (and under --shard)
-        by_task = world == 1 or any(variant(c.method)[1] in ("own-task", "own-task-kv") for c in configs + abl)
+        by_task = world == 1 or any(path_and_source(c.method)[1] in ("own-task", "own-task-kv") for c in configs + abl)
         mine, path = split(jobs, task_list, k, n_shards, by_task), out / f"samples.{k}.jsonl"
     n = sweep(net, tok, out, mine, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress,
               path, batch)
@@ -520,7 +523,9 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         if rank > 0:
             return out
         per_rank = [a - b for a, b in zip(rank_lines(out, world), before)]
-        n, path = sum(per_rank), merge(out, jobs)
+        n = sum(per_rank)
+    if world > 1 or n_shards == 1:  # the last process standing: every record, compressed, in one file
+        path = merge(out, jobs)
     wall = time.perf_counter() - t_start
     session = {"command": " ".join(sys.argv), "lines_written": n, "wall_s": round(wall, 1),
                "threads": torch.get_num_threads(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -542,8 +547,8 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=4096, help="prompt + answer token budget")
     p.add_argument("--samples", type=int, default=20, help="samples per task")
     p.add_argument("--methods", default="dense,local,random,static,static_oracle,oracle,qada_rw,qada_prompt",
-                   help="comma-separated configurations: a path of attention.PATHS or a named variant "
-                        f"({', '.join(f'{k}={v[0]}:{v[1]}' for k, v in VARIANTS.items())})")
+                   help="comma-separated methods: a path of attention.PATHS or a named method "
+                        f"({', '.join(f'{k}={v[0]}:{v[1]}' for k, v in METHODS.items())})")
     p.add_argument("--taus", default="0.4,0.6,0.8,0.9", help="tau grid of every configuration with a tau")
     p.add_argument("--sparsities", default="0.5,0.8", help="sparsity grid of every static-label configuration")
     p.add_argument("--grid", action="append", default=[], metavar="NAME=v1,v2",
@@ -554,7 +559,7 @@ def main(argv=None) -> int:
     p.add_argument("--ctxfree-samples", type=int, default=5, help="context-independent samples (0 = none)")
     p.add_argument("--track", default="qada_rw",
                    help="methods that also record the oracle labels and log masses (costs ~30%% decode time)")
-    p.add_argument("--static-labels", default=None, help="folder of calibrate.py files (default OUT/static_labels; "
+    p.add_argument("--static-labels", default=None, help="folder of lab.calibrate files (default OUT/static_labels; "
                    "calibrated on first use)")
     p.add_argument("--static-tasks", default=None, help="tasks whose calibration prompts make the static (RULER) "
                    "labels (default: --tasks); keep it fixed when a run is continued with other --tasks")
@@ -566,9 +571,12 @@ def main(argv=None) -> int:
                    help="end an answer at EOS / max new tokens only (eos, RULER's rule: the headline numbers), or also "
                         "once it loops or, for niah, fwe and qa, once its sentence has ended (sentence, cheaper; the "
                         "SmolLM2 sweeps used it; see answer_finished)")
-    p.add_argument("--sink", dest="n_sink", type=int, default=16, help="sink tokens")
-    p.add_argument("--window", dest="n_local", type=int, default=128, help="local window, sinks included")
-    p.add_argument("--model", default=None, help="a named offline model (checkpoints.py), a model folder or a hub id "
+    p.add_argument("--n-sink", type=int, default=16, help="sink tokens at the start of the window")
+    p.add_argument("--n-local", type=int, default=128, help="the window's size (the paper's T_local), sinks included")
+    p.add_argument("--set", dest="inputs", action="append", default=[], metavar="NAME=VALUE",
+                   help="an input a path reads by NAME that has no flag of its own (a new path's; repeatable); every "
+                        "configuration whose path reads it gets it")
+    p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a hub id "
                    f"(default: {DEFAULT})")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -576,7 +584,7 @@ def main(argv=None) -> int:
                    "context-free samples count as one more task) and writes OUT/samples.K.jsonl; start N processes "
                    "(e.g. with --threads 1 each) to use N cores. Under torchrun the ranks split the sweep instead: "
                    "whole tasks when static_oracle (own-task labels) is in the grid, else samples round-robin; rank 0 "
-                   "merges their files into samples.jsonl")
+                   "merges their files into samples.jsonl.gz")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, cuda:LOCAL_RANK "
                    "under torchrun; else cpu)")
     p.add_argument("--batch", type=int, default=32, help="configurations of a sample decoded side by side as one "
@@ -592,7 +600,7 @@ def main(argv=None) -> int:
     try:
         args.device = pick_device(args.device)
         with process_group(args.device):
-            run(**vars(args), progress=sys.stderr.isatty() or True)
+            run(**vars(args), progress=True)  # the bar goes to stderr, also into a log file: a sweep runs for hours
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

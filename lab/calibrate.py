@@ -1,6 +1,6 @@
 """Static head labels from oracle statistics: how often each (layer, head) is local on calibration prompts (App. A).
 
-    python calibrate.py --tasks niah_single_1,fwe --length 4096 --samples 4 --out results/static_labels
+    python -m lab.calibrate --tasks niah_single_1,fwe --length 4096 --samples 4 --out results/static_labels
 
 Per calibration prompt: a dense prefill, then greedy decoding under the adaptive oracle (Eq. 2, tau 0.6, as the
 paper's appendix A does for RULER), counting per (layer, head) the fraction of decode steps labelled local.
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from attention import build_attention
-from checkpoints import DEFAULT, load
+from weights.checkpoints import DEFAULT, load
 from criterion import save_labels
 from generate import decode
-from tasks import make_sample
+from lab.tasks import make_sample
 
 TAU = 0.6
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=4, help="calibration prompts per task")
     p.add_argument("--seed", type=int, default=1, help="task seed (keep it different from the evaluation's 42)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="oracle decode steps per prompt at most")
-    p.add_argument("--model", default=None, help="a named offline model (checkpoints.py), a model folder or a hub id "
+    p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a hub id "
                    f"(default: {DEFAULT})")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and KV cache dtype")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
