@@ -140,7 +140,7 @@ def curves(rows, tasks, configs):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Lossless sparsity with a paired bootstrap (issue 10: numbers a reviewer would accept)
+# Lossless sparsity with a paired bootstrap over the samples
 
 
 LOSSLESS = 0.95  # a configuration is lossless when its mean normalised score is at least this fraction of dense

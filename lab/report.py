@@ -6,9 +6,8 @@ Reads OUT/samples*.jsonl (complete or partial, every shard) and writes into OUT:
     summary.csv       task x config: n, score (x100), sparsity, KV-read fraction, answer tokens, decode time
     summary.md        the same as pivot tables, with the dense score and the local-window floor per task
     analysis.md       lossless sparsity and KV read with paired-bootstrap intervals, score / dense per configuration
-                      with its interval, the KV-group rules against
-                      per-head QAdA (issue 12), the paper's claims against ours with intervals, QAdA against the
-                      oracle per layer,
+                      with its interval, the KV-group rules against per-head QAdA, the paper's claims against ours
+                      with intervals, QAdA against the oracle per layer,
                       agreement with the oracle by head decile and recall of long-context heads (App. C),
                       the Gaussian log-mass error (Table 2), the context-independent question (Fig. 6c),
                       the moments ablations (Fig. 5e-g)
@@ -122,7 +121,7 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
                      f"{fmt(r['sparsity'], 1, 2)} | {r['points']} | {r['min_kv_read']:.2f} | {r['n']} |")
     diffs = kv_read_differences(rows, tasks)
     if diffs:
-        lines += ["", "## Per KV group against per query head and static per KV head (issue 12): lossless KV read, paired",
+        lines += ["", "## Per KV group against per query head and static per KV head: lossless KV read, paired",
                   "", kv_read_differences.__doc__.split("\n\n")[0].replace("\n    ", " "), "",
                   "| method | lossless KV read | against | its lossless KV read | difference | 95 % interval | samples |",
                   "|---|---:|---|---:|---:|---|---:|"]
@@ -166,7 +165,7 @@ def kv_read_differences(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The paper's claims against ours, each with a 95 % interval (issue 10)
+# The paper's claims against ours, each with a 95 % interval
 
 
 def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:

@@ -450,7 +450,7 @@ def test_claims_table_against_hand_computed_values():
 
 
 def test_kv_read_differences_are_paired():
-    """Issue 12's comparison by hand: the group rule is lossless down to 0.7 of the KV read, per-head QAdA to 0.8, so
+    """The KV-group comparison by hand: the group rule is lossless down to 0.7 of the KV read, per-head QAdA to 0.8, so
     the difference is -0.10, a point when every sample agrees; the pairs with methods that never ran are left out."""
     rows = []
     for task in ("a", "b"):

@@ -1,6 +1,6 @@
-"""One-off measurement (issue 11): does torch.compile of the whole decode step pay on this CPU?
+"""A one-off measurement: does torch.compile of the whole decode step pay on this CPU?
 
-    python bench_results/compile_step.py --threads 2 > bench_results/compile_step.md
+    python results/bench/compile_step.py --threads 2 > results/bench/compile_step.md
 
 The default model in bf16 on the shipped needle prompt; greedy decoding of 16 tokens, eager against
 torch.compile(model.forward, dynamic=True), for dense and for QAdA (tau 0.6, random-words moments). QAdA's step

@@ -1,4 +1,4 @@
-"""Why QAdA's random-words moments underestimate the bulk in the late layers (issue 10): one-off analysis.
+"""Why QAdA's random-words moments underestimate the bulk in the late layers: a one-off analysis.
 
     python results/qwen0.5b-8k/moments_gap.py --threads 1 > results/qwen0.5b-8k/moments_gap.md
 
