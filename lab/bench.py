@@ -52,7 +52,7 @@ time (the window-only run) and the measured KV read. Lengths above the model's c
 override (--rope-theta) and moments from a random-words prompt of that length (computed once, then cached in
 ~/.cache/qada/moments).
 
-Outputs in --out (bench_results/): per part its table (attention.md, end_to_end.md), where the time goes
+Outputs in --out (results/bench/): per part its table (attention.md, end_to_end.md), where the time goes
 (attention_profile.md, end_to_end_profile.md) and its rows (attention.json, end_to_end.json); speedup.png draws
 every part in the folder, so the two parts may run apart.
 """
@@ -608,7 +608,7 @@ if __name__ == "__main__":
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer lengths, repeats and tokens")
     p.add_argument("--decode-tokens", type=int, default=8, help="tokens decoded per method and timed repeat, end to end (default: 8)")
     p.add_argument("--rope-theta", type=float, default=4e5, help="RoPE base for end-to-end lengths above the model's context (default: 4e5)")
-    p.add_argument("--out", default="bench_results", help="output folder (default: bench_results)")
+    p.add_argument("--out", default="results/bench", help="output folder")
     p.add_argument("--model", default=DEFAULT, help=f"end-to-end model: a name, folder or hub id (default: {DEFAULT})")
     p.add_argument("--batches", default="1,8", help="end-to-end batch sizes, each row a different prompt (default: 1,8)")
     p.add_argument("--e2e-methods", default="qada@0.6", help="sparse paths timed end to end, PATH@TAU,... (e.g. "

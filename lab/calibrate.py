@@ -19,12 +19,10 @@ from pathlib import Path
 import torch
 
 from attention import build_attention
-from weights.checkpoints import DEFAULT, load
-from criterion import save_labels
+from criterion import TAU, save_labels
 from generate import decode
 from lab.tasks import make_sample
-
-TAU = 0.6
+from weights.checkpoints import DEFAULT, load
 
 
 @torch.inference_mode()

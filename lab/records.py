@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from criterion import static_labels
+from criterion import TAU, static_labels
 
 
 # The order and names in which tables and figures list the configurations the paper compares; any other name (a new
@@ -27,7 +27,7 @@ LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads
          "static_oracle_kv": "static oracle per KV head", "oracle_kv": "adaptive oracle per KV group (mean share)",
          "qada_kv": "QAdA per KV group (mean share; ours)", "qada_kv_all": "QAdA per KV group (all local; ours)"}
 ABLATIONS = ("qada_word", "qada_long")
-MAIN_TAU = 0.6  # the paper's tau for the head maps, agreement and log-error tables
+MAIN_TAU = TAU  # the paper's tau: the head maps, agreement and log-error tables read the runs at it
 
 
 def result_files(out: Path) -> list[Path]:

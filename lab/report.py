@@ -2,7 +2,8 @@
 
     python -m lab.report results/ruler-4k
 
-Reads OUT/samples*.jsonl (complete or partial, every shard) and writes into OUT:
+Reads OUT's records (lab.records.result_files: samples.jsonl.gz, or the plain files of a run in progress) and writes
+into OUT:
     summary.csv       task x config: n, score (x100), sparsity, KV-read fraction, answer tokens, decode time
     summary.md        the same as pivot tables, with the dense score and the local-window floor per task
     analysis.md       lossless sparsity and KV read with paired-bootstrap intervals, score / dense per configuration
@@ -11,9 +12,9 @@ Reads OUT/samples*.jsonl (complete or partial, every shard) and writes into OUT:
                       agreement with the oracle by head decile and recall of long-context heads (App. C),
                       the Gaussian log-mass error (Table 2), the context-independent question (Fig. 6c),
                       the moments ablations (Fig. 5e-g)
-    fig4_score_vs_sparsity.png, fig5_moments_ablation.png, fig6a_sparsity_along_answer.png,
-    fig6b_sparsity_vs_tau.png, fig6c_sparsity_by_task.png, fig7_long_context_heads.png,
-    figC_recall_long_context_heads.png
+    fig4_score_vs_sparsity.png, figKV_score_vs_kv_read.png (when the KV-group paths ran),
+    fig5efg_moments_ablation.png (when the ablations ran), fig6a_sparsity_along_answer.png,
+    fig6bc_sparsity_vs_tau.png, fig7_long_context_heads.png, figC_recall_long_context_heads.png
 Averages over tasks use only the samples every compared config has finished, so a partial run compares like
 with like. Sparsity = fraction of (decode step, layer, head) labelled local, averaged per sample.
 """

@@ -73,11 +73,11 @@ from tqdm import tqdm
 from attention import ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, path_inputs, summarize
 from criterion import TAU, static_labels
 from generate import decode_batch, parse_inputs
+from moments import ReferenceKeys, reference_words
 from lab import calibrate
 from lab.records import read_records, result_files, write_records
 from lab.report import report
 from lab.tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
-from moments import ReferenceKeys, reference_words
 from weights.checkpoints import DEFAULT, DTYPES, load
 from weights.downloads import cache_dir
 

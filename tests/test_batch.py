@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-import generate
 from attention import BatchAttention, DecodeAttention, reference_attention
+import generate
 from model import load_model
 from tests.test_generate import make_tiny_dir, write_prompt
 

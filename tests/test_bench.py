@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import attention
-from lab import bench
 from attention import full_attention, mixed_attention, reference_attention
+from lab import bench
 
 N_SINK, N_LOCAL = 16, 128
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from model import load_model
 from weights import checkpoints, convert_gguf, downloads
 from weights.checkpoints import MODELS, assemble, chunked, ensure_gguf, ensure_model, gguf_path, model_dir, resolve
-from model import load_model
 from weights.tokenizer import Tokenizer
 
 from tests.test_convert import write_tiny_gguf

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from weights import checkpoints
-import generate
 from attention import PATHS, path_inputs
 from criterion import save_labels
+import generate
 from moments import SOURCES
+from weights import checkpoints
 from tests.test_model import save_tiny
 
 

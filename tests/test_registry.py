@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import attention
-from lab import records, report, sweep
-import generate
 from attention import mixed_attention
+import generate
+from lab import records, report, sweep
 from tests.test_generate import make_tiny_dir, write_prompt
 
 

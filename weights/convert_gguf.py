@@ -1,6 +1,6 @@
 """Convert a GGUF file (Llama or Qwen2 architecture) into a plain Hugging Face style folder.
 
-    python convert_gguf.py --gguf model.gguf --out model/
+    python -m weights.convert_gguf --gguf model.gguf --out model/
 
 The rest of the project reads one format only: config.json + model.safetensors + tokenizer.json
 (+ tokenizer_config.json, generation_config.json). This file turns a llama.cpp GGUF into that; where a
@@ -17,8 +17,11 @@ Four things differ between GGUF and Hugging Face checkpoints:
      pre-tokenizer split (`tokenizer.ggml.pre`): rebuilt with `tokenizers`;
   4. a chat model's stop tokens: Qwen2 stops on <|im_end|> and <|endoftext|>, the GGUF names only one.
 Reference: llama.cpp convert_hf_to_gguf.py (LlamaModel.permute) and llama-vocab.cpp (pre-tokenizer
-regexes), gguf-py, the safetensors format, and ../shared/notes/embedded-model.md for the checks behind
-each step.
+regexes), gguf-py and the safetensors format. The checks behind each step: the un-permuted weights equal
+transformers' GGUF-loaded ones exactly, and with rotate-half RoPE give its logits exactly (the raw GGUF
+weights with rotate-half RoPE are far off: max logit diff ~23 on SmolLM2); Qwen2's stored q/k are already
+rotate-half (un-permuting them raises the NLL of English text, 1.34 -> 1.67 on the 1.5B); the rebuilt
+tokenizers round-trip decode(encode(x)) == x (tests/test_convert.py, tests/test_tokenizer.py).
 """
 
 import argparse
@@ -261,7 +264,8 @@ def write_weights(reader, config: dict, path: Path, progress: bool = False) -> i
 
 
 def build_tokenizer(reader):
-    """A `tokenizers.Tokenizer` equal to the original byte-level BPE (recipes: embedded-model.md sec. 3 and 8)."""
+    """A `tokenizers.Tokenizer` equal to the original byte-level BPE: BPE(vocab, merges), the pre-tokenizer that
+    llama.cpp's `tokenizer.ggml.pre` names, a byte-level decoder, and the control tokens added as special."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     kind, pre = _meta(reader, "tokenizer.ggml.model"), _meta(reader, "tokenizer.ggml.pre", "default")

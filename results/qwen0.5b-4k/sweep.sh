@@ -1,11 +1,11 @@
 #!/bin/bash
-# Issue #10's second length: 4k on the research model (Qwen2.5-Coder-0.5B, bf16), 15 samples per task, the 8k grid
-# without issue 12's KV-group paths (asked at 8k only). Two ranks of one thread each; rerun to resume.
+# The second length: 4k on the research model (Qwen2.5-Coder-0.5B, bf16), 15 samples per task, the 8k grid
+# without the KV-group paths (run at 8k only). Two ranks of one thread each; rerun to resume.
 # QAdA's tau 0.95 and 0.9 were added after the first 63 samples: at 4k its highest tau, 0.8, sits at 0.59 sparsity
 # and was not clearly lossless (0.97 of dense [0.92, 1.01]); a resumed run decodes the new points for every sample.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2
-exec torchrun --nproc-per-node 2 eval.py --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
+exec torchrun --nproc-per-node 2 -m lab.sweep --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
   --tasks niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
   --length 4096 --samples 15 --stop eos --batch 36 \
   --methods dense,local,random,static,static_oracle,oracle,qada_rw,qada_prompt \

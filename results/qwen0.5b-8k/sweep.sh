@@ -1,8 +1,9 @@
 #!/bin/bash
-# Issue #10's sweep at 8k on the research model (Qwen2.5-Coder-0.5B, bf16), two ranks of one thread each.
+# The 8k sweep on the research model (Qwen2.5-Coder-0.5B, bf16), with the KV-group paths; two ranks of one thread
+# each. Rerun to resume.
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2  # two ranks of ~7 GB each: 72 rows of an 8k cache are 7.2 GB, so a sample decodes as two batches
-exec torchrun --nproc-per-node 2 eval.py --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
+exec torchrun --nproc-per-node 2 -m lab.sweep --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
   --tasks niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
   --length 8192 --samples 30 --stop eos --batch 36 \
   --methods dense,local,random,static,static_oracle,oracle,qada_rw,qada_prompt,static_oracle_kv,oracle_kv,qada_kv,qada_kv_all \
