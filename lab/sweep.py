@@ -495,10 +495,10 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                 if clash:
                     raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
                 settings["tasks"] = list(dict.fromkeys(old["tasks"] + task_list))
-            info = json.loads(meta.read_text()) if meta.is_file() else {"sessions": []}
+            info = json.loads(meta.read_text()) if meta.is_file() else {"runs": []}
             info["settings"] = settings
             meta.write_text(json.dumps(info, indent=1))  # now, so that a partial run describes itself
-            before = rank_lines(out, world) if world > 1 else []  # lines a killed session left in rank files
+            before = rank_lines(out, world) if world > 1 else []  # lines a killed run left in rank files
         net, tok = load(model, device=device, dtype=DTYPES[dtype], progress=progress)
         labels_dir = Path(static_labels) if static_labels else out / "static_labels"
         resources = load_resources(net, tok, task_list, configs + abl + (ctxfree if ctxfree_samples else []),
@@ -527,11 +527,11 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     if world > 1 or n_shards == 1:  # the last process standing: every record, compressed, in one file
         path = merge(out, jobs)
     wall = time.perf_counter() - t_start
-    session = {"command": " ".join(sys.argv), "lines_written": n, "wall_s": round(wall, 1),
+    this_run = {"command": " ".join(sys.argv), "lines_written": n, "wall_s": round(wall, 1),
                "threads": torch.get_num_threads(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     if world > 1:
-        session.update(ranks=world, device=str(net.device), lines_per_rank=per_rank)
-    info["sessions"].append(session)
+        this_run.update(ranks=world, device=str(net.device), lines_per_rank=per_rank)
+    info["runs"].append(this_run)
     meta.write_text(json.dumps(info, indent=1))
     print(f"{n} runs written to {path} in {wall / 60:.1f} min")
     if report_at_end:

@@ -62,12 +62,12 @@ def keys(records: list[dict]) -> list[tuple]:
 
 
 def assert_one_run(out: Path, lines_per_rank: list[int]):
-    """The files one process leaves: samples.jsonl.gz alone and run.json with one session, written by rank 0; and
-    the lines each rank wrote in that session."""
+    """The files one process leaves: samples.jsonl.gz alone and run.json with one run, written by rank 0; and
+    the lines each rank wrote in that run."""
     assert records.result_files(out) == [out / "samples.jsonl.gz"]  # the rank files are merged and gone
-    sessions = json.loads((out / "run.json").read_text())["sessions"]
-    assert len(sessions) == 1 and sessions[0]["ranks"] == 2
-    assert sessions[0]["lines_per_rank"] == lines_per_rank and sessions[0]["lines_written"] == sum(lines_per_rank)
+    runs = json.loads((out / "run.json").read_text())["runs"]
+    assert len(runs) == 1 and runs[0]["ranks"] == 2
+    assert runs[0]["lines_per_rank"] == lines_per_rank and runs[0]["lines_written"] == sum(lines_per_rank)
 
 
 @pytest.mark.parametrize("by_task", [True, False], ids=["by-task", "round-robin"])
@@ -93,7 +93,7 @@ def test_two_ranks_write_what_one_process_writes(tiny_dir, tmp_path, by_task):
 
 
 def test_a_restart_decodes_only_what_is_missing(tiny_dir, tmp_path):
-    """A previous session left fwe#0 merged and ctxfree#0 in rank 1's file (rank 1 was then killed while writing
+    """A previous run left fwe#0 merged and ctxfree#0 in rank 1's file (rank 1 was then killed while writing
     its next batch, a torn line): the restart decodes the rest, keeps those lines as they were and merges all."""
     eval_py(tmp_path / "alone", ROUND_ROBIN, tiny_dir, tmp_path / "cache")
     one = lines(tmp_path / "alone")
