@@ -12,6 +12,7 @@ parameters without a default name what else it reads; the ones used here:
     tau            the local-share threshold of Eq. 2 / Eq. 7
     moments        moments.KeyMoments: the bulk keys' Gaussian (qada)
     static_local   (L, H) bool labels fixed for every query (static)
+    calibration    criterion.Calibration: a correction of Eq. 7 per layer and head (qada_cal)
 
 A new path may read a new input: it is one more keyword, which DecodeAttention passes through by name (the CLIs
 set it with `--set NAME=VALUE`). A keyword with a default is a setting its PATHS entry fixes (functools.partial).
@@ -68,22 +69,30 @@ def static(q, k, v, *, layer, n_sink, n_local, static_local):
     return mixed_attention(q, k, v, labels, n_sink, n_local), labels
 
 
-def qada(q, k, v, *, layer, n_sink, n_local, tau, moments, rule=None):
+def qada(q, k, v, *, layer, n_sink, n_local, tau, moments, rule=None, correction=None):
     """Listing 1: the window's scores, the Gaussian estimate of the bulk (Eq. 7), then full attention for the
     long-context heads only. With a `rule`, one decision per KV group (ours): a group labelled long-context reads
-    its KV head once for all G query heads, a local group reads its window only."""
+    its KV head once for all G query heads, a local group reads its window only. `correction`: qada_cal's."""
     y_window, log_local = window_attention(q, k, v, n_sink, n_local)
     T = k.shape[1]
     if T <= n_local:  # no bulk: the window is the whole context, every head is exact and local
         return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
     form = moments.quadratic_form(layer, k)  # Eq. 6's (A, b): q A q^T + q b = mu_s + sigma_s^2 / 2
-    labels = qada_labels(q, log_local, form, T - n_local, tau, rule)
+    labels = qada_labels(q, log_local, form, T - n_local, tau, rule, correction)
     return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
+
+
+def qada_cal(q, k, v, *, layer, n_sink, n_local, tau, moments, calibration, rule=None):
+    """QAdA with its estimate corrected per layer and head by calibration data (ours: criterion.Calibration, fitted
+    by lab.calibrate on prompts whose true masses are known)."""
+    return qada(q, k, v, layer=layer, n_sink=n_sink, n_local=n_local, tau=tau, moments=moments, rule=rule,
+                correction=calibration.layer(layer))
 
 
 PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada,
          "oracle_kv": partial(oracle, rule="mean"), "qada_kv": partial(qada, rule="mean"),
-         "qada_kv_all": partial(qada, rule="all")}
+         "qada_kv_all": partial(qada, rule="all"), "qada_cal": qada_cal, "qada_kv_cal": partial(qada_cal, rule="mean"),
+         "qada_kv_all_cal": partial(qada_cal, rule="all")}
 # Paths that compute every score to find their labels: the KV-read fraction of those labels is implied, not saved.
 ANALYSIS_ONLY = ("oracle", "oracle_kv")
 

@@ -23,6 +23,7 @@ Labels are data: boolean tensors, True = local.
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -138,12 +139,74 @@ def gaussian_log_bulk(q: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, n_
 
 
 def qada_labels(q: torch.Tensor, log_local: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor], n_bulk, tau,
-                rule: str | None = None) -> torch.Tensor:
+                rule: str | None = None, correction: tuple | None = None) -> torch.Tensor:
     """Eq. 7, the only place it is written: local_labels with the window's true log mass log_local (..., H) and the
     Gaussian estimate of the bulk's from the query q (..., H, D) and the bulk keys' `gaussian_form`: (..., H) bool.
-    Per query head (rule None, the paper's) or per KV group (rule "all" or "mean", ours)."""
+    Per query head (rule None, the paper's) or per KV group (rule "all" or "mean", ours).
+
+    `correction` (ours): one layer's Calibration.layer(), (a (H,), b (H,), s (Hkv,) or None). The variance term
+    sigma_s^2 / 2 is scaled by s per KV head, then the estimated log ratio r = log A_local - log A_bulk becomes a + b r,
+    fitted on calibration prompts where the true r is known."""
+    if correction is not None and correction[2] is not None:
+        form = (form[0] * correction[2][..., None, None], form[1])  # A = Sigma_K / 2d scaled per KV head
     log_bulk = estimated_log_bulk(q, form, n_bulk)
+    if correction is not None:
+        a, b, _ = correction
+        log_bulk = log_local - (a + b * (log_local - log_bulk))  # the calibrated ratio a + b r, as a log bulk mass
     return local_labels(log_local, log_bulk, tau, form[0].shape[-3], rule)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Calibrated QAdA (ours): on this project's research model the Gaussian estimate is biased per (layer, head)
+# (too low in the late layers, far too high in layer 0), and the window and bulk masses differ only ~7x, so the
+# bias flips labels. A correction fitted where the true masses are known (lab.calibrate) removes it.
+
+CALIBRATION_KINDS = ("offset", "scale", "affine", "quantile")
+
+
+@dataclass
+class Calibration:
+    """A correction of Eq. 7 per layer and head: the variance term of Eq. 6 scaled by s per KV head, then the log
+    ratio r mapped to a + b r per query head (qada_labels). Each kind fits some of these and leaves the others:
+        offset     a = the median of r - r_est, b = 1        the estimate's bias
+        scale      s by least squares on log A_bulk          the variance term alone (a = 0, b = 1)
+        affine     a, b by least squares of r on r_est       contains static heads (b = 0) and QAdA (a = 0, b = 1)
+        quantile   a = the eps-quantile of r - r_est, b = 1  at most a fraction eps of a head's calibration steps
+                                                             has a true ratio below the corrected one"""
+    a: torch.Tensor  # (L, H)
+    b: torch.Tensor  # (L, H)
+    s: torch.Tensor | None  # (L, Hkv), or None: the variance term as it is
+    settings: dict  # how it was fitted: kind, model, dtype, moments source, window, prompts
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self.a[layer], self.b[layer], None if self.s is None else self.s[layer]
+
+
+def save_calibration(path: str | Path, calibration: Calibration) -> None:
+    """A Calibration as JSON, written to a temporary file and renamed."""
+    path = Path(path)
+    c = calibration
+    data = {"settings": c.settings, "a": c.a.tolist(), "b": c.b.tolist(), "s": None if c.s is None else c.s.tolist()}
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def load_calibration(path: str | Path, device=None) -> Calibration:
+    """A Calibration from a file of save_calibration, its tensors on `device`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration file {path} not found (make one with python -m lab.calibrate --qada)")
+    try:
+        data = json.loads(path.read_text())
+        a, b = (torch.tensor(data[k], dtype=torch.float32, device=device) for k in ("a", "b"))
+        s = None if data["s"] is None else torch.tensor(data["s"], dtype=torch.float32, device=device)
+        settings = data["settings"]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path} is not a calibration file: {e}") from None
+    if a.dim() != 2 or a.shape != b.shape or (s is not None and (s.dim() != 2 or s.shape[0] != a.shape[0])):
+        raise ValueError(f"{path} is not a calibration file: a, b (L, H) and s (L, Hkv) do not match")
+    return Calibration(a, b, s, settings)
 
 
 # ---------------------------------------------------------------------------------------------------------

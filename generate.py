@@ -20,10 +20,10 @@ import torch
 from tqdm import tqdm
 
 from attention import ANALYSIS_ONLY, PATHS, BatchAttention, build_attention, path_inputs
-from criterion import TAU, check_tau, load_labels
+from criterion import TAU, check_tau, load_calibration, load_labels
 from model import KVCache
 from moments import SOURCES, ReferenceKeys, reference_words
-from weights.checkpoints import DEFAULT, DTYPES, MODELS, load
+from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, shipped_calibration
 from weights.downloads import cache_dir
 
 
@@ -85,10 +85,24 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def attention_sources(model, tokenizer, method: str, moments_source: str, static_labels: str | None,
-                      static_sparsity: float, max_context: int | None = None, progress: bool = True) -> dict:
+                      static_sparsity: float, calibration: str | None = None, max_context: int | None = None,
+                      progress: bool = True, n_sink: int = 16, n_local: int = 128) -> dict:
     """What the path reads besides the prompt, made once for every prompt of a run: Option 2's reference keys (as
-    long as the context allowed) and static labels from a lab.calibrate file; as build_attention's keywords."""
+    long as the context allowed), static labels and QAdA's correction from lab.calibrate files; as
+    build_attention's keywords."""
     inputs = path_inputs(method)
+    correction = None
+    if "calibration" in inputs:
+        correction = load_calibration(calibration, model.device)
+        L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
+        if tuple(correction.a.shape) != (L, H):
+            raise ValueError(f"{calibration} corrects {tuple(correction.a.shape)} heads; this model has ({L}, {H})")
+        for key, value in (("n_sink", n_sink), ("n_local", n_local)):
+            if correction.settings.get(key, value) != value:
+                raise ValueError(f"{calibration} was fitted with {key} {correction.settings[key]}, not {value}")
+        if correction.settings.get("moments_source") != moments_source:
+            raise ValueError(f"{calibration} corrects the {correction.settings.get('moments_source')} moments' "
+                             f"estimate; run it with --moments {correction.settings.get('moments_source')}")
     words = reference_words(moments_source) if "moments" in inputs else None
     reference = ReferenceKeys(model, tokenizer, words, n_max=max_context, root=cache_dir() / "moments",
                               progress=progress) if words else None
@@ -98,12 +112,12 @@ def attention_sources(model, tokenizer, method: str, moments_source: str, static
         L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
         if tuple(static_local.shape) != (L, H):
             raise ValueError(f"{static_labels} labels {tuple(static_local.shape)} heads; this model has ({L}, {H})")
-    return {"reference": reference, "static_local": static_local}
+    return {"reference": reference, "static_local": static_local, "calibration": correction}
 
 
 def check_args(max_new_tokens: int, tau: float, n_sink: int, n_local: int, temperature: float, top_k: int | None,
                static_sparsity: float, rope_theta: float | None, method: str, static_labels: str | None,
-               inputs: dict, **_) -> None:
+               calibration: str | None, inputs: dict, **_) -> None:
     """Validate the numbers; ValueError carries one clear line."""
     check_tau(tau)
     if max_new_tokens < 1:
@@ -120,6 +134,9 @@ def check_args(max_new_tokens: int, tau: float, n_sink: int, n_local: int, tempe
         raise ValueError(f"--rope-theta must be positive, got {rope_theta}")
     if method not in PATHS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(PATHS)}")
+    if "calibration" in path_inputs(method) and calibration is None:
+        raise ValueError(f"--method {method} needs --calibration FILE (made by python -m lab.calibrate --qada); "
+                         "the named models that ship one use it by default")
     if "static_local" in path_inputs(method) and static_labels is None:
         raise ValueError(f"--method {method} needs --static-labels FILE (made by python -m lab.calibrate)")
     unread = [name for name in inputs if name not in path_inputs(method)]
@@ -183,12 +200,14 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
               max_context: int | None = None, seed: int = 0, temperature: float = 0.0, top_k: int | None = None,
               method: str = "qada", tau: float = TAU, moments_source: str = "random-words", n_sink: int = 16,
               n_local: int = 128, static_labels: str | None = None, static_sparsity: float = 0.5,
-              threads: int | None = None, progress: bool = True, **inputs) -> list[dict]:
+              calibration: str | None = None, threads: int | None = None, progress: bool = True,
+              **inputs) -> list[dict]:
     """Everything the CLI does for the prompt files `prompts`, decoded as one batch: a report per prompt.
 
     Each prompt is prefilled alone into its own cache and gets its own attention (labels, moments, statistics);
     then the caches are stacked left-padded (model.KVCache.stack) and every row decodes in lockstep. `inputs` are
     more of what the path reads, by name (a new path's own; the CLI's --set NAME=VALUE)."""
+    calibration = calibration or shipped_calibration(model or DEFAULT)
     check_args(**locals())
     named = read_prompts(prompts)
     if threads:
@@ -199,7 +218,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
     load_s = time.perf_counter() - t0
     max_context = max_context or net.cfg.max_position_embeddings
-    sources = attention_sources(net, tok, method, moments_source, static_labels, static_sparsity, max_context, progress)
+    sources = attention_sources(net, tok, method, moments_source, static_labels, static_sparsity, calibration,
+                                max_context, progress, n_sink, n_local)
 
     rows, caches = [], []  # per prompt: (ids, last logits, prefill seconds, attention); its prefilled cache
     for name, text in named:
@@ -295,6 +315,8 @@ def main(argv=None) -> int:
     p.add_argument("--static-labels", default=None, help="oracle statistics file for --method static "
                    "(python -m lab.calibrate)")
     p.add_argument("--static-sparsity", type=float, default=0.5, help="fraction of heads made local by --method static")
+    p.add_argument("--calibration", default=None, metavar="FILE", help="QAdA's correction for the qada_cal paths "
+                   "(python -m lab.calibrate --qada); default: the one a named model ships with")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="an input the path reads by NAME that has no flag of its own (a new path's; repeatable)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from attention import ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, path_inputs, summarize
-from criterion import TAU, static_labels
+from criterion import TAU, load_calibration, static_labels
 from generate import decode_batch, parse_inputs
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
@@ -96,8 +96,18 @@ METHODS = {
     "qada_prompt_online": ("qada", "prompt-online"),
     "qada_word": ("qada", "one-word"),
     "qada_long": ("qada", "random-words-full"),
+    # Calibrated QAdA (ours): the source is the kind of correction (criterion.CALIBRATION_KINDS) read from --calibration,
+    # or with "transfer-" from --calibration-transfer (prompts of other task families); the moments are the ones the
+    # calibration corrects.
+    "qada_cal": ("qada_cal", "affine"),
+    "qada_cal_offset": ("qada_cal", "offset"),
+    "qada_cal_scale": ("qada_cal", "scale"),
+    "qada_cal_quantile": ("qada_cal", "quantile"),
+    "qada_cal_transfer": ("qada_cal", "transfer-affine"),
+    "qada_kv_cal_transfer": ("qada_kv_cal", "transfer-affine"),
+    "qada_kv_all_cal_transfer": ("qada_kv_all_cal", "transfer-affine"),
 }
-DEFAULT_SOURCE = {"moments": "random-words", "static_local": "calibrated"}
+DEFAULT_SOURCE = {"calibration": "affine", "moments": "random-words", "static_local": "calibrated"}
 LABEL_SOURCES = ("random", "calibrated", "own-task", "calibrated-kv", "own-task-kv")
 
 
@@ -107,7 +117,7 @@ def path_and_source(name: str) -> tuple[str, str | None]:
         return METHODS[name]
     if name not in PATHS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(list(PATHS) + list(METHODS))}")
-    reads = [i for i in path_inputs(name) if i in DEFAULT_SOURCE]
+    reads = [i for i in DEFAULT_SOURCE if i in path_inputs(name)]
     return name, DEFAULT_SOURCE[reads[0]] if reads else None
 
 
@@ -235,11 +245,12 @@ def config_attention(cfg: Config, model, sample, cache, resources: dict, track: 
     reads = path_inputs(path)
     kind = threshold_kind(cfg.method)
     labels = config_labels(cfg, source, model, sample, resources, seed) if "static_local" in reads else None
-    words = reference_words(source) if "moments" in reads else None
-    return build_attention(path, cache, n_sink=n_sink, n_local=n_local,
-                           moments_source=source if "moments" in reads else "random-words",
+    calibration = resources["calibration"][source] if "calibration" in reads else None
+    moments = calibration.settings["moments_source"] if calibration else source if "moments" in reads else None
+    words = reference_words(moments) if moments else None
+    return build_attention(path, cache, n_sink=n_sink, n_local=n_local, moments_source=moments or "random-words",
                            reference=resources["reference"][words] if words else None, track_oracle=track,
-                           tau=cfg.threshold if kind == "tau" else TAU, static_local=labels,
+                           tau=cfg.threshold if kind == "tau" else TAU, static_local=labels, calibration=calibration,
                            **resources.get("inputs", {}))
 
 
@@ -308,11 +319,30 @@ def plan(tasks: list[str], samples: int, configs: list[Config], ablations: list[
 
 
 def load_resources(model, tok, tasks: list[str], configs: list[Config], static_labels_dir: Path | None,
-                   calibrate_kwargs: dict, progress: bool = True) -> dict:
-    """The reference prompts' keys (Option 2) and static label frequencies that the configurations read."""
+                   calibrate_kwargs: dict, calibration_dirs: dict[str, Path | None] | None = None,
+                   progress: bool = True) -> dict:
+    """The reference prompts' keys (Option 2), static label frequencies and QAdA calibrations (from
+    `calibration_dirs`: "" for --calibration, "transfer-" for --calibration-transfer) that the configurations read."""
     sources = {path_and_source(c.method) for c in configs}
-    words = {reference_words(src) for path, src in sources if "moments" in path_inputs(path)} - {None}
-    res = {"reference": {w: ReferenceKeys(model, tok, w, root=cache_dir() / "moments", progress=progress) for w in sorted(words)}, "oracle_freq": {}}
+    calibrations = {}
+    for src in sorted({src for path, src in sources if "calibration" in path_inputs(path)}):
+        prefix = "transfer-" if src.startswith("transfer-") else ""
+        folder = (calibration_dirs or {}).get(prefix)
+        if folder is None:
+            raise ValueError(f"a {src} calibration is asked for: give --calibration{'-transfer' if prefix else ''} DIR "
+                             "(made by python -m lab.calibrate --qada)")
+        calibrations[src] = load_calibration(Path(folder) / f"{src.removeprefix(prefix)}.json", model.device)
+        fitted = {k: calibrations[src].settings.get(k) for k in ("n_sink", "n_local")}
+        if fitted != {"n_sink": calibrate_kwargs["n_sink"], "n_local": calibrate_kwargs["n_local"]}:
+            raise ValueError(f"{folder}: a calibration fitted with {fitted}; this run's window differs")
+        if tuple(calibrations[src].a.shape) != (model.cfg.num_hidden_layers, model.cfg.num_attention_heads):
+            raise ValueError(f"{folder}: a calibration of {tuple(calibrations[src].a.shape)} heads; the model has "
+                             f"({model.cfg.num_hidden_layers}, {model.cfg.num_attention_heads})")
+    moments = {src for path, src in sources if "moments" in path_inputs(path) and "calibration" not in path_inputs(path)}
+    moments |= {c.settings["moments_source"] for c in calibrations.values()}
+    words = {reference_words(m) for m in moments} - {None}
+    res = {"reference": {w: ReferenceKeys(model, tok, w, root=cache_dir() / "moments", progress=progress)
+                         for w in sorted(words)}, "oracle_freq": {}, "calibration": calibrations}
     if any(src != "random" for path, src in sources if "static_local" in path_inputs(path)):
         res["static_freq"] = calibrate.ensure(model, tok, tasks, static_labels_dir, **calibrate_kwargs)
     return res
@@ -457,7 +487,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
         calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, dtype: str,
         threads: int | None, quick: bool = False, shard: str = "0/1", batch: int = 32, report_at_end: bool = True,
-        progress: bool = True, device: str | None = None, inputs: list[str] = ()) -> Path:
+        progress: bool = True, device: str | None = None, inputs: list[str] = (), calibration: str | None = None,
+        calibration_transfer: str | None = None) -> Path:
     if threads:
         torch.set_num_threads(threads)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -484,6 +515,9 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                     calib_seed=calib_seed, dtype=dtype)
     if extra_inputs:
         settings["inputs"] = extra_inputs
+    for name, folder in (("calibration", calibration), ("calibration_transfer", calibration_transfer)):
+        if folder:  # a resumed run keeps reading the corrections it started with
+            settings[name] = folder
     out.mkdir(parents=True, exist_ok=True)
     meta = out / "run.json"
     t_start = time.perf_counter()
@@ -505,7 +539,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                                    labels_dir, dict(length=length, samples=calib_samples, seed=calib_seed,
                                                     max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local,
                                                     ruler_tasks=static_tasks.split(",") if static_tasks else None),
-                                   progress)
+                                   {"": calibration, "transfer-": calibration_transfer}, progress)
         resources["inputs"] = extra_inputs
     jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)
     k, n_shards = (rank, world) if world > 1 else (int(x) for x in shard.split("/"))
@@ -561,6 +595,10 @@ def main(argv=None) -> int:
                    help="methods that also record the oracle labels and log masses (costs ~30%% decode time)")
     p.add_argument("--static-labels", default=None, help="folder of lab.calibrate files (default OUT/static_labels; "
                    "calibrated on first use)")
+    p.add_argument("--calibration", default=None, metavar="DIR", help="folder of QAdA calibrations (KIND.json, made "
+                   "by python -m lab.calibrate --qada) that the qada_cal methods read")
+    p.add_argument("--calibration-transfer", default=None, metavar="DIR", help="a second such folder, fitted on other "
+                   "prompts, that the *_transfer methods read")
     p.add_argument("--static-tasks", default=None, help="tasks whose calibration prompts make the static (RULER) "
                    "labels (default: --tasks); keep it fixed when a run is continued with other --tasks")
     p.add_argument("--calib-samples", type=int, default=1, help="calibration prompts per task (when calibrating)")

@@ -65,6 +65,13 @@ HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
+def shipped_calibration(name: str) -> Path | None:
+    """The QAdA calibration (criterion.load_calibration) a named model ships with, in weights/calibration/; None for
+    other names and folders."""
+    path = Path(__file__).resolve().parent / "calibration" / f"{name}.json"
+    return path if name in MODELS and path.is_file() else None
+
+
 def gguf_path(name: str) -> Path:
     return cache_dir() / "gguf" / f"{name}.gguf"
 

@@ -1,0 +1,229 @@
+"""Calibrated QAdA: the corrected labels against the equation re-derived in float64, the path applying each layer's
+own correction with the right sign, the fits recovering known corrections, the calibration files, and the tools
+(lab.calibrate --qada, generate.py, lab.sweep) on a tiny model."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import generate
+from attention import DecodeAttention, all_scores
+from criterion import (CALIBRATION_KINDS, Calibration, gaussian_form, load_calibration, oracle_log_masses, qada_labels,
+                       save_calibration)
+from lab import calibrate, records, sweep
+from moments import FixedMoments
+from tests.test_generate import make_tiny_dir, write_prompt
+from tests.test_qada import random_cov
+
+N_SINK, N_LOCAL = 4, 16
+
+
+def corrected_share_logit(q, log_local, mean, cov, n_bulk, a, b, s):
+    """The calibrated log ratio from the equations alone, in float64 (no project function): Eq. 6's
+    mu_s = q mu / sqrt d and sigma_s^2 = q (s Sigma) q / d per KV head, r = log A_local - log(n_bulk exp(mu_s +
+    sigma_s^2 / 2)), then a + b r per query head."""
+    H, D = q.shape
+    Hkv = mean.shape[0]
+    out = torch.empty(H, dtype=torch.float64)
+    for h in range(H):
+        g = h // (H // Hkv)
+        qh = q[h].double()
+        mu_s = qh @ mean[g].double() / math.sqrt(D)
+        sigma2 = s[g] * (qh @ cov[g].double() @ qh) / D
+        r = float(log_local[h]) - (math.log(n_bulk) + mu_s + sigma2 / 2)
+        out[h] = a[h] + b[h] * r
+    return out
+
+
+def test_corrected_labels_equal_the_equation_in_float64():
+    H, Hkv, D, n_bulk = 6, 2, 8, 900
+    agree = 0
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(H, D, generator=g)
+        log_local = torch.randn(H, generator=g) * 2 + 6
+        mean, cov = torch.randn(Hkv, D, generator=g) * 0.5, random_cov(Hkv, D, seed=seed)
+        a, b = torch.randn(H, generator=g), torch.rand(H, generator=g) * 2
+        s = torch.rand(Hkv, generator=g) * 3
+        for tau in (0.3, 0.6, 0.9):
+            want = corrected_share_logit(q, log_local, mean, cov, n_bulk, a.double(), b.double(), s.double())
+            got = qada_labels(q, log_local, gaussian_form(mean, cov), n_bulk, tau, correction=(a, b, s))
+            clear = (want - math.log(tau / (1 - tau))).abs() > 1e-4  # leave out heads within rounding of tau
+            assert torch.equal(got[clear], (want >= math.log(tau / (1 - tau)))[clear])
+            agree += int(clear.sum())
+    assert agree > 600
+    # the identity correction is plain Eq. 7; s=None leaves the variance term alone
+    ones, zeros = torch.ones(H), torch.zeros(H)
+    plain = qada_labels(q, log_local, gaussian_form(mean, cov), n_bulk, 0.6)
+    assert torch.equal(qada_labels(q, log_local, gaussian_form(mean, cov), n_bulk, 0.6, correction=(zeros, ones, None)),
+                       plain)
+
+
+def layer_caches(L=3, H=4, Hkv=2, D=8, T=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(H, D, generator=g), torch.randn(Hkv, T, D, generator=g), torch.randn(Hkv, T, D, generator=g))
+            for _ in range(L)]
+
+
+def test_qada_cal_applies_each_layers_own_correction_with_its_sign():
+    """Per layer a correction that moves every head's ratio to one side of the threshold, and a layer left as it is:
+    applied to the wrong layer or with the wrong sign, the labels come out otherwise."""
+    L, H, Hkv, D, T = 3, 4, 2, 8, 200
+    caches = layer_caches(L, H, Hkv, D, T)
+    mean = torch.stack([k[:, N_SINK:T - (N_LOCAL - N_SINK)].float().mean(1) for _, k, _ in caches])  # (L, Hkv, D)
+    cov = torch.stack([random_cov(Hkv, D, seed=i) for i in range(L)])
+    moments = FixedMoments(mean, cov, T - N_LOCAL)
+    a = torch.tensor([[40.0] * H, [-40.0] * H, [0.0] * H])  # layer 0 all local, layer 1 none, layer 2 Eq. 7 itself
+    b = torch.ones(L, H)
+    att = DecodeAttention("qada_cal", N_SINK, N_LOCAL, dict(tau=0.6, moments=moments,
+                                                             calibration=Calibration(a, b, None, {})))
+    plain = DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.6, moments=moments))
+    for layer, (q, k, v) in enumerate(caches):
+        att(q[None, :, None], k[None], v[None], layer)
+        plain(q[None, :, None], k[None], v[None], layer)
+    got, eq7 = att.stats.label_tensor()[0], plain.stats.label_tensor()[0]  # (L, H)
+    assert got[0].all() and not got[1].any() and torch.equal(got[2], eq7[2])
+
+
+def synthetic_masses(N=400, L=2, H=4, Hkv=2, seed=0):
+    """Masses (N, L, 4, H) and T_bulk (N,) whose true bulk follows known corrections of the Gaussian estimate."""
+    g = torch.Generator().manual_seed(seed)
+    n_bulk = torch.randint(500, 8000, (N,), generator=g).double()
+    log_local = torch.randn(N, L, H, generator=g) + 8
+    mu = torch.randn(N, L, H, generator=g)
+    half_var = torch.rand(N, L, H, generator=g) * 2
+    return n_bulk, log_local, mu, half_var
+
+
+def test_the_fits_recover_known_corrections():
+    L, H, Hkv = 2, 4, 2
+    n_bulk, log_local, mu, half_var = synthetic_masses(L=L, H=H, Hkv=Hkv)
+    log_n = n_bulk.log()[:, None, None]
+    r_est = log_local - (log_n + mu + half_var)
+    a0, b0 = torch.tensor([[0.5, -1.0, 2.0, 0.0], [1.5, 0.3, -0.7, 1.0]]), torch.tensor([[0.9, 0.5, 1.2, 0.0],
+                                                                                           [0.8, 1.0, 0.7, 0.3]])
+    r = a0 + b0 * r_est  # the true log ratio an affine map of the estimate
+    masses = torch.stack([log_local, log_local - r, mu, half_var], 2)
+    a, b, s = calibrate.fit_calibration(masses, n_bulk, Hkv, "affine")
+    assert s is None
+    torch.testing.assert_close(a, a0.float(), atol=1e-3, rtol=0)
+    torch.testing.assert_close(b, b0.float(), atol=1e-4, rtol=0)
+
+    shift = torch.tensor([[1.0, -2.0, 0.5, 3.0], [0.0, 1.0, -1.0, 2.0]])  # log A_bulk = estimate - shift + noise
+    noise = torch.randn(r.shape, generator=torch.Generator().manual_seed(1)) * 0.1
+    masses = torch.stack([log_local, log_n + mu + half_var - shift + noise, mu, half_var], 2)
+    a, b, _ = calibrate.fit_calibration(masses, n_bulk, Hkv, "offset")
+    torch.testing.assert_close(a, shift.float(), atol=0.03, rtol=0)  # r = r_est + shift: a is the shift
+    assert torch.equal(b, torch.ones(L, H))
+    a, _, _ = calibrate.fit_calibration(masses, n_bulk, Hkv, "quantile", eps=0.05)
+    # the 5 % quantile of r - r_est = shift - noise: below the shift by ~1.64 sigma of the noise
+    torch.testing.assert_close(a, (shift - 0.164).float(), atol=0.05, rtol=0)
+
+    s0 = torch.tensor([[0.5, 2.0], [1.0, 3.0]])  # (L, Hkv)
+    true_bulk = log_n + mu + s0.repeat_interleave(H // Hkv, 1) * half_var
+    masses = torch.stack([log_local, true_bulk, mu, half_var], 2)
+    a, b, s = calibrate.fit_calibration(masses, n_bulk, Hkv, "scale")
+    torch.testing.assert_close(s, s0, atol=1e-4, rtol=0)
+    assert not a.any() and torch.equal(b, torch.ones(L, H))
+    with pytest.raises(ValueError, match="unknown calibration kind"):
+        calibrate.fit_calibration(masses, n_bulk, Hkv, "cubic")
+
+
+def test_calibration_files_round_trip_and_refuse_what_they_are_not(tmp_path):
+    c = Calibration(torch.randn(3, 4), torch.rand(3, 4), torch.rand(3, 2), {"kind": "affine", "tasks": ["fwe"]})
+    save_calibration(tmp_path / "c.json", c)
+    back = load_calibration(tmp_path / "c.json")
+    assert torch.equal(back.a, c.a) and torch.equal(back.b, c.b) and torch.equal(back.s, c.s)
+    assert back.settings == c.settings
+    (tmp_path / "bad.json").write_text(json.dumps({"settings": {}, "a": [[1.0]], "b": [[1.0, 2.0]], "s": None}))
+    with pytest.raises(ValueError, match="not a calibration file"):
+        load_calibration(tmp_path / "bad.json")
+    with pytest.raises(FileNotFoundError, match="lab.calibrate --qada"):
+        load_calibration(tmp_path / "missing.json")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_dir(tmp_path_factory.mktemp("tiny_cal"))
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_dir, tmp_path_factory):
+    """lab.calibrate --qada on the tiny model: masses.pt and every kind's file."""
+    out = tmp_path_factory.mktemp("cal")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("QADA_CACHE", str(out / "cache"))
+    assert calibrate.main(["--qada", "--tasks", "fwe", "--length", "400", "--samples", "2", "--max-new-tokens", "6",
+                           "--model", str(tiny_dir), "--out", str(out / "cal")]) == 0
+    mp.undo()
+    return out / "cal"
+
+
+def test_the_recorded_masses_are_the_true_ones_and_the_gaussian_terms(fitted, tiny_dir):
+    data = torch.load(fitted / "masses.pt", weights_only=True)
+    assert set(data["prompts"]) == {"fwe#0", "fwe#1"}
+    masses, n_bulk = data["prompts"]["fwe#0"]
+    S, L, four, H = masses.shape
+    assert (L, four, H) == (2, 4, 4) and S == len(n_bulk) >= 1 and (n_bulk > 0).all()
+    assert torch.isfinite(masses).all()
+    for kind in CALIBRATION_KINDS:
+        c = load_calibration(fitted / f"{kind}.json")
+        assert c.settings["kind"] == kind and c.settings["moments_source"] == "random-words"
+        assert c.a.shape == (L, H) and c.settings["steps"] == sum(len(n) for _, n in data["prompts"].values())
+
+
+def test_mass_recorder_matches_the_oracle_and_eq6(tiny_dir):
+    """One recorded step against oracle_log_masses and the quadratic form computed here."""
+    H, Hkv, D, T = 4, 2, 8, 120
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D,
+                                                                                                           generator=g)
+    mean, cov = torch.randn(1, Hkv, D, generator=g), random_cov(Hkv, D)[None]
+    rec = calibrate.MassRecorder(FixedMoments(mean, cov, 50), N_SINK, N_LOCAL)
+    rec(q, k, v, 0)
+    masses, n_bulk = rec.masses()
+    log_local, log_bulk = oracle_log_masses(all_scores(q[0, :, 0], k[0]), N_SINK, N_LOCAL)
+    assert torch.equal(masses[0, 0, 0], log_local) and torch.equal(masses[0, 0, 1], log_bulk)
+    qg = q[0, :, 0].view(Hkv, H // Hkv, D).double()
+    mu = torch.einsum("ghd,gd->gh", qg, mean[0].double()).reshape(H) / math.sqrt(D)
+    half_var = torch.einsum("ghd,gde,ghe->gh", qg, cov[0].double(), qg).reshape(H) / (2 * D)
+    torch.testing.assert_close(masses[0, 0, 2].double(), mu, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(masses[0, 0, 3].double(), half_var, atol=1e-5, rtol=1e-5)
+    assert n_bulk.tolist() == [T - N_LOCAL]
+
+
+def test_generate_and_the_sweep_run_calibrated_qada(fitted, tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    prompt = str(write_prompt(tmp_path, 300))
+    argv = ["--prompt", prompt, "--model", str(tiny_dir), "--max-new-tokens", "6", "--json", "--n-sink", "16"]
+    assert generate.main(argv + ["--method", "qada"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    # the identity correction gives qada's labels and text
+    identity = Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, {"moments_source": "random-words"})
+    save_calibration(tmp_path / "identity.json", identity)
+    assert generate.main(argv + ["--method", "qada_cal", "--calibration", str(tmp_path / "identity.json")]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert (same["text"], same["sparsity"], same["kv_read"]) == (plain["text"], plain["sparsity"], plain["kv_read"])
+    assert generate.main(argv + ["--method", "qada_kv_cal", "--calibration", str(fitted / "affine.json")]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "qada_kv_cal"
+    assert generate.main(argv + ["--method", "qada_cal"]) == 2  # a folder model ships none
+    assert "needs --calibration FILE" in capsys.readouterr().err
+    assert generate.main(argv + ["--method", "qada_cal", "--calibration", str(tmp_path / "identity.json"),
+                                 "--moments", "prompt"]) == 2
+    assert "--moments random-words" in capsys.readouterr().err
+
+    out = tmp_path / "run"
+    assert sweep.main(["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "1", "--methods",
+                       "dense,qada_cal,qada_cal_quantile,qada_kv_cal,qada_cal_transfer", "--taus", "0.6",
+                       "--ablations", "", "--ctxfree-samples", "0", "--track", "", "--model", str(tiny_dir),
+                       "--calibration", str(fitted), "--calibration-transfer", str(fitted), "--no-report"]) == 0
+    found = {r["config"]: r for r in records.read_records(out)}
+    assert set(found) == {"dense", "qada_cal@0.6", "qada_cal_quantile@0.6", "qada_kv_cal@0.6",
+                          "qada_cal_transfer@0.6"}
+    assert (found["qada_cal_quantile@0.6"]["path"], found["qada_cal_quantile@0.6"]["source"]) == ("qada_cal", "quantile")
+    assert found["qada_cal@0.6"]["sparsity"] == found["qada_cal_transfer@0.6"]["sparsity"]  # the same file here
+    assert sweep.main(["--out", str(tmp_path / "run2"), "--tasks", "fwe", "--length", "400", "--samples", "1",
+                       "--methods", "qada_cal", "--model", str(tiny_dir), "--ctxfree-samples", "0"]) == 2
+    assert "give --calibration DIR" in capsys.readouterr().err
