@@ -18,14 +18,23 @@ from criterion import TAU, static_labels
 # The order and names in which tables and figures list the configurations the paper compares; any other name (a new
 # path of attention.PATHS, a new method of lab.sweep) is listed too, after these, under its own name.
 ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_prompt_online",
-         "qada_word", "qada_long", "static_kv", "static_oracle_kv", "oracle_kv", "qada_kv", "qada_kv_all")
+         "qada_word", "qada_long", "static_kv", "static_oracle_kv", "oracle_kv", "qada_kv", "qada_kv_all",
+         "qada_cal", "qada_cal_transfer", "qada_cal_offset", "qada_cal_scale", "qada_cal_quantile", "qada_kv_cal",
+         "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer")
 LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
          "static_oracle": "static oracle", "oracle": "adaptive oracle", "qada_rw": "QAdA (random words)",
          "qada_prompt": "QAdA (current prompt, fixed)", "qada_prompt_online": "QAdA (current prompt, online; ours)",
          "qada_word": "QAdA (one repeated word)",
          "qada_long": "QAdA (longer random-words prompt)", "static_kv": "static per KV head (RULER)",
          "static_oracle_kv": "static oracle per KV head", "oracle_kv": "adaptive oracle per KV group (mean share)",
-         "qada_kv": "QAdA per KV group (mean share; ours)", "qada_kv_all": "QAdA per KV group (all local; ours)"}
+         "qada_kv": "QAdA per KV group (mean share; ours)", "qada_kv_all": "QAdA per KV group (all local; ours)",
+         "qada_cal": "QAdA calibrated (affine; ours)", "qada_cal_transfer": "QAdA calibrated on other tasks (affine)",
+         "qada_cal_offset": "QAdA calibrated (offset)", "qada_cal_scale": "QAdA calibrated (variance scale)",
+         "qada_cal_quantile": "QAdA calibrated (conservative quantile)",
+         "qada_kv_cal": "QAdA calibrated per KV group (mean share)",
+         "qada_kv_all_cal": "QAdA calibrated per KV group (all local)",
+         "qada_kv_cal_transfer": "QAdA calibrated on other tasks per KV group (mean share)",
+         "qada_kv_all_cal_transfer": "QAdA calibrated on other tasks per KV group (all local)"}
 ABLATIONS = ("qada_word", "qada_long")
 MAIN_TAU = TAU  # the paper's tau: the head maps, agreement and log-error tables read the runs at it
 

@@ -399,9 +399,26 @@ def write_analysis(out: Path, rows, tasks, cur, points):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def report(out: str | Path, tasks: list[str] | None = None) -> None:
+SAME_RUN = ("length", "seed", "stop", "n_sink", "n_local", "model", "dtype")  # settings two folders must share to pair
+
+
+def with_baseline(out: Path, rows: list[dict], other: Path) -> list[dict]:
+    """`rows` plus the records of the run folder `other` that `out` lacks (a configuration decoded in both: out's),
+    so a sweep of new configurations is compared with an earlier one's on the same samples. The two runs must have
+    decoded the same prompts the same way (SAME_RUN)."""
+    mine, theirs = (json.loads((Path(f) / "run.json").read_text())["settings"] for f in (out, other))
+    clash = {k: (mine.get(k), theirs.get(k)) for k in SAME_RUN if mine.get(k) != theirs.get(k)}
+    if clash:
+        raise ValueError(f"{out} and {other} are not runs of the same samples: {clash}")
+    have = {(r["task"], r["index"], r["config"]) for r in rows}
+    return rows + [r for r in read_records(other) if (r["task"], r["index"], r["config"]) not in have]
+
+
+def report(out: str | Path, tasks: list[str] | None = None, baseline: str | Path | None = None) -> None:
     out = Path(out)
     rows = read_records(out)
+    if rows and baseline is not None:
+        rows = with_baseline(out, rows, Path(baseline))
     if not rows:
         print(f"{out}: no results yet")
         return
@@ -481,6 +498,8 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's)")
     p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
                    "under OUT (a pilot over models and lengths), written to OUT/dense.md")
+    p.add_argument("--with", dest="baseline", default=None, metavar="OTHER", help="also the records of the run "
+                   "folder OTHER (the same samples, e.g. an earlier sweep's baseline configurations), paired with OUT's")
     p.add_argument("--compare", default=None, metavar="OTHER", help="compare the records of OUT with those of the run "
                    "folder OTHER (e.g. fp32 against bf16)")
     a = p.parse_args(argv)
@@ -489,7 +508,11 @@ def main(argv=None) -> int:
     elif a.dense_table:
         print(dense_table(a.out))
     else:
-        report(a.out, a.tasks.split(",") if a.tasks else None)
+        try:
+            report(a.out, a.tasks.split(",") if a.tasks else None, a.baseline)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
