@@ -29,11 +29,18 @@ Reading order: `qada` below (Listing 1) -> criterion.qada_labels (Eq. 7) -> mome
 
 import inspect
 import math
+import os
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+try:  # the fused kernel's compiler: optional, CUDA builds of torch bring it; the torch paths need nothing of it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
 
 from criterion import (TAU, check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels, window_mask,
                        window_slices)
@@ -73,6 +80,12 @@ def qada(q, k, v, *, layer, n_sink, n_local, tau, moments, rule=None, correction
     """Listing 1: the window's scores, the Gaussian estimate of the bulk (Eq. 7), then full attention for the
     long-context heads only. With a `rule`, one decision per KV group (ours): a group labelled long-context reads
     its KV head once for all G query heads, a local group reads its window only. `correction`: qada_cal's."""
+    if fused(q):  # the same decision and skipping in three Triton kernels, nothing read back to the host
+        A, b = moments.quadratic_form(layer, k)
+        one = torch.zeros(1, dtype=torch.int32, device=q.device)
+        y, labels = fused_qada(q[None], k[None], v[None], one, one, n_sink, n_local, (A[None], b[None]),
+                               torch.full((1,), tau, device=q.device), rule, correction)
+        return y[0], labels[0]
     y_window, log_local = window_attention(q, k, v, n_sink, n_local)
     T = k.shape[1]
     if T <= n_local:  # no bulk: the window is the whole context, every head is exact and local
@@ -244,6 +257,13 @@ class BatchAttention:
                                 torch.tensor([start[b] for b in live], device=q.device))  # (n,)
         A, b_, tau, first_pos = self.cached[key]
         rows = torch.tensor(live, device=q.device)
+        if fused(q):  # every live row in the three kernels, each reading its own cache row from its own start
+            y_live, labels = fused_qada(q[rows, :, 0], k, v, rows.int(), first_pos.int(), n_sink, n_local, (A, b_),
+                                        tau[:, 0].float(), qada_rule(first.method)[1])
+            y[rows, :, 0] = y_live
+            for i, b in enumerate(live):
+                self.rows[b].stats.record(layer, T - start[b], labels[i])
+            return y
         sinks = first_pos[:, None] + torch.arange(n_sink, device=q.device)  # (n, n_sink)
         recent = slice(T - (n_local - n_sink), T)
 
@@ -463,3 +483,198 @@ def reference_attention(q, k, v, labels, n_sink, n_local):
     keep = in_window[None, :] | ~labels[:, None]  # (H, T)
     weights = all_scores(q, k).masked_fill(~keep, -math.inf).softmax(-1)  # (H, T)
     return torch.bmm(weights.view(Hkv, H // Hkv, T), v.float()).view(H, D)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fused decode step (Triton): QAdA's decision and its skipping on the device, for a batch of rows, no host sync.
+# Three kernels per layer, each a fixed grid: (1) per (row, KV head) the window's attention and log mass for the G
+# query heads together, Eq. 6's Gaussian term, the correction, the threshold and the group's flag "read the cache";
+# (2) per (row, KV head, split of the context) flash-decoding's partial attention, a program returning at once when
+# its group is local; (3) per (row, KV head) the merge of the splits by their log-sum-exp, the window's output kept
+# for local heads. On CPU tensors it runs under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+
+RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
+
+
+def fused(q: torch.Tensor) -> bool:
+    """Whether the qada paths take the fused kernel: QADA_KERNEL=triton forces it (on CPU tensors it needs Triton's
+    interpreter, TRITON_INTERPRET=1), QADA_KERNEL=torch forces the torch path, and auto (the default) takes the kernel
+    on CUDA tensors when triton is installed."""
+    choice = os.environ.get("QADA_KERNEL", "auto")
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"QADA_KERNEL takes auto, triton or torch; got {choice!r}")
+    if choice == "triton" and triton is None:
+        raise RuntimeError("QADA_KERNEL=triton, but triton is not installed (pip install triton)")
+    return choice == "triton" or (choice == "auto" and q.is_cuda and triton is not None)
+
+if triton is not None:
+
+    @triton.jit
+    def _window_decide_kernel(Q, K, V, ROWS, START, A, BV, TAU, CA, CB, CS, Y_WIN, LOG_LOCAL, LABELS, READ, T, sm_scale,
+                              sqb, sqh, skb, skh, skt, svb, svh, svt, sab, sah, sbb, sbh,
+                              H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                              D: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, W_PAD: tl.constexpr,
+                              RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr):
+        b, g = tl.program_id(0), tl.program_id(1)
+        row = tl.load(ROWS + b)  # the cache row of this program's query
+        start = tl.load(START + b)
+        n_ctx = T - start
+        h = tl.arange(0, G_PAD)
+        h_ok = h < G
+        d = tl.arange(0, D)
+        q = tl.load(Q + b * sqb + (g * G + h)[:, None] * sqh + d[None, :], mask=h_ok[:, None], other=0.0)
+        q = q.to(tl.float32)  # (G_PAD, D)
+        # the window: the first N_SINK and the last N_LOCAL - N_SINK positions, or the whole context if shorter
+        w = tl.arange(0, W_PAD)
+        short = n_ctx <= N_LOCAL
+        pos = tl.where(short | (w < N_SINK), start + w, T - N_LOCAL + w)
+        w_ok = tl.where(short, w < n_ctx, w < N_LOCAL)
+        kw = tl.load(K + row * skb + g * skh + pos[:, None] * skt + d[None, :], mask=w_ok[:, None], other=0.0)
+        vw = tl.load(V + row * svb + g * svh + pos[:, None] * svt + d[None, :], mask=w_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kw.to(tl.float32))) * sm_scale  # (G_PAD, W_PAD)
+        s = tl.where(w_ok[None, :], s, float("-inf"))
+        m = tl.max(s, 1)
+        p = tl.exp(s - m[:, None])
+        l_sum = tl.sum(p, 1)
+        y = tl.dot(p, vw.to(tl.float32)) / l_sum[:, None]  # (G_PAD, D)
+        log_local = m + tl.log(l_sum)
+        tl.store(Y_WIN + (b * H + g * G + h)[:, None] * D + d[None, :], y, mask=h_ok[:, None])
+        tl.store(LOG_LOCAL + b * H + g * G + h, log_local, mask=h_ok)
+        # Eq. 6-7: log A_bulk = log T_bulk + q A q^T + q b, corrected, against the threshold
+        a_mat = tl.load(A + b * sab + g * sah + d[:, None] * D + d[None, :])  # (D, D) fp32
+        if HAS_SCALE:
+            a_mat = a_mat * tl.load(CS + g)
+        bv = tl.load(BV + b * sbb + g * sbh + d)
+        expo = tl.sum(tl.dot(q, a_mat) * q, 1) + tl.sum(q * bv[None, :], 1)
+        log_bulk = expo + tl.log(tl.maximum(n_ctx - N_LOCAL, 1).to(tl.float32))
+        if HAS_CAL:
+            ca = tl.load(CA + g * G + h, mask=h_ok, other=0.0)
+            cb = tl.load(CB + g * G + h, mask=h_ok, other=1.0)
+            log_bulk = log_local - (ca + cb * (log_local - log_bulk))
+        tau = tl.load(TAU + b)
+        r = log_local - log_bulk
+        local = r >= tl.log(tau / (1.0 - tau))
+        if RULE == 1:  # the group's mean share, every head follows
+            share = tl.where(h_ok, 1.0 / (1.0 + tl.exp(-r)), 0.0)
+            local = (tl.zeros((G_PAD,), tl.int32) + (tl.sum(share, 0) / G >= tau).to(tl.int32)) != 0
+        if RULE == 2:  # every head of the group, every head follows
+            n_long = tl.sum(tl.where(h_ok & ~local, 1, 0), 0)
+            local = (tl.zeros((G_PAD,), tl.int32) + n_long) == 0
+        local = local | (tl.zeros((G_PAD,), tl.int32) + short.to(tl.int32) != 0)  # no bulk: all exact on the window
+        tl.store(LABELS + b * H + g * G + h, local.to(tl.int8), mask=h_ok)
+        tl.store(READ + b * HKV + g, (tl.sum(tl.where(h_ok & ~local, 1, 0), 0) > 0).to(tl.int8))
+
+    @triton.jit
+    def _split_attention_kernel(Q, K, V, ROWS, START, READ, O_PART, M_PART, L_PART, T, sm_scale,
+                                sqb, sqh, skb, skh, skt, svb, svh, svt,
+                                H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                                D: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        b, g, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if tl.load(READ + b * HKV + g) == 0:  # a local group: its cache is not read
+            return
+        row = tl.load(ROWS + b)
+        h = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        part = ((b * HKV + g) * N_SPLITS + sp) * G_PAD + h  # (G_PAD,) rows of this split's partial results
+        lo = tl.load(START + b) + sp * SPLIT
+        hi = tl.minimum(lo + SPLIT, T)
+        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((G_PAD,), tl.float32)
+        acc = tl.zeros((G_PAD, D), tl.float32)
+        if lo < hi:
+            q = tl.load(Q + b * sqb + (g * G + h)[:, None] * sqh + d[None, :], mask=(h < G)[:, None], other=0.0)
+            q = q.to(tl.float32)
+            for i in range(SPLIT // BLOCK_N):  # a fixed trip count; the tail of the context is masked
+                offs = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
+                ok = offs < hi
+                kt = tl.load(K + row * skb + g * skh + offs[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
+                vt = tl.load(V + row * svb + g * svh + offs[:, None] * svt + d[None, :], mask=ok[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(kt.to(tl.float32))) * sm_scale
+                s = tl.where(ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32))
+                m_i = m_new
+        tl.store(M_PART + part, m_i)
+        tl.store(L_PART + part, l_i)
+        tl.store(O_PART + part[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _merge_kernel(Y_WIN, LABELS, READ, O_PART, M_PART, L_PART, Y,
+                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                      N_SPLITS: tl.constexpr):
+        b, g = tl.program_id(0), tl.program_id(1)
+        h = tl.arange(0, G_PAD)
+        h_ok = h < G
+        d = tl.arange(0, D)
+        rows = (b * H + g * G + h)[:, None] * D + d[None, :]
+        y = tl.load(Y_WIN + rows, mask=h_ok[:, None], other=0.0)
+        if tl.load(READ + b * HKV + g) != 0:
+            base = (b * HKV + g) * N_SPLITS * G_PAD
+            m = tl.full((G_PAD,), float("-inf"), tl.float32)
+            for sp in range(N_SPLITS):
+                m = tl.maximum(m, tl.load(M_PART + base + sp * G_PAD + h))
+            l_sum = tl.zeros((G_PAD,), tl.float32)
+            acc = tl.zeros((G_PAD, D), tl.float32)
+            for sp in range(N_SPLITS):
+                m_s = tl.load(M_PART + base + sp * G_PAD + h)
+                scale = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m))
+                l_sum += tl.load(L_PART + base + sp * G_PAD + h) * scale
+                acc += tl.load(O_PART + (base + sp * G_PAD + h)[:, None] * D + d[None, :]) * scale[:, None]
+            local = tl.load(LABELS + b * H + g * G + h, mask=h_ok, other=1) != 0
+            y = tl.where(local[:, None], y, acc / l_sum[:, None])
+        tl.store(Y + rows, y, mask=h_ok[:, None])
+
+
+def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None, correction=None,
+               split: int = 1024, block_n: int = 64, count_reads: bool = False):
+    """QAdA for one layer and n rows in three Triton kernels: the same labels and output as the `qada` path of each
+    row, up to fp32 rounding. q (n, H, D); k, v (B, Hkv, T, D), views of the cache (any stride over T), of which row
+    rows[i] (int32, (n,)) is query i's; start (n,) int32, each row's first filled position (left padding); form: each
+    row's (A (n, Hkv, D, D), b (n, Hkv, D)) fp32; tau (n,) fp32; rule as criterion.local_labels; correction: one
+    layer's Calibration.layer() (a (H,), b (H,), s (Hkv,) or None). Returns y (n, H, D) in q's dtype and labels
+    (n, H) bool, on the device; with `count_reads` (for tests) also the splits of each (row, KV head) that read the
+    cache, (n, Hkv)."""
+    if triton is None:
+        raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
+    B, H, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    G = H // Hkv
+    G_pad = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
+    if split % block_n:
+        raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
+    n_splits = triton.cdiv(T, split)
+    dev, f32 = q.device, torch.float32
+    A, bvec = (x.to(f32).contiguous() for x in form)
+    y_win = torch.empty(B, H, D, device=dev, dtype=f32)
+    log_local = torch.empty(B, H, device=dev, dtype=f32)
+    labels = torch.empty(B, H, device=dev, dtype=torch.int8)
+    read = torch.empty(B, Hkv, device=dev, dtype=torch.int8)
+    ca, cb, cs = correction if correction is not None else (None, None, None)
+    dummy = log_local  # never read: HAS_CAL / HAS_SCALE are off
+    sm_scale = 1 / math.sqrt(D)
+    _window_decide_kernel[(B, Hkv)](
+        q, k, v, rows, start, A, bvec, tau, ca if ca is not None else dummy, cb if cb is not None else dummy,
+        cs if cs is not None else dummy, y_win, log_local, labels, read, T, sm_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1),
+        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
+        W_PAD=max(16, triton.next_power_of_2(n_local)), RULE=RULES[rule], HAS_CAL=ca is not None,
+        HAS_SCALE=cs is not None)
+    o_part = torch.empty(B, Hkv, n_splits, G_pad, D, device=dev, dtype=f32)
+    m_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
+    if count_reads:
+        m_part.fill_(math.inf)  # what no split program writes: a max score is finite, -inf or NaN
+    l_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
+    _split_attention_kernel[(B, Hkv, n_splits)](
+        q, k, v, rows, start, read, o_part, m_part, l_part, T, sm_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, N_SPLITS=n_splits, BLOCK_N=block_n)
+    y = torch.empty(B, H, D, device=dev, dtype=f32)
+    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y,
+                            H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SPLITS=n_splits)
+    if count_reads:  # a split that ran wrote its max score, -inf when its part of the context was empty
+        return y.to(q.dtype), labels.bool(), (m_part[..., 0] != math.inf).sum(-1)
+    return y.to(q.dtype), labels.bool()

@@ -11,6 +11,7 @@ local (sparsity) and the fraction of KV entries actually read.
 import argparse
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -319,10 +320,16 @@ def main(argv=None) -> int:
                    "(python -m lab.calibrate --qada); default: the one a named model ships with")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="an input the path reads by NAME that has no flag of its own (a new path's; repeatable)")
+    p.add_argument("--kernel", default=None, choices=("auto", "triton", "torch"), help="the qada paths' decode step: "
+                   "the fused Triton kernel (auto: on CUDA when triton is installed) or the torch path; sets "
+                   "QADA_KERNEL (default: as set there, else auto)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text and report")
     args = vars(p.parse_args(argv))
     as_json = args.pop("json")
+    kernel = args.pop("kernel")
+    if kernel:
+        os.environ["QADA_KERNEL"] = kernel  # read by attention.fused at every step
     try:
         inputs = parse_inputs(args.pop("set"), reserved=set(args) | {"moments", "static_local", "reference"})
         reports = run_batch(args.pop("prompt"), **args, **inputs, progress=not as_json and sys.stderr.isatty())

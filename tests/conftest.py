@@ -1,10 +1,17 @@
 """Shared pytest fixtures: the default named model, SmolLM2-135M (converted once into the cache), and
 transformers' own GGUF loading of the same file, the independent oracle the conversion is held against."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA the fused kernel's tests run its Triton code on CPU tensors, through Triton's interpreter; it is chosen
+# when the kernels are defined, so before attention.py is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The project is flat top-level files (`from model import Llama`); make them importable from tests/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attention import PATHS, path_inputs
-from criterion import save_labels
+from criterion import Calibration, save_calibration, save_labels
 import generate
 from moments import SOURCES
 from weights import checkpoints
@@ -153,8 +153,12 @@ def test_short_prompt_grows_past_the_window(tiny_dir, tmp_path, capsys, monkeypa
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))  # Option 2's reference keys cached here only
     labels_file = tmp_path / "labels.json"
     save_labels(labels_file, torch.linspace(0, 1, 8).view(2, 4), {"test": True})
+    calibration = tmp_path / "calibration.json"  # a correction that shifts every head's estimated log ratio
+    save_calibration(calibration, Calibration(torch.full((2, 4), 0.5), torch.ones(2, 4), None,
+                                              {"moments_source": "random-words"}))
     argv = ["--prompt", str(write_prompt(tmp_path, 3)), "--model", str(tiny_dir), "--method", method, "--n-local",
-            "16", "--n-sink", "4", "--max-new-tokens", "30", "--static-labels", str(labels_file), "--json"]
+            "16", "--n-sink", "4", "--max-new-tokens", "30", "--static-labels", str(labels_file), "--calibration",
+            str(calibration), "--json"]
     assert generate.main(argv + (["--moments", option] if option else [])) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["prompt_tokens"] == 3 and r["new_tokens"] == 30 and r["moments"] == option

@@ -7,7 +7,8 @@ import torch
 
 import attention
 from attention import DecodeAttention, HeadStats, kv_read_fraction, mixed_attention, reference_attention
-from criterion import (check_tau, gaussian_form, gaussian_log_bulk, load_labels, oracle_log_masses, qada_labels, save_labels,
+from criterion import (Calibration, check_tau, gaussian_form, gaussian_log_bulk, load_labels, oracle_labels,
+                       oracle_log_masses, qada_labels, save_labels,
                        static_labels)
 from moments import (FixedMoments, OnlineMoments, ReferenceKeys, make_moments, mean_cov, prompt_moments,
                      reference_end)
@@ -124,7 +125,9 @@ def make_attention(method, tau=0.6, static_local=None, L=1, T=None):
     moments = FixedMoments(rand(L, HKV, D, seed=9) * 0.1, random_cov(HKV, D, seed=10)[None].repeat(L, 1, 1, 1), 1000)
     if static_local is None:
         static_local = torch.zeros(L, H, dtype=torch.bool)
-    return DecodeAttention(method, N_SINK, N_LOCAL, dict(tau=tau, moments=moments, static_local=static_local))
+    identity = Calibration(torch.zeros(L, H), torch.ones(L, H), None, {})  # qada_cal as qada
+    return DecodeAttention(method, N_SINK, N_LOCAL, dict(tau=tau, moments=moments, static_local=static_local,
+                                                         calibration=identity))
 
 
 def call(attn, q, k, v, layer=0):
@@ -400,3 +403,13 @@ def test_reference_keys_follow_the_exact_rule_and_run_only_as_far_as_needed(tiny
 def test_reference_end(T, end):
     """T - 1024, but at least T_local positions and never more than the prompt's own bulk."""
     assert reference_end(T, N_SINK, N_LOCAL) == end
+
+
+def test_a_share_exactly_at_tau_is_local():
+    """Eq. 2's >=: all scores equal (q = 0), so the window's share is exactly n_local / T = 1/2; at tau = 1/2 every head
+    is local, just above it none is."""
+    T = 2 * N_LOCAL
+    q, k = torch.zeros(H, D), rand(HKV, T, D)
+    scores = attention.all_scores(q, k)
+    assert oracle_labels(scores, N_SINK, N_LOCAL, 0.5).all()
+    assert not oracle_labels(scores, N_SINK, N_LOCAL, 0.5 + 1e-6).any()

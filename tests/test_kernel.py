@@ -1,0 +1,184 @@
+"""The fused Triton decode step (attention.fused_qada) against the torch paths, and every path's skipping: a KV group
+labelled local must not be read. On a machine without CUDA the kernels run under Triton's interpreter
+(TRITON_INTERPRET=1, set by conftest.py), on CPU tensors."""
+
+import math
+
+import pytest
+import torch
+
+import attention
+from attention import BatchAttention, DecodeAttention, fused_qada, qada, reference_attention
+from criterion import Calibration, gaussian_form
+from moments import FixedMoments
+from tests.test_qada import random_cov
+
+triton = pytest.importorskip("triton")
+
+N_SINK, N_LOCAL = 4, 32
+
+
+class Form:
+    """A row's fixed quadratic form, as moments.KeyMoments hands it to the qada path."""
+
+    def __init__(self, A, b):
+        self.A, self.b = A, b
+
+    def quadratic_form(self, layer, k):
+        return self.A, self.b
+
+
+def case(B, H, Hkv, D, T, seed=0, dtype=torch.float32):
+    """q (B, H, D), a cache (B, Hkv, T, D) whose sinks pull some heads local, and each row's quadratic form."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, D, generator=g) * 2
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    G = H // Hkv
+    k[:, :, :N_SINK] += 2 * q.view(B, Hkv, G, D).mean(2)[:, :, None]  # strong sinks: some heads local
+    mean = torch.randn(B, Hkv, D, generator=g) * 0.3
+    cov = torch.stack([random_cov(Hkv, D, seed=seed + i) for i in range(B)]) * 0.2
+    A, b = gaussian_form(mean, cov)
+    return q.to(dtype), k.to(dtype), v.to(dtype), A, b
+
+
+def tie_free(q, k, start, A, b, tau, margin=1e-3):
+    """Heads whose estimated log ratio is not within `margin` of the threshold (fp32 rounding may flip those)."""
+    from attention import window_attention
+    from criterion import estimated_log_bulk
+    out = []
+    for i in range(q.shape[0]):
+        kk = k[i, :, int(start[i]):].float()
+        T = kk.shape[1]
+        if T <= N_LOCAL:
+            out.append(torch.ones(q.shape[1], dtype=torch.bool))
+            continue
+        _, log_local = window_attention(q[i].float(), kk, kk, N_SINK, N_LOCAL)
+        r = log_local - estimated_log_bulk(q[i].float(), (A[i], b[i]), T - N_LOCAL)
+        out.append((r - math.log(tau[i] / (1 - tau[i]))).abs() > margin)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("rule", [None, "mean", "all"])
+@pytest.mark.parametrize("H, Hkv, D", [(4, 4, 16), (6, 2, 16), (8, 2, 64), (16, 2, 16)], ids=["G1", "G3", "G4-D64", "G8"])
+@pytest.mark.parametrize("T", [20, N_LOCAL, N_LOCAL + 1, 301])
+def test_the_kernel_decides_and_attends_as_the_torch_path(rule, H, Hkv, D, T, monkeypatch):
+    monkeypatch.setenv("QADA_KERNEL", "torch")
+    B = 3
+    q, k, v, A, b = case(B, H, Hkv, D, T, seed=T + H)
+    start = torch.tensor([0, min(7, T - 1), max(T - N_LOCAL - 1, 0)], dtype=torch.int32)  # left padding per row
+    tau = [0.6, 0.3, 0.9]
+    y, labels = fused_qada(q, k, v, torch.arange(B, dtype=torch.int32), start, N_SINK, N_LOCAL, (A, b),
+                           torch.tensor(tau), rule, split=64, block_n=16)
+    ok = tie_free(q, k, start, A, b, tau)
+    if rule is not None:  # a group's decision: leave out groups with a head near the threshold
+        ok = ok.view(B, Hkv, -1).all(-1, keepdim=True).expand(-1, -1, H // Hkv).reshape(B, H)
+    for i in range(B):
+        s = int(start[i])
+        want_y, want = qada(q[i], k[i, :, s:], v[i, :, s:], layer=0, n_sink=N_SINK, n_local=N_LOCAL, tau=tau[i],
+                            moments=Form(A[i], b[i]), rule=rule)
+        assert torch.equal(labels[i][ok[i]], want[ok[i]])
+        ref = reference_attention(q[i], k[i, :, s:], v[i, :, s:], labels[i], N_SINK, N_LOCAL)
+        torch.testing.assert_close(y[i].float(), ref, atol=2e-5, rtol=1e-4)
+    assert y.dtype == q.dtype and labels.dtype == torch.bool
+
+
+def test_bf16_caches_and_a_correction(monkeypatch):
+    monkeypatch.setenv("QADA_KERNEL", "torch")
+    B, H, Hkv, D, T = 2, 6, 2, 64, 257
+    q, k, v, A, b = case(B, H, Hkv, D, T, seed=5, dtype=torch.bfloat16)
+    ca, cb, cs = torch.linspace(-2, 2, H), torch.full((H,), 0.7), torch.tensor([0.5, 1.5])
+    start = torch.zeros(B, dtype=torch.int32)
+    y, labels = fused_qada(q, k, v, torch.arange(B, dtype=torch.int32), start, N_SINK, N_LOCAL, (A, b),
+                           torch.tensor([0.5, 0.5]), None, (ca, cb, cs), split=128, block_n=32)
+    for i in range(B):
+        want_y, want = qada(q[i], k[i], v[i], layer=0, n_sink=N_SINK, n_local=N_LOCAL, tau=0.5,
+                            moments=Form(A[i], b[i]), correction=(ca, cb, cs))
+        assert (labels[i] == want).float().mean() >= 5 / 6  # bf16 scores: a head may sit on the threshold
+        ref = reference_attention(q[i], k[i], v[i], labels[i], N_SINK, N_LOCAL)
+        torch.testing.assert_close(y[i].float(), ref, atol=3e-2, rtol=3e-2)
+    assert y.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Skipping: a local group's bulk is poisoned with NaN, which any read of it would carry into the output.
+
+
+def poisoned(H=6, Hkv=2, D=16, T=300, seed=1):
+    """One row whose KV group 0 is made local (its bulk far below its window) and group 1 long-context, with group
+    0's bulk keys and values NaN; a calibration forces the same split whatever the Gaussian says."""
+    q, k, v, A, b = case(1, H, Hkv, D, T, seed=seed)
+    bulk = slice(N_SINK, T - (N_LOCAL - N_SINK))
+    k[0, 0, bulk], v[0, 0, bulk] = math.nan, math.nan
+    G = H // Hkv
+    a = torch.tensor([40.0] * G + [-40.0] * (H - G))  # group 0: share ~1, the rest: ~0
+    return q, k, v, A, b, Calibration(a[None], torch.zeros(1, H), None, {})
+
+
+def no_nan_read(monkeypatch):
+    """The torch paths read a KV head's whole cache through full_attention only: fail if it is handed NaN."""
+    full = attention.full_attention
+
+    def checked(q, k, v):
+        assert not k.isnan().any() and not v.isnan().any(), "a local group's cache was read"
+        return full(q, k, v)
+    monkeypatch.setattr(attention, "full_attention", checked)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("method", ["qada_cal", "qada_kv_cal", "qada_kv_all_cal", "static"])
+def test_a_local_group_is_not_read(method, kernel, monkeypatch):
+    monkeypatch.setenv("QADA_KERNEL", kernel)
+    no_nan_read(monkeypatch)
+    q, k, v, A, b, cal = poisoned()
+    H, G = q.shape[1], q.shape[1] // k.shape[1]
+    static_local = (torch.arange(H) < G)[None]  # group 0 local for every query
+    att = DecodeAttention(method, N_SINK, N_LOCAL, dict(tau=0.6, moments=FixedMoments(torch.zeros(1, 2, 16),
+                                                                                      torch.zeros(1, 2, 16, 16), 1),
+                                                         calibration=cal, static_local=static_local))
+    if method != "static":
+        att.inputs["moments"] = Form(A[0], b[0])
+    y = att(q[:, :, None], k, v, 0)[0, :, 0]
+    labels = att.stats.labels[0][0]
+    assert labels.tolist() == [True] * G + [False] * (H - G)
+    assert torch.isfinite(y).all()  # group 0's NaN bulk was never read
+    clean = k.clone(), v.clone()
+    for x in clean:
+        x[0, 0] = torch.nan_to_num(x[0, 0], nan=0.0)
+    torch.testing.assert_close(y, reference_attention(q[0], clean[0][0], clean[1][0], labels, N_SINK, N_LOCAL),
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_the_batched_decision_skips_a_local_group(kernel, monkeypatch):
+    """BatchAttention's qada_rows for two rows (the second left-padded), group 0 of each poisoned and local."""
+    monkeypatch.setenv("QADA_KERNEL", kernel)
+    no_nan_read(monkeypatch)
+    q, k, v, A, b, _ = poisoned()
+    H, Hkv, T, D = q.shape[1], k.shape[1], k.shape[2], k.shape[3]
+    # moments that make group 0 local: a bulk mean pointing away from its queries, group 1 towards them
+    G = H // Hkv
+    direction = q[0].view(Hkv, G, D).mean(1)
+    mean = torch.stack([-direction[0], direction[1]]) * 20
+    moments = FixedMoments(mean[None], torch.zeros(1, Hkv, D, D), T - N_LOCAL)
+    pad = 5
+    kk, vv = torch.zeros(2, Hkv, T + pad, D), torch.zeros(2, Hkv, T + pad, D)
+    kk[0, :, pad:], vv[0, :, pad:] = k[0], v[0]
+    kk[1, :, pad:], vv[1, :, pad:] = k[0], v[0]
+    kk[0, :, :pad] = math.nan  # row 0's padding: never attended
+    rows = [DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.6, moments=moments)) for _ in range(2)]
+    batch = BatchAttention(rows, start=[pad, pad])
+    y = batch(q.expand(2, -1, -1)[:, :, None], kk, vv, 0)[:, :, 0]
+    for r in rows:
+        assert r.stats.labels[0][0].tolist() == [True] * G + [False] * (H - G)
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("rule", [None, "mean", "all"])
+def test_the_kernel_reads_the_splits_of_the_groups_it_needs_only(rule):
+    """Group 0 local, group 1 long-context: group 0's split programs return at once, group 1's each read."""
+    q, k, v, A, b, cal = poisoned(T=300)
+    y, labels, reads = fused_qada(q, k, v, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                  N_SINK, N_LOCAL, (A, b), torch.tensor([0.6]), rule, cal.layer(0), split=64,
+                                  block_n=16, count_reads=True)
+    assert reads.tolist() == [[0, math.ceil(300 / 64)]]
+    assert torch.isfinite(y).all() and labels[0].tolist() == [True] * 3 + [False] * 3
