@@ -1,5 +1,6 @@
-"""Decode-time attention paths: dense, local, oracle, static and QAdA (paper sections 2-3, Listing 1), and QAdA and
-the oracle decided per KV group (ours: criterion.local_labels' group rules).
+"""Decode-time attention paths: dense, local, oracle, static and QAdA (paper sections 2-3, Listing 1); QAdA and the
+oracle decided per KV group and QAdA with a calibrated estimate (ours: criterion.local_labels' group rules,
+criterion.Calibration).
 
 A path is one function `path(q, k, v, **inputs) -> (y, labels)` for one layer and one decoded token of one row:
 q (H, D) is the rotated query, k and v (Hkv, T, D) are the layer's filled KV cache, y (H, D) is the attention
@@ -22,9 +23,11 @@ one function plus one entry. `DecodeAttention` is what the model calls at each d
 one for a prefilled prompt, and `BatchAttention` runs one per row of a batch.
 
 Reading order: `qada` below (Listing 1) -> criterion.qada_labels (Eq. 7) -> moments (Eq. 6's inputs) ->
-`mixed_attention` (what is read). The kernels come last: `window_attention` (the window's output and log mass),
-`mixed_attention` (full attention only for the KV heads some query head needs: the saving is real),
-`reference_attention` (the explicit fp32 computation the tests hold the others against).
+`mixed_attention` (what is read). The kernels come last: in torch, `window_attention` (the window's output and log
+mass), `mixed_attention` (full attention only for the KV heads some query head needs: the saving is real) and
+`reference_attention` (the explicit fp32 computation the tests hold the others against); then `fused_qada`, the same
+decode step in three Triton kernels that decide and skip on the device with nothing read back to the host, which
+the qada paths take on CUDA (`fused`).
 """
 
 import inspect
@@ -42,8 +45,8 @@ try:  # the fused kernel's compiler: optional, CUDA builds of torch bring it; th
 except ImportError:
     triton = None
 
-from criterion import (TAU, check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels, window_mask,
-                       window_slices)
+from criterion import (GROUP_RULES, TAU, check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels,
+                       tau_logit, window_mask, window_slices)
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 
 # ---------------------------------------------------------------------------------------------------------
@@ -82,9 +85,9 @@ def qada(q, k, v, *, layer, n_sink, n_local, tau, moments, rule=None, correction
     its KV head once for all G query heads, a local group reads its window only. `correction`: qada_cal's."""
     if fused(q):  # the same decision and skipping in three Triton kernels, nothing read back to the host
         A, b = moments.quadratic_form(layer, k)
-        one = torch.zeros(1, dtype=torch.int32, device=q.device)
-        y, labels = fused_qada(q[None], k[None], v[None], one, one, n_sink, n_local, (A[None], b[None]),
-                               torch.full((1,), tau, device=q.device), rule, correction)
+        zero = torch.zeros(1, dtype=torch.int32, device=q.device)  # row 0 of the cache, from position 0
+        y, labels = fused_qada(q[None], k[None], v[None], zero, zero, n_sink, n_local, (A[None], b[None]),
+                               torch.full((1,), tau, dtype=torch.float64, device=q.device), rule, correction)
         return y[0], labels[0]
     y_window, log_local = window_attention(q, k, v, n_sink, n_local)
     T = k.shape[1]
@@ -259,7 +262,7 @@ class BatchAttention:
         rows = torch.tensor(live, device=q.device)
         if fused(q):  # every live row in the three kernels, each reading its own cache row from its own start
             y_live, labels = fused_qada(q[rows, :, 0], k, v, rows.int(), first_pos.int(), n_sink, n_local, (A, b_),
-                                        tau[:, 0].float(), qada_rule(first.method)[1])
+                                        tau[:, 0], qada_rule(first.method)[1])
             y[rows, :, 0] = y_live
             for i, b in enumerate(live):
                 self.rows[b].stats.record(layer, T - start[b], labels[i])
@@ -360,7 +363,7 @@ def summarize(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_lo
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The kernels: plain torch, the readable reference (tuned for the CPU: see the notes on thread splits)
+# The kernels in plain torch: readable, and tuned for the CPU (full_attention splits a lone KV head between threads)
 
 
 def all_scores(q, k):
@@ -494,6 +497,7 @@ def reference_attention(q, k, v, labels, n_sink, n_local):
 # for local heads. On CPU tensors it runs under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 
 RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
+assert set(RULES) == {None, *GROUP_RULES}
 
 
 def fused(q: torch.Tensor) -> bool:
@@ -510,7 +514,7 @@ def fused(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _window_decide_kernel(Q, K, V, ROWS, START, A, BV, TAU, CA, CB, CS, Y_WIN, LOG_LOCAL, LABELS, READ, T, sm_scale,
+    def _window_decide_kernel(Q, K, V, ROWS, START, A, BV, TAU, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL, LABELS, READ, T, sm_scale,
                               sqb, sqh, skb, skh, skt, svb, svh, svt, sab, sah, sbb, sbh,
                               H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                               D: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, W_PAD: tl.constexpr,
@@ -553,11 +557,11 @@ if triton is not None:
             log_bulk = log_local - (ca + cb * (log_local - log_bulk))
         tau = tl.load(TAU + b)
         r = log_local - log_bulk
-        local = r >= tl.log(tau / (1.0 - tau))
-        if RULE == 1:  # the group's mean share, every head follows
+        local = r >= tl.load(TAU_LOGIT + b)  # criterion.tau_logit's, so both paths compare with the same fp32 number
+        if RULE == 1:  # "mean": the group's mean share, every head follows
             share = tl.where(h_ok, 1.0 / (1.0 + tl.exp(-r)), 0.0)
             local = (tl.zeros((G_PAD,), tl.int32) + (tl.sum(share, 0) / G >= tau).to(tl.int32)) != 0
-        if RULE == 2:  # every head of the group, every head follows
+        if RULE == 2:  # "all": every head of the group, every head follows
             n_long = tl.sum(tl.where(h_ok & ~local, 1, 0), 0)
             local = (tl.zeros((G_PAD,), tl.int32) + n_long) == 0
         local = local | (tl.zeros((G_PAD,), tl.int32) + short.to(tl.int32) != 0)  # no bulk: all exact on the window
@@ -633,10 +637,10 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     """QAdA for one layer and n rows in three Triton kernels: the same labels and output as the `qada` path of each
     row, up to fp32 rounding. q (n, H, D); k, v (B, Hkv, T, D), views of the cache (any stride over T), of which row
     rows[i] (int32, (n,)) is query i's; start (n,) int32, each row's first filled position (left padding); form: each
-    row's (A (n, Hkv, D, D), b (n, Hkv, D)) fp32; tau (n,) fp32; rule as criterion.local_labels; correction: one
-    layer's Calibration.layer() (a (H,), b (H,), s (Hkv,) or None). Returns y (n, H, D) in q's dtype and labels
-    (n, H) bool, on the device; with `count_reads` (for tests) also the splits of each (row, KV head) that read the
-    cache, (n, Hkv)."""
+    row's (A (n, Hkv, D, D), b (n, Hkv, D)) fp32; tau (n,), float64 so that the threshold is criterion.tau_logit's;
+    rule as criterion.local_labels; correction: one layer's Calibration.layer() (a (H,), b (H,), s (Hkv,) or None).
+    Returns y (n, H, D) in q's dtype and labels (n, H) bool, on the device; with `count_reads` (for tests) also the
+    splits of each (row, KV head) that read the cache, (n, Hkv)."""
     if triton is None:
         raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
     B, H, D = q.shape
@@ -656,7 +660,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     dummy = log_local  # never read: HAS_CAL / HAS_SCALE are off
     sm_scale = 1 / math.sqrt(D)
     _window_decide_kernel[(B, Hkv)](
-        q, k, v, rows, start, A, bvec, tau, ca if ca is not None else dummy, cb if cb is not None else dummy,
+        q, k, v, rows, start, A, bvec, tau.float(), tau_logit(tau.double()), ca if ca is not None else dummy, cb if cb is not None else dummy,
         cs if cs is not None else dummy, y_win, log_local, labels, read, T, sm_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1),

@@ -142,7 +142,8 @@ def qada_labels(q: torch.Tensor, log_local: torch.Tensor, form: tuple[torch.Tens
                 rule: str | None = None, correction: tuple | None = None) -> torch.Tensor:
     """Eq. 7, the only place it is written: local_labels with the window's true log mass log_local (..., H) and the
     Gaussian estimate of the bulk's from the query q (..., H, D) and the bulk keys' `gaussian_form`: (..., H) bool.
-    Per query head (rule None, the paper's) or per KV group (rule "all" or "mean", ours).
+    Per query head (rule None, the paper's) or per KV group (rule "all" or "mean", ours). attention.fused_qada computes
+    the same in one Triton kernel, held to this by tests/test_kernel.py.
 
     `correction` (ours): one layer's Calibration.layer(), (a (H,), b (H,), s (Hkv,) or None). The variance term
     sigma_s^2 / 2 is scaled by s per KV head, then the estimated log ratio r = log A_local - log A_bulk becomes a + b r,
@@ -201,12 +202,26 @@ def load_calibration(path: str | Path, device=None) -> Calibration:
         data = json.loads(path.read_text())
         a, b = (torch.tensor(data[k], dtype=torch.float32, device=device) for k in ("a", "b"))
         s = None if data["s"] is None else torch.tensor(data["s"], dtype=torch.float32, device=device)
-        settings = data["settings"]
+        settings = dict(data["settings"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} is not a calibration file: {e}") from None
     if a.dim() != 2 or a.shape != b.shape or (s is not None and (s.dim() != 2 or s.shape[0] != a.shape[0])):
         raise ValueError(f"{path} is not a calibration file: a, b (L, H) and s (L, Hkv) do not match")
     return Calibration(a, b, s, settings)
+
+
+def check_calibration(c: Calibration, name, L: int, H: int, Hkv: int, n_sink: int, n_local: int,
+                      moments_source: str | None = None) -> None:
+    """That the correction `c` (from file `name`) fits a model of (L, H) heads on Hkv KV heads, the window it is used
+    with and, if given, the moments it corrects; ValueError with one line otherwise."""
+    if tuple(c.a.shape) != (L, H) or (c.s is not None and tuple(c.s.shape) != (L, Hkv)):
+        raise ValueError(f"{name} corrects {tuple(c.a.shape)} heads; the model has ({L}, {H}) on {Hkv} KV heads")
+    for key, value in (("n_sink", n_sink), ("n_local", n_local)):
+        if c.settings.get(key, value) != value:
+            raise ValueError(f"{name} was fitted with {key} {c.settings[key]}, not {value}")
+    fitted = c.settings.get("moments_source", "random-words")
+    if moments_source is not None and fitted != moments_source:
+        raise ValueError(f"{name} corrects the {fitted} moments' estimate; run it with --moments {fitted}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -249,7 +264,7 @@ def load_labels(path: str | Path, sparsity: float) -> tuple[torch.Tensor, dict]:
         raise FileNotFoundError(f"static labels file {path} not found (make one with python -m lab.calibrate)")
     try:
         data = json.loads(path.read_text())
-        local_freq = torch.tensor(data["local_freq"], dtype=torch.float32)
+        local_freq, settings = torch.tensor(data["local_freq"], dtype=torch.float32), dict(data["settings"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} is not a static labels file: {e}") from None
-    return static_labels(local_freq, sparsity), data["settings"]
+    return static_labels(local_freq, sparsity), settings

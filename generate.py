@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import sys
 import time
@@ -20,8 +21,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import attention
 from attention import ANALYSIS_ONLY, PATHS, BatchAttention, build_attention, path_inputs
-from criterion import TAU, check_tau, load_calibration, load_labels
+from criterion import TAU, check_calibration, check_tau, load_calibration, load_labels
 from model import KVCache
 from moments import SOURCES, ReferenceKeys, reference_words
 from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, shipped_calibration
@@ -95,15 +97,9 @@ def attention_sources(model, tokenizer, method: str, moments_source: str, static
     correction = None
     if "calibration" in inputs:
         correction = load_calibration(calibration, model.device)
-        L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
-        if tuple(correction.a.shape) != (L, H):
-            raise ValueError(f"{calibration} corrects {tuple(correction.a.shape)} heads; this model has ({L}, {H})")
-        for key, value in (("n_sink", n_sink), ("n_local", n_local)):
-            if correction.settings.get(key, value) != value:
-                raise ValueError(f"{calibration} was fitted with {key} {correction.settings[key]}, not {value}")
-        if correction.settings.get("moments_source") != moments_source:
-            raise ValueError(f"{calibration} corrects the {correction.settings.get('moments_source')} moments' "
-                             f"estimate; run it with --moments {correction.settings.get('moments_source')}")
+        cfg = model.cfg
+        check_calibration(correction, calibration, cfg.num_hidden_layers, cfg.num_attention_heads,
+                          cfg.num_key_value_heads, n_sink, n_local, moments_source)
     words = reference_words(moments_source) if "moments" in inputs else None
     reference = ReferenceKeys(model, tokenizer, words, n_max=max_context, root=cache_dir() / "moments",
                               progress=progress) if words else None
@@ -144,6 +140,30 @@ def check_args(max_new_tokens: int, tau: float, n_sink: int, n_local: int, tempe
     if unread:
         raise ValueError(f"--set {unread[0]}: the {method} path does not read it (it reads "
                          f"{', '.join(path_inputs(method)) or 'nothing'})")
+
+
+def pick_device(device: str | None) -> str:
+    """--device checked: cpu, cuda or cuda:N. The default is cuda if available (cuda:LOCAL_RANK under torchrun),
+    else cpu; a bare "cuda" under torchrun is cuda:LOCAL_RANK too, so the ranks do not share one GPU."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"--device takes cpu, cuda or cuda:N; got {device!r}")
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA (torch {torch.__version__})")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def triton_missing() -> str | None:
+    """Why the fused kernel cannot run here, or None."""
+    if attention.triton is None:
+        return "--kernel triton: triton is not installed (pip install triton)"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "--kernel triton: no CUDA; on the CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1)"
+    return None
 
 
 def parse_inputs(items: list[str], reserved: set[str] = frozenset()) -> dict:
@@ -214,7 +234,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(pick_device(device))
     t0 = time.perf_counter()
     net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
     load_s = time.perf_counter() - t0
@@ -330,6 +350,9 @@ def main(argv=None) -> int:
     kernel = args.pop("kernel")
     if kernel:
         os.environ["QADA_KERNEL"] = kernel  # read by attention.fused at every step
+    if os.environ.get("QADA_KERNEL") == "triton" and triton_missing():
+        print(f"error: {triton_missing()}", file=sys.stderr)
+        return 2
     try:
         inputs = parse_inputs(args.pop("set"), reserved=set(args) | {"moments", "static_local", "reference"})
         reports = run_batch(args.pop("prompt"), **args, **inputs, progress=not as_json and sys.stderr.isatty())

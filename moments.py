@@ -2,7 +2,7 @@
 
 Every source hands QAdA the same thing, a `KeyMoments`: for a layer, Eq. 6's quadratic form in the query.
 
-    prompt          Option 1 (App. B): the current prompt's bulk keys (positions n_sink .. T - n_recent),
+    prompt          Option 1 (App. B): the current prompt's bulk keys (positions n_sink .. T - (n_local - n_sink)),
                     computed once after prefill and kept fixed while decoding, as the paper does.
     prompt-online   Option 1 kept exact while decoding (ours, not the paper's): a Welford update, O(D^2) per
                     layer and step, as each key leaves the recent window and joins the bulk.

