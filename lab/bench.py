@@ -204,8 +204,22 @@ def sdpa_gqa(q, k, v):
     return y[0, :, 0], None
 
 
+def with_kernel(choice: str, fn):
+    """fn run with the qada paths on `choice` (attention.fused: "torch" or "triton")."""
+    def run():
+        old = os.environ.get("QADA_KERNEL")
+        os.environ["QADA_KERNEL"] = choice
+        try:
+            return fn()
+        finally:
+            os.environ.pop("QADA_KERNEL") if old is None else os.environ.update(QADA_KERNEL=old)
+    return run
+
+
 def bench_attention(lengths, repeats: int, device: torch.device, timer: Timer) -> list[dict]:
+    """qada on the torch path, and on CUDA with triton also the fused kernel (column fused), against dense."""
     rows = []
+    kernel = device.type == "cuda" and attention.triton is not None
     for shape, dims in SHAPES.items():
         for T in lengths:
             stack = Stack(**dims, T=T, device=device)
@@ -214,7 +228,9 @@ def bench_attention(lengths, repeats: int, device: torch.device, timer: Timer) -
             moments = {f: stack.moments(p) for f, p in patterns.items()}
             for f in FRACTIONS:
                 stack.check(patterns[f], moments[f])
-                fns[f] = lambda m=moments[f]: stack.run("qada", m)
+                fns[f] = with_kernel("torch", lambda m=moments[f]: stack.run("qada", m))
+                if kernel:
+                    fns[f"fused {f}"] = with_kernel("triton", lambda m=moments[f]: stack.run("qada", m))
             fns["criterion"] = lambda: stack.criterion(moments[0.15])
             t = timer.interleaved(fns, repeats)
             for f in FRACTIONS:
@@ -224,7 +240,9 @@ def bench_attention(lengths, repeats: int, device: torch.device, timer: Timer) -
                                  qada_ms=1e3 * t[f] / stack.L, speedup=speedup, ideal=ideal,
                                  of_bound=speedup / ideal, criterion=t["criterion"] / t["packed"],
                                  packed_ms=1e3 * t["packed"] / stack.L, speedup_packed=t["packed"] / t[f],
-                                 of_bound_packed=t["packed"] / t[f] / ideal))
+                                 of_bound_packed=t["packed"] / t[f] / ideal,
+                                 fused_ms=1e3 * t[f"fused {f}"] / stack.L if kernel else math.nan,
+                                 fused_of_bound=t["packed"] / t[f"fused {f}"] / ideal if kernel else math.nan))
                 print(format_row(ATTENTION_COLUMNS, rows[-1]), flush=True)
             del stack, fns
     return rows
@@ -457,7 +475,8 @@ ATTENTION_COLUMNS = [("shape", "shapes", "{}"), ("T", "T", "{}"), ("f", "f (KV r
                      ("dense_ms", "dense ms", "{:.3f}"), ("packed_ms", "packed dense ms", "{:.3f}"),
                      ("qada_ms", "qada ms", "{:.3f}"), ("speedup", "speedup", "{:.2f}x"), ("ideal", "ideal", "{:.2f}x"),
                      ("of_bound", "% of bound", "{:.0%}"), ("speedup_packed", "speedup vs packed", "{:.2f}x"),
-                     ("of_bound_packed", "% of bound vs packed", "{:.0%}"), ("criterion", "criterion / packed", "{:.1%}")]
+                     ("of_bound_packed", "% of bound vs packed", "{:.0%}"), ("criterion", "criterion / packed", "{:.1%}"),
+                     ("fused_ms", "fused kernel ms", "{:.3f}"), ("fused_of_bound", "fused % of bound vs packed", "{:.0%}")]
 E2E_COLUMNS = [("T", "prompt tokens", "{}"), ("batch", "batch", "{}"), ("theta", "RoPE theta", "{}"),
                ("prefill_s", "prefill s", "{:.1f}"), ("method", "method", "{}"),
                ("dense_ms", "packed dense ms/step", "{:.1f}"), ("local_ms", "window-only ms/step", "{:.1f}"),
