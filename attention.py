@@ -257,9 +257,9 @@ class BatchAttention:
             self.cached = {kk: c for kk, c in self.cached.items() if kk[1] == key[1]}  # rows that ended are gone
             self.cached[key] = (torch.stack([A for A, _ in forms]), torch.stack([b for _, b in forms]),  # (n, Hkv, ...)
                                 torch.tensor([[self.rows[b].tau] for b in live], dtype=torch.float64, device=q.device),
-                                torch.tensor([start[b] for b in live], device=q.device))  # (n,)
-        A, b_, tau, first_pos = self.cached[key]
-        rows = torch.tensor(live, device=q.device)
+                                torch.tensor([start[b] for b in live], device=q.device),  # (n,)
+                                torch.tensor(live, device=q.device))  # made once per set of live rows, not per step
+        A, b_, tau, first_pos, rows = self.cached[key]
         if fused(q):  # every live row in the three kernels, each reading its own cache row from its own start
             y_live, labels = fused_qada(q[rows, :, 0], k, v, rows.int(), first_pos.int(), n_sink, n_local, (A, b_),
                                         tau[:, 0], qada_rule(first.method)[1])

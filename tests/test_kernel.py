@@ -182,3 +182,80 @@ def test_the_kernel_reads_the_splits_of_the_groups_it_needs_only(rule):
                                   block_n=16, count_reads=True)
     assert reads.tolist() == [[0, math.ceil(300 / 64)]]
     assert torch.isfinite(y).all() and labels[0].tolist() == [True] * 3 + [False] * 3
+
+
+class Launch:
+    """A stand-in for a Triton kernel: `kernel[grid](...)` records the launch and does nothing."""
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(grid)
+
+
+def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
+    """Around its three launches the kernel path makes no host sync: with the kernels stubbed out, every Tensor method
+    that reads a value back to the host raises, and a decode step of one row and of a batch still goes through. (On
+    CUDA, torch.cuda.set_sync_debug_mode("error") checks the same with the real kernels.)"""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    launches = []
+    for name in ("_window_decide_kernel", "_split_attention_kernel", "_merge_kernel"):
+        monkeypatch.setattr(attention, name, Launch(launches))
+    q, k, v, A, b = case(2, 6, 2, 16, 300)
+    moments = FixedMoments(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16, 16), 1)
+    rows = [DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.6, moments=moments)) for _ in range(2)]
+    batch = BatchAttention(rows, start=[0, 3])
+    batch(q[:, :, None], k, v, 0)  # the first step builds the rows' cached forms (host work, once per set of rows)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("a value was read back to the host")
+    for method in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, method, no_sync)
+    launches.clear()
+    batch(q[:, :, None], k, v, 0)
+    rows[0](q[:1, :, None], k[:1], v[:1], 0)
+    assert launches == [(2, 2), (2, 2, 1), (2, 2), (1, 2), (1, 2, 1), (1, 2)]  # three kernels per step, fixed grids
+    assert len(rows[0].stats.labels) == 3 and rows[0].stats.labels[-1][0].device == q.device
+
+
+def eq7_ratio(q, k, mean, cov, T):
+    """The estimated log ratio log A_local - log(T_bulk exp(mu_s + sigma_s^2 / 2)) per query head, in float64."""
+    H, D = q.shape
+    Hkv = k.shape[0]
+    G = H // Hkv
+    s = torch.einsum("hd,htd->ht", q.double(), k.double().repeat_interleave(G, 0)) / math.sqrt(D)
+    window = torch.cat([s[:, :N_SINK], s[:, T - (N_LOCAL - N_SINK):]], 1)
+    qg = q.double().view(Hkv, G, D)
+    expo = (torch.einsum("gld,gd->gl", qg, mean.double()) / math.sqrt(D)
+            + torch.einsum("gld,gde,gle->gl", qg, cov.double(), qg) / (2 * D)).reshape(H)
+    return window.logsumexp(-1) - (math.log(T - N_LOCAL) + expo)
+
+
+GROUP_SHARE = {"qada": lambda share: share, "qada_kv": lambda share: share.mean(-1, keepdim=True).expand_as(share),
+               "qada_kv_all": lambda share: share.min(-1, keepdim=True).values.expand_as(share)}
+
+
+@pytest.mark.parametrize("rule", ["qada", "qada_kv", "qada_kv_all"])
+def test_batched_rows_with_their_own_tau_at_the_first_step_past_the_window(rule, monkeypatch):
+    """BatchAttention's batched decision against Eq. 7 re-derived in float64, rows with their own taus, at
+    T = n_local + 1 (a single bulk position) and past it. Each row's tau sits halfway between what the right T_bulk and
+    one more bulk position give for its first group, so a T_bulk off by one flips that group."""
+    monkeypatch.setenv("QADA_KERNEL", "torch")
+    H, Hkv, D = 6, 2, 16
+    G = H // Hkv
+    for T in (N_LOCAL + 1, N_LOCAL + 40):
+        q, k, v, A, b = case(3, H, Hkv, D, T, seed=T)
+        mean, cov = b * math.sqrt(D), A * 2 * D  # gaussian_form's inverse
+        shares, taus = [], []
+        for i in range(3):
+            r = eq7_ratio(q[i], k[i], mean[i], cov[i], T)
+            share = GROUP_SHARE[rule](torch.sigmoid(r).view(Hkv, G))  # (Hkv, G): what each head's label follows
+            off_by_one = GROUP_SHARE[rule](torch.sigmoid(r - math.log((T - N_LOCAL + 1) / (T - N_LOCAL))).view(Hkv, G))
+            shares.append(share)
+            taus.append(float(share[0, 0] + off_by_one[0, 0]) / 2)
+        rows = [DecodeAttention(rule, N_SINK, N_LOCAL, dict(tau=t, moments=FixedMoments(mean[i][None], cov[i][None],
+                                                                                        1))) for i, t in enumerate(taus)]
+        BatchAttention(rows)(q[:, :, None], k, v, 0)
+        for i, tau in enumerate(taus):
+            assert rows[i].stats.labels[-1][0].tolist() == (shares[i] >= tau).reshape(H).tolist(), (T, tau)
