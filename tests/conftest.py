@@ -13,6 +13,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# QADA_TEST_DEVICE=cuda runs the suite with CUDA as torch's default device: every tensor a test makes without naming
+# a device is made there, so the paths, the kernel and the models run on the GPU (the CLIs pick CUDA by themselves).
+TEST_DEVICE = os.environ.get("QADA_TEST_DEVICE", "cpu")
+if TEST_DEVICE != "cpu":
+    if TEST_DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        raise pytest.UsageError(f"QADA_TEST_DEVICE={TEST_DEVICE}, but this machine has no CUDA")
+    torch.set_default_device(TEST_DEVICE)
+
 # The project is flat top-level files (`from model import Llama`); make them importable from tests/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
