@@ -280,6 +280,66 @@ def measured_points(rows, tasks) -> dict[str, dict]:
     return {c: p for c in configs if (p := score_points(rows, tasks, c))}
 
 
+MATCHED = {"sparsity": (0.7, 0.8, 0.85, 0.9), "kv_read": (0.6, 0.5, 0.4)}  # where methods are compared at equal cost
+
+
+def matched_draws(rows, tasks, configs: dict[str, list[str]], axis: str, targets, n_boot: int = 2000, seed: int = 0
+                  ) -> dict[str, np.ndarray] | None:
+    """Each method's score / dense at each target of `axis` (head sparsity or KV-read fraction), interpolated linearly
+    between its two measured configurations around the target: (1 + n_boot, len(targets)) per method, row 0 on every
+    sample, the others on bootstrap draws (samples redrawn within each task, the same draw for every method and dense,
+    so differences are paired). Each draw recomputes the configurations' mean sparsity or KV read with their scores,
+    so the interval holds the uncertainty of where a configuration sits as well as of what it scores. NaN where a
+    target lies outside a method's measured range."""
+    all_cfgs = [c for cs in configs.values() for c in cs]
+    scores = paired_scores(rows, tasks, all_cfgs)
+    if not scores:
+        return None
+    g = group(rows)
+    x = {}  # {task: {config: per-sample sparsity or KV read, in scores' sample order}}
+    for t, (order, _) in scores.items():
+        by = {c: {r["index"]: r[axis] for r in g[t, c]} for c in all_cfgs}
+        x[t] = {c: np.array([np.nan if by[c][i] is None else by[c][i] for i in order], dtype=float) for c in all_cfgs}
+    rng = np.random.default_rng(seed)
+    picks = [{t: np.arange(len(i)) for t, (i, _) in scores.items()}]
+    picks += [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
+    out = {}
+    for m, cs in configs.items():
+        table = np.full((len(picks), len(targets)), np.nan)
+        for j, pick in enumerate(picks):
+            pts = sorted((float(np.mean([np.nanmean(x[t][c][pick[t]]) for t in scores])), normalised(scores, pick, c))
+                         for c in cs)
+            xs, ys = np.array([p[0] for p in pts]), np.array([np.nan if p[1] is None else p[1] for p in pts])
+            for k, target in enumerate(targets):
+                if len(xs) and xs[0] <= target <= xs[-1]:
+                    table[j, k] = np.interp(target, xs, ys)
+        out[m] = table
+    return out
+
+
+def matched_table(rows, tasks, axis: str, targets=None, against: str | None = None, n_boot: int = 2000, seed: int = 0
+                  ) -> list[dict]:
+    """Per method (dense and local aside): score / dense at each target of `axis` with its 95 % interval, and with
+    `against` (a method) the paired difference from it at the same target."""
+    targets = targets or MATCHED[axis]
+    configs = method_configs(rows, tasks)
+    out = []
+    for m, cs in configs.items():
+        pair = {m: cs} if against is None or against == m or against not in configs else {m: cs, against: configs[against]}
+        res = matched_draws(rows, tasks, pair, axis, targets, n_boot, seed)  # each method on the samples it finished
+        if not res:
+            continue
+        row = {"method": m, "n": sum(len(i) for i, _ in paired_scores(rows, tasks, [c for v in pair.values() for c in v]).values())}
+        for k, target in enumerate(targets):
+            v = res[m][:, k]
+            row[target] = None if np.isnan(v[0]) else (float(v[0]), *np.nanpercentile(v[1:], [2.5, 97.5]).tolist())
+            if against in res and m != against:
+                d = res[m][:, k] - res[against][:, k]
+                row[f"vs {target}"] = None if np.isnan(d[0]) else (float(d[0]), *np.nanpercentile(d[1:], [2.5, 97.5]).tolist())
+        out.append(row)
+    return out
+
+
 def mean_draws(values: dict[str, list[float]], n_boot: int = 2000, seed: int = 0) -> tuple[float, np.ndarray]:
     """The mean over tasks of each task's mean value, and its bootstrap draws (values resampled within each task)."""
     vals = {t: np.array(v, dtype=float) for t, v in values.items() if v}

@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from lab.plots import plots
-from lab.records import (ABLATIONS, MAIN_TAU, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
-                     lossless_table, mean, mean_draws, measured_points, method_configs, read_records, recall_rows,
+from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
+                     lossless_table, matched_table, mean, mean_draws, measured_points, method_configs, read_records,
+                     recall_rows,
                      run_recall, static_oracle_freq, summary_rows)
 from lab.tasks import CTXFREE, TASKS as TASK_ORDER
 
@@ -139,6 +140,30 @@ def score_table(points: dict[str, dict]) -> list[str]:
         if c != "dense":  # the reference: 1 by construction
             lines.append(f"| {c} | {fmt(p['sparsity'], 1, 2)} | {fmt(p['kv_read'], 1, 2)} | {p['norm']:.2f} | "
                          f"[{p['lo']:.2f}, {p['hi']:.2f}] | {p['n']} |")
+    return lines
+
+
+def matched_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
+    """Score / dense of each method at matched head sparsity and at matched KV read, interpolated linearly between its
+    two measured configurations around the target, with a paired-bootstrap 95 % interval (1,000 draws of the samples
+    within each task, the configurations' sparsity and KV read redrawn with their scores), and the paired difference
+    from static heads (RULER calibration) at the same target. Blank: the target lies outside the method's measured
+    range."""
+    lines = []
+    for axis, name in (("sparsity", "head sparsity"), ("kv_read", "KV read")):
+        table = matched_table(rows, tasks, axis, against="static", n_boot=n_boot)
+        if not table:
+            continue
+        targets = MATCHED[axis]
+        cell = lambda v: "" if v is None else f"{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]"  # noqa: E731
+        diff = lambda v: "" if v is None else f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]"  # noqa: E731
+        lines += [f"**At {name}** " + ", ".join(f"{t:g}" for t in targets) + " (score / dense; then minus static)", "",
+                  "| method | " + " | ".join(f"@{t:g}" for t in targets) + " | " + " | ".join(f"vs static @{t:g}" for t in targets)
+                  + " | samples |", "|---|" + "---:|" * (2 * len(targets) + 1)]
+        for r in table:
+            lines.append(f"| {label(r['method'])} | " + " | ".join(cell(r[t]) for t in targets) + " | "
+                         + " | ".join(diff(r.get(f"vs {t}")) for t in targets) + f" | {r['n']} |")
+        lines.append("")
     return lines
 
 
@@ -320,6 +345,8 @@ def write_analysis(out: Path, rows, tasks, cur, points):
     lines = [f"# Analysis of {out.name}", ""] + write_lossless(out, rows, tasks) + [""]
     lines += ["## Score / dense per configuration, paired bootstrap 95 % interval", "",
               score_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + score_table(points) + [""]
+    lines += ["## Score / dense at matched head sparsity and KV read, paired bootstrap 95 % interval", "",
+              matched_tables.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + matched_tables(rows, tasks)
     lines += ["## The paper's claims against ours", "", claims_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""]
     lines += claims_table(rows, tasks) + [""]
     for m in ("qada_rw", "qada_prompt"):  # random-words moments, then the prompt's own (fixed) where tracked

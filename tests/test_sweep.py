@@ -510,3 +510,20 @@ def test_a_report_pairs_a_folder_with_an_earlier_one_of_the_same_samples(tmp_pat
     (tmp_path / "old" / "run.json").write_text(json.dumps({"settings": dict(settings, length=800)}))
     with pytest.raises(ValueError, match="not runs of the same samples.*length"):
         report.with_baseline(tmp_path / "new", rows, tmp_path / "old")
+
+
+def test_matched_scores_interpolate_between_measured_points_with_paired_draws():
+    """Two configurations of a method at head sparsity 0.6 and 1.0 scoring 1 and 0.5 of dense: at 0.8 the matched
+    score is 0.75, at 0.9 0.625, outside [0.6, 1.0] nothing; against itself the paired difference is exactly 0."""
+    rows = []
+    for task in ("a", "b"):
+        for i in range(4):
+            rows.append(dict(task=task, index=i, config="dense", method="dense", score=1.0, sparsity=0.0, kv_read=1.0))
+            rows.append(dict(task=task, index=i, config="m@1", method="m", score=1.0, sparsity=0.6, kv_read=0.7))
+            rows.append(dict(task=task, index=i, config="m@2", method="m", score=0.5, sparsity=1.0,
+                             kv_read=0.3))
+    draws = records.matched_draws(rows, ["a", "b"], {"m": ["m@1", "m@2"]}, "sparsity", (0.5, 0.8, 0.9), n_boot=50)
+    assert draws["m"].shape == (51, 3)
+    assert math.isnan(draws["m"][0, 0]) and draws["m"][0, 1:].tolist() == pytest.approx([0.75, 0.625])
+    table = records.matched_table(rows, ["a", "b"], "kv_read", targets=(0.5,), against="m", n_boot=50)
+    assert table[0][0.5][0] == pytest.approx(0.75) and "vs 0.5" not in table[0]  # no difference from itself
