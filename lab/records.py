@@ -175,15 +175,15 @@ def paired_mean(g, scores: dict, config: str, field: str) -> float | None:
     return mean(list(task_means(g, list(scores), config, idx, field).values()))
 
 
-def normalised(scores: dict, picks: dict, config: str) -> float | None:
-    """Mean over tasks of (config's mean score / dense's mean score) on the picked samples of each task; tasks
-    where dense scores 0 on the pick are left out."""
+def normalised(scores: dict, picks: dict, config: str, worst: bool = False) -> float | None:
+    """Mean over tasks of (config's mean score / dense's mean score) on the picked samples of each task, or with
+    `worst` the lowest task's; tasks where dense scores 0 on the pick are left out."""
     ratios = []
     for t, (_, sc) in scores.items():
         d = sc["dense"][picks[t]].mean()
         if d > 0:
             ratios.append(sc[config][picks[t]].mean() / d)
-    return float(np.mean(ratios)) if ratios else None
+    return float(np.min(ratios) if worst else np.mean(ratios)) if ratios else None
 
 
 def lossless_sparsity(curve: list[tuple[float, float | None]]) -> float:
@@ -206,11 +206,12 @@ def method_configs(rows, tasks) -> dict[str, list[str]]:
 
 
 def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "sparsity", n_boot: int = 2000,
-                   seed: int = 0) -> dict[str, dict] | None:
+                   seed: int = 0, worst: bool = False) -> dict[str, dict] | None:
     """Each method's lossless point (configs: {method: its configurations}) and n_boot bootstrap values of it, all on
     the samples that dense and every listed configuration finished, with the same draws (samples resampled within
     each task): paired between a method's configurations and dense, and between methods, so that differences of
-    methods have intervals too. axis "kv_read": the point is 1 - the lowest lossless KV-read fraction."""
+    methods have intervals too. axis "kv_read": the point is 1 - the lowest lossless KV-read fraction. `worst`: a point
+    is lossless when its worst task keeps >= LOSSLESS of dense, instead of the mean over tasks."""
     scores = paired_scores(rows, tasks, [c for cs in configs.values() for c in cs])
     if not scores:
         return None
@@ -225,21 +226,22 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
         if any(sparsity[c] is None for c in cs):
             continue
         x = sparsity if axis == "sparsity" else {c: 1 - kv[c] for c in cs}  # higher = saves more
-        point = lossless_sparsity([(x[c], normalised(scores, full, c)) for c in cs])
-        boot = np.array([lossless_sparsity([(x[c], normalised(scores, d, c)) for c in cs]) for d in draws])
+        point = lossless_sparsity([(x[c], normalised(scores, full, c, worst)) for c in cs])
+        boot = np.array([lossless_sparsity([(x[c], normalised(scores, d, c, worst)) for c in cs]) for d in draws])
         out[m] = {"point": point, "boot": boot, "at": [c for c in cs if x[c] == point], "sparsity": sparsity,
                   "kv_read": kv, "n": sum(len(i) for i, _ in scores.values())}
     return out
 
 
-def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed: int = 0) -> list[dict]:
+def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed: int = 0, worst: bool = False
+                   ) -> list[dict]:
     """Per method: its lossless sparsity and a paired-bootstrap 95 % interval over samples (resampled within each
     task, the same draw for dense and every configuration of the method), with the mean KV-read fraction there.
     axis "kv_read": the lowest lossless KV-read fraction instead (the saving 1 - kv_read in place of sparsity), what
     sets decode time under grouped-query attention."""
     out = []
     for m, cs in method_configs(rows, tasks).items():
-        res = lossless_draws(rows, tasks, {m: cs}, axis, n_boot, seed)  # each method on all the samples it finished
+        res = lossless_draws(rows, tasks, {m: cs}, axis, n_boot, seed, worst)  # each on all the samples it finished
         if not res or m not in res:
             continue
         r = res[m]

@@ -527,3 +527,17 @@ def test_matched_scores_interpolate_between_measured_points_with_paired_draws():
     assert math.isnan(draws["m"][0, 0]) and draws["m"][0, 1:].tolist() == pytest.approx([0.75, 0.625])
     table = records.matched_table(rows, ["a", "b"], "kv_read", targets=(0.5,), against="m", n_boot=50)
     assert table[0][0.5][0] == pytest.approx(0.75) and "vs 0.5" not in table[0]  # no difference from itself
+
+
+def test_the_worst_task_rule_is_stricter_than_the_mean():
+    """Task a keeps everything at both points, task b 0.9 of dense at the sparser one: by the mean over tasks (0.95)
+    the sparser point is lossless, by the worst task (0.9) only the denser one."""
+    rows = []
+    for task, loss in (("a", 1.0), ("b", 0.9)):
+        for i in range(4):
+            rows.append(dict(task=task, index=i, config="dense", method="dense", score=1.0, sparsity=0.0, kv_read=1.0))
+            rows.append(dict(task=task, index=i, config="m@1", method="m", score=1.0, sparsity=0.5, kv_read=0.6))
+            rows.append(dict(task=task, index=i, config="m@2", method="m", score=loss, sparsity=0.8, kv_read=0.3))
+    mean_rule = records.lossless_table(rows, ["a", "b"], n_boot=20)[0]
+    worst_rule = records.lossless_table(rows, ["a", "b"], n_boot=20, worst=True)[0]
+    assert (mean_rule["lossless"], worst_rule["lossless"]) == (0.8, 0.5)  # mean 0.95 passes, the worst task 0.9 not
