@@ -169,6 +169,22 @@ def paired_scores(rows, tasks, configs):
     return out
 
 
+def paired_values(rows, scores: dict, configs, field: str) -> dict[str, dict[str, np.ndarray]]:
+    """{task: {config: `field` per sample}} in the sample order of `scores` (paired_scores); NaN where a record has
+    none (an answer that ended at its first token has no sparsity)."""
+    g = group(rows)
+    out = {}
+    for t, (order, _) in scores.items():
+        by = {c: {r["index"]: r[field] for r in g[t, c]} for c in configs}
+        out[t] = {c: np.array([np.nan if by[c][i] is None else by[c][i] for i in order], dtype=float) for c in configs}
+    return out
+
+
+def drawn_mean(values: dict[str, dict[str, np.ndarray]], pick: dict, config: str) -> float:
+    """Mean over tasks of `config`'s mean value (paired_values) on the picked samples of each task."""
+    return float(np.mean([np.nanmean(v[config][pick[t]]) for t, v in values.items()]))
+
+
 def paired_mean(g, scores: dict, config: str, field: str) -> float | None:
     """Mean over tasks of `config`'s mean `field` on the paired samples of `scores` (paired_scores)."""
     idx = {t: set(i) for t, (i, _) in scores.items()}
@@ -212,22 +228,27 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
     each task): paired between a method's configurations and dense, and between methods, so that differences of
     methods have intervals too. axis "kv_read": the point is 1 - the lowest lossless KV-read fraction. `worst`: a point
     is lossless when its worst task keeps >= LOSSLESS of dense, instead of the mean over tasks."""
-    scores = paired_scores(rows, tasks, [c for cs in configs.values() for c in cs])
+    all_cfgs = [c for cs in configs.values() for c in cs]
+    scores = paired_scores(rows, tasks, all_cfgs)
     if not scores:
         return None
     g = group(rows)
     rng = np.random.default_rng(seed)
     full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
     draws = [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
+    values = paired_values(rows, scores, all_cfgs, axis)
+    sign = 1 if axis == "sparsity" else -1  # higher = saves more: sparsity, or 1 - KV read
     out = {}
     for m, cs in configs.items():
         sparsity = {c: paired_mean(g, scores, c, "sparsity") for c in cs}
         kv = {c: paired_mean(g, scores, c, "kv_read") for c in cs}
         if any(sparsity[c] is None for c in cs):
             continue
-        x = sparsity if axis == "sparsity" else {c: 1 - kv[c] for c in cs}  # higher = saves more
+        x = sparsity if axis == "sparsity" else {c: 1 - kv[c] for c in cs}
         point = lossless_sparsity([(x[c], normalised(scores, full, c, worst)) for c in cs])
-        boot = np.array([lossless_sparsity([(x[c], normalised(scores, d, c, worst)) for c in cs]) for d in draws])
+        # each draw places the configurations where their drawn samples put them, and scores them there
+        boot = np.array([lossless_sparsity([((1 - sign) / 2 + sign * drawn_mean(values, d, c),
+                                             normalised(scores, d, c, worst)) for c in cs]) for d in draws])
         out[m] = {"point": point, "boot": boot, "at": [c for c in cs if x[c] == point], "sparsity": sparsity,
                   "kv_read": kv, "n": sum(len(i) for i, _ in scores.values())}
     return out
@@ -236,7 +257,8 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
 def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed: int = 0, worst: bool = False
                    ) -> list[dict]:
     """Per method: its lossless sparsity and a paired-bootstrap 95 % interval over samples (resampled within each
-    task, the same draw for dense and every configuration of the method), with the mean KV-read fraction there.
+    task, the same draw for dense and every configuration of the method, each draw placing the configurations at the
+    sparsity or KV read of its samples), with the mean KV-read fraction there.
     axis "kv_read": the lowest lossless KV-read fraction instead (the saving 1 - kv_read in place of sparsity), what
     sets decode time under grouped-query attention."""
     out = []
@@ -297,11 +319,7 @@ def matched_draws(rows, tasks, configs: dict[str, list[str]], axis: str, targets
     scores = paired_scores(rows, tasks, all_cfgs)
     if not scores:
         return None
-    g = group(rows)
-    x = {}  # {task: {config: per-sample sparsity or KV read, in scores' sample order}}
-    for t, (order, _) in scores.items():
-        by = {c: {r["index"]: r[axis] for r in g[t, c]} for c in all_cfgs}
-        x[t] = {c: np.array([np.nan if by[c][i] is None else by[c][i] for i in order], dtype=float) for c in all_cfgs}
+    x = paired_values(rows, scores, all_cfgs, axis)
     rng = np.random.default_rng(seed)
     picks = [{t: np.arange(len(i)) for t, (i, _) in scores.items()}]
     picks += [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
@@ -309,8 +327,7 @@ def matched_draws(rows, tasks, configs: dict[str, list[str]], axis: str, targets
     for m, cs in configs.items():
         table = np.full((len(picks), len(targets)), np.nan)
         for j, pick in enumerate(picks):
-            pts = sorted((float(np.mean([np.nanmean(x[t][c][pick[t]]) for t in scores])), normalised(scores, pick, c))
-                         for c in cs)
+            pts = sorted((drawn_mean(x, pick, c), normalised(scores, pick, c)) for c in cs)
             xs, ys = np.array([p[0] for p in pts]), np.array([np.nan if p[1] is None else p[1] for p in pts])
             for k, target in enumerate(targets):
                 if len(xs) and xs[0] <= target <= xs[-1]:

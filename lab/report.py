@@ -105,7 +105,8 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
              "The highest measured sparsity up to which every point of the method keeps >= 0.95 of dense (mean over "
              "tasks of score / dense score, on the samples that dense and every configuration of the method finished). "
              "Interval: 2,000 bootstrap draws of the samples within each task, the same draw for dense and each "
-             "configuration of the method (paired). Only measured points count: "
+             "configuration of the method (paired), each draw placing the configurations at the sparsity and KV read "
+             "of its samples. Only measured points count: "
              "a method whose highest point is still lossless may go further.", "",
              "| method | lossless sparsity | 95 % interval | KV read there | points | highest measured | samples |",
              "|---|---:|---|---:|---:|---:|---:|"]
