@@ -280,6 +280,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         reports.append({
             "prompt": name, "text": tok.decode(out), "method": method, "tau": att.tau,
             "moments": moments_source if att.moments is not None else None,
+            "calibration": str(calibration) if "calibration" in att.inputs else None,
             "model": str(net.model_dir), "device": str(device), "dtype": dtype, "load_s": round(load_s, 2),
             "batch": len(rows), "prompt_tokens": len(ids), "prefill_s": round(prefill_s, 2), "new_tokens": len(out),
             "decode_tok_s": round(len(out) / decode_s, 2), "decode_ms_per_token": round(1000 * decode_s / steps, 1),
@@ -302,7 +303,9 @@ def print_report(r: dict) -> None:
     sparsity = "n/a" if r["sparsity"] is None else f"{r['sparsity']:.3f}"
     kv = "n/a" if r["kv_read"] is None else f"{r['kv_read']:.3f}"
     print(f"method {r['method']}" + (f" (tau {r['tau']})" if r["tau"] is not None else "")
-          + (f", {r['moments']} moments" if r["moments"] else "") + f" | {r['device']} {r['dtype']} | load {r['load_s']:.1f} s")
+          + (f", {r['moments']} moments" if r["moments"] else "")
+          + (f", calibration {Path(r['calibration']).name}" if r.get("calibration") else "")
+          + f" | {r['device']} {r['dtype']} | load {r['load_s']:.1f} s")
     print(f"prompt {r['prompt_tokens']} tokens, prefill {r['prefill_s']:.1f} s | decode {r['new_tokens']} tokens, "
           f"{r['decode_tok_s']:.1f} tok/s ({r['decode_ms_per_token']:.0f} ms/token) | peak memory {r['peak_memory_mb']} MB")
     implied = " (implied by the labels; the oracle path itself reads every entry)" if r["method"] in ANALYSIS_ONLY else ""

@@ -206,6 +206,7 @@ def test_generate_and_the_sweep_run_calibrated_qada(fitted, tiny_dir, tmp_path, 
     assert generate.main(argv + ["--method", "qada_cal", "--calibration", str(tmp_path / "identity.json")]) == 0
     same = json.loads(capsys.readouterr().out)
     assert (same["text"], same["sparsity"], same["kv_read"]) == (plain["text"], plain["sparsity"], plain["kv_read"])
+    assert same["calibration"] == str(tmp_path / "identity.json") and plain["calibration"] is None
     assert generate.main(argv + ["--method", "qada_kv_cal", "--calibration", str(fitted / "affine.json")]) == 0
     assert json.loads(capsys.readouterr().out)["method"] == "qada_kv_cal"
     assert generate.main(argv + ["--method", "qada_cal"]) == 2  # a folder model ships none
