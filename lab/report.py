@@ -440,15 +440,17 @@ SAME_RUN = ("length", "seed", "stop", "n_sink", "n_local", "model", "dtype")  # 
 
 
 def with_baseline(out: Path, rows: list[dict], other: Path) -> list[dict]:
-    """`rows` plus the records of the run folder `other` that `out` lacks (a configuration decoded in both: out's),
-    so a sweep of new configurations is compared with an earlier one's on the same samples. The two runs must have
-    decoded the same prompts the same way (SAME_RUN)."""
+    """`rows` plus the records of the run folder `other` that `out` lacks (a configuration decoded in both: out's), on
+    the samples `out` has decoded, so a sweep of new configurations, finished or not, is compared with an earlier
+    one's on the same samples. The two runs must have decoded the same prompts the same way (SAME_RUN)."""
     mine, theirs = (json.loads((Path(f) / "run.json").read_text())["settings"] for f in (out, other))
     clash = {k: (mine.get(k), theirs.get(k)) for k in SAME_RUN if mine.get(k) != theirs.get(k)}
     if clash:
         raise ValueError(f"{out} and {other} are not runs of the same samples: {clash}")
     have = {(r["task"], r["index"], r["config"]) for r in rows}
-    return rows + [r for r in read_records(other) if (r["task"], r["index"], r["config"]) not in have]
+    samples = {(r["task"], r["index"]) for r in rows}
+    return rows + [r for r in read_records(other)
+                   if (r["task"], r["index"]) in samples and (r["task"], r["index"], r["config"]) not in have]
 
 
 def report(out: str | Path, tasks: list[str] | None = None, baseline: str | Path | None = None) -> None:

@@ -496,7 +496,8 @@ def test_records_are_read_compressed_and_plain_and_merged_into_one_compressed_fi
 
 
 def test_a_report_pairs_a_folder_with_an_earlier_one_of_the_same_samples(tmp_path):
-    """--with: the other folder's records that this one lacks join it; its own win; other settings are refused."""
+    """--with: the other folder's records that this one lacks join it, on this one's samples; its own win; other
+    settings are refused."""
     settings = dict(tasks=["a"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model="m", dtype="bfloat16")
     for name, recs in (("new", [("a", 0, "dense", 1.0), ("a", 0, "qada_cal@0.6", 1.0)]),
                        ("old", [("a", 0, "dense", 0.0), ("a", 0, "static@0.8", 0.5), ("a", 1, "dense", 1.0)])):
@@ -506,7 +507,7 @@ def test_a_report_pairs_a_folder_with_an_earlier_one_of_the_same_samples(tmp_pat
                               [dict(task=t, index=i, config=c, score=x) for t, i, c, x in recs])
     rows = report.with_baseline(tmp_path / "new", records.read_records(tmp_path / "new"), tmp_path / "old")
     assert [(r["task"], r["index"], r["config"], r["score"]) for r in rows] == [
-        ("a", 0, "dense", 1.0), ("a", 0, "qada_cal@0.6", 1.0), ("a", 0, "static@0.8", 0.5), ("a", 1, "dense", 1.0)]
+        ("a", 0, "dense", 1.0), ("a", 0, "qada_cal@0.6", 1.0), ("a", 0, "static@0.8", 0.5)]  # sample a#1: not in new
     (tmp_path / "old" / "run.json").write_text(json.dumps({"settings": dict(settings, length=800)}))
     with pytest.raises(ValueError, match="not runs of the same samples.*length"):
         report.with_baseline(tmp_path / "new", rows, tmp_path / "old")
