@@ -122,11 +122,11 @@ def path_inputs(method: str) -> tuple[str, ...]:
 
 
 def qada_rule(method: str) -> tuple[bool, str | None]:
-    """Whether the path registered as `method` is `qada`, and the KV-group rule its entry fixes (None: per head).
-    BatchAttention decides for a whole batch of such rows at once."""
+    """Whether the path registered as `method` is `qada` or `qada_cal`, and the KV-group rule its entry fixes (None:
+    per head). BatchAttention decides for a whole batch of such rows at once."""
     path = PATHS[method]
     fixed = path.keywords if isinstance(path, partial) else {}
-    return getattr(path, "func", path) is qada, fixed.get("rule")
+    return getattr(path, "func", path) in (qada, qada_cal), fixed.get("rule")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -207,7 +207,8 @@ class BatchAttention:
     so a row reads a KV head only when that row needs it. Rows marked `done` (their answer has ended) are skipped:
     their outputs are zeros and their cache is not read.
 
-    When every row runs the same `qada` path (qada_rule) with fixed moments, the decision is taken for all rows at
+    When every row runs the same `qada` or `qada_cal` path (qada_rule) with fixed moments (and one calibration), the
+    decision is taken for all rows at
     once (qada_rows): one window pass and one Gaussian term for the batch instead of one per row, each row with its
     own moments, context length and tau; each row's full heads are then read on its own. `batched=False` keeps the
     row-by-row path, which the tests hold the batched one to."""
@@ -224,7 +225,7 @@ class BatchAttention:
         # one qada path with fixed moments for every row, one window, nothing tracked
         self.all_qada = self.batched and isinstance(first, DecodeAttention) and qada_rule(first.method)[0] and all(
             isinstance(a, DecodeAttention) and a.method == first.method and isinstance(a.moments, FixedMoments)
-            and not a.stats.track_oracle
+            and a.inputs.get("calibration") is first.inputs.get("calibration") and not a.stats.track_oracle
             and (a.n_sink, a.n_local) == (first.n_sink, first.n_local) for a in self.rows)
         self.cached = {}  # (layer, live rows) -> their quadratic forms stacked, taus and first positions
 
@@ -260,9 +261,11 @@ class BatchAttention:
                                 torch.tensor([start[b] for b in live], device=q.device),  # (n,)
                                 torch.tensor(live, device=q.device))  # made once per set of live rows, not per step
         A, b_, tau, first_pos, rows = self.cached[key]
+        calibration = first.inputs.get("calibration")  # qada_cal: one correction for every row
+        correction = calibration.layer(layer) if calibration is not None else None
         if fused(q):  # every live row in the three kernels, each reading its own cache row from its own start
             y_live, labels = fused_qada(q[rows, :, 0], k, v, rows.int(), first_pos.int(), n_sink, n_local, (A, b_),
-                                        tau[:, 0], qada_rule(first.method)[1])
+                                        tau[:, 0], qada_rule(first.method)[1], correction)
             y[rows, :, 0] = y_live
             for i, b in enumerate(live):
                 self.rows[b].stats.record(layer, T - start[b], labels[i])
@@ -276,7 +279,8 @@ class BatchAttention:
         qs = q[rows, :, 0]  # (n, H, D)
         y_window, log_local = window_attention(qs.reshape(n * H, D), window(k), window(v), n_sink, n_local)
         n_bulk = (T - n_local - first_pos[:, None]).float()  # (n, 1): each row's T_bulk
-        labels = qada_labels(qs, log_local.view(n, H), (A, b_), n_bulk, tau, qada_rule(first.method)[1])  # (n, H)
+        labels = qada_labels(qs, log_local.view(n, H), (A, b_), n_bulk, tau, qada_rule(first.method)[1],
+                             correction)  # (n, H)
         y_window = y_window.view(n, H, D)
         for i, b in enumerate(live):
             s = start[b]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from attention import BatchAttention, DecodeAttention, reference_attention
+from criterion import Calibration
 import generate
 from model import load_model
 from tests.test_generate import make_tiny_dir, write_prompt
@@ -41,7 +42,7 @@ def test_batch_attention_gives_each_row_its_own_attention_on_its_own_part_of_the
         BatchAttention(atts, start=[0, 1])
 
 
-@pytest.mark.parametrize("method", ["qada", "qada_kv", "qada_kv_all"])
+@pytest.mark.parametrize("method", ["qada", "qada_kv", "qada_kv_all", "qada_cal", "qada_kv_cal"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, method, dtype, tol):
     """B prompts under a QAdA path, each with its own moments and padding (and tau, per query head): the batched
@@ -53,13 +54,18 @@ def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, method, d
     q = (torch.randn(B, H, 1, D, generator=g) * torch.linspace(0.5, 3.0, H)[:, None, None]).to(dtype)
     k, v = torch.randn(B, Hkv, T, D, generator=g).to(dtype), torch.randn(B, Hkv, T, D, generator=g).to(dtype)
     start = [0, 50, 13, 200]
-    taus = [0.6, 0.3, 0.8, 0.5] if method == "qada" else [0.4] * B  # a group rule takes one tau for the batch
+    taus = [0.6, 0.3, 0.8, 0.5]
+    # qada_cal: one correction for the batch, different per layer and head, variance scaled per KV head
+    gc = torch.Generator().manual_seed(7)
+    calibration = Calibration(torch.randn(L, H, generator=gc), torch.rand(L, H, generator=gc) + 0.5,
+                              torch.rand(L, Hkv, generator=gc) + 0.5, {})
 
     def attentions():
         gm = torch.Generator().manual_seed(5)  # the same moments for both routes, different for every row
         moments = [FixedMoments(torch.randn(L, Hkv, D, generator=gm) * 0.5, torch.eye(D).expand(L, Hkv, D, D) * 0.1 *
                                 torch.rand(L, Hkv, 1, 1, generator=gm), 100) for _ in range(B)]
-        return [DecodeAttention(method, 4, 32, dict(tau=tau, moments=m)) for tau, m in zip(taus, moments)]
+        return [DecodeAttention(method, 4, 32, dict(tau=tau, moments=m, calibration=calibration))
+                for tau, m in zip(taus, moments)]
 
     alone = BatchAttention(attentions(), start=start, batched=False)
     rows = BatchAttention(attentions(), start=start)
