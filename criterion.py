@@ -257,14 +257,19 @@ def save_labels(path: str | Path, local_freq: torch.Tensor, settings: dict) -> N
     os.replace(tmp, path)
 
 
-def load_labels(path: str | Path, sparsity: float) -> tuple[torch.Tensor, dict]:
-    """Static labels (L, H) at `sparsity` from a file written by save_labels, and its settings."""
+def load_local_freq(path: str | Path) -> tuple[torch.Tensor, dict]:
+    """The oracle local frequencies (L, H) of a file written by save_labels, and its settings."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"static labels file {path} not found (make one with python -m lab.calibrate)")
     try:
         data = json.loads(path.read_text())
-        local_freq, settings = torch.tensor(data["local_freq"], dtype=torch.float32), dict(data["settings"])
+        return torch.tensor(data["local_freq"], dtype=torch.float32), dict(data["settings"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} is not a static labels file: {e}") from None
+
+
+def load_labels(path: str | Path, sparsity: float) -> tuple[torch.Tensor, dict]:
+    """Static labels (L, H) at `sparsity` from a file written by save_labels, and its settings."""
+    local_freq, settings = load_local_freq(path)
     return static_labels(local_freq, sparsity), settings

@@ -245,7 +245,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     rows, caches = [], []  # per prompt: (ids, last logits, prefill seconds, attention); its prefilled cache
     for name, text in named:
         if chat and tok.has_chat_template:
-            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+            ids = tok.encode_chat([{"role": "user", "content": text}])
         else:
             ids = tok.encode(text, add_special_tokens=True)
         if len(ids) + max_new_tokens > max_context:

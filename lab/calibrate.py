@@ -20,7 +20,6 @@ of every prompt.
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,8 +27,8 @@ from pathlib import Path
 import torch
 
 from attention import all_scores, build_attention, dense
-from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_exponent, oracle_log_masses, save_calibration,
-                       save_labels)
+from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_exponent, load_local_freq, oracle_log_masses,
+                       save_calibration, save_labels)
 from generate import decode, pick_device
 from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
@@ -57,11 +56,6 @@ def oracle_frequency(model, tok, task: str, length: int, samples: int, seed: int
     return (counts / steps).float(), steps
 
 
-def load_freq(path: Path) -> tuple[torch.Tensor, dict]:
-    data = json.loads(Path(path).read_text())
-    return torch.tensor(data["local_freq"], dtype=torch.float32), data["settings"]
-
-
 def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int, seed: int, max_new_tokens: int,
            n_sink: int = 16, n_local: int = 128, progress: bool = True,
            ruler_tasks: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -77,7 +71,7 @@ def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int
                         tau=TAU, n_sink=n_sink, n_local=n_local, model=str(model.model_dir))
         path = folder / f"{task}.json"
         if path.is_file():
-            freq, old = load_freq(path)
+            freq, old = load_local_freq(path)
             if {k: old.get(k) for k in settings} == settings:
                 out[task] = freq
                 continue
