@@ -10,8 +10,8 @@ import torch
 
 import generate
 from attention import DecodeAttention, all_scores
-from criterion import (CALIBRATION_KINDS, Calibration, gaussian_form, load_calibration, oracle_log_masses, qada_labels,
-                       save_calibration)
+from criterion import (CALIBRATION_KINDS, Calibration, check_calibration, gaussian_form, load_calibration,
+                       oracle_log_masses, qada_labels, save_calibration)
 from lab import calibrate, records, sweep
 from moments import FixedMoments
 from tests.test_generate import make_tiny_dir, write_prompt
@@ -228,3 +228,20 @@ def test_generate_and_the_sweep_run_calibrated_qada(fitted, tiny_dir, tmp_path, 
     assert sweep.main(["--out", str(tmp_path / "run2"), "--tasks", "fwe", "--length", "400", "--samples", "1",
                        "--methods", "qada_cal", "--model", str(tiny_dir), "--ctxfree-samples", "0"]) == 2
     assert "give --calibration DIR" in capsys.readouterr().err
+
+
+def test_calibration_mismatches_are_one_clear_line(tmp_path, capsys):
+    c = Calibration(torch.zeros(2, 4), torch.ones(2, 4), torch.ones(2, 2), {"n_sink": 16, "n_local": 128,
+                                                                             "moments_source": "random-words"})
+    check_calibration(c, "c.json", 2, 4, 2, 16, 128, "random-words")  # fits
+    for args, message in (((3, 4, 2, 16, 128), r"corrects \(2, 4\) heads"), ((2, 4, 1, 16, 128), "on 1 KV heads"),
+                          ((2, 4, 2, 4, 128), "fitted with n_sink 16, not 4"),
+                          ((2, 4, 2, 16, 64), "fitted with n_local 128, not 64")):
+        with pytest.raises(ValueError, match=message):
+            check_calibration(c, "c.json", *args)
+    with pytest.raises(ValueError, match="--moments random-words"):
+        check_calibration(c, "c.json", 2, 4, 2, 16, 128, "prompt")
+    assert calibrate.main(["--qada", "--tasks", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown task 'nope'" in capsys.readouterr().err
+    assert calibrate.main(["--qada", "--tasks", "fwe", "--samples", "0", "--out", str(tmp_path)]) == 2
+    assert "--samples must be at least 1" in capsys.readouterr().err
