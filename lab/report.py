@@ -2,7 +2,7 @@
 
     python -m lab.report results/ruler-4k
 
-Reads OUT's records (lab.records.result_files: samples.jsonl.gz, or the plain files of a run in progress) and writes
+Reads OUT's records (lab.records.result_files: samples.jsonl.xz, or the plain files of a run in progress) and writes
 into OUT:
     summary.csv       task x config: n, score (x100), sparsity, KV-read fraction, answer tokens, decode time
     summary.md        the same as pivot tables, with the dense score and the local-window floor per task

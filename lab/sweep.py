@@ -37,7 +37,7 @@ QAdA-vs-oracle agreement (appendix C) and the Gaussian log-mass error (Table 2).
 
 One JSON line per (sample, config) is appended to OUT/samples.jsonl as soon as it is decoded; a restart skips
 what is there, so an interrupted run resumes where it stopped. At the end the records are merged into
-OUT/samples.jsonl.gz (lab.records reads both forms). lab.report turns them into tables and plots (run at the end,
+OUT/samples.jsonl.xz (lab.records reads both forms). lab.report turns them into tables and plots (run at the end,
 or any time on a partial run). Inputs of a path that have no flag of their own: --set NAME=VALUE.
 
 Several processes, one per GPU (or per CPU core), through torch.distributed:
@@ -50,7 +50,7 @@ records. The share: when the grid holds a configuration with "own-task" labels (
 per rank, because sample i of a task reads the oracle records of the task's samples 0 .. i-1 (own_task_freq);
 otherwise the (task, sample) jobs round-robin, so 8 ranks stay busy with 6 tasks. Rank 0 loads first (a model
 conversion, the calibration files, run.json: shared files written once) while the others wait; at the end it
-waits for every rank, merges the rank files into OUT/samples.jsonl.gz in the order one process writes them, and
+waits for every rank, merges the rank files into OUT/samples.jsonl.xz in the order one process writes them, and
 writes run.json and the report. The progress bar is rank 0's share.
 """
 
@@ -406,7 +406,7 @@ def split(jobs, tasks: list[str], k: int, n: int, by_task: bool) -> list:
 
 
 def merge(out: Path, jobs) -> Path:
-    """Every record of the run's files (lab.records.result_files) into OUT/samples.jsonl.gz, in the order one process
+    """Every record of the run's files (lab.records.result_files) into OUT/samples.jsonl.xz, in the order one process
     writes them (`jobs`' order, a sample's records in configuration order; records outside `jobs`, from earlier
     runs, first), each (task, index, config) once; then the plain files are removed. The new file is renamed into
     place, so a kill leaves the old files or the merged one (and plain files that the next merge skips as
@@ -419,7 +419,7 @@ def merge(out: Path, jobs) -> Path:
     for r in read_records(out):  # the compressed file first, then samples.jsonl and samples.R.jsonl
         records.setdefault((r["task"], r["index"], r["config"]), r)
     ordered = sorted(records.values(), key=lambda r: position.get((r["task"], r["index"], r["config"]), -1))
-    path = write_records(out / "samples.jsonl.gz", ordered)
+    path = write_records(out / "samples.jsonl.xz", ordered)
     for p in result_files(out):
         if p != path:
             p.unlink()
@@ -562,7 +562,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", required=True, help="run folder: samples.jsonl.gz (plain samples*.jsonl while running), "
+    p.add_argument("--out", required=True, help="run folder: samples.jsonl.xz (plain samples*.jsonl while running), "
                    "run.json, tables and plots")
     p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,fwe",
                    help="comma-separated tasks (tasks.TASKS)")
@@ -610,7 +610,7 @@ def main(argv=None) -> int:
                    "context-free samples count as one more task) and writes OUT/samples.K.jsonl; start N processes "
                    "(e.g. with --threads 1 each) to use N cores. Under torchrun the ranks split the sweep instead: "
                    "whole tasks when static_oracle (own-task labels) is in the grid, else samples round-robin; rank 0 "
-                   "merges their files into samples.jsonl.gz")
+                   "merges their files into samples.jsonl.xz")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, cuda:LOCAL_RANK "
                    "under torchrun; else cpu)")
     p.add_argument("--batch", type=int, default=32, help="configurations of a sample decoded side by side as one "

@@ -2,7 +2,7 @@
 same records in the same order as one process (timings aside), with run.json written once and no rank file left;
 a restart decodes only what no file holds yet. About 40 s on 2 busy cores: six subprocesses of a few seconds each."""
 
-import gzip
+import lzma
 import json
 import os
 import subprocess
@@ -49,8 +49,8 @@ def eval_py(out: Path, args: list[str], tiny_dir: Path, cache: Path, ranks: int 
 
 def lines(out: Path) -> list[dict]:
     """The records of a finished run: one compressed file."""
-    assert records.result_files(out) == [out / "samples.jsonl.gz"]
-    return [json.loads(line) for line in gzip.decompress((out / "samples.jsonl.gz").read_bytes()).decode().splitlines()]
+    assert records.result_files(out) == [out / "samples.jsonl.xz"]
+    return [json.loads(line) for line in lzma.decompress((out / "samples.jsonl.xz").read_bytes()).decode().splitlines()]
 
 
 def untimed(records: list[dict]) -> list[dict]:
@@ -62,9 +62,9 @@ def keys(records: list[dict]) -> list[tuple]:
 
 
 def assert_one_run(out: Path, lines_per_rank: list[int]):
-    """The files one process leaves: samples.jsonl.gz alone and run.json with one run, written by rank 0; and
+    """The files one process leaves: samples.jsonl.xz alone and run.json with one run, written by rank 0; and
     the lines each rank wrote in that run."""
-    assert records.result_files(out) == [out / "samples.jsonl.gz"]  # the rank files are merged and gone
+    assert records.result_files(out) == [out / "samples.jsonl.xz"]  # the rank files are merged and gone
     runs = json.loads((out / "run.json").read_text())["runs"]
     assert len(runs) == 1 and runs[0]["ranks"] == 2
     assert runs[0]["lines_per_rank"] == lines_per_rank and runs[0]["lines_written"] == sum(lines_per_rank)

@@ -481,18 +481,18 @@ def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch):
 
 
 def test_records_are_read_compressed_and_plain_and_merged_into_one_compressed_file(tmp_path):
-    """A finished run's samples.jsonl.gz, then the plain lines a resumed run appended (one torn): read in that order;
+    """A finished run's samples.jsonl.xz, then the plain lines a resumed run appended (one torn): read in that order;
     the merge leaves one compressed file, the same bytes for the same records."""
     recs = [dict(task="a", index=i, config="dense", score=i) for i in range(3)]
-    records.write_records(tmp_path / "samples.jsonl.gz", recs[:2])
+    records.write_records(tmp_path / "samples.jsonl.xz", recs[:2])
     (tmp_path / "samples.jsonl").write_text(json.dumps(recs[2]) + "\n" + '{"task": "a", "ind')
     assert records.read_records(tmp_path) == recs
     sweep.merge(tmp_path, sweep.plan(["a"], 3, [sweep.Config("dense")], [], 0, [], 0))
-    assert records.result_files(tmp_path) == [tmp_path / "samples.jsonl.gz"]
+    assert records.result_files(tmp_path) == [tmp_path / "samples.jsonl.xz"]
     assert records.read_records(tmp_path) == recs
     (tmp_path / "again").mkdir()
-    again = records.write_records(tmp_path / "again" / "samples.jsonl.gz", recs)
-    assert again.read_bytes() == (tmp_path / "samples.jsonl.gz").read_bytes()
+    again = records.write_records(tmp_path / "again" / "samples.jsonl.xz", recs)
+    assert again.read_bytes() == (tmp_path / "samples.jsonl.xz").read_bytes()
 
 
 def test_a_report_pairs_a_folder_with_an_earlier_one_of_the_same_samples(tmp_path):
@@ -503,7 +503,7 @@ def test_a_report_pairs_a_folder_with_an_earlier_one_of_the_same_samples(tmp_pat
                        ("old", [("a", 0, "dense", 0.0), ("a", 0, "static@0.8", 0.5), ("a", 1, "dense", 1.0)])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "run.json").write_text(json.dumps({"settings": settings}))
-        records.write_records(tmp_path / name / "samples.jsonl.gz",
+        records.write_records(tmp_path / name / "samples.jsonl.xz",
                               [dict(task=t, index=i, config=c, score=x) for t, i, c, x in recs])
     rows = report.with_baseline(tmp_path / "new", records.read_records(tmp_path / "new"), tmp_path / "old")
     assert [(r["task"], r["index"], r["config"], r["score"]) for r in rows] == [
