@@ -264,7 +264,7 @@ class BatchAttention:
         calibration = first.inputs.get("calibration")  # qada_cal: one correction for every row
         correction = calibration.layer(layer) if calibration is not None else None
         if fused(q):  # every live row in the three kernels, each reading its own cache row from its own start
-            y_live, labels = fused_qada(q[rows, :, 0], k, v, rows.int(), first_pos.int(), n_sink, n_local, (A, b_),
+            y_live, labels = fused_qada(q[rows, :, 0], k, v, rows, first_pos, n_sink, n_local, (A, b_),
                                         tau[:, 0], qada_rule(first.method)[1], correction)
             y[rows, :, 0] = y_live
             for i, b in enumerate(live):
@@ -640,7 +640,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
                split: int = 1024, block_n: int = 64, count_reads: bool = False):
     """QAdA for one layer and n rows in three Triton kernels: the same labels and output as the `qada` path of each
     row, up to fp32 rounding. q (n, H, D); k, v (B, Hkv, T, D), views of the cache (any stride over T), of which row
-    rows[i] (int32, (n,)) is query i's; start (n,) int32, each row's first filled position (left padding); form: each
+    rows[i] is query i's (integers, (n,)); start (n,), each row's first filled position (left padding); form: each
     row's (A (n, Hkv, D, D), b (n, Hkv, D)) fp32; tau (n,), float64 so that the threshold is criterion.tau_logit's;
     rule as criterion.local_labels; correction: one layer's Calibration.layer() (a (H,), b (H,), s (Hkv,) or None).
     Returns y (n, H, D) in q's dtype and labels (n, H) bool, on the device; with `count_reads` (for tests) also the
