@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.records import ABLATIONS, LOSSLESS, MAIN_TAU, config_sort_key, curves, group, is_tau, label, mean
+from lab.records import ABLATIONS, LOSSLESS, MAIN_TAU, PEER_PATH, config_sort_key, curves, group, is_tau, label, mean
 from lab.tasks import CTXFREE
 
 # Each configuration of records.ORDER in its colour and marker; any other method gets a colour picked by its name.
@@ -14,7 +14,8 @@ COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "ta
          "oracle": "tab:blue", "qada_rw": "tab:purple", "qada_prompt": "tab:pink", "qada_prompt_online": "tab:cyan",
          "qada_word": "tab:orange",
          "qada_long": "tab:red", "static_kv": "darkgreen", "static_oracle_kv": "darkorange", "oracle_kv": "navy",
-         "qada_kv": "magenta", "qada_kv_all": "indigo"}
+         "qada_kv": "magenta", "qada_kv_all": "indigo", "snapkv": "crimson", "snapkv_ctx": "salmon",
+         "expected_attention": "teal", "expected_attention_ctx": "turquoise", "knorm": "goldenrod", "streaming_llm": "dimgray"}
 MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_oracle": "x", "oracle": "o", "qada_rw": "D",
           "qada_prompt": "P", "qada_prompt_online": "X", "static_kv": "<", "static_oracle_kv": "+", "oracle_kv": "h",
           "qada_kv": "*", "qada_kv_all": "d"}
@@ -26,10 +27,11 @@ def color(method: str) -> str:
     return COLOR.get(method) or spare[sum(map(ord, method)) % len(spare)]
 
 
-def figure_scores(out: Path, tasks, methods, points):
+def figure_scores(out: Path, tasks, methods, points, peers=()):
     """Fig. 4 with intervals: normalised score (95 % paired-bootstrap interval) against head sparsity and against
     the fraction of KV entries read, a marker per measured configuration; and, when the KV-group paths ran, the
-    same for them beside their per-query-head counterparts (figKV)."""
+    same for them beside their per-query-head counterparts (figKV), with the peers' presses (kvpress; KV read only:
+    a press has no head sparsity) where their records joined the report."""
     import matplotlib.pyplot as plt
     configs = {m: [c for c in points if c.split("@")[0] == m] for m in methods}  # points come in config order
 
@@ -40,7 +42,7 @@ def figure_scores(out: Path, tasks, methods, points):
                 continue
             xs, ys, lo, hi = map(np.array, zip(*pts))
             ax.errorbar(xs, ys, yerr=[ys - lo, hi - ys], color=color(m), label=label(m), marker=MARKER.get(m, "o"),
-                        ms=5, lw=0.8, capsize=2, alpha=0.85, ls="--" if m in kv else "-")
+                        ms=5, lw=0.8, capsize=2, alpha=0.85, ls="--" if m in kv else ":" if m in peers else "-")
         ax.axhline(LOSSLESS, color="gray", ls=":", lw=1)
         ax.set_xlabel({"sparsity": "head sparsity (fraction of query heads local)",
                        "kv_read": "fraction of KV entries read (implied for the oracles)"}[x])
@@ -48,12 +50,12 @@ def figure_scores(out: Path, tasks, methods, points):
         ax.grid(alpha=0.3)
 
     n = max((p["n"] for p in points.values() if p), default=0)
-    paper = [m for m in methods if not m.endswith("_kv") and m != "qada_kv_all"]
-    kv = [m for m in methods if m not in paper]
+    paper = [m for m in methods if not m.endswith("_kv") and m != "qada_kv_all" and m not in peers]
+    kv = [m for m in methods if m not in paper and m not in peers]
     figs = [("fig4_score_vs_sparsity.png", paper, "Score vs sparsity and KV read")]
-    if kv:  # the KV-group variants beside the per-query-head methods they refine
-        figs.append(("figKV_score_vs_kv_read.png", [m for m in ("static_oracle", "oracle", "qada_rw") if m in methods] + kv,
-                     "KV-group criteria vs per-query-head ones"))
+    if kv or peers:  # the KV-group variants beside the per-query-head methods they refine, and the presses
+        figs.append(("figKV_score_vs_kv_read.png", [m for m in ("static_oracle", "oracle", "qada_rw") if m in methods] + kv
+                     + list(peers), "KV-group criteria vs per-query-head ones" + (" and kvpress's presses" if peers else "")))
     for name, ms, title in figs:
         fig, axes = plt.subplots(1, 2, figsize=(13, 5))
         for ax, x in zip(axes, ("sparsity", "kv_read")):
@@ -61,6 +63,8 @@ def figure_scores(out: Path, tasks, methods, points):
         axes[1].invert_xaxis()  # left to right: more saved in both panels
         if axes[0].get_legend_handles_labels()[0]:  # no finished pair with dense yet: nothing to label
             axes[0].legend(fontsize=7, loc="lower left")
+        if any(m in peers for m in ms) and axes[1].get_legend_handles_labels()[0]:  # the presses are only here
+            axes[1].legend(fontsize=7, loc="lower left")
         fig.suptitle(f"{title} ({len(tasks)} tasks, up to {n} samples per point; dotted: {LOSSLESS} of dense)")
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
@@ -75,7 +79,8 @@ def plots(out: Path, rows, tasks, cur, rr, points):
     task_rows = [r for r in rows if r["task"] in tasks]
     methods = sorted({c.split("@")[0] for c in cur} - set(ABLATIONS), key=config_sort_key)
 
-    figure_scores(out, tasks, methods, points)
+    peers = [m for m in methods if any(r["method"] == m and r.get("path") == PEER_PATH for r in rows)]
+    figure_scores(out, tasks, methods, points, peers)
 
     # Fig. 6b: sparsity vs tau with spread across tasks; Fig. 6c: per task + context-independent
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))

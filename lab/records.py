@@ -20,7 +20,9 @@ from criterion import TAU, static_labels
 ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_prompt_online",
          "qada_word", "qada_long", "static_kv", "static_oracle_kv", "oracle_kv", "qada_kv", "qada_kv_all",
          "qada_cal", "qada_cal_transfer", "qada_cal_offset", "qada_cal_scale", "qada_cal_quantile", "qada_kv_cal",
-         "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer")
+         "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer",
+         "hf_dense", "snapkv", "expected_attention", "knorm", "streaming_llm", "snapkv_ctx", "expected_attention_ctx", "knorm_ctx",
+         "streaming_llm_ctx")
 LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
          "static_oracle": "static oracle", "oracle": "adaptive oracle", "qada_rw": "QAdA (random words)",
          "qada_prompt": "QAdA (current prompt, fixed)", "qada_prompt_online": "QAdA (current prompt, online; ours)",
@@ -34,7 +36,12 @@ LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads
          "qada_kv_cal": "QAdA calibrated per KV group (mean share)",
          "qada_kv_all_cal": "QAdA calibrated per KV group (all local)",
          "qada_kv_cal_transfer": "QAdA calibrated on other tasks per KV group (mean share)",
-         "qada_kv_all_cal_transfer": "QAdA calibrated on other tasks per KV group (all local)"}
+         "qada_kv_all_cal_transfer": "QAdA calibrated on other tasks per KV group (all local)",
+         "hf_dense": "dense through transformers (the peers' control)", "snapkv": "kvpress SnapKV (question in the press)", "expected_attention": "kvpress ExpectedAttention (question in the press)",
+         "knorm": "kvpress Knorm (question in the press)", "streaming_llm": "kvpress StreamingLLM",
+         "snapkv_ctx": "kvpress SnapKV (context only)", "expected_attention_ctx": "kvpress ExpectedAttention (context only)",
+         "knorm_ctx": "kvpress Knorm (context only)", "streaming_llm_ctx": "kvpress StreamingLLM (context only)"}
+PEER_PATH = "kvpress"  # the path of lab.peers' records: presses that drop entries at prefill, no head labels
 ABLATIONS = ("qada_word", "qada_long")
 MAIN_TAU = TAU  # the paper's tau: the head maps, agreement and log-error tables read the runs at it
 
@@ -143,7 +150,7 @@ def curves(rows, tasks, configs):
         norm = [sc[t] / dense[t] for t in ts if dense[t]]
         out[c] = {"score": np.mean([sc[t] for t in ts]), "norm": np.mean(norm) if norm else None,
                   "worst_drop": max((dense[t] - sc[t]) for t in ts if dense[t] is not None) if dense else None,
-                  "sparsity": mean([sp[t] for t in ts]), "sparsity_std": float(np.std([sp[t] for t in ts if sp[t] is not None])),
+                  "sparsity": mean([sp[t] for t in ts]), "sparsity_std": float(np.std(spt)) if (spt := [sp[t] for t in ts if sp[t] is not None]) else None,
                   "kv_read": mean([kv[t] for t in ts]), "n": sum(len(idx[t]) for t in ts), "per_task": sc, "per_task_sparsity": sp}
     return out
 
@@ -214,9 +221,9 @@ def lossless_sparsity(curve: list[tuple[float, float | None]]) -> float:
 
 
 def method_configs(rows, tasks) -> dict[str, list[str]]:
-    """{method: its configurations} measured on the tasks, dense and local aside."""
+    """{method: its configurations} measured on the tasks, dense, local and the peers' dense control aside."""
     methods = defaultdict(list)
-    for c in {r["config"] for r in rows if r["task"] in tasks and r["method"] not in ("dense", "local")}:
+    for c in {r["config"] for r in rows if r["task"] in tasks and r["method"] not in ("dense", "local", "hf_dense")}:
         methods[c.split("@")[0]].append(c)
     return dict(sorted(methods.items(), key=lambda kv_: config_sort_key(kv_[0])))
 
@@ -242,7 +249,7 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
     for m, cs in configs.items():
         sparsity = {c: paired_mean(g, scores, c, "sparsity") for c in cs}
         kv = {c: paired_mean(g, scores, c, "kv_read") for c in cs}
-        if any(sparsity[c] is None for c in cs):
+        if any((sparsity if axis == "sparsity" else kv)[c] is None for c in cs):  # a press has no head sparsity
             continue
         x = sparsity if axis == "sparsity" else {c: 1 - kv[c] for c in cs}
         point = lossless_sparsity([(x[c], normalised(scores, full, c, worst)) for c in cs])
@@ -271,7 +278,8 @@ def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed
         at = r["at"][0] if r["at"] else None
         row = {"method": m, "lossless": r["point"], "lo": lo, "hi": hi, "kv_read": r["kv_read"][at] if at else None,
                "sparsity": r["sparsity"][at] if at else None, "points": len(cs),
-               "max_sparsity": max(r["sparsity"].values()), "min_kv_read": min(r["kv_read"].values()), "n": r["n"]}
+               "max_sparsity": max(r["sparsity"].values(), key=lambda v: -1 if v is None else v),
+               "min_kv_read": min(r["kv_read"].values()), "n": r["n"]}
         if axis == "kv_read":  # back to a read fraction: lower is better, the interval flips
             row.update(lossless=1 - r["point"], lo=1 - hi, hi=1 - lo)
         out.append(row)
@@ -304,7 +312,7 @@ def measured_points(rows, tasks) -> dict[str, dict]:
     return {c: p for c in configs if (p := score_points(rows, tasks, c))}
 
 
-MATCHED = {"sparsity": (0.7, 0.8, 0.85, 0.9), "kv_read": (0.6, 0.5, 0.4)}  # where methods are compared at equal cost
+MATCHED = {"sparsity": (0.7, 0.8, 0.85, 0.9), "kv_read": (0.6, 0.5, 0.4, 0.25)}  # where methods are compared at equal cost
 
 
 def matched_draws(rows, tasks, configs: dict[str, list[str]], axis: str, targets, n_boot: int = 2000, seed: int = 0
@@ -342,6 +350,8 @@ def matched_table(rows, tasks, axis: str, targets=None, against: str | None = No
     `against` (a method) the paired difference from it at the same target."""
     targets = targets or MATCHED[axis]
     configs = method_configs(rows, tasks)
+    measured = {r["config"] for r in rows if r.get(axis) is not None}
+    configs = {m: cs for m, cs in configs.items() if set(cs) <= measured}  # a press has no head sparsity
     out = []
     for m, cs in configs.items():
         pair = {m: cs} if against is None or against == m or against not in configs else {m: cs, against: configs[against]}

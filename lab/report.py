@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from lab.plots import plots
-from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
+from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATH, common_indices, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
                      lossless_table, matched_table, mean, mean_draws, measured_points, method_configs, read_records,
                      recall_rows,
                      run_recall, static_oracle_freq, summary_rows)
@@ -174,6 +174,45 @@ def matched_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
             lines.append(f"| {label(r['method'])} | " + " | ".join(cell(r[t]) for t in targets) + " | "
                          + " | ".join(diff(r.get(f"vs {t}")) for t in targets) + f" | {r['n']} |")
         lines.append("")
+    return lines
+
+
+PEER_TARGETS = (0.5, 0.25)  # KV-read fractions at which the peers are compared
+PEER_AGAINST = ("qada_kv_cal", "qada_cal", "qada_kv", "qada_rw")  # the first of these present: what peers face
+
+
+def peer_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
+    """Score / dense of every method at KV read 0.5 and 0.25, on the samples that every press configuration (and
+    dense) finished, interpolated between each method's two measured configurations around the target, with a
+    paired-bootstrap 95 % interval (the same draws for all) and the paired difference from the first of PEER_AGAINST
+    that ran (calibrated QAdA per KV group). Then what each press costs: the fraction of the compressed span it keeps,
+    the KV cache it holds while decoding, its own seconds at prefill (once per prompt) and the seconds per decoded
+    token (transformers' decoding, beside nothing else only if the run was). Blank: the target lies outside the
+    method's measured range."""
+    peer_cfgs = sorted({r["config"] for r in rows if r.get("path") == PEER_PATH and r["task"] in tasks}, key=config_sort_key)
+    if not peer_cfgs:
+        return []
+    idx = common_indices(group(rows), tasks, peer_cfgs + ["dense"])
+    common = [r for r in rows if r["task"] in tasks and r["index"] in idx[r["task"]]]
+    against = next((m for m in PEER_AGAINST if any(r["method"] == m for r in common)), None)
+    table = matched_table(common, tasks, "kv_read", PEER_TARGETS, against=against, n_boot=n_boot)
+    cell = lambda v: "" if v is None else f"{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]"  # noqa: E731
+    diff = lambda v: "" if v is None else f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]"  # noqa: E731
+    lines = [f"{sum(map(len, idx.values()))} samples ({', '.join(f'{t} {len(idx[t])}' for t in tasks)}); "
+             f"differences against {label(against) if against else 'no QAdA run'}.", "",
+             "| method | " + " | ".join(f"@{t:g}" for t in PEER_TARGETS) + " | "
+             + " | ".join(f"minus {against or '–'} @{t:g}" for t in PEER_TARGETS) + " |", "|---|" + "---:|" * 2 * len(PEER_TARGETS)]
+    for r in sorted(table, key=lambda r: config_sort_key(r["method"])):
+        lines.append(f"| {label(r['method'])} | " + " | ".join(cell(r[t]) for t in PEER_TARGETS) + " | "
+                     + " | ".join(diff(r.get(f"vs {t}")) for t in PEER_TARGETS) + " |")
+    lines += ["", "| press config | kept of the compressed span | KV cache held, MiB | press s (once) | decode s / token "
+              "| samples |", "|---|---:|---:|---:|---:|---:|"]
+    g = group(common)
+    for c in peer_cfgs:
+        rs = [r for t in tasks for r in g.get((t, c), [])]
+        lines.append(f"| {c} | {mean([r['kv_kept'] for r in rs]):.3f} | {mean([r['kv_bytes'] for r in rs]) / 2**20:.1f} | "
+                     f"{mean([r['compress_s'] for r in rs]):.2f} | {mean([r['decode_s'] / max(r['n_new'], 1) for r in rs]):.3f} "
+                     f"| {len(rs)} |")
     return lines
 
 
@@ -357,6 +396,10 @@ def write_analysis(out: Path, rows, tasks, cur, points):
               score_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + score_table(points) + [""]
     lines += ["## Score / dense at matched head sparsity and KV read, paired bootstrap 95 % interval", "",
               matched_tables.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + matched_tables(rows, tasks)
+    peers = peer_tables(rows, tasks)
+    if peers:
+        lines += ["## Peers: kvpress's presses at matched KV read, on their common samples", "",
+                  peer_tables.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + peers + [""]
     lines += ["## The paper's claims against ours", "", claims_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""]
     lines += claims_table(rows, tasks) + [""]
     for m in ("qada_rw", "qada_prompt"):  # random-words moments, then the prompt's own (fixed) where tracked
@@ -441,23 +484,25 @@ SAME_RUN = ("length", "seed", "stop", "n_sink", "n_local", "model", "dtype")  # 
 
 def with_baseline(out: Path, rows: list[dict], other: Path) -> list[dict]:
     """`rows` plus the records of the run folder `other` that `out` lacks (a configuration decoded in both: out's), on
-    the samples `out` has decoded, so a sweep of new configurations, finished or not, is compared with an earlier
-    one's on the same samples. The two runs must have decoded the same prompts the same way (SAME_RUN)."""
+    the samples `out` has decoded, so a sweep of new configurations, finished or not, or a peers run (lab.peers), is
+    compared with an earlier one's on the same samples. The two runs must have decoded the same prompts the same way:
+    the SAME_RUN settings both record must agree (a peers run has no window, so no n_sink or n_local)."""
     mine, theirs = (json.loads((Path(f) / "run.json").read_text())["settings"] for f in (out, other))
-    clash = {k: (mine.get(k), theirs.get(k)) for k in SAME_RUN if mine.get(k) != theirs.get(k)}
-    if clash:
-        raise ValueError(f"{out} and {other} are not runs of the same samples: {clash}")
+    clash = {k: (mine.get(k), theirs.get(k)) for k in SAME_RUN if k in mine and k in theirs and mine[k] != theirs[k]}
+    missing = [k for k in ("length", "seed", "model") if k not in mine or k not in theirs]
+    if clash or missing:
+        raise ValueError(f"{out} and {other} are not runs of the same samples: {clash or missing}")
     have = {(r["task"], r["index"], r["config"]) for r in rows}
     samples = {(r["task"], r["index"]) for r in rows}
     return rows + [r for r in read_records(other)
                    if (r["task"], r["index"]) in samples and (r["task"], r["index"], r["config"]) not in have]
 
 
-def report(out: str | Path, tasks: list[str] | None = None, baseline: str | Path | None = None) -> None:
+def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str | Path] = ()) -> None:
     out = Path(out)
     rows = read_records(out)
-    if rows and baseline is not None:
-        rows = with_baseline(out, rows, Path(baseline))
+    for other in baselines if rows else ():
+        rows = with_baseline(out, rows, Path(other))
     if not rows:
         print(f"{out}: no results yet")
         return
@@ -537,13 +582,14 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's)")
     p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
                    "under OUT (a pilot over models and lengths), written to OUT/dense.md")
-    p.add_argument("--with", dest="baseline", default=None, metavar="OTHER", help="also the records of the run "
-                   "folder OTHER (the same samples, e.g. an earlier sweep's baseline configurations), paired with OUT's")
+    p.add_argument("--with", dest="baselines", action="append", default=[], metavar="OTHER", help="also the records "
+                   "of the run folder OTHER (the same samples: an earlier sweep's baseline configurations, or the "
+                   "peers of lab.peers), paired with OUT's; repeat for several")
     p.add_argument("--compare", default=None, metavar="OTHER", help="compare the records of OUT with those of the run "
                    "folder OTHER (e.g. fp32 against bf16)")
     a = p.parse_args(argv)
     try:
-        for folder in [a.out] + ([a.compare] if a.compare else []):
+        for folder in [a.out] + ([a.compare] if a.compare else []) + a.baselines:
             if not Path(folder).is_dir():
                 raise FileNotFoundError(f"{folder}: no such run folder")
         if a.compare:
@@ -551,7 +597,7 @@ def main(argv=None) -> int:
         elif a.dense_table:
             print(dense_table(a.out))
         else:
-            report(a.out, a.tasks.split(",") if a.tasks else None, a.baseline)
+            report(a.out, a.tasks.split(",") if a.tasks else None, a.baselines)
     except (OSError, ValueError, KeyError) as e:  # bad input: one line
         print(f"error: {e!r}" if isinstance(e, KeyError) else f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,326 @@
+"""Peers on the sweep's own samples: kvpress's presses through transformers, in the sweep's record format.
+
+    python -m venv --system-site-packages .venv-peers && .venv-peers/bin/pip install -r lab/requirements-peers.txt
+    .venv-peers/bin/python -m lab.peers --tasks niah_single_2,niah_multikey_1 --length 8192 --samples 15 \\
+        --presses snapkv,expected_attention --ratios 0.5,0.75 --pair results/qwen0.5b-8k --out results/peers-8k
+
+What a user would pick instead of QAdA. kvpress (NVIDIA) compresses the KV cache at prefill: in every layer a
+*press* scores the prompt's entries and keeps the top (1 - compression ratio) of each KV head; decoding then reads,
+and the cache holds, only what was kept. QAdA keeps the whole cache and decides at every step which heads read past
+their window. The two save different things: a press frees memory for good (an entry it dropped is gone for every
+later question), QAdA saves reading and frees nothing.
+
+The prompts are the sweep's (lab.tasks with the same tasks, seeds and length, tokenized by the same tokenizer), so
+the records pair with a sweep's sample for sample; `--pair RUN` checks every prompt's token count against RUN's
+records. Two protocols, in the config's name:
+
+    snapkv@0.5          question-aware: all of the prompt but its last token is compressed, the question inside it
+                        (what QAdA sees when it decides); the last token then reads the compressed cache
+    snapkv_ctx@0.5      kvpress's own protocol (its RULER benchmark): only the context is compressed, the user
+                        turn up to its last line; the question and the answer prefix follow through the compressed
+                        cache at the positions they would have had
+
+Greedy decoding from there, up to the task's max new tokens or EOS (the sweep's `--stop eos`). `hf_dense` is the
+control: the same pipeline with nothing dropped, which should score as the sweep's own dense decoding.
+
+One prefill serves every press. A press runs as a hook after each layer's attention and only rewrites that layer's
+cache: the hidden states the next layer sees are the dense prefill's. So every press, under either protocol (the
+context is a prefix of the prompt and attention is causal), sees exactly the hidden states, keys and values of one
+dense prefill, layer by layer; `compress_all` hands each press its slice and keeps each result as a cache of its own.
+tests/test_peers.py holds this to kvpress's own `with press(model)` prefill.
+
+Records (one JSON line per sample and config, resumable, merged into samples.jsonl.xz at the end) carry the sweep's
+fields, with `kv_read` the mean over the answer's forward passes of the entries read against what dense reads at
+that position, `kv_kept` the fraction of the compressed span kept, `kv_bytes` the cache held while decoding,
+`compress_s` the press's own time and `peak_bytes` (CUDA only) the peak memory of decoding. `sparsity` is null:
+a press has no notion of a local head. lab.report pairs these records with a sweep's (`--with`).
+"""
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from generate import pick_device
+from lab.records import read_records
+from lab.sweep import merge, parse_grid
+from lab.tasks import TASKS, Sample, make_sample, score
+from weights.checkpoints import DEFAULT, DTYPES, resolve
+from weights.tokenizer import Tokenizer
+
+PRESSES = {  # our name -> kvpress class
+    "snapkv": "SnapKVPress",                    # attention of the prompt's last 64 queries, pooled
+    "expected_attention": "ExpectedAttentionPress",  # expected attention of future queries from their statistics
+    "knorm": "KnormPress",                      # keys of small norm
+    "streaming_llm": "StreamingLLMPress",       # sinks and recent tokens: a fixed window, as our `local`
+}
+PROTOCOLS = {"": "question", "_ctx": "context"}  # config-name suffix -> protocol
+
+
+@dataclass(frozen=True)
+class Peer:
+    press: str        # a key of PRESSES
+    protocol: str     # "question" or "context"
+    ratio: float      # kvpress's compression_ratio: the fraction of entries dropped; 0 keeps all (hf_dense)
+
+    @property
+    def method(self) -> str:
+        if self.ratio == 0:  # nothing dropped: transformers' own dense decoding, the pipeline's control
+            return "hf_dense"
+        return self.press + ("_ctx" if self.protocol == "context" else "")
+
+    @property
+    def key(self) -> str:
+        return self.method if self.ratio == 0 else f"{self.method}@{self.ratio:g}"
+
+    def make(self):
+        import kvpress
+        return getattr(kvpress, PRESSES[self.press])(compression_ratio=self.ratio)
+
+
+HF_DENSE = Peer("snapkv", "question", 0.0)  # a press at ratio 0 returns the cache it was given
+
+
+def build_peers(presses: list[str], ratios: list[float], context_ratios: list[float], dense: bool = True
+                ) -> list[Peer]:
+    """The question-aware peers at `ratios`, the context-only ones at `context_ratios`, and with `dense` the control:
+    the same pipeline with nothing dropped, which must score as our dense decoding does."""
+    for p in presses:
+        if p not in PRESSES:
+            raise ValueError(f"unknown press {p!r}; choose from {', '.join(PRESSES)}")
+    for r in ratios + context_ratios:
+        if not 0 < r < 1:
+            raise ValueError(f"a compression ratio lies strictly between 0 and 1, got {r:g}")
+    return ([HF_DENSE] if dense else []) + [Peer(p, "question", r) for p in presses for r in ratios] + \
+           [Peer(p, "context", r) for p in presses for r in context_ratios]
+
+
+def question_start(sample: Sample, ids: list[int], tok) -> int:
+    """Token index where the question begins: the last line of the sample's user turn, as kvpress's RULER data
+    splits context from question. The prompt's ids must begin with the ids of the text before it, so the split is a
+    token boundary of the prompt as the sweep tokenized it."""
+    question = sample.input.rsplit("\n", 1)[-1]
+    at = sample.prompt.rfind(question)
+    if not question or at < 0:
+        raise ValueError(f"{sample.task}#{sample.index}: no question line to split the prompt at")
+    head = tok.encode(sample.prompt[:at])
+    if ids[:len(head)] != head:
+        raise ValueError(f"{sample.task}#{sample.index}: the text before the question does not end on a token boundary")
+    return len(head)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One dense prefill, every press's compressed cache
+
+
+def layers_of(hf):
+    return hf.model.layers
+
+
+def compress_all(hf, ids: torch.Tensor, spans: dict, presses: dict) -> tuple[dict, dict]:
+    """Prefill ids (1, T) densely and compress each layer's keys and values with every press on its own span: press
+    `key` sees the first spans[key] positions (hidden states, keys, values, rotary tables), as in a prefill of just
+    those tokens. Returns ({key: [(k, v) per layer, each (1, Hkv, kept, D)]}, {key: seconds spent compressing})."""
+    from transformers import DynamicCache
+    out = {key: [] for key in presses}
+    seconds = dict.fromkeys(presses, 0.0)
+
+    def hook(module, args, kwargs, output):
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        h, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
+        for key, press in presses.items():
+            n = spans[key]
+            t0 = time.perf_counter()
+            k, v = press.compress(module, h[:, :n], layer.keys[:, :, :n], layer.values[:, :, :n], None,
+                                  dict(kwargs, position_embeddings=(cos[:, :n], sin[:, :n])))
+            seconds[key] += time.perf_counter() - t0
+            out[key].append((k, v))
+        return output
+
+    for press in presses.values():  # what `with press(model)` does before it hooks the layers
+        press.post_init_from_model(hf)
+    hooks = []
+    try:
+        for layer in layers_of(hf):
+            layer.self_attn.rotary_emb = hf.model.rotary_emb  # ExpectedAttentionPress rotates its query statistics
+            hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+        with torch.no_grad():
+            hf.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, seconds
+
+
+def greedy(hf, kv: list[tuple[torch.Tensor, torch.Tensor]], rest: torch.Tensor, start: int, max_new: int,
+           eos: tuple[int, ...]) -> tuple[list[int], list[float]]:
+    """Feed `rest` (1, R) at positions start.. through the cache `kv` (per layer (1, Hkv, S, D)), then decode
+    greedily. Returns the new ids and, per forward pass that produced one, the entries read / what dense reads."""
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k.clone(), v.clone(), i)
+    kept = sum(k.shape[2] for k, _ in kv) / len(kv)  # mean over layers (a press keeps as many per head)
+    new, read, x, pos = [], [], rest, start
+    with torch.no_grad():
+        while len(new) < max_new:
+            positions = torch.arange(pos, pos + x.shape[1], device=x.device)[None]
+            logits = hf(input_ids=x, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
+            pos += x.shape[1]
+            read.append((kept + pos - start) / pos)  # dense reads positions 0 .. pos - 1
+            nxt = int(logits[0, -1].argmax())
+            new.append(nxt)
+            if nxt in eos:
+                break
+            x = torch.tensor([[nxt]], device=x.device)
+    return new, read
+
+
+def run_sample(hf, tok, sample: Sample, ids: list[int], peers: list[Peer], device: str) -> list[dict]:
+    """Every peer on one sample: one dense prefill of all but the last token, then each press's decoding."""
+    n = len(ids)
+    n_ctx = question_start(sample, ids, tok)
+    x = torch.tensor([ids], device=device)
+    spans = {p.key: n - 1 if p.protocol == "question" else n_ctx for p in peers}
+    t0 = time.perf_counter()
+    kv, compress_s = compress_all(hf, x[:, :n - 1], spans, {p.key: p.make() for p in peers})
+    prefill_s = time.perf_counter() - t0 - sum(compress_s.values())
+    records = []
+    for p in peers:
+        span = spans[p.key]
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        new, read = greedy(hf, kv[p.key], x[:, span:], span, sample.max_new_tokens, tok.eos_ids)
+        decode_s = time.perf_counter() - t0
+        text = tok.decode(new)
+        kept = sum(k.shape[2] for k, _ in kv[p.key]) / len(kv[p.key])
+        records.append({
+            "task": sample.task, "index": sample.index, "config": p.key, "method": p.method,
+            "path": "kvpress" if p.ratio else "transformers", "source": p.protocol, "threshold": p.ratio or None,
+            "threshold_kind": "compression" if p.ratio else None, "n_prompt": n,
+            "n_new": len(new), "decode_s": round(decode_s, 2), "batch": 1, "score": score(sample, text), "pred": text,
+            "steps": len(new), "sparsity": None, "kv_read": sum(read) / len(read), "kv_kept": kept / span,
+            "kv_bytes": sum(k.nbytes + v.nbytes for k, v in kv[p.key]),
+            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None,
+            "compress_s": round(compress_s[p.key], 3), "prefill_s": round(prefill_s, 2)})
+    return records
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The runner
+
+
+def paired_prompts(pair: Path) -> dict[tuple[str, int], int]:
+    return {(r["task"], r["index"]): r["n_prompt"] for r in read_records(pair)}
+
+
+def load_hf(folder: Path, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()  # a bar per weight; ours counts the runs
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+
+
+def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: str, context_ratios: str, seed: int,
+        model: str | None, dtype: str, device: str | None, pair: str | None, threads: int | None, dense: bool = True,
+        progress: bool = True) -> Path:
+    if threads:
+        torch.set_num_threads(threads)
+    task_list = [t for t in tasks.split(",") if t]
+    for t in task_list:
+        if t not in TASKS:
+            raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
+    peers = build_peers([p for p in presses.split(",") if p], parse_grid(ratios), parse_grid(context_ratios), dense)
+    try:
+        import kvpress  # noqa: F401
+    except ImportError:
+        raise ValueError("kvpress is not installed here: run lab.peers in its own environment (lab/README.md, "
+                         "lab/requirements-peers.txt)") from None
+    device = pick_device(device)
+    model = model or DEFAULT
+    expected = paired_prompts(Path(pair)) if pair else {}
+    if pair and not expected:
+        raise ValueError(f"--pair {pair}: no records there")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = dict(tasks=task_list, length=length, seed=seed, stop="eos", model=model, dtype=dtype,
+                    runner="lab.peers")
+    meta = out / "run.json"
+    info = json.loads(meta.read_text()) if meta.is_file() else {"runs": []}
+    if info.get("settings"):
+        clash = {k: (info["settings"].get(k), v) for k, v in settings.items()
+                 if k != "tasks" and info["settings"].get(k) != v}
+        if clash:
+            raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
+        settings["tasks"] = list(dict.fromkeys(info["settings"]["tasks"] + task_list))
+    info["settings"] = settings
+    meta.write_text(json.dumps(info, indent=1))
+
+    folder = resolve(model, progress=progress)
+    tok = Tokenizer.from_dir(folder)
+    hf = load_hf(folder, DTYPES[dtype], device)
+    path = out / "samples.jsonl"
+    done = {(r["task"], r["index"], r["config"]) for r in read_records(out)}
+    jobs = [(t, i, [p for p in peers if (t, i, p.key) not in done]) for i in range(samples) for t in task_list]
+    jobs = [j for j in jobs if j[2]]
+    bar = tqdm(total=sum(len(ps) for _, _, ps in jobs), unit="run", desc="peers", file=sys.stderr,
+               dynamic_ncols=True, disable=not progress)
+    t_start = time.perf_counter()
+    for task, index, todo in jobs:
+        sample = make_sample(task, index, length, tok, seed)
+        ids = tok.encode(sample.prompt)
+        if (task, index) in expected and expected[task, index] != len(ids):
+            raise ValueError(f"{task}#{index}: {len(ids)} prompt tokens here, {expected[task, index]} in {pair}")
+        if pair and (task, index) not in expected:
+            raise ValueError(f"{task}#{index}: not in {pair}'s records, so nothing to pair it with")
+        bar.set_postfix_str(f"{task}#{index}")
+        records = run_sample(hf, tok, sample, ids, todo, device)
+        with open(path, "a") as f:  # a sample's records at once: an interruption loses one sample
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+        bar.update(len(records))
+    bar.close()
+    merge(out, [(t, i, peers) for i in range(samples) for t in task_list])  # sweep order: sample, task, config
+    info["runs"].append({"command": "python -m lab.peers " + " ".join(sys.argv[1:]), "seconds":
+                         round(time.perf_counter() - t_start), "torch": torch.__version__, "device": device})
+    meta.write_text(json.dumps(info, indent=1))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="run folder for the records")
+    p.add_argument("--tasks", required=True, help="comma-separated tasks (lab.tasks.TASKS)")
+    p.add_argument("--length", type=int, default=8192, help="prompt token budget, as the sweep's")
+    p.add_argument("--samples", type=int, default=15, help="samples per task (indices 0 .. N-1)")
+    p.add_argument("--seed", type=int, default=42, help="task seed, as the sweep's")
+    p.add_argument("--presses", default="snapkv,expected_attention", help=f"comma-separated: {', '.join(PRESSES)}")
+    p.add_argument("--ratios", default="0.5,0.75", help="compression ratios, question-aware protocol")
+    p.add_argument("--context-ratios", default="0.5", help="compression ratios, kvpress's protocol (context only)")
+    p.add_argument("--model", default=None, help=f"named model, folder or hub id (default {DEFAULT})")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--pair", default=None, metavar="RUN", help="a sweep folder whose prompts these must be: every "
+                   "sample's prompt token count is checked against its records")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--no-dense", dest="dense", action="store_false", help="leave out hf_dense, the pipeline with "
+                   "nothing dropped (the control: it should score as the sweep's dense)")
+    a = p.parse_args(argv)
+    try:
+        out = run(a.out, a.tasks, a.length, a.samples, a.presses, a.ratios, a.context_ratios, a.seed, a.model, a.dtype,
+                  a.device, a.pair, a.threads, a.dense)
+    except (OSError, ValueError) as e:  # bad input: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"records in {out}; compare: python -m lab.report SWEEP --with {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

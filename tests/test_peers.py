@@ -1,0 +1,146 @@
+"""lab.peers on tiny random models: the shared prefill against kvpress's own press(model) prefill and answer loop,
+under both protocols, and the runner's records, pairing check and resume. Seconds. kvpress pins an older transformers
+than the suite is held to, so these run in an environment of their own (.ci/run makes it); elsewhere they are skipped."""
+
+import json
+import types
+
+import pytest
+import torch
+
+kvpress = pytest.importorskip("kvpress")
+from kvpress.pipeline import KVPressTextGenerationPipeline  # noqa: E402
+from kvpress.utils import compute_n_kept  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from lab import peers, report  # noqa: E402
+from lab.records import read_records  # noqa: E402
+from tests.test_generate import make_tiny_dir  # noqa: E402
+from tests.test_model import save_tiny  # noqa: E402
+
+T, N_CTX = 300, 200  # prompt length, and where its "question" starts
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    model = save_tiny("llama-gqa", tmp_path_factory.mktemp("peer"))
+    model.generation_config.eos_token_id = 0
+    return model
+
+
+def kvpress_cache(hf, ids, press):
+    """kvpress's way: a prefill of `ids` under `with press(model)`."""
+    cache = DynamicCache()
+    with torch.no_grad(), press(hf):
+        hf.model(input_ids=ids, past_key_values=cache)
+    return cache
+
+
+def kvpress_answer(hf, cache, rest, start, max_new):
+    """kvpress's answer loop (KVPressTextGenerationPipeline.generate_answer), its ids instead of text."""
+    me = types.SimpleNamespace(model=hf, tokenizer=types.SimpleNamespace(
+        decode=lambda ids, skip_special_tokens: json.dumps(ids.tolist())))
+    with torch.no_grad():
+        return json.loads(KVPressTextGenerationPipeline.generate_answer(me, rest, cache, start, max_new))
+
+
+@pytest.mark.parametrize("peer", [peers.Peer("snapkv", "question", 0.5), peers.Peer("expected_attention", "question", 0.75),
+                                  peers.Peer("snapkv", "context", 0.5), peers.Peer("knorm", "context", 0.75)],
+                         ids=lambda p: p.key)
+def test_one_shared_prefill_gives_each_press_its_own_prefill(hf, peer):
+    """Every press compressed from one dense prefill equals that press run as kvpress runs it, on a prefill of its
+    own span; the answer decoded from it equals kvpress's answer loop's, and the KV read follows from the kept count."""
+    ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(3))
+    span = T - 1 if peer.protocol == "question" else N_CTX
+    others = [peers.Peer("snapkv", "question", 0.25), peers.Peer("knorm", "context", 0.5)]  # beside it, as in a run
+    spans = {p.key: (T - 1 if p.protocol == "question" else N_CTX) for p in [peer] + others}
+    kv, seconds = peers.compress_all(hf, ids[:, :T - 1], spans, {p.key: p.make() for p in [peer] + others})
+    ref = kvpress_cache(hf, ids[:, :span], peer.make())
+    kept = compute_n_kept(span, peer.ratio)  # kvpress's rounding
+    for layer, (k, v) in enumerate(kv[peer.key]):
+        assert k.shape[2] == kept
+        torch.testing.assert_close(k, ref.layers[layer].keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(v, ref.layers[layer].values, rtol=0, atol=1e-5)
+    assert seconds[peer.key] > 0
+    new, read = peers.greedy(hf, kv[peer.key], ids[:, span:], span, 12, {0})
+    assert new == kvpress_answer(hf, ref, ids[:, span:], span, 12)
+    positions = [T + i for i in range(len(new))]  # the forward passes that produced a token, by entries read
+    assert read == pytest.approx([(kept + p - span) / p for p in positions])
+
+
+def test_an_uncompressed_cache_decodes_as_dense(hf):
+    """The answer loop with nothing dropped is plain greedy decoding of the whole prompt, reading everything."""
+    ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(4))
+    cache = DynamicCache()
+    with torch.no_grad():
+        hf.model(input_ids=ids[:, :T - 1], past_key_values=cache)
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    new, read = peers.greedy(hf, kv, ids[:, T - 1:], T - 1, 8, set())
+    ref = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert new == ref[0, T:].tolist()
+    assert read == [1.0] * 8
+
+
+def test_a_bad_press_or_ratio_is_one_clear_error():
+    with pytest.raises(ValueError, match="unknown press 'snap'"):
+        peers.build_peers(["snap"], [0.5], [])
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        peers.build_peers(["snapkv"], [1.0], [])
+    assert [p.key for p in peers.build_peers(["snapkv"], [0.5], [0.25])] == ["hf_dense", "snapkv@0.5", "snapkv_ctx@0.25"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_dir(tmp_path_factory.mktemp("peer_cli"))
+
+
+def run(tiny_dir, out, **kw):
+    args = dict(out=str(out), tasks="niah_single_1", length=400, samples=2, presses="snapkv", ratios="0.5",
+                context_ratios="0.5", seed=42, model=str(tiny_dir), dtype="float32", device="cpu", pair=None,
+                threads=None, progress=False) | kw
+    return peers.run(**args)
+
+
+def test_the_runner_writes_sweep_records_that_pair_and_resume(tiny_dir, tmp_path, monkeypatch):
+    out = run(tiny_dir, tmp_path / "peers")
+    rows = read_records(out)
+    assert sorted((r["index"], r["config"]) for r in rows) == [(i, c) for i in (0, 1)
+                                                               for c in ("hf_dense", "snapkv@0.5", "snapkv_ctx@0.5")]
+    assert not list(out.glob("samples*.jsonl"))  # merged into samples.jsonl.xz
+    for r in rows:
+        assert {"task", "index", "config", "method", "path", "source", "threshold", "threshold_kind", "n_prompt",
+                "n_new", "score", "pred", "steps", "sparsity", "kv_read"} <= r.keys()
+        assert r["sparsity"] is None and r["score"] in (0.0, 1.0)
+        assert r["kv_read"] == 1.0 if r["config"] == "hf_dense" else 0 < r["kv_read"] < 1
+        if r["config"] == "snapkv@0.5":
+            span = r["n_prompt"] - 1
+            assert r["kv_kept"] == pytest.approx(compute_n_kept(span, 0.5) / span)
+    # resuming decodes nothing; a pair folder with other prompt lengths is refused
+    monkeypatch.setattr(peers, "run_sample", lambda *a: pytest.fail("resumed run decoded again"))
+    run(tiny_dir, tmp_path / "peers")
+    pair = tmp_path / "sweep"
+    pair.mkdir()
+    (pair / "samples.jsonl").write_text("".join(json.dumps(dict(r, n_prompt=r["n_prompt"] + 1, config="dense")) + "\n"
+                                                for r in rows))
+    with pytest.raises(ValueError, match="prompt tokens here"):
+        run(tiny_dir, tmp_path / "other", pair=str(pair))
+
+
+def test_report_pairs_peer_records_with_a_sweep(tiny_dir, tmp_path):
+    """A sweep folder reported --with a peers folder: the peers join its KV-read tables on the shared samples."""
+    out = run(tiny_dir, tmp_path / "peers", ratios="0.25,0.5,0.75", context_ratios="")  # + hf_dense
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    settings = json.loads((out / "run.json").read_text())["settings"]
+    (sweep_dir / "run.json").write_text(json.dumps({"runs": [], "settings": dict(settings, n_sink=16, n_local=128)}))
+    dense = [dict(r, config="dense", method="dense", path="dense", threshold=None, threshold_kind=None, score=1.0,
+                  sparsity=0.0, kv_read=1.0) for r in read_records(out) if r["config"] == "hf_dense"]
+    (sweep_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dense))
+    report.report(sweep_dir, baselines=[out])
+    text = (sweep_dir / "analysis.md").read_text()
+    section = text.split("## Peers: kvpress's presses at matched KV read")[1].split("\n## ")[0]
+    # the tiny random model answers nothing: dense is set to 1 here, so each press scores 0 where it was measured
+    assert "| kvpress SnapKV (question in the press) | 0.00 [0.00, 0.00] |  |" in section  # @0.25: below its range
+    assert "| snapkv@0.75 | 0.248 |" in section  # kept of the compressed span
+    assert "| hf_dense | – | 1.00 | 0.00 |" in text  # score table: no head sparsity, everything read
+    assert (sweep_dir / "figKV_score_vs_kv_read.png").is_file()
