@@ -1,6 +1,6 @@
 """Decode-time attention paths: dense, local, oracle, static and QAdA (paper sections 2-3, Listing 1); QAdA and the
-oracle decided per KV group and QAdA with a calibrated estimate (ours: criterion.local_labels' group rules,
-criterion.Calibration).
+oracle decided per KV group, QAdA with a calibrated estimate and QAdA with the bulk mass estimated from sampled keys
+(ours: criterion.local_labels' group rules, criterion.Calibration, criterion.sampled_log_bulk).
 
 A path is one function `path(q, k, v, **inputs) -> (y, labels)` for one layer and one decoded token of one row:
 q (H, D) is the rotated query, k and v (Hkv, T, D) are the layer's filled KV cache, y (H, D) is the attention
@@ -14,6 +14,7 @@ parameters without a default name what else it reads; the ones used here:
     moments        moments.KeyMoments: the bulk keys' Gaussian (qada)
     static_local   (L, H) bool labels fixed for every query (static)
     calibration    criterion.Calibration: a correction of Eq. 7 per layer and head (qada_cal)
+    n_samples      bulk keys sampled per KV head to estimate the bulk mass (qada_sampled; its entries fix 64)
 
 A new path may read a new input: it is one more keyword, which DecodeAttention passes through by name (the CLIs
 set it with `--set NAME=VALUE`). A keyword with a default is a setting its PATHS entry fixes (functools.partial).
@@ -45,8 +46,8 @@ try:  # the fused kernel's compiler: optional, CUDA builds of torch bring it; th
 except ImportError:
     triton = None
 
-from criterion import (GROUP_RULES, TAU, check_tau, gaussian_log_bulk, oracle_labels, oracle_log_masses, qada_labels,
-                       tau_logit, window_mask, window_slices)
+from criterion import (GROUP_RULES, TAU, check_tau, gaussian_log_bulk, local_labels, oracle_labels, oracle_log_masses,
+                       qada_labels, sampled_log_bulk, tau_logit, window_mask, window_slices)
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 
 # ---------------------------------------------------------------------------------------------------------
@@ -105,10 +106,26 @@ def qada_cal(q, k, v, *, layer, n_sink, n_local, tau, moments, calibration, rule
                 correction=calibration.layer(layer))
 
 
+def qada_sampled(q, k, v, *, layer, n_sink, n_local, tau, n_samples, z=0.0, rule=None):
+    """Beyond the Gaussian (ours): A_bulk estimated from n_samples bulk keys, one from each of n_samples equal strata
+    of the bulk (bulk_sample), instead of from the keys' moments (criterion.sampled_log_bulk; z > 0 decides on the
+    upper end of its interval). Reading m keys of dimension D costs what the Gaussian's q A q^T costs when m = D, and
+    it is counted: a local group reads its window and the sampled keys (HeadStats.decision_read)."""
+    y_window, log_local = window_attention(q, k, v, n_sink, n_local)
+    T = k.shape[1]
+    if T <= n_local:  # no bulk: the window is the whole context
+        return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    idx = bulk_sample(T, n_sink, n_local, n_samples, layer, q.device)  # (m,)
+    log_bulk = sampled_log_bulk(all_scores(q, k[:, idx]), T - n_local, z)  # the sampled keys' scores (H, m)
+    labels = local_labels(log_local, log_bulk, tau, k.shape[0], rule)
+    return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
+
+
 PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada,
          "oracle_kv": partial(oracle, rule="mean"), "qada_kv": partial(qada, rule="mean"),
          "qada_kv_all": partial(qada, rule="all"), "qada_cal": qada_cal, "qada_kv_cal": partial(qada_cal, rule="mean"),
-         "qada_kv_all_cal": partial(qada_cal, rule="all")}
+         "qada_kv_all_cal": partial(qada_cal, rule="all"), "qada_sampled": partial(qada_sampled, n_samples=64),
+         "qada_kv_sampled": partial(qada_sampled, n_samples=64, rule="mean")}
 # Paths that compute every score to find their labels: the KV-read fraction of those labels is implied, not saved.
 ANALYSIS_ONLY = ("oracle", "oracle_kv")
 
@@ -119,6 +136,13 @@ def path_inputs(method: str) -> tuple[str, ...]:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(PATHS)}")
     return tuple(p.name for p in inspect.signature(PATHS[method]).parameters.values()
                  if p.kind == p.KEYWORD_ONLY and p.default is p.empty)
+
+
+def decision_read(method: str) -> float:
+    """KV entries a local group of the path registered as `method` reads beyond its window to decide, counted in
+    entries of key and value: a sampled estimate reads n_samples keys (half an entry each), the Gaussian none."""
+    path = PATHS[method]
+    return path.keywords["n_samples"] / 2 if getattr(path, "func", path) is qada_sampled else 0.0
 
 
 def qada_rule(method: str) -> tuple[bool, str | None]:
@@ -157,7 +181,7 @@ class DecodeAttention:
         if "tau" in self.inputs:
             check_tau(self.inputs["tau"])
         if self.stats is None:
-            self.stats = HeadStats(self.n_local)
+            self.stats = HeadStats(self.n_local, decision_read=decision_read(self.method))
 
     @property
     def tau(self) -> float | None:
@@ -305,7 +329,7 @@ def build_attention(method: str, cache, *, n_sink: int = 16, n_local: int = 128,
         inputs["moments"] = make_moments(moments_source, cache, reference, n_sink, n_local)
     exact = OnlineMoments(cache, n_sink, n_local) if track_oracle else None
     return DecodeAttention(method, n_sink, n_local, {k: v for k, v in inputs.items() if k in reads},
-                           HeadStats(n_local, track_oracle), exact)
+                           HeadStats(n_local, track_oracle, decision_read(method)), exact)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -317,6 +341,7 @@ class HeadStats:
     """Labels of every (decode step, layer, query head), and on request the oracle's beside them."""
     n_local: int = 128
     track_oracle: bool = False
+    decision_read: float = 0.0  # KV entries a local group reads beyond its window to decide (attention.decision_read)
     labels: list = field(default_factory=list)  # per step: list over layers of (H,) bool
     oracle: list = field(default_factory=list)
     log_masses: list = field(default_factory=list)  # per step: list over layers of (4, H): oracle_view's
@@ -339,26 +364,27 @@ class HeadStats:
 
     def summary(self, n_kv_heads: int) -> dict:
         return summarize(self.label_tensor(), torch.tensor(self.lengths), n_kv_heads, self.n_local,
-                         self.oracle_tensor() if self.track_oracle and self.oracle else None)
+                         self.oracle_tensor() if self.track_oracle and self.oracle else None, self.decision_read)
 
 
-def kv_read_fraction(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int) -> float:
+def kv_read_fraction(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int,
+                     decision_read: float = 0.0) -> float:
     """Fraction of KV entries read: a KV head reads its whole cache (T) unless every query head of its
-    group is local, then only min(T, n_local). labels (S, L, H) bool, lengths (S,)."""
+    group is local, then only min(T, n_local + decision_read). labels (S, L, H) bool, lengths (S,)."""
     S, L, H = labels.shape
     group_local = labels.view(S, L, n_kv_heads, H // n_kv_heads).all(-1)  # (S, L, Hkv)
     T = lengths.double()[:, None, None]
-    read = torch.where(group_local, T.clamp(max=n_local), T)
+    read = torch.where(group_local, T.clamp(max=n_local + decision_read), T)
     return float(read.sum() / (T * torch.ones_like(read)).sum())
 
 
 def summarize(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int,
-              oracle: torch.Tensor | None = None) -> dict:
+              oracle: torch.Tensor | None = None, decision_read: float = 0.0) -> dict:
     """Query-head sparsity, KV-read fraction and per-layer sparsity; agreement counts with the oracle if given."""
     if labels.numel() == 0:
         return {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
     out = {"steps": labels.shape[0], "sparsity": float(labels.double().mean()),
-           "kv_read": kv_read_fraction(labels, lengths, n_kv_heads, n_local),
+           "kv_read": kv_read_fraction(labels, lengths, n_kv_heads, n_local, decision_read),
            "layer_sparsity": labels.float().mean((0, 2)).tolist()}
     if oracle is not None:  # positive = local, as in the paper's appendix C
         out["agreement"] = {"TP": int((labels & oracle).sum()), "FP": int((labels & ~oracle).sum()),
@@ -376,6 +402,19 @@ def all_scores(q, k):
     Hkv, T, D = k.shape
     qg = q.float().view(Hkv, -1, D)  # (Hkv, G, D)
     return torch.bmm(qg, k.float().transpose(1, 2)).view(-1, T) / math.sqrt(D)
+
+
+def bulk_sample(T: int, n_sink: int, n_local: int, m: int, layer: int, device=None) -> torch.Tensor:
+    """(m,) positions of the bulk [n_sink, T - (n_local - n_sink)), one in each of m strata of (nearly) equal size
+    (every position when the bulk has no more than m), placed within its stratum by a low-discrepancy offset fixed
+    per layer and stratum: no random state, so a rerun reads the same keys, and the layers sample other phases."""
+    lo, hi = n_sink, bulk_end(T, n_sink, n_local)
+    if hi - lo <= m:
+        return torch.arange(lo, hi, device=device)
+    edges = lo + torch.arange(m + 1, device=device) * (hi - lo) // m  # integer strata [edges[j], edges[j + 1])
+    j = torch.arange(m, device=device, dtype=torch.float64)
+    offset = torch.frac((j + 1) * 0.6180339887498949 + layer * 0.4142135623730951)  # golden and silver ratios
+    return edges[:-1] + (offset * (edges[1:] - edges[:-1])).long()
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int

@@ -138,6 +138,23 @@ def gaussian_log_bulk(q: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, n_
     return estimated_log_bulk(q, gaussian_form(mean, cov), n_bulk)
 
 
+def sampled_log_bulk(scores: torch.Tensor, n_bulk, z: float = 0.0) -> torch.Tensor:
+    """Beyond the Gaussian (ours): log A_bulk estimated from the scores (..., H, m) of m bulk keys, one drawn from each
+    of m equal strata of the bulk, as log T_bulk + log mean_j exp(s_j): (..., H). The stratified mean is unbiased for
+    the bulk's mean exp(s) whatever the keys' distribution; what it misses is a rare key far above the rest (a needle
+    no stratum drew). With z > 0, the upper end of a normal interval on that mean, mean + z sd / sqrt(m) (sd the
+    sample's), so that a head whose sample is uncertain is labelled long-context."""
+    scores = scores.float()
+    m = scores.shape[-1]
+    top = scores.amax(-1, keepdim=True)  # exp relative to the largest sampled score: no overflow
+    e = (scores - top).exp()
+    mean = e.mean(-1)
+    if z > 0 and m > 1:
+        mean = mean + z * e.std(-1) / math.sqrt(m)
+    log_n = n_bulk.double().log().float() if isinstance(n_bulk, torch.Tensor) else math.log(n_bulk)
+    return mean.log() + top.squeeze(-1) + log_n
+
+
 def qada_labels(q: torch.Tensor, log_local: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor], n_bulk, tau,
                 rule: str | None = None, correction: tuple | None = None) -> torch.Tensor:
     """Eq. 7, the only place it is written: local_labels with the window's true log mass log_local (..., H) and the

@@ -13,7 +13,8 @@ evaluated prompts.
 
 With --qada: per calibration prompt, a dense prefill and dense greedy decoding, recording at every step, layer and
 head the true log masses of the window and the bulk beside the two terms of QAdA's Gaussian estimate (Eq. 6,
-mu_s and sigma_s^2 / 2, from the moments QAdA would use: --moments). `masses.pt` keeps them per prompt (a rerun
+mu_s and sigma_s^2 / 2, from the moments QAdA would use: --moments) and qada_sampled's estimate from 64 sampled bulk
+keys (for the calibration curves' comparison). `masses.pt` keeps them per prompt (a rerun
 computes only the prompts it lacks), and every kind of criterion.CALIBRATION_KINDS is fitted from them into
 `KIND.json`, each loadable with criterion.load_calibration. The fits are per (layer, head), on every decode step
 of every prompt.
@@ -26,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from attention import all_scores, build_attention, dense
+from attention import all_scores, build_attention, bulk_sample, dense
 from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_exponent, load_local_freq, oracle_log_masses,
-                       save_calibration, save_labels)
+                       sampled_log_bulk, save_calibration, save_labels)
 from generate import decode, pick_device
 from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
@@ -94,11 +95,13 @@ def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int
 
 class MassRecorder:
     """The decode hook of a calibration prompt: dense attention, and at each step the true log masses of the window
-    and the bulk beside the Gaussian estimate's two terms, all (H,) per layer."""
+    and the bulk beside the Gaussian estimate's two terms and the sampled estimate (qada_sampled's, `n_samples` keys),
+    all (H,) per layer."""
 
-    def __init__(self, moments, n_sink: int, n_local: int):
-        self.moments, self.n_sink, self.n_local = moments, n_sink, n_local
-        self.steps, self.n_bulk = [], []  # per decode step: (L, 4, H) [log A_local, log A_bulk, mu_s, sigma_s^2 / 2]
+    def __init__(self, moments, n_sink: int, n_local: int, n_samples: int = 64):
+        self.moments, self.n_sink, self.n_local, self.n_samples = moments, n_sink, n_local, n_samples
+        # per decode step: (L, 5, H) [log A_local, log A_bulk, mu_s, sigma_s^2 / 2, sampled log A_bulk]
+        self.steps, self.n_bulk = [], []
 
     def __call__(self, q, k, v, layer: int) -> torch.Tensor:
         """q (1, H, 1, D), k/v (1, Hkv, T, D) -> (1, H, 1, D)."""
@@ -112,11 +115,13 @@ class MassRecorder:
             A, b = self.moments.quadratic_form(layer, k1)
             mu = gaussian_exponent(q1, (torch.zeros_like(A), b))  # q mu_K / sqrt(d)
             half_var = gaussian_exponent(q1, (A, torch.zeros_like(b)))  # q Sigma_K q^T / 2d
-            self.steps[-1].append(torch.stack([log_local, log_bulk, mu, half_var]).cpu())
+            idx = bulk_sample(T, self.n_sink, self.n_local, self.n_samples, layer, k1.device)
+            sampled = sampled_log_bulk(all_scores(q1, k1[:, idx]), T - self.n_local)
+            self.steps[-1].append(torch.stack([log_local, log_bulk, mu, half_var, sampled]).cpu())
         return dense(q1, k1, v1)[0].view(1, H, 1, D)
 
     def masses(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(S, L, 4, H) and each step's T_bulk (S,)."""
+        """(S, L, 5, H) and each step's T_bulk (S,)."""
         return torch.stack([torch.stack(s) for s in self.steps]), torch.tensor(self.n_bulk, dtype=torch.float64)
 
 
@@ -135,11 +140,11 @@ def prompt_masses(model, tok, reference, task: str, index: int, length: int, see
 
 def fit_calibration(masses: torch.Tensor, n_bulk: torch.Tensor, n_kv_heads: int, kind: str, eps: float = 0.05
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The correction of `kind` (criterion.Calibration) per (layer, head) from every step's masses (N, L, 4, H) and
+    """The correction of `kind` (criterion.Calibration) per (layer, head) from every step's masses (N, L, >= 4, H) and
     T_bulk (N,): a (L, H), b (L, H), s (L, Hkv) or None. r is the true log ratio log A_local - log A_bulk, r_est
     Eq. 7's estimate of it."""
     m = masses.double()
-    log_local, log_bulk, mu, half_var = m.unbind(2)  # (N, L, H) each
+    log_local, log_bulk, mu, half_var = m[:, :, :4].unbind(2)  # (N, L, H) each
     log_n = n_bulk.double().log()[:, None, None]
     r, r_est = log_local - log_bulk, log_local - (log_n + mu + half_var)  # estimated_log_bulk, from its two terms
     N, L, H = r.shape
@@ -190,7 +195,8 @@ def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samp
                 print(f"{task}#{i}: {len(data['prompts'][f'{task}#{i}'][1])} steps, {time.perf_counter() - t0:.0f} s",
                       file=sys.stderr)
     chosen = [data["prompts"][f"{t}#{i}"] for t in tasks for i in range(samples)]
-    masses, n_bulk = torch.cat([m for m, _ in chosen]), torch.cat([n for _, n in chosen])
+    rows = min(m.shape[2] for m, _ in chosen)  # prompts recorded before the sampled estimate have its 4 rows
+    masses, n_bulk = torch.cat([m[:, :, :rows] for m, _ in chosen]), torch.cat([n for _, n in chosen])
     out = {}
     for kind in CALIBRATION_KINDS:
         a, b, s = fit_calibration(masses, n_bulk, model.cfg.num_key_value_heads, kind, eps)

@@ -20,7 +20,7 @@ from criterion import TAU, static_labels
 ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_prompt_online",
          "qada_word", "qada_long", "static_kv", "static_oracle_kv", "oracle_kv", "qada_kv", "qada_kv_all",
          "qada_cal", "qada_cal_transfer", "qada_cal_offset", "qada_cal_scale", "qada_cal_quantile", "qada_kv_cal",
-         "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer",
+         "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer", "qada_sampled", "qada_kv_sampled",
          "hf_dense", "snapkv", "expected_attention", "knorm", "streaming_llm", "snapkv_ctx", "expected_attention_ctx", "knorm_ctx",
          "streaming_llm_ctx")
 LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
@@ -37,6 +37,8 @@ LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads
          "qada_kv_all_cal": "QAdA calibrated per KV group (all local)",
          "qada_kv_cal_transfer": "QAdA calibrated on other tasks per KV group (mean share)",
          "qada_kv_all_cal_transfer": "QAdA calibrated on other tasks per KV group (all local)",
+         "qada_sampled": "QAdA, bulk mass from 64 sampled keys (ours)",
+         "qada_kv_sampled": "QAdA per KV group, bulk mass from 64 sampled keys (ours)",
          "hf_dense": "dense through transformers (the peers' control)", "snapkv": "kvpress SnapKV (question in the press)", "expected_attention": "kvpress ExpectedAttention (question in the press)",
          "knorm": "kvpress Knorm (question in the press)", "streaming_llm": "kvpress StreamingLLM",
          "snapkv_ctx": "kvpress SnapKV (context only)", "expected_attention_ctx": "kvpress ExpectedAttention (context only)",

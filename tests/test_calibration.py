@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import generate
-from attention import DecodeAttention, all_scores
+from attention import DecodeAttention, all_scores, bulk_sample
 from criterion import (CALIBRATION_KINDS, Calibration, check_calibration, gaussian_form, load_calibration,
                        oracle_log_masses, qada_labels, save_calibration)
 from lab import calibrate, records, sweep
@@ -165,8 +165,8 @@ def test_the_recorded_masses_are_the_true_ones_and_the_gaussian_terms(fitted, ti
     data = torch.load(fitted / "masses.pt", weights_only=True)
     assert set(data["prompts"]) == {"fwe#0", "fwe#1"}
     masses, n_bulk = data["prompts"]["fwe#0"]
-    S, L, four, H = masses.shape
-    assert (L, four, H) == (2, 4, 4) and S == len(n_bulk) >= 1 and (n_bulk > 0).all()
+    S, L, rows, H = masses.shape
+    assert (L, rows, H) == (2, 5, 4) and S == len(n_bulk) >= 1 and (n_bulk > 0).all()
     assert torch.isfinite(masses).all()
     for kind in CALIBRATION_KINDS:
         c = load_calibration(fitted / f"{kind}.json")
@@ -191,6 +191,10 @@ def test_mass_recorder_matches_the_oracle_and_eq6(tiny_dir):
     half_var = torch.einsum("ghd,gde,ghe->gh", qg, cov[0].double(), qg).reshape(H) / (2 * D)
     torch.testing.assert_close(masses[0, 0, 2].double(), mu, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(masses[0, 0, 3].double(), half_var, atol=1e-5, rtol=1e-5)
+    # the sampled estimate: one key from each of 64 strata of the 104 bulk keys, their mean exp times T_bulk
+    idx = bulk_sample(T, N_SINK, N_LOCAL, 64, 0)
+    s = all_scores(q[0, :, 0], k[0][:, idx]).double()
+    torch.testing.assert_close(masses[0, 0, 4].double(), (s.exp().mean(-1) * (T - N_LOCAL)).log(), atol=1e-5, rtol=0)
     assert n_bulk.tolist() == [T - N_LOCAL]
 
 

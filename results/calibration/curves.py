@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from criterion import CALIBRATION_KINDS, load_calibration  # noqa: E402
+from lab.calibrate import fit_calibration  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,6 +40,15 @@ def estimates(masses, n_bulk, folder: Path) -> dict[str, torch.Tensor]:
         s = c.s.double().repeat_interleave(G, -1) if c.s is not None else 1.0
         r_est = log_local - (log_n + mu + s * half_var)
         out[f"{kind}"] = log_local - (c.a.double() + c.b.double() * r_est)
+    fit_masses, fit_n = load_masses(folder)
+    if masses.shape[2] > 4 and fit_masses.shape[2] > 4:  # recorded with qada_sampled's estimate (64 bulk keys)
+        out["sampled, 64 keys"] = masses[:, :, 4]
+        # its affine correction, fitted as the Gaussian's is: the sampled estimate in place of log T_bulk + mu_s
+        fl = fit_masses[:, :, 0]
+        as_gauss = torch.stack([fl, fit_masses[:, :, 1], fit_masses[:, :, 4] - fit_n.log()[:, None, None],
+                                torch.zeros_like(fl)], 2)
+        a, b, _ = fit_calibration(as_gauss, fit_n, 1, "affine")
+        out["sampled + affine"] = log_local - (a.double() + b.double() * (log_local - masses[:, :, 4]))
     return out
 
 
@@ -90,7 +100,9 @@ def main(fit_a: str, fit_b: str) -> None:
         for col, layer in enumerate(layers):
             ax = axes[row][col]
             true = log_bulk[:, layer].flatten()
-            for name, color in (("QAdA (Gaussian)", "0.6"), ("affine", "tab:blue")):
+            for name, color in (("QAdA (Gaussian)", "0.6"), ("affine", "tab:blue"), ("sampled + affine", "tab:orange")):
+                if name not in est:
+                    continue
                 ax.scatter(true, est[name][:, layer].flatten(), s=2, alpha=0.3, color=color,
                            label=name if col == 0 else None)
             lo, hi = float(true.min()), float(true.max())

@@ -1,0 +1,107 @@
+"""The sampled estimate of the bulk mass (qada_sampled, ours): its positions, its estimate against brute force, the
+oracle when every bulk key is drawn, the interval's direction, the skipping and the KV read it is charged."""
+
+import math
+
+import pytest
+import torch
+
+import attention
+from attention import DecodeAttention, bulk_sample, kv_read_fraction, path_inputs, reference_attention
+from criterion import oracle_labels, oracle_log_masses, sampled_log_bulk
+from tests.test_kernel import no_nan_read
+
+N_SINK, N_LOCAL = 16, 128
+
+
+def qkv(H=6, Hkv=2, D=16, T=400, seed=0, spread=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(H, D, generator=g) * spread, torch.randn(Hkv, T, D, generator=g),
+            torch.randn(Hkv, T, D, generator=g))
+
+
+@pytest.mark.parametrize("T", [N_LOCAL + 1, N_LOCAL + 40, 1000, 4097])
+def test_one_position_per_stratum_of_the_bulk(T):
+    lo, hi = N_SINK, T - (N_LOCAL - N_SINK)
+    m = 64
+    pos = bulk_sample(T, N_SINK, N_LOCAL, m, layer=3)
+    if hi - lo <= m:  # a small bulk is read whole
+        assert pos.tolist() == list(range(lo, hi))
+        return
+    assert len(pos) == m and pos.unique().numel() == m
+    edges = [lo + j * (hi - lo) // m for j in range(m + 1)]  # strata of floor(n/m) or ceil(n/m) positions
+    assert all(edges[j] <= p < edges[j + 1] for j, p in enumerate(pos.tolist()))
+    assert torch.equal(pos, bulk_sample(T, N_SINK, N_LOCAL, m, layer=3))  # no random state
+    assert not torch.equal(pos, bulk_sample(T, N_SINK, N_LOCAL, m, layer=4))  # layers sample other phases
+
+
+def test_the_estimate_is_the_mean_exp_of_the_sample_times_t_bulk():
+    scores = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)) * 3
+    n_bulk = 5000
+    want = torch.log(scores.double().exp().mean(-1) * n_bulk)
+    torch.testing.assert_close(sampled_log_bulk(scores, n_bulk).double(), want, atol=1e-5, rtol=0)
+    e = scores.double().exp()
+    upper = torch.log((e.mean(-1) + 2.0 * e.std(-1) / 8) * n_bulk)  # z = 2, sqrt(64) = 8
+    torch.testing.assert_close(sampled_log_bulk(scores, n_bulk, z=2.0).double(), upper, atol=1e-5, rtol=0)
+    big = scores + 500  # relative to the largest sampled score: no overflow
+    torch.testing.assert_close(sampled_log_bulk(big, n_bulk), sampled_log_bulk(scores, n_bulk) + 500)
+
+
+@pytest.mark.parametrize("rule", [None, "mean"])
+def test_a_sample_of_the_whole_bulk_is_the_oracle(rule):
+    """With at least as many samples as bulk keys every bulk key is read once: the true mass, the oracle's labels."""
+    q, k, v = qkv(T=N_LOCAL + 50)
+    k[1, 40] = q[3:].mean(0)  # a needle in group 1's bulk: a mix of local and long-context heads
+    y, labels = attention.qada_sampled(q, k, v, layer=0, n_sink=N_SINK, n_local=N_LOCAL, tau=0.6, n_samples=64,
+                                       rule=rule)
+    scores = attention.all_scores(q, k)
+    want = oracle_labels(scores, N_SINK, N_LOCAL, 0.6, k.shape[0], rule)
+    assert labels.tolist() == want.tolist() and 0 < want.sum() < len(want)  # a mix, not a trivial case
+    torch.testing.assert_close(y, reference_attention(q, k, v, labels, N_SINK, N_LOCAL), atol=2e-5, rtol=1e-4)
+    log_local, log_bulk = oracle_log_masses(scores, N_SINK, N_LOCAL)
+    idx = bulk_sample(k.shape[1], N_SINK, N_LOCAL, 64, 0)
+    torch.testing.assert_close(sampled_log_bulk(attention.all_scores(q, k[:, idx]), len(idx)), log_bulk,
+                               atol=1e-4, rtol=0)
+
+
+def test_the_interval_only_makes_heads_long_context():
+    q, k, v = qkv(H=16, Hkv=4, T=3000, seed=2)
+    kw = dict(layer=1, n_sink=N_SINK, n_local=N_LOCAL, tau=0.05, n_samples=32)  # about half local
+    _, plain = attention.qada_sampled(q, k, v, **kw)
+    _, careful = attention.qada_sampled(q, k, v, **kw, z=3.0)
+    assert (careful <= plain).all() and careful.sum() < plain.sum()
+
+
+def test_a_local_group_reads_only_its_window_and_the_sampled_keys(monkeypatch):
+    """Group 0's bulk is NaN except at the sampled positions (the keys there: values are not read to decide), and its
+    queries point away from its keys, so it is local; the output must stay finite and equal the window's."""
+    no_nan_read(monkeypatch)
+    H, Hkv, D, T = 6, 2, 16, 600
+    q, k, v = qkv(H, Hkv, D, T, seed=3)
+    k[0] = k[0] * 0.1
+    k[0, N_SINK:T - (N_LOCAL - N_SINK)] -= 3 * q[:H // Hkv].mean(0)  # group 0's bulk scores far below its window's
+    k[1, 200] = q[H // Hkv:].mean(0) * 2  # group 1: a needle no window holds
+    idx = bulk_sample(T, N_SINK, N_LOCAL, 64, 0)
+    bulk = torch.zeros(T, dtype=torch.bool)
+    bulk[N_SINK:T - (N_LOCAL - N_SINK)] = True
+    unsampled = bulk.clone()
+    unsampled[idx] = False
+    k[0, unsampled], v[0, bulk] = math.nan, math.nan
+    att = DecodeAttention("qada_kv_sampled", N_SINK, N_LOCAL, dict(tau=0.6))
+    y = att(q[None, :, None], k[None], v[None], 0)[0, :, 0]
+    labels = att.stats.labels[0][0]
+    G = H // Hkv
+    assert labels[:G].all() and not labels[G:].any()
+    assert torch.isfinite(y).all()
+    clean_k, clean_v = torch.nan_to_num(k), torch.nan_to_num(v)
+    torch.testing.assert_close(y, reference_attention(q, clean_k, clean_v, labels, N_SINK, N_LOCAL), atol=2e-5,
+                               rtol=1e-4)
+    # charged: the window and 64 keys (32 entries of key and value) for the local group, the whole cache for the other
+    assert att.stats.summary(Hkv)["kv_read"] == pytest.approx((N_LOCAL + 32 + T) / (2 * T))
+
+
+def test_registered_with_what_it_reads():
+    assert path_inputs("qada_sampled") == ("layer", "n_sink", "n_local", "tau")
+    assert attention.decision_read("qada_sampled") == 32 and attention.decision_read("qada_cal") == 0
+    labels = torch.ones(1, 1, 4, dtype=torch.bool)  # one step, one layer, 4 heads on 2 KV heads, all local
+    assert kv_read_fraction(labels, torch.tensor([1000]), 2, 128, 32.0) == pytest.approx(160 / 1000)
