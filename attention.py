@@ -125,7 +125,8 @@ PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qa
          "oracle_kv": partial(oracle, rule="mean"), "qada_kv": partial(qada, rule="mean"),
          "qada_kv_all": partial(qada, rule="all"), "qada_cal": qada_cal, "qada_kv_cal": partial(qada_cal, rule="mean"),
          "qada_kv_all_cal": partial(qada_cal, rule="all"), "qada_sampled": partial(qada_sampled, n_samples=64),
-         "qada_kv_sampled": partial(qada_sampled, n_samples=64, rule="mean")}
+         "qada_kv_sampled": partial(qada_sampled, n_samples=64, rule="mean"),
+         "qada_sampled_upper": partial(qada_sampled, n_samples=64, z=2.0)}
 # Paths that compute every score to find their labels: the KV-read fraction of those labels is implied, not saved.
 ANALYSIS_ONLY = ("oracle", "oracle_kv")
 
@@ -370,11 +371,14 @@ class HeadStats:
 def kv_read_fraction(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int,
                      decision_read: float = 0.0) -> float:
     """Fraction of KV entries read: a KV head reads its whole cache (T) unless every query head of its
-    group is local, then only min(T, n_local + decision_read). labels (S, L, H) bool, lengths (S,)."""
+    group is local, then only its window, min(T, n_local), and what deciding read of its bulk (decision_read entries,
+    at most the bulk's keys). labels (S, L, H) bool, lengths (S,)."""
     S, L, H = labels.shape
     group_local = labels.view(S, L, n_kv_heads, H // n_kv_heads).all(-1)  # (S, L, Hkv)
     T = lengths.double()[:, None, None]
-    read = torch.where(group_local, T.clamp(max=n_local + decision_read), T)
+    # a decision that reads bulk keys reads at most the bulk's T - n_local keys (half an entry each: no values)
+    local_read = n_local + torch.minimum((T - n_local).clamp(min=0) / 2, torch.full_like(T, decision_read))
+    read = torch.where(group_local, torch.minimum(T, local_read), T)
     return float(read.sum() / (T * torch.ones_like(read)).sum())
 
 

@@ -139,9 +139,9 @@ def gaussian_log_bulk(q: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, n_
 
 
 def sampled_log_bulk(scores: torch.Tensor, n_bulk, z: float = 0.0) -> torch.Tensor:
-    """Beyond the Gaussian (ours): log A_bulk estimated from the scores (..., H, m) of m bulk keys, one drawn from each
-    of m equal strata of the bulk, as log T_bulk + log mean_j exp(s_j): (..., H). The stratified mean is unbiased for
-    the bulk's mean exp(s) whatever the keys' distribution; what it misses is a rare key far above the rest (a needle
+    """Beyond the Gaussian (ours): log A_bulk estimated from the scores (..., H, m) of m bulk keys, one taken from each
+    of m (nearly) equal strata of the bulk, as log T_bulk + log mean_j exp(s_j): (..., H). A stratified, quasi-random
+    estimate that assumes nothing of the keys' distribution; what it misses is a rare key far above the rest (a needle
     no stratum drew). With z > 0, the upper end of a normal interval on that mean, mean + z sd / sqrt(m) (sd the
     sample's), so that a head whose sample is uncertain is labelled long-context."""
     scores = scores.float()

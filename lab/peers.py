@@ -24,16 +24,19 @@ Greedy decoding from there, up to the task's max new tokens or EOS (the sweep's 
 control: the same pipeline with nothing dropped, which should score as the sweep's own dense decoding.
 
 One prefill serves every press. A press runs as a hook after each layer's attention and only rewrites that layer's
-cache: the hidden states the next layer sees are the dense prefill's. So every press, under either protocol (the
-context is a prefix of the prompt and attention is causal), sees exactly the hidden states, keys and values of one
-dense prefill, layer by layer; `compress_all` hands each press its slice and keeps each result as a cache of its own.
-tests/test_peers.py holds this to kvpress's own `with press(model)` prefill.
+cache: the hidden states the next layer sees are the dense prefill's. So every press sees the hidden states, keys
+and values of one dense prefill, layer by layer: exactly those of its own prefill under the question-aware protocol
+(the same tokens), and under the context protocol a prefix of them, equal to a prefill of the context alone up to
+rounding (attention is causal; only the matrix shapes differ). `compress_all` hands each press its slice and keeps
+each result as a cache of its own; tests/test_peers.py holds this to kvpress's own `with press(model)` prefill.
 
 Records (one JSON line per sample and config, resumable, merged into samples.jsonl.xz at the end) carry the sweep's
-fields, with `kv_read` the mean over the answer's forward passes of the entries read against what dense reads at
-that position, `kv_kept` the fraction of the compressed span kept, `kv_bytes` the cache held while decoding,
-`compress_s` the press's own time and `peak_bytes` (CUDA only) the peak memory of decoding. `sparsity` is null:
-a press has no notion of a local head. lab.report pairs these records with a sweep's (`--with`).
+fields, with `kv_read` the mean over the forward passes that produced the answer's tokens (`steps` of them, the first
+included: here it reads the compressed cache, in the sweep it comes from the dense prefill) of the entries read
+against what dense reads at that position, `kv_kept` the fraction of the compressed span kept, `kv_bytes` the cache
+held while decoding, `compress_s` the press's own time at prefill, `ids_sha1` a hash of the prompt's token ids and
+`peak_bytes` (CUDA only) the memory decoding took beyond what was allocated when it began. `sparsity` is null: a
+press has no notion of a local head. lab.report pairs these records with a sweep's (`--with`).
 """
 
 import argparse
@@ -47,12 +50,15 @@ import torch
 from tqdm import tqdm
 
 from generate import pick_device
-from lab.records import read_records
+from lab.records import ids_hash, read_records
 from lab.sweep import merge, parse_grid
 from lab.tasks import TASKS, Sample, make_sample, score
 from weights.checkpoints import DEFAULT, DTYPES, resolve
 from weights.tokenizer import Tokenizer
 
+# Presses whose compress() reads only the module, hidden states, keys, values and rotary tables: what compress_all
+# slices. One that reads the attention weights, the mask or cache positions (ObservedAttentionPress, ...) would see
+# the whole prefill's and is not listed.
 PRESSES = {  # our name -> kvpress class
     "snapkv": "SnapKVPress",                    # attention of the prompt's last 64 queries, pooled
     "expected_attention": "ExpectedAttentionPress",  # expected attention of future queries from their statistics
@@ -94,10 +100,13 @@ def build_peers(presses: list[str], ratios: list[float], context_ratios: list[fl
         if p not in PRESSES:
             raise ValueError(f"unknown press {p!r}; choose from {', '.join(PRESSES)}")
     for r in ratios + context_ratios:
-        if not 0 < r < 1:
+        if not 0 < r < 1:  # NaN fails too
             raise ValueError(f"a compression ratio lies strictly between 0 and 1, got {r:g}")
-    return ([HF_DENSE] if dense else []) + [Peer(p, "question", r) for p in presses for r in ratios] + \
-           [Peer(p, "context", r) for p in presses for r in context_ratios]
+    peers = ([HF_DENSE] if dense else []) + [Peer(p, "question", r) for p in presses for r in ratios] + \
+        [Peer(p, "context", r) for p in presses for r in context_ratios]
+    if not peers:
+        raise ValueError("nothing to run: no press, and --no-dense")
+    return list(dict.fromkeys(peers))  # a ratio given twice runs once
 
 
 def question_start(sample: Sample, ids: list[int], tok) -> int:
@@ -118,10 +127,6 @@ def question_start(sample: Sample, ids: list[int], tok) -> int:
 # One dense prefill, every press's compressed cache
 
 
-def layers_of(hf):
-    return hf.model.layers
-
-
 def compress_all(hf, ids: torch.Tensor, spans: dict, presses: dict) -> tuple[dict, dict]:
     """Prefill ids (1, T) densely and compress each layer's keys and values with every press on its own span: press
     `key` sees the first spans[key] positions (hidden states, keys, values, rotary tables), as in a prefill of just
@@ -131,22 +136,24 @@ def compress_all(hf, ids: torch.Tensor, spans: dict, presses: dict) -> tuple[dic
     seconds = dict.fromkeys(presses, 0.0)
 
     def hook(module, args, kwargs, output):
-        layer = kwargs["past_key_values"].layers[module.layer_idx]
-        h, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]
+        layer = kwargs["past_key_values"].layers[module.layer_idx]  # keys, values (1, Hkv, T, D): the dense cache
+        h, (cos, sin) = kwargs["hidden_states"], kwargs["position_embeddings"]  # (1, T, hidden), (1, T, D) each
         for key, press in presses.items():
             n = spans[key]
+            sync(ids.device)
             t0 = time.perf_counter()
             k, v = press.compress(module, h[:, :n], layer.keys[:, :, :n], layer.values[:, :, :n], None,
                                   dict(kwargs, position_embeddings=(cos[:, :n], sin[:, :n])))
+            sync(ids.device)
             seconds[key] += time.perf_counter() - t0
-            out[key].append((k, v))
+            out[key].append((k, v))  # (1, Hkv, kept, D) each
         return output
 
     for press in presses.values():  # what `with press(model)` does before it hooks the layers
         press.post_init_from_model(hf)
     hooks = []
     try:
-        for layer in layers_of(hf):
+        for layer in hf.model.layers:
             layer.self_attn.rotary_emb = hf.model.rotary_emb  # ExpectedAttentionPress rotates its query statistics
             hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
         with torch.no_grad():
@@ -157,14 +164,21 @@ def compress_all(hf, ids: torch.Tensor, spans: dict, presses: dict) -> tuple[dic
     return out, seconds
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the GPU before reading a clock (on the CPU there is nothing to wait for)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def greedy(hf, kv: list[tuple[torch.Tensor, torch.Tensor]], rest: torch.Tensor, start: int, max_new: int,
-           eos: tuple[int, ...]) -> tuple[list[int], list[float]]:
+           eos) -> tuple[list[int], list[float]]:
     """Feed `rest` (1, R) at positions start.. through the cache `kv` (per layer (1, Hkv, S, D)), then decode
-    greedily. Returns the new ids and, per forward pass that produced one, the entries read / what dense reads."""
+    greedily, stopping at an id in `eos`. Returns the new ids and, per forward pass that produced one, the entries
+    read / what dense reads."""
     from transformers import DynamicCache
     cache = DynamicCache()
     for i, (k, v) in enumerate(kv):
-        cache.update(k.clone(), v.clone(), i)
+        cache.update(k, v, i)  # a layer's update concatenates into new tensors: kv itself is never written
     kept = sum(k.shape[2] for k, _ in kv) / len(kv)  # mean over layers (a press keeps as many per head)
     new, read, x, pos = [], [], rest, start
     with torch.no_grad():
@@ -184,19 +198,27 @@ def greedy(hf, kv: list[tuple[torch.Tensor, torch.Tensor]], rest: torch.Tensor, 
 def run_sample(hf, tok, sample: Sample, ids: list[int], peers: list[Peer], device: str) -> list[dict]:
     """Every peer on one sample: one dense prefill of all but the last token, then each press's decoding."""
     n = len(ids)
-    n_ctx = question_start(sample, ids, tok)
+    n_ctx = question_start(sample, ids, tok) if any(p.protocol == "context" for p in peers) else None
     x = torch.tensor([ids], device=device)
     spans = {p.key: n - 1 if p.protocol == "question" else n_ctx for p in peers}
+    sync(x.device)
     t0 = time.perf_counter()
-    kv, compress_s = compress_all(hf, x[:, :n - 1], spans, {p.key: p.make() for p in peers})
+    try:
+        kv, compress_s = compress_all(hf, x[:, :n - 1], spans, {p.key: p.make() for p in peers})
+    except AssertionError as e:  # kvpress checks its inputs with asserts (a span no longer than its window, ...)
+        raise ValueError(f"{sample.task}#{sample.index}: kvpress refused the prompt: {e}") from None
+    sync(x.device)
     prefill_s = time.perf_counter() - t0 - sum(compress_s.values())
+    sha = ids_hash(ids)
     records = []
     for p in peers:
         span = spans[p.key]
-        if device.startswith("cuda"):
+        if x.is_cuda:
             torch.cuda.reset_peak_memory_stats(device)
+            held = torch.cuda.memory_allocated(device)
         t0 = time.perf_counter()
         new, read = greedy(hf, kv[p.key], x[:, span:], span, sample.max_new_tokens, tok.eos_ids)
+        sync(x.device)
         decode_s = time.perf_counter() - t0
         text = tok.decode(new)
         kept = sum(k.shape[2] for k, _ in kv[p.key]) / len(kv[p.key])
@@ -207,8 +229,8 @@ def run_sample(hf, tok, sample: Sample, ids: list[int], peers: list[Peer], devic
             "n_new": len(new), "decode_s": round(decode_s, 2), "batch": 1, "score": score(sample, text), "pred": text,
             "steps": len(new), "sparsity": None, "kv_read": sum(read) / len(read), "kv_kept": kept / span,
             "kv_bytes": sum(k.nbytes + v.nbytes for k, v in kv[p.key]),
-            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None,
-            "compress_s": round(compress_s[p.key], 3), "prefill_s": round(prefill_s, 2)})
+            "peak_bytes": torch.cuda.max_memory_allocated(device) - held if x.is_cuda else None,
+            "compress_s": round(compress_s[p.key], 3), "prefill_s": round(prefill_s, 2), "ids_sha1": sha})
     return records
 
 
@@ -216,8 +238,30 @@ def run_sample(hf, tok, sample: Sample, ids: list[int], peers: list[Peer], devic
 # The runner
 
 
-def paired_prompts(pair: Path) -> dict[tuple[str, int], int]:
-    return {(r["task"], r["index"]): r["n_prompt"] for r in read_records(pair)}
+def paired_prompts(pair: Path) -> dict[tuple[str, int], tuple[int, str | None]]:
+    """{(task, index): (prompt tokens, hash of the ids where the records keep one)} of a sweep folder's records."""
+    if not Path(pair).is_dir():
+        raise ValueError(f"--pair {pair}: no such run folder")
+    out = {}
+    for r in read_records(pair):
+        if "n_prompt" not in r:
+            raise ValueError(f"--pair {pair}: its records have no n_prompt (not a lab.sweep folder?)")
+        out[r["task"], r["index"]] = (r["n_prompt"], r.get("ids_sha1"))
+    if not out:
+        raise ValueError(f"--pair {pair}: no records there to check the prompts against")
+    return out
+
+
+def check_pairing(samples: list[tuple[Sample, list[int]]], expected: dict, pair: str) -> None:
+    """Every prompt must be one the paired sweep decoded: the same token count (and ids, where it kept their hash)."""
+    for sample, ids in samples:
+        key = sample.task, sample.index
+        if key not in expected:
+            raise ValueError(f"{sample.task}#{sample.index}: not in {pair}'s records, so nothing to pair it with")
+        n, sha = expected[key]
+        if n != len(ids) or (sha and sha != ids_hash(ids)):
+            raise ValueError(f"{sample.task}#{sample.index}: {len(ids)} prompt tokens here, {n} in {pair}"
+                             + (" (and other ids)" if n == len(ids) else ""))
 
 
 def load_hf(folder: Path, dtype: torch.dtype, device: str):
@@ -229,24 +273,28 @@ def load_hf(folder: Path, dtype: torch.dtype, device: str):
 
 def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: str, context_ratios: str, seed: int,
         model: str | None, dtype: str, device: str | None, pair: str | None, threads: int | None, dense: bool = True,
-        progress: bool = True) -> Path:
+        progress: bool = True, command: str = "") -> Path:
     if threads:
         torch.set_num_threads(threads)
     task_list = [t for t in tasks.split(",") if t]
     for t in task_list:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
-    peers = build_peers([p for p in presses.split(",") if p], parse_grid(ratios), parse_grid(context_ratios), dense)
+    grids = {}
+    for flag, text in (("--ratios", ratios), ("--context-ratios", context_ratios)):
+        try:
+            grids[flag] = parse_grid(text)
+        except ValueError:
+            raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    peers = build_peers([p for p in presses.split(",") if p], grids["--ratios"], grids["--context-ratios"], dense)
     try:
         import kvpress  # noqa: F401
-    except ImportError:
-        raise ValueError("kvpress is not installed here: run lab.peers in its own environment (lab/README.md, "
+    except ImportError as e:
+        raise ValueError(f"kvpress does not import here ({e}): run lab.peers in its own environment (lab/README.md, "
                          "lab/requirements-peers.txt)") from None
     device = pick_device(device)
     model = model or DEFAULT
     expected = paired_prompts(Path(pair)) if pair else {}
-    if pair and not expected:
-        raise ValueError(f"--pair {pair}: no records there")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     settings = dict(tasks=task_list, length=length, seed=seed, stop="eos", model=model, dtype=dtype,
@@ -264,21 +312,22 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
 
     folder = resolve(model, progress=progress)
     tok = Tokenizer.from_dir(folder)
-    hf = load_hf(folder, DTYPES[dtype], device)
     path = out / "samples.jsonl"
     done = {(r["task"], r["index"], r["config"]) for r in read_records(out)}
     jobs = [(t, i, [p for p in peers if (t, i, p.key) not in done]) for i in range(samples) for t in task_list]
     jobs = [j for j in jobs if j[2]]
+    prompts = {}
+    for task, index, _ in jobs:  # every prompt, and its pairing, before the first hour of decoding
+        sample = make_sample(task, index, length, tok, seed)
+        prompts[task, index] = sample, tok.encode(sample.prompt)
+    if pair:
+        check_pairing(list(prompts.values()), expected, pair)
+    hf = load_hf(folder, DTYPES[dtype], device)
     bar = tqdm(total=sum(len(ps) for _, _, ps in jobs), unit="run", desc="peers", file=sys.stderr,
                dynamic_ncols=True, disable=not progress)
     t_start = time.perf_counter()
     for task, index, todo in jobs:
-        sample = make_sample(task, index, length, tok, seed)
-        ids = tok.encode(sample.prompt)
-        if (task, index) in expected and expected[task, index] != len(ids):
-            raise ValueError(f"{task}#{index}: {len(ids)} prompt tokens here, {expected[task, index]} in {pair}")
-        if pair and (task, index) not in expected:
-            raise ValueError(f"{task}#{index}: not in {pair}'s records, so nothing to pair it with")
+        sample, ids = prompts[task, index]
         bar.set_postfix_str(f"{task}#{index}")
         records = run_sample(hf, tok, sample, ids, todo, device)
         with open(path, "a") as f:  # a sample's records at once: an interruption loses one sample
@@ -287,7 +336,7 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
         bar.update(len(records))
     bar.close()
     merge(out, [(t, i, peers) for i in range(samples) for t in task_list])  # sweep order: sample, task, config
-    info["runs"].append({"command": "python -m lab.peers " + " ".join(sys.argv[1:]), "seconds":
+    info["runs"].append({"command": command or "lab.peers.run(...)", "seconds":
                          round(time.perf_counter() - t_start), "torch": torch.__version__, "device": device})
     meta.write_text(json.dumps(info, indent=1))
     return out
@@ -301,8 +350,10 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=15, help="samples per task (indices 0 .. N-1)")
     p.add_argument("--seed", type=int, default=42, help="task seed, as the sweep's")
     p.add_argument("--presses", default="snapkv,expected_attention", help=f"comma-separated: {', '.join(PRESSES)}")
-    p.add_argument("--ratios", default="0.5,0.75", help="compression ratios, question-aware protocol")
-    p.add_argument("--context-ratios", default="0.5", help="compression ratios, kvpress's protocol (context only)")
+    p.add_argument("--ratios", default="0.25,0.5,0.75,0.9", help="compression ratios, question-aware protocol (a "
+                   "press reads a little more than 1 - ratio: the answer's own entries; 0.9 brackets KV read 0.25)")
+    p.add_argument("--context-ratios", default="0.5,0.75,0.9", help="compression ratios, kvpress's protocol "
+                   "(context only)")
     p.add_argument("--model", default=None, help=f"named model, folder or hub id (default {DEFAULT})")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
@@ -314,7 +365,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         out = run(a.out, a.tasks, a.length, a.samples, a.presses, a.ratios, a.context_ratios, a.seed, a.model, a.dtype,
-                  a.device, a.pair, a.threads, a.dense)
+                  a.device, a.pair, a.threads, a.dense, command="python -m lab.peers " + " ".join(argv or sys.argv[1:]))
     except (OSError, ValueError) as e:  # bad input: one line
         print(f"error: {e}", file=sys.stderr)
         return 2

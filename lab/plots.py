@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.records import ABLATIONS, LOSSLESS, MAIN_TAU, PEER_PATH, config_sort_key, curves, group, is_tau, label, mean
+from lab.records import ABLATIONS, LOSSLESS, MAIN_TAU, PEER_PATHS, config_sort_key, curves, group, is_tau, label, mean
 from lab.tasks import CTXFREE
 
 # Each configuration of records.ORDER in its colour and marker; any other method gets a colour picked by its name.
@@ -30,8 +30,8 @@ def color(method: str) -> str:
 def figure_scores(out: Path, tasks, methods, points, peers=()):
     """Fig. 4 with intervals: normalised score (95 % paired-bootstrap interval) against head sparsity and against
     the fraction of KV entries read, a marker per measured configuration; and, when the KV-group paths ran, the
-    same for them beside their per-query-head counterparts (figKV), with the peers' presses (kvpress; KV read only:
-    a press has no head sparsity) where their records joined the report."""
+    same for them beside their per-query-head counterparts (figKV), with the peers' presses (kvpress, dash-dotted;
+    KV read only: a press has no head sparsity) where their records joined the report."""
     import matplotlib.pyplot as plt
     configs = {m: [c for c in points if c.split("@")[0] == m] for m in methods}  # points come in config order
 
@@ -42,7 +42,7 @@ def figure_scores(out: Path, tasks, methods, points, peers=()):
                 continue
             xs, ys, lo, hi = map(np.array, zip(*pts))
             ax.errorbar(xs, ys, yerr=[ys - lo, hi - ys], color=color(m), label=label(m), marker=MARKER.get(m, "o"),
-                        ms=5, lw=0.8, capsize=2, alpha=0.85, ls="--" if m in kv else ":" if m in peers else "-")
+                        ms=5, lw=0.8, capsize=2, alpha=0.85, ls="--" if m in kv else "-." if m in peers else "-")
         ax.axhline(LOSSLESS, color="gray", ls=":", lw=1)
         ax.set_xlabel({"sparsity": "head sparsity (fraction of query heads local)",
                        "kv_read": "fraction of KV entries read (implied for the oracles)"}[x])
@@ -79,7 +79,7 @@ def plots(out: Path, rows, tasks, cur, rr, points):
     task_rows = [r for r in rows if r["task"] in tasks]
     methods = sorted({c.split("@")[0] for c in cur} - set(ABLATIONS), key=config_sort_key)
 
-    peers = [m for m in methods if any(r["method"] == m and r.get("path") == PEER_PATH for r in rows)]
+    peers = [m for m in methods if any(r["method"] == m and r.get("path") in PEER_PATHS for r in rows)]
     figure_scores(out, tasks, methods, points, peers)
 
     # Fig. 6b: sparsity vs tau with spread across tasks; Fig. 6c: per task + context-independent

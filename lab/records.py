@@ -3,6 +3,7 @@ order, means over the samples every compared configuration finished, the lossles
 and the oracle-agreement counts of tracked runs. lab.report writes tables from these, lab.plots figures.
 """
 
+import hashlib
 import lzma
 import json
 import os
@@ -20,7 +21,7 @@ from criterion import TAU, static_labels
 ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_prompt_online",
          "qada_word", "qada_long", "static_kv", "static_oracle_kv", "oracle_kv", "qada_kv", "qada_kv_all",
          "qada_cal", "qada_cal_transfer", "qada_cal_offset", "qada_cal_scale", "qada_cal_quantile", "qada_kv_cal",
-         "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer", "qada_sampled", "qada_kv_sampled",
+         "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer", "qada_sampled", "qada_kv_sampled", "qada_sampled_upper",
          "hf_dense", "snapkv", "expected_attention", "knorm", "streaming_llm", "snapkv_ctx", "expected_attention_ctx", "knorm_ctx",
          "streaming_llm_ctx")
 LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
@@ -39,11 +40,12 @@ LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads
          "qada_kv_all_cal_transfer": "QAdA calibrated on other tasks per KV group (all local)",
          "qada_sampled": "QAdA, bulk mass from 64 sampled keys (ours)",
          "qada_kv_sampled": "QAdA per KV group, bulk mass from 64 sampled keys (ours)",
+         "qada_sampled_upper": "QAdA, bulk mass from 64 sampled keys, upper end of its interval (ours)",
          "hf_dense": "dense through transformers (the peers' control)", "snapkv": "kvpress SnapKV (question in the press)", "expected_attention": "kvpress ExpectedAttention (question in the press)",
          "knorm": "kvpress Knorm (question in the press)", "streaming_llm": "kvpress StreamingLLM",
          "snapkv_ctx": "kvpress SnapKV (context only)", "expected_attention_ctx": "kvpress ExpectedAttention (context only)",
          "knorm_ctx": "kvpress Knorm (context only)", "streaming_llm_ctx": "kvpress StreamingLLM (context only)"}
-PEER_PATH = "kvpress"  # the path of lab.peers' records: presses that drop entries at prefill, no head labels
+PEER_PATHS = ("kvpress", "transformers")  # lab.peers' records: presses that drop entries at prefill, and its dense
 ABLATIONS = ("qada_word", "qada_long")
 MAIN_TAU = TAU  # the paper's tau: the head maps, agreement and log-error tables read the runs at it
 
@@ -66,6 +68,11 @@ def read_records(out: Path) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return rows
+
+
+def ids_hash(ids: list[int]) -> str:
+    """A prompt's token ids as a short hash, kept in every record: two runners pair only on the same ids."""
+    return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()
 
 
 def write_records(path: Path, records: list[dict]) -> Path:

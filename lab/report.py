@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from lab.plots import plots
-from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATH, common_indices, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
+from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, common_indices, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
                      lossless_table, matched_table, mean, mean_draws, measured_points, method_configs, read_records,
                      recall_rows,
                      run_recall, static_oracle_freq, summary_rows)
@@ -66,12 +66,14 @@ def write_summary(out: Path, rows, tasks):
         lines.append(f"| {t} | {len(d)} | {fmt(mean([r['score'] for r in d]), 100)} | {fmt(mean([r['score'] for r in l]), 100)} "
                      f"| {fmt(mean([r['n_new'] for r in d]))} |")
     # per-task score pivot (all finished samples) + averages over common samples
-    main = [c for c in configs if c.split("@")[0] not in ABLATIONS]  # the ablations run on the first samples only
+    # the ablations run on the first samples only, the peers (lab.peers) on their own: each averaged on its own samples
+    side = {r["config"] for r in rows if r["method"] in ABLATIONS or r.get("path") in PEER_PATHS}
+    main = [c for c in configs if c not in side]
     cur = curves(rows, tasks, main)
     cur.update({c: v for c, v in curves(rows, tasks, [c for c in configs if c not in main] + ["dense"]).items() if c not in cur})
     lines += ["", "## Score per task x config (all finished samples), and averages over the tasks' common samples", "",
-              "Averages: over the samples that every non-ablation config has finished (the ablations: over the samples "
-              "they ran on). avg norm. = mean over tasks of score / dense score; worst drop = largest dense - score "
+              "Averages: over the samples that every config of the sweep has finished (the ablations and the peers of "
+              "lab.peers: over the samples they ran on). avg norm. = mean over tasks of score / dense score; worst drop = largest dense - score "
               "over tasks.", "",
               "| config | " + " | ".join(tasks) + " | avg score | avg norm. | worst drop | sparsity | KV read |",
               "|---|" + "---|" * (len(tasks) + 5)]
@@ -127,10 +129,12 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
               "draws).", "", "| method | lossless sparsity | 95 % interval | lossless KV read | 95 % interval | samples |",
               "|---|---:|---|---:|---|---:|"]
     worst_kv = {r["method"]: r for r in lossless_table(rows, tasks, "kv_read", n_boot=1000, worst=True)}
-    for r in lossless_table(rows, tasks, n_boot=1000, worst=True):
-        k = worst_kv.get(r["method"])
-        lines.append(f"| {label(r['method'])} | {r['lossless']:.2f} | [{r['lo']:.2f}, {r['hi']:.2f}] | "
-                     + (f"{k['lossless']:.2f} | [{k['lo']:.2f}, {k['hi']:.2f}]" if k else " | ") + f" | {r['n']} |")
+    worst_sp = {r["method"]: r for r in lossless_table(rows, tasks, n_boot=1000, worst=True)}
+    for m in list(worst_sp) + [m for m in worst_kv if m not in worst_sp]:  # the peers have a KV read only
+        r, k = worst_sp.get(m), worst_kv.get(m)
+        lines.append(f"| {label(m)} | " + (f"{r['lossless']:.2f} | [{r['lo']:.2f}, {r['hi']:.2f}]" if r else " | ")
+                     + " | " + (f"{k['lossless']:.2f} | [{k['lo']:.2f}, {k['hi']:.2f}]" if k else " | ")
+                     + f" | {(r or k)['n']} |")
     diffs = kv_read_differences(rows, tasks)
     if diffs:
         lines += ["", "## Per KV group against per query head and static per KV head: lossless KV read, paired",
@@ -187,12 +191,16 @@ def peer_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
     paired-bootstrap 95 % interval (the same draws for all) and the paired difference from the first of PEER_AGAINST
     that ran (calibrated QAdA per KV group). Then what each press costs: the fraction of the compressed span it keeps,
     the KV cache it holds while decoding, its own seconds at prefill (once per prompt) and the seconds per decoded
-    token (transformers' decoding, beside nothing else only if the run was). Blank: the target lies outside the
-    method's measured range."""
-    peer_cfgs = sorted({r["config"] for r in rows if r.get("path") == PEER_PATH and r["task"] in tasks}, key=config_sort_key)
+    token (transformers' eager decoding on the machine the run had, its question included for the context-only
+    protocol). Blank: the target lies outside the method's measured range."""
+    peer_cfgs = sorted({r["config"] for r in rows if r.get("path") == "kvpress" and r["task"] in tasks},
+                       key=config_sort_key)
     if not peer_cfgs:
         return []
     idx = common_indices(group(rows), tasks, peer_cfgs + ["dense"])
+    if not any(idx.values()):
+        return ["No sample has every press configuration and dense: report the peers with the sweep whose samples "
+                "they ran on (`python -m lab.report SWEEP --with PEERS`)."]
     common = [r for r in rows if r["task"] in tasks and r["index"] in idx[r["task"]]]
     against = next((m for m in PEER_AGAINST if any(r["method"] == m for r in common)), None)
     table = matched_table(common, tasks, "kv_read", PEER_TARGETS, against=against, n_boot=n_boot)

@@ -75,7 +75,7 @@ from criterion import TAU, check_calibration, load_calibration, static_labels
 from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
-from lab.records import read_records, result_files, write_records
+from lab.records import ids_hash, read_records, result_files, write_records
 from lab.report import report
 from lab.tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
 from weights.checkpoints import DEFAULT, DTYPES, load
@@ -193,7 +193,7 @@ def head_stats(stats, n_kv_heads: int, n_local: int) -> dict:
         return {"steps": 0, "sparsity": None, "kv_read": None}
     labels = stats.label_tensor()  # (S, L, H)
     oracle = stats.oracle_tensor() if stats.track_oracle else None
-    s = summarize(labels, torch.tensor(stats.lengths), n_kv_heads, n_local, oracle)
+    s = summarize(labels, torch.tensor(stats.lengths), n_kv_heads, n_local, oracle, stats.decision_read)
     r4 = lambda t: [[round(x, 4) for x in row] for row in t.tolist()]  # noqa: E731
     out = {"steps": s["steps"], "sparsity": s["sparsity"], "kv_read": s["kv_read"],
            "layer_sparsity": [round(x, 4) for x in s["layer_sparsity"]],
@@ -370,7 +370,7 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
     for task, index, cfgs in todo:
         sample = make(task, index, length, tok, seed)
         ids = tok.encode(sample.prompt)
-        n_prompt = len(ids)
+        n_prompt, sha = len(ids), ids_hash(ids)
         cache = model.new_cache(n_prompt + sample.max_new_tokens)
         t0 = time.perf_counter()
         logits = model.prefill(torch.tensor([ids], device=model.device), cache)
@@ -381,7 +381,7 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
                                   n_local, stop)
             with open(path, "a") as f:  # one line per run, flushed per batch: an interruption loses one batch
                 for rec in records:
-                    rec["prefill_s"] = round(prefill_s, 2)
+                    rec["prefill_s"], rec["ids_sha1"] = round(prefill_s, 2), sha
                     f.write(json.dumps(rec) + "\n")
             for cfg, rec in zip(group, records):
                 if cfg == Config("oracle", TAU) and rec.get("local_freq"):

@@ -5,6 +5,7 @@ than the suite is held to, so these run in an environment of their own (.ci/run 
 import json
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ from kvpress.utils import compute_n_kept  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from lab import peers, report  # noqa: E402
-from lab.records import read_records  # noqa: E402
+from lab.records import read_records, write_records  # noqa: E402
 from tests.test_generate import make_tiny_dir  # noqa: E402
 from tests.test_model import save_tiny  # noqa: E402
 
@@ -45,7 +46,8 @@ def kvpress_answer(hf, cache, rest, start, max_new):
 
 
 @pytest.mark.parametrize("peer", [peers.Peer("snapkv", "question", 0.5), peers.Peer("expected_attention", "question", 0.75),
-                                  peers.Peer("snapkv", "context", 0.5), peers.Peer("knorm", "context", 0.75)],
+                                  peers.Peer("snapkv", "context", 0.5), peers.Peer("expected_attention", "context", 0.5),
+                                  peers.Peer("knorm", "context", 0.75), peers.Peer("streaming_llm", "question", 0.5)],
                          ids=lambda p: p.key)
 def test_one_shared_prefill_gives_each_press_its_own_prefill(hf, peer):
     """Every press compressed from one dense prefill equals that press run as kvpress runs it, on a prefill of its
@@ -61,7 +63,6 @@ def test_one_shared_prefill_gives_each_press_its_own_prefill(hf, peer):
         assert k.shape[2] == kept
         torch.testing.assert_close(k, ref.layers[layer].keys, rtol=0, atol=1e-5)
         torch.testing.assert_close(v, ref.layers[layer].values, rtol=0, atol=1e-5)
-    assert seconds[peer.key] > 0
     new, read = peers.greedy(hf, kv[peer.key], ids[:, span:], span, 12, {0})
     assert new == kvpress_answer(hf, ref, ids[:, span:], span, 12)
     positions = [T + i for i in range(len(new))]  # the forward passes that produced a token, by entries read
@@ -86,6 +87,9 @@ def test_a_bad_press_or_ratio_is_one_clear_error():
         peers.build_peers(["snap"], [0.5], [])
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
         peers.build_peers(["snapkv"], [1.0], [])
+    with pytest.raises(ValueError, match="nothing to run"):
+        peers.build_peers([], [0.5], [], dense=False)
+    assert len(peers.build_peers(["snapkv"], [0.5, 0.5], [], dense=False)) == 1
     assert [p.key for p in peers.build_peers(["snapkv"], [0.5], [0.25])] == ["hf_dense", "snapkv@0.5", "snapkv_ctx@0.25"]
 
 
@@ -126,21 +130,51 @@ def test_the_runner_writes_sweep_records_that_pair_and_resume(tiny_dir, tmp_path
         run(tiny_dir, tmp_path / "other", pair=str(pair))
 
 
+def sweep_folder(path, settings, rows, configs=("dense",), score=lambda config, index: 1.0):
+    """A sweep's folder holding, for each record of `rows`, a copy under each of `configs` (reading everything)."""
+    path.mkdir()
+    (path / "run.json").write_text(json.dumps({"runs": [], "settings": dict(settings, n_sink=16, n_local=128)}))
+    out = [dict(r, config=c, method=c.split("@")[0], path=c.split("@")[0], threshold=None, threshold_kind=None,
+                score=score(c, r["index"]), sparsity=0.0, kv_read=1.0) for r in rows for c in configs]
+    (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
+    return path
+
+
 def test_report_pairs_peer_records_with_a_sweep(tiny_dir, tmp_path):
-    """A sweep folder reported --with a peers folder: the peers join its KV-read tables on the shared samples."""
+    """A sweep folder reported --with a peers folder: the peers join its KV-read tables on the shared samples, at
+    the values their records give (scores set here: the tiny random model answers nothing)."""
     out = run(tiny_dir, tmp_path / "peers", ratios="0.25,0.5,0.75", context_ratios="")  # + hf_dense
-    sweep_dir = tmp_path / "sweep"
-    sweep_dir.mkdir()
+    rows = read_records(out)
+    wins = {"snapkv@0.25": (1.0, 1.0), "snapkv@0.5": (1.0, 0.0), "snapkv@0.75": (0.0, 0.0)}  # per sample index
+    for r in rows:
+        r["score"] = wins.get(r["config"], (1.0, 1.0))[r["index"]]
+    write_records(out / "samples.jsonl.xz", rows)
     settings = json.loads((out / "run.json").read_text())["settings"]
-    (sweep_dir / "run.json").write_text(json.dumps({"runs": [], "settings": dict(settings, n_sink=16, n_local=128)}))
-    dense = [dict(r, config="dense", method="dense", path="dense", threshold=None, threshold_kind=None, score=1.0,
-                  sparsity=0.0, kv_read=1.0) for r in read_records(out) if r["config"] == "hf_dense"]
-    (sweep_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dense))
+    sweep_dir = sweep_folder(tmp_path / "sweep", settings, [r for r in rows if r["config"] == "hf_dense"])
     report.report(sweep_dir, baselines=[out])
     text = (sweep_dir / "analysis.md").read_text()
     section = text.split("## Peers: kvpress's presses at matched KV read")[1].split("\n## ")[0]
-    # the tiny random model answers nothing: dense is set to 1 here, so each press scores 0 where it was measured
-    assert "| kvpress SnapKV (question in the press) | 0.00 [0.00, 0.00] |  |" in section  # @0.25: below its range
+    kv = {c: np.mean([r["kv_read"] for r in rows if r["config"] == c]) for c in wins}
+    at_half = np.interp(0.5, [kv["snapkv@0.75"], kv["snapkv@0.5"]], [0.0, 0.5])  # between its two points around 0.5
+    assert kv["snapkv@0.75"] < 0.5 < kv["snapkv@0.5"]
+    assert f"| kvpress SnapKV (question in the press) | {at_half:.2f} [" in section
     assert "| snapkv@0.75 | 0.248 |" in section  # kept of the compressed span
-    assert "| hf_dense | – | 1.00 | 0.00 |" in text  # score table: no head sparsity, everything read
+    assert "| hf_dense | – | 1.00 | 1.00 |" in text  # the control: no head sparsity, everything read, as dense
     assert (sweep_dir / "figKV_score_vs_kv_read.png").is_file()
+
+
+def test_peers_on_fewer_samples_leave_the_sweep_averages_alone(tiny_dir, tmp_path):
+    """The summary averages a sweep's configurations on the samples they all finished; peers that ran on fewer
+    samples join the report without shrinking that set. A peers folder reported alone has nothing to pair with."""
+    out = run(tiny_dir, tmp_path / "peers", samples=1, ratios="0.5", context_ratios="")
+    two = run(tiny_dir, tmp_path / "peers2", samples=2, ratios="0.5", context_ratios="", dense=False)
+    settings = json.loads((out / "run.json").read_text())["settings"]
+    sweep_dir = sweep_folder(tmp_path / "sweep", settings, read_records(two), ("dense", "local"),
+                             lambda config, index: float(config == "dense" or index == 0))  # local: 1, then 0
+    report.report(sweep_dir)
+    alone = (sweep_dir / "summary.md").read_text()
+    report.report(sweep_dir, baselines=[out])
+    row = lambda text: next(line for line in text.splitlines() if line.startswith("| local |"))  # noqa: E731
+    assert row((sweep_dir / "summary.md").read_text()) == row(alone) and "| 50.0 | 0.50 |" in row(alone)
+    assert report.main([str(out)]) == 0  # no dense there: the peers table says so instead of failing
+    assert "No sample has every press configuration and dense" in (out / "analysis.md").read_text()

@@ -105,3 +105,16 @@ def test_registered_with_what_it_reads():
     assert attention.decision_read("qada_sampled") == 32 and attention.decision_read("qada_cal") == 0
     labels = torch.ones(1, 1, 4, dtype=torch.bool)  # one step, one layer, 4 heads on 2 KV heads, all local
     assert kv_read_fraction(labels, torch.tensor([1000]), 2, 128, 32.0) == pytest.approx(160 / 1000)
+    assert kv_read_fraction(labels, torch.tensor([150]), 2, 128, 32.0) == pytest.approx((128 + 11) / 150)  # 22 keys
+    assert path_inputs("qada_sampled_upper") == path_inputs("qada_sampled")  # z is its entry's setting
+
+
+def test_the_sweep_charges_the_sampled_keys(monkeypatch):
+    """lab.sweep's records count what deciding read, as the CLI's report does."""
+    from lab import sweep
+    stats = attention.HeadStats(N_LOCAL, decision_read=32.0)
+    for T in (600, 601):
+        stats.record(0, T, torch.tensor([True, True, False, False]))
+    rec = sweep.head_stats(stats, 2, N_LOCAL)
+    assert rec["kv_read"] == pytest.approx(stats.summary(2)["kv_read"])
+    assert rec["kv_read"] == pytest.approx(((N_LOCAL + 32 + 600) + (N_LOCAL + 32 + 601)) / (2 * 600 + 2 * 601))
