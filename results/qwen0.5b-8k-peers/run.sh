@@ -13,4 +13,4 @@ export OMP_NUM_THREADS=${THREADS:-2}
 exec .venv-peers/bin/python -m lab.peers --model qwen2.5-coder-0.5b --dtype bfloat16 --threads "${THREADS:-2}" \
   --tasks niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
   --length 8192 --samples "${SAMPLES:-15}" --presses snapkv,expected_attention --ratios 0.25,0.5,0.75,0.9 \
-  --context-ratios 0.5,0.75 --pair results/qwen0.5b-8k --out results/qwen0.5b-8k-peers
+  --context-ratios 0.5,0.75,0.9 --pair results/qwen0.5b-8k --out results/qwen0.5b-8k-peers
