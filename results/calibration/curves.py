@@ -31,7 +31,7 @@ def load_masses(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def estimates(masses, n_bulk, folder: Path) -> dict[str, torch.Tensor]:
     """Estimated log A_bulk (N, L, H) of plain QAdA and of each correction fitted in `folder`."""
-    log_local, _, mu, half_var = masses.unbind(2)
+    log_local, _, mu, half_var = masses[:, :, :4].unbind(2)
     log_n = n_bulk.log()[:, None, None]
     out = {"QAdA (Gaussian)": log_n + mu + half_var}
     for kind in CALIBRATION_KINDS:
