@@ -29,13 +29,16 @@ and values of one dense prefill, layer by layer: exactly those of its own prefil
 (the same tokens), and under the context protocol a prefix of them, equal to a prefill of the context alone up to
 rounding (attention is causal; only the matrix shapes differ). `compress_all` hands each press its slice and keeps
 each result as a cache of its own; tests/test_peers.py holds this to kvpress's own `with press(model)` prefill.
+Then one batch decodes them all: each press's cache is a row, padded and masked so that it decodes as it would alone
+(`greedy_rows`).
 
 Records (one JSON line per sample and config, resumable, merged into samples.jsonl.xz at the end) carry the sweep's
 fields, with `kv_read` the mean over the forward passes that produced the answer's tokens (`steps` of them, the first
 included: here it reads the compressed cache, in the sweep it comes from the dense prefill) of the entries read
 against what dense reads at that position, `kv_kept` the fraction of the compressed span kept, `kv_bytes` the cache
-held while decoding, `compress_s` the press's own time at prefill, `ids_sha1` a hash of the prompt's token ids and
-`peak_bytes` (CUDA only) the memory decoding took beyond what was allocated when it began. `sparsity` is null: a
+held while decoding, `compress_s` the press's own time at prefill, `decode_s` the batch's decoding time over its
+rows (`batch`), `ids_sha1` a hash of the prompt's token ids and `peak_bytes` (CUDA only) the memory the batch's
+decoding took beyond what was allocated when it began. `sparsity` is null: a
 press has no notion of a local head. lab.report pairs these records with a sweep's (`--with`).
 """
 
@@ -105,7 +108,7 @@ def build_peers(presses: list[str], ratios: list[float], context_ratios: list[fl
     peers = ([HF_DENSE] if dense else []) + [Peer(p, "question", r) for p in presses for r in ratios] + \
         [Peer(p, "context", r) for p in presses for r in context_ratios]
     if not peers:
-        raise ValueError("nothing to run: no press, and --no-dense")
+        raise ValueError("nothing to run: no press, and no control (--dense-samples 0)")
     return list(dict.fromkeys(peers))  # a ratio given twice runs once
 
 
@@ -174,29 +177,72 @@ def greedy(hf, kv: list[tuple[torch.Tensor, torch.Tensor]], rest: torch.Tensor, 
            eos) -> tuple[list[int], list[float]]:
     """Feed `rest` (1, R) at positions start.. through the cache `kv` (per layer (1, Hkv, S, D)), then decode
     greedily, stopping at an id in `eos`. Returns the new ids and, per forward pass that produced one, the entries
-    read / what dense reads."""
-    from transformers import DynamicCache
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(kv):
-        cache.update(k, v, i)  # a layer's update concatenates into new tensors: kv itself is never written
-    kept = sum(k.shape[2] for k, _ in kv) / len(kv)  # mean over layers (a press keeps as many per head)
-    new, read, x, pos = [], [], rest, start
-    with torch.no_grad():
-        while len(new) < max_new:
-            positions = torch.arange(pos, pos + x.shape[1], device=x.device)[None]
-            logits = hf(input_ids=x, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
-            pos += x.shape[1]
-            read.append((kept + pos - start) / pos)  # dense reads positions 0 .. pos - 1
-            nxt = int(logits[0, -1].argmax())
-            new.append(nxt)
-            if nxt in eos:
-                break
-            x = torch.tensor([[nxt]], device=x.device)
+    read / what dense reads. One row of `greedy_rows`."""
+    new, read, _ = greedy_rows(hf, [(kv, rest, start)], max_new, eos)[0]
     return new, read
 
 
+def greedy_rows(hf, rows: list[tuple[list, torch.Tensor, int]], max_new: int, eos
+                ) -> list[tuple[list[int], list[float], int]]:
+    """Decode several compressed caches of one prompt as the rows of one batch. Row b is (kv, rest, start): its
+    cache (per layer (1, Hkv, S_b, D), as many entries in every layer), the tokens (1, R_b) still to feed at
+    positions start_b.., and start_b + R_b, the prompt's length, is the same for every row. Each row decodes as it
+    would alone: its cache and its rest are left-padded to the batch's longest and the padding is masked out, so a
+    row attends to its own entries at their own positions (tests/test_peers.py holds rows to their decoding alone).
+    A CPU decode step mostly reads the weights, which the rows share: a batch of a prompt's presses costs little
+    more than one. Returns per row (new ids, per forward pass that produced one the entries read / what dense
+    reads, the number of batch steps it took part in)."""
+    from transformers import DynamicCache
+    kept = []
+    for kv, _, _ in rows:
+        lengths = {k.shape[2] for k, _ in kv}
+        if len(lengths) != 1:  # one padding mask serves every layer
+            raise ValueError(f"a press kept {sorted(lengths)} entries in different layers; decode it alone")
+        kept.append(lengths.pop())
+    ends = {start + rest.shape[1] for _, rest, start in rows}
+    if len(ends) != 1:
+        raise ValueError(f"rows of one batch must end their prompts at one position, got {sorted(ends)}")
+    n, B, S = ends.pop(), len(rows), max(kept)
+    R = max(rest.shape[1] for _, rest, _ in rows)
+    device = rows[0][1].device
+    cache, mask = DynamicCache(), torch.zeros(B, S + R, dtype=torch.long, device=device)
+    x = torch.zeros(B, R, dtype=torch.long, device=device)  # pad id 0: masked, never read
+    positions = torch.zeros(B, R, dtype=torch.long, device=device)
+    for b, ((_, rest, start), s) in enumerate(zip(rows, kept)):
+        r = rest.shape[1]
+        mask[b, S - s:S] = 1
+        mask[b, S + R - r:] = 1
+        x[b, R - r:] = rest[0]
+        positions[b, R - r:] = torch.arange(start, n, device=device)
+    for layer in range(len(rows[0][0])):
+        pad = lambda t, s: torch.nn.functional.pad(t, (0, 0, S - s, 0))  # noqa: E731  (1, Hkv, S, D)
+        k = torch.cat([pad(kv[layer][0], s) for (kv, _, _), s in zip(rows, kept)])  # (B, Hkv, S, D)
+        v = torch.cat([pad(kv[layer][1], s) for (kv, _, _), s in zip(rows, kept)])
+        cache.update(k, v, layer)  # new tensors: the rows' caches are never written
+    new = [[] for _ in rows]
+    read = [[] for _ in rows]
+    steps = [0] * B
+    live, pos = list(range(B)), n
+    with torch.no_grad():
+        while live and pos - n < max_new:
+            logits = hf(input_ids=x, attention_mask=mask, past_key_values=cache, position_ids=positions,
+                        logits_to_keep=1).logits  # (B, 1, V)
+            nxt = logits[:, -1].argmax(-1)  # (B,)
+            ids = nxt.tolist()
+            for b in live:
+                new[b].append(ids[b])
+                read[b].append((kept[b] + pos - rows[b][2]) / pos)  # dense reads positions 0 .. pos - 1
+                steps[b] += 1
+            live = [b for b in live if ids[b] not in eos]
+            pos += 1
+            x, positions = nxt[:, None], torch.full((B, 1), pos - 1, dtype=torch.long, device=device)
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+    return [(new[b], read[b], steps[b]) for b in range(B)]
+
+
 def run_sample(hf, tok, sample: Sample, ids: list[int], peers: list[Peer], device: str) -> list[dict]:
-    """Every peer on one sample: one dense prefill of all but the last token, then each press's decoding."""
+    """Every peer on one sample: one dense prefill of all but the last token, then every press's cache decoded as
+    the rows of one batch."""
     n = len(ids)
     n_ctx = question_start(sample, ids, tok) if any(p.protocol == "context" for p in peers) else None
     x = torch.tensor([ids], device=device)
@@ -210,26 +256,27 @@ def run_sample(hf, tok, sample: Sample, ids: list[int], peers: list[Peer], devic
     sync(x.device)
     prefill_s = time.perf_counter() - t0 - sum(compress_s.values())
     sha = ids_hash(ids)
+    if x.is_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    decoded = greedy_rows(hf, [(kv[p.key], x[:, spans[p.key]:], spans[p.key]) for p in peers], sample.max_new_tokens,
+                          tok.eos_ids)
+    sync(x.device)
+    decode_s = (time.perf_counter() - t0) / len(peers)  # the batch's time, shared by its rows (as the sweep's)
+    peak = torch.cuda.max_memory_allocated(device) - held if x.is_cuda else None
     records = []
-    for p in peers:
+    for p, (new, read, _) in zip(peers, decoded):
         span = spans[p.key]
-        if x.is_cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-            held = torch.cuda.memory_allocated(device)
-        t0 = time.perf_counter()
-        new, read = greedy(hf, kv[p.key], x[:, span:], span, sample.max_new_tokens, tok.eos_ids)
-        sync(x.device)
-        decode_s = time.perf_counter() - t0
         text = tok.decode(new)
         kept = sum(k.shape[2] for k, _ in kv[p.key]) / len(kv[p.key])
         records.append({
             "task": sample.task, "index": sample.index, "config": p.key, "method": p.method,
             "path": "kvpress" if p.ratio else "transformers", "source": p.protocol, "threshold": p.ratio or None,
             "threshold_kind": "compression" if p.ratio else None, "n_prompt": n,
-            "n_new": len(new), "decode_s": round(decode_s, 2), "batch": 1, "score": score(sample, text), "pred": text,
-            "steps": len(new), "sparsity": None, "kv_read": sum(read) / len(read), "kv_kept": kept / span,
-            "kv_bytes": sum(k.nbytes + v.nbytes for k, v in kv[p.key]),
-            "peak_bytes": torch.cuda.max_memory_allocated(device) - held if x.is_cuda else None,
+            "n_new": len(new), "decode_s": round(decode_s, 2), "batch": len(peers), "score": score(sample, text),
+            "pred": text, "steps": len(new), "sparsity": None, "kv_read": sum(read) / len(read), "kv_kept": kept / span,
+            "kv_bytes": sum(k.nbytes + v.nbytes for k, v in kv[p.key]), "peak_bytes": peak,
             "compress_s": round(compress_s[p.key], 3), "prefill_s": round(prefill_s, 2), "ids_sha1": sha})
     return records
 
@@ -272,8 +319,8 @@ def load_hf(folder: Path, dtype: torch.dtype, device: str):
 
 
 def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: str, context_ratios: str, seed: int,
-        model: str | None, dtype: str, device: str | None, pair: str | None, threads: int | None, dense: bool = True,
-        progress: bool = True, command: str = "") -> Path:
+        model: str | None, dtype: str, device: str | None, pair: str | None, threads: int | None,
+        dense_samples: int | None = None, progress: bool = True, command: str = "") -> Path:
     if threads:
         torch.set_num_threads(threads)
     task_list = [t for t in tasks.split(",") if t]
@@ -286,7 +333,11 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
             grids[flag] = parse_grid(text)
         except ValueError:
             raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
-    peers = build_peers([p for p in presses.split(",") if p], grids["--ratios"], grids["--context-ratios"], dense)
+    peers = build_peers([p for p in presses.split(",") if p], grids["--ratios"], grids["--context-ratios"],
+                        dense=dense_samples != 0)
+    if dense_samples is not None and dense_samples < 0:
+        raise ValueError(f"--dense-samples takes a count >= 0, got {dense_samples}")
+    wanted = lambda p, i: p != HF_DENSE or dense_samples is None or i < dense_samples  # noqa: E731
     try:
         import kvpress  # noqa: F401
     except ImportError as e:
@@ -314,7 +365,8 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
     tok = Tokenizer.from_dir(folder)
     path = out / "samples.jsonl"
     done = {(r["task"], r["index"], r["config"]) for r in read_records(out)}
-    jobs = [(t, i, [p for p in peers if (t, i, p.key) not in done]) for i in range(samples) for t in task_list]
+    jobs = [(t, i, [p for p in peers if (t, i, p.key) not in done and wanted(p, i)])
+            for i in range(samples) for t in task_list]
     jobs = [j for j in jobs if j[2]]
     prompts = {}
     for task, index, _ in jobs:  # every prompt, and its pairing, before the first hour of decoding
@@ -360,12 +412,13 @@ def main(argv=None) -> int:
     p.add_argument("--pair", default=None, metavar="RUN", help="a sweep folder whose prompts these must be: every "
                    "sample's prompt token count is checked against its records")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
-    p.add_argument("--no-dense", dest="dense", action="store_false", help="leave out hf_dense, the pipeline with "
-                   "nothing dropped (the control: it should score as the sweep's dense)")
+    p.add_argument("--dense-samples", type=int, default=None, metavar="N", help="run hf_dense, the pipeline with "
+                   "nothing dropped (the control: it should score as the sweep's dense), on the first N samples of "
+                   "each task only (default: all; 0: none)")
     a = p.parse_args(argv)
     try:
         out = run(a.out, a.tasks, a.length, a.samples, a.presses, a.ratios, a.context_ratios, a.seed, a.model, a.dtype,
-                  a.device, a.pair, a.threads, a.dense, command="python -m lab.peers " + " ".join(argv or sys.argv[1:]))
+                  a.device, a.pair, a.threads, a.dense_samples, command="python -m lab.peers " + " ".join(argv or sys.argv[1:]))
     except (OSError, ValueError) as e:  # bad input: one line
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -191,8 +191,8 @@ def peer_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
     paired-bootstrap 95 % interval (the same draws for all) and the paired difference from the first of PEER_AGAINST
     that ran (calibrated QAdA per KV group). Then what each press costs: the fraction of the compressed span it keeps,
     the KV cache it holds while decoding, its own seconds at prefill (once per prompt) and the seconds per decoded
-    token (transformers' eager decoding on the machine the run had, its question included for the context-only
-    protocol). Blank: the target lies outside the method's measured range."""
+    token of a press decoded alone (its records with batch 1, where the run has some: transformers' eager decoding
+    on the machine the run had, its question included for the context-only protocol). Blank: the target lies outside the method's measured range."""
     peer_cfgs = sorted({r["config"] for r in rows if r.get("path") == "kvpress" and r["task"] in tasks},
                        key=config_sort_key)
     if not peer_cfgs:
@@ -214,12 +214,13 @@ def peer_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
         lines.append(f"| {label(r['method'])} | " + " | ".join(cell(r[t]) for t in PEER_TARGETS) + " | "
                      + " | ".join(diff(r.get(f"vs {t}")) for t in PEER_TARGETS) + " |")
     lines += ["", "| press config | kept of the compressed span | KV cache held, MiB | press s (once) | decode s / token "
-              "| samples |", "|---|---:|---:|---:|---:|---:|"]
+              "(alone) | samples |", "|---|---:|---:|---:|---:|---:|"]
     g = group(common)
     for c in peer_cfgs:
         rs = [r for t in tasks for r in g.get((t, c), [])]
+        alone = [r["decode_s"] / max(r["n_new"], 1) for r in rs if r.get("batch", 1) == 1]  # a batch's time is shared
         lines.append(f"| {c} | {mean([r['kv_kept'] for r in rs]):.3f} | {mean([r['kv_bytes'] for r in rs]) / 2**20:.1f} | "
-                     f"{mean([r['compress_s'] for r in rs]):.2f} | {mean([r['decode_s'] / max(r['n_new'], 1) for r in rs]):.3f} "
+                     f"{mean([r['compress_s'] for r in rs]):.2f} | {f'{mean(alone):.3f} ({len(alone)})' if alone else '–'} "
                      f"| {len(rs)} |")
     return lines
 

@@ -130,6 +130,15 @@ def test_the_runner_writes_sweep_records_that_pair_and_resume(tiny_dir, tmp_path
         run(tiny_dir, tmp_path / "other", pair=str(pair))
 
 
+def test_the_control_runs_on_the_first_samples_only_when_asked(tiny_dir, tmp_path):
+    out = run(tiny_dir, tmp_path / "peers", samples=3, context_ratios="", dense_samples=1)
+    assert sorted((r["index"], r["config"]) for r in read_records(out)) == [
+        (0, "hf_dense"), (0, "snapkv@0.5"), (1, "snapkv@0.5"), (2, "snapkv@0.5")]
+    assert {r["batch"] for r in read_records(out) if r["index"] == 0} == {2}  # the control and the press: one batch
+    with pytest.raises(ValueError, match="count >= 0"):
+        run(tiny_dir, tmp_path / "bad", dense_samples=-1)
+
+
 def sweep_folder(path, settings, rows, configs=("dense",), score=lambda config, index: 1.0):
     """A sweep's folder holding, for each record of `rows`, a copy under each of `configs` (reading everything)."""
     path.mkdir()
@@ -167,7 +176,7 @@ def test_peers_on_fewer_samples_leave_the_sweep_averages_alone(tiny_dir, tmp_pat
     """The summary averages a sweep's configurations on the samples they all finished; peers that ran on fewer
     samples join the report without shrinking that set. A peers folder reported alone has nothing to pair with."""
     out = run(tiny_dir, tmp_path / "peers", samples=1, ratios="0.5", context_ratios="")
-    two = run(tiny_dir, tmp_path / "peers2", samples=2, ratios="0.5", context_ratios="", dense=False)
+    two = run(tiny_dir, tmp_path / "peers2", samples=2, ratios="0.5", context_ratios="", dense_samples=0)
     settings = json.loads((out / "run.json").read_text())["settings"]
     sweep_dir = sweep_folder(tmp_path / "sweep", settings, read_records(two), ("dense", "local"),
                              lambda config, index: float(config == "dense" or index == 0))  # local: 1, then 0
@@ -178,3 +187,23 @@ def test_peers_on_fewer_samples_leave_the_sweep_averages_alone(tiny_dir, tmp_pat
     assert row((sweep_dir / "summary.md").read_text()) == row(alone) and "| 50.0 | 0.50 |" in row(alone)
     assert report.main([str(out)]) == 0  # no dense there: the peers table says so instead of failing
     assert "No sample has every press configuration and dense" in (out / "analysis.md").read_text()
+
+
+def test_a_batch_of_presses_decodes_each_as_it_would_alone(hf):
+    """Every press of a prompt decoded as one batch (caches of different lengths, both protocols, the uncompressed
+    control) gives each row the ids and KV reads of that row decoded alone: the padding is masked, the positions are
+    the row's own."""
+    ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(5))
+    todo = [peers.HF_DENSE, peers.Peer("snapkv", "question", 0.5), peers.Peer("expected_attention", "question", 0.75),
+            peers.Peer("snapkv", "context", 0.5), peers.Peer("knorm", "context", 0.9)]
+    spans = {p.key: (T - 1 if p.protocol == "question" else N_CTX) for p in todo}
+    kv, _ = peers.compress_all(hf, ids[:, :T - 1], spans, {p.key: p.make() for p in todo})
+    rows = [(kv[p.key], ids[:, spans[p.key]:], spans[p.key]) for p in todo]
+    batch = peers.greedy_rows(hf, rows, 10, {0})
+    for p, row, (new, read, steps) in zip(todo, rows, batch):
+        alone = peers.greedy(hf, *row, 10, {0})
+        assert (new, read) == alone, p.key
+        assert steps == len(new)
+    assert len({kv[p.key][0][0].shape[2] for p in todo}) == len(todo)  # every row padded differently
+    with pytest.raises(ValueError, match="one position"):  # a row whose prompt ends elsewhere
+        peers.greedy_rows(hf, [rows[0], (rows[1][0], ids[:, T - 3:T - 1], T - 3)], 4, {0})
