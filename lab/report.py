@@ -23,7 +23,7 @@ import argparse
 import csv
 import json
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -187,27 +187,31 @@ PEER_AGAINST = ("qada_kv_cal", "qada_cal", "qada_kv", "qada_rw")  # the first of
 
 def peer_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
     """Score / dense of every method at KV read 0.5 and 0.25, on the samples that every press configuration (and
-    dense) finished, interpolated between each method's two measured configurations around the target, with a
+    dense) finished (the configurations run on the most samples: others are named and left out), interpolated between each method's two measured configurations around the target, with a
     paired-bootstrap 95 % interval (the same draws for all) and the paired difference from the first of PEER_AGAINST
     that ran (calibrated QAdA per KV group). Then what each press costs: the fraction of the compressed span it keeps,
     the KV cache it holds while decoding, its own seconds at prefill (once per prompt) and the seconds per decoded
     token of a press decoded alone (its records with batch 1, where the run has some: transformers' eager decoding
     on the machine the run had, its question included for the context-only protocol). Blank: the target lies outside the method's measured range."""
-    peer_cfgs = sorted({r["config"] for r in rows if r.get("path") == "kvpress" and r["task"] in tasks},
-                       key=config_sort_key)
-    if not peer_cfgs:
+    runs = Counter(r["config"] for r in rows if r.get("path") == "kvpress" and r["task"] in tasks)
+    if not runs:
         return []
+    most = max(runs.values())  # a grid widened or narrowed part way: the configurations run on fewer samples aside
+    peer_cfgs = sorted((c for c in runs if runs[c] == most), key=config_sort_key)
+    aside = sorted((c for c in runs if runs[c] < most), key=config_sort_key)
     idx = common_indices(group(rows), tasks, peer_cfgs + ["dense"])
     if not any(idx.values()):
         return ["No sample has every press configuration and dense: report the peers with the sweep whose samples "
                 "they ran on (`python -m lab.report SWEEP --with PEERS`)."]
-    common = [r for r in rows if r["task"] in tasks and r["index"] in idx[r["task"]]]
+    common = [r for r in rows if r["task"] in tasks and r["index"] in idx[r["task"]] and r["config"] not in aside]
     against = next((m for m in PEER_AGAINST if any(r["method"] == m for r in common)), None)
     table = matched_table(common, tasks, "kv_read", PEER_TARGETS, against=against, n_boot=n_boot)
     cell = lambda v: "" if v is None else f"{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]"  # noqa: E731
     diff = lambda v: "" if v is None else f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]"  # noqa: E731
     lines = [f"{sum(map(len, idx.values()))} samples ({', '.join(f'{t} {len(idx[t])}' for t in tasks)}); "
-             f"differences against {label(against) if against else 'no QAdA run'}.", "",
+             f"differences against {label(against) if against else 'no QAdA run'}."
+             + (f" Run on fewer samples, left out here: {', '.join(f'{c} ({runs[c]} runs)' for c in aside)}."
+                if aside else ""), "",
              "| method | " + " | ".join(f"@{t:g}" for t in PEER_TARGETS) + " | "
              + " | ".join(f"minus {against or '–'} @{t:g}" for t in PEER_TARGETS) + " |", "|---|" + "---:|" * 2 * len(PEER_TARGETS)]
     for r in sorted(table, key=lambda r: config_sort_key(r["method"])):

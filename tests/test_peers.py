@@ -69,6 +69,29 @@ def test_one_shared_prefill_gives_each_press_its_own_prefill(hf, peer):
     assert read == pytest.approx([(kept + p - span) / p for p in positions])
 
 
+def test_presses_of_one_length_decode_as_a_batch_each_as_it_would_alone(hf):
+    """The presses of a prompt are batched by protocol and ratio (caches of one length), and each row of a batch gets
+    the ids and KV reads of its decoding alone; caches of different lengths are refused, not padded."""
+    ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(5))
+    todo = [peers.HF_DENSE, peers.Peer("snapkv", "question", 0.5), peers.Peer("expected_attention", "question", 0.5),
+            peers.Peer("knorm", "question", 0.5), peers.Peer("snapkv", "question", 0.75),
+            peers.Peer("snapkv", "context", 0.5), peers.Peer("knorm", "context", 0.5)]
+    spans = {p.key: (T - 1 if p.protocol == "question" else N_CTX) for p in todo}
+    kv, _ = peers.compress_all(hf, ids[:, :T - 1], spans, {p.key: p.make() for p in todo})
+    groups = peers.batches(todo, spans, kv)
+    assert [[p.key for p in g] for g in groups] == [["hf_dense"], ["snapkv@0.5", "expected_attention@0.5", "knorm@0.5"],
+                                                   ["snapkv@0.75"], ["snapkv_ctx@0.5", "knorm_ctx@0.5"]]
+    for group in groups:
+        rows = [(kv[p.key], ids[:, spans[p.key]:], spans[p.key]) for p in group]
+        for p, row, got in zip(group, rows, peers.greedy_rows(hf, rows, 10, {0})):
+            assert got == peers.greedy(hf, *row, 10, {0}), p.key
+    assert len({tuple(r for r in peers.greedy(hf, kv[p.key], ids[:, spans[p.key]:], spans[p.key], 10, {0})[0])
+                for p in groups[1]}) > 1  # the rows answer differently: a batch that mixed them up would show it
+    with pytest.raises(ValueError, match="one cache length"):
+        peers.greedy_rows(hf, [(kv["snapkv@0.5"], ids[:, T - 1:], T - 1), (kv["snapkv@0.75"], ids[:, T - 1:], T - 1)],
+                          4, {0})
+
+
 def test_an_uncompressed_cache_decodes_as_dense(hf):
     """The answer loop with nothing dropped is plain greedy decoding of the whole prompt, reading everything."""
     ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(4))
@@ -134,7 +157,6 @@ def test_the_control_runs_on_the_first_samples_only_when_asked(tiny_dir, tmp_pat
     out = run(tiny_dir, tmp_path / "peers", samples=3, context_ratios="", dense_samples=1)
     assert sorted((r["index"], r["config"]) for r in read_records(out)) == [
         (0, "hf_dense"), (0, "snapkv@0.5"), (1, "snapkv@0.5"), (2, "snapkv@0.5")]
-    assert {r["batch"] for r in read_records(out) if r["index"] == 0} == {2}  # the control and the press: one batch
     with pytest.raises(ValueError, match="count >= 0"):
         run(tiny_dir, tmp_path / "bad", dense_samples=-1)
 
@@ -157,7 +179,9 @@ def test_report_pairs_peer_records_with_a_sweep(tiny_dir, tmp_path):
     wins = {"snapkv@0.25": (1.0, 1.0), "snapkv@0.5": (1.0, 0.0), "snapkv@0.75": (0.0, 0.0)}  # per sample index
     for r in rows:
         r["score"] = wins.get(r["config"], (1.0, 1.0))[r["index"]]
-    write_records(out / "samples.jsonl.xz", rows)
+    narrowed = dict(next(r for r in rows if r["config"] == "snapkv@0.75" and r["index"] == 0), config="snapkv@0.9",
+                    kv_read=0.05, score=0.0)  # a configuration the grid dropped after one sample
+    write_records(out / "samples.jsonl.xz", rows + [narrowed])
     settings = json.loads((out / "run.json").read_text())["settings"]
     sweep_dir = sweep_folder(tmp_path / "sweep", settings, [r for r in rows if r["config"] == "hf_dense"])
     report.report(sweep_dir, baselines=[out])
@@ -166,7 +190,8 @@ def test_report_pairs_peer_records_with_a_sweep(tiny_dir, tmp_path):
     kv = {c: np.mean([r["kv_read"] for r in rows if r["config"] == c]) for c in wins}
     at_half = np.interp(0.5, [kv["snapkv@0.75"], kv["snapkv@0.5"]], [0.0, 0.5])  # between its two points around 0.5
     assert kv["snapkv@0.75"] < 0.5 < kv["snapkv@0.5"]
-    assert f"| kvpress SnapKV (question in the press) | {at_half:.2f} [" in section
+    assert f"| kvpress SnapKV (question in the press) | {at_half:.2f} [" in section  # both samples: 0.9 left out
+    assert "2 samples (niah_single_1 2)" in section and "left out here: snapkv@0.9 (1 runs)" in section
     assert "| snapkv@0.75 | 0.248 |" in section  # kept of the compressed span
     assert "| hf_dense | – | 1.00 | 1.00 |" in text  # the control: no head sparsity, everything read, as dense
     assert (sweep_dir / "figKV_score_vs_kv_read.png").is_file()
@@ -187,23 +212,3 @@ def test_peers_on_fewer_samples_leave_the_sweep_averages_alone(tiny_dir, tmp_pat
     assert row((sweep_dir / "summary.md").read_text()) == row(alone) and "| 50.0 | 0.50 |" in row(alone)
     assert report.main([str(out)]) == 0  # no dense there: the peers table says so instead of failing
     assert "No sample has every press configuration and dense" in (out / "analysis.md").read_text()
-
-
-def test_a_batch_of_presses_decodes_each_as_it_would_alone(hf):
-    """Every press of a prompt decoded as one batch (caches of different lengths, both protocols, the uncompressed
-    control) gives each row the ids and KV reads of that row decoded alone: the padding is masked, the positions are
-    the row's own."""
-    ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(5))
-    todo = [peers.HF_DENSE, peers.Peer("snapkv", "question", 0.5), peers.Peer("expected_attention", "question", 0.75),
-            peers.Peer("snapkv", "context", 0.5), peers.Peer("knorm", "context", 0.9)]
-    spans = {p.key: (T - 1 if p.protocol == "question" else N_CTX) for p in todo}
-    kv, _ = peers.compress_all(hf, ids[:, :T - 1], spans, {p.key: p.make() for p in todo})
-    rows = [(kv[p.key], ids[:, spans[p.key]:], spans[p.key]) for p in todo]
-    batch = peers.greedy_rows(hf, rows, 10, {0})
-    for p, row, (new, read, steps) in zip(todo, rows, batch):
-        alone = peers.greedy(hf, *row, 10, {0})
-        assert (new, read) == alone, p.key
-        assert steps == len(new)
-    assert len({kv[p.key][0][0].shape[2] for p in todo}) == len(todo)  # every row padded differently
-    with pytest.raises(ValueError, match="one position"):  # a row whose prompt ends elsewhere
-        peers.greedy_rows(hf, [rows[0], (rows[1][0], ids[:, T - 3:T - 1], T - 3)], 4, {0})
