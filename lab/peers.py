@@ -29,8 +29,8 @@ and values of one dense prefill, layer by layer: exactly those of its own prefil
 (the same tokens), and under the context protocol a prefix of them, equal to a prefill of the context alone up to
 rounding (attention is causal; only the matrix shapes differ). `compress_all` hands each press its slice and keeps
 each result as a cache of its own; tests/test_peers.py holds this to kvpress's own `with press(model)` prefill.
-Presses whose caches have one length (two presses at one ratio and protocol) decode as the rows of one batch
-(`greedy_rows`), each as it would alone.
+Then one batch decodes them all: each press's cache is a row, left-padded and masked so that it decodes as it would
+alone (`greedy_rows`).
 
 Records (one JSON line per sample and config, resumable, merged into samples.jsonl.xz at the end) carry the sweep's
 fields, with `kv_read` the mean over the forward passes that produced the answer's tokens (`steps` of them, the first
@@ -181,53 +181,85 @@ def greedy(hf, kv: list[tuple[torch.Tensor, torch.Tensor]], rest: torch.Tensor, 
     return greedy_rows(hf, [(kv, rest, start)], max_new, eos)[0]
 
 
+def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention without its copies under a mask: with a padding mask its "sdpa" repeats every KV
+    head for each of its G query heads (G times the cache, every step), which on a CPU costs more than a batch saves.
+    Here the G query heads of a KV head are folded into its query rows instead: query (B, H, q, D) -> (B, Hkv, G q, D)
+    against key and value (B, Hkv, S, D), the mask (B, 1, q, S) repeated G times along the rows. Registered as
+    "grouped_sdpa" for the batched decoding of `greedy_rows`; without a mask it is transformers' own."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    B, H, q, D = query.shape
+    G = H // key.shape[1]
+    if attention_mask is None or G == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    y = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, -1, G * q, D), key, value,
+                                                         attn_mask=attention_mask.repeat(1, 1, G, 1), scale=scaling)
+    return y.reshape(B, H, q, D).transpose(1, 2).contiguous(), None  # (B, q, H, D), as transformers' own
+
+
 def greedy_rows(hf, rows: list[tuple[list, torch.Tensor, int]], max_new: int, eos
                 ) -> list[tuple[list[int], list[float]]]:
-    """Decode caches of one length as the rows of one batch. Row b is (kv, rest, start): its cache (per layer
-    (1, Hkv, S, D), S the same for every row and layer), the tokens (1, R) still to feed at positions start..
-    (R and start the same for every row). Nothing is padded, so no row sees another's entries and transformers keeps
-    its GQA attention without a mask (with one it would copy every KV head G times per step, which costs more on a
-    CPU than the batch saves). A CPU decode step mostly reads the weights, which the rows share. Returns per row the
-    new ids and, per forward pass that produced one, the entries read / what dense reads."""
-    from transformers import DynamicCache
-    shapes = {(tuple(k.shape[2] for k, _ in kv), rest.shape[1], start) for kv, rest, start in rows}
-    if len(shapes) != 1:
-        raise ValueError(f"rows of one batch need one cache length, rest and start, got {len(shapes)} of them")
-    lengths, _, start = shapes.pop()
-    kept, B = sum(lengths) / len(lengths), len(rows)  # mean over layers (a press keeps as many per head)
+    """Decode several compressed caches of one prompt as the rows of one batch. Row b is (kv, rest, start): its
+    cache (per layer (1, Hkv, S_b, D), as many entries in every layer), the tokens (1, R_b) still to feed at
+    positions start_b.., and start_b + R_b, the prompt's length, is the same for every row. Each row decodes as it
+    would alone: its cache and its rest are left-padded to the batch's longest and the padding is masked out, so a
+    row attends to its own entries at their own positions (tests/test_peers.py holds rows to their decoding alone).
+    A CPU decode step mostly reads the weights, which the rows share, so a prompt's presses cost little more than one.
+    Returns per row the new ids and, per forward pass that produced one, the entries read / what dense reads."""
+    from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+    from transformers.masking_utils import sdpa_mask
+    kept = []
+    for kv, _, _ in rows:
+        lengths = {k.shape[2] for k, _ in kv}
+        if len(lengths) != 1:  # one padding mask serves every layer
+            raise ValueError(f"a press kept {sorted(lengths)} entries in different layers; decode it alone")
+        kept.append(lengths.pop())
+    ends = {start + rest.shape[1] for _, rest, start in rows}
+    if len(ends) != 1:
+        raise ValueError(f"rows of one batch must end their prompts at one position, got {sorted(ends)}")
+    n, B, S, R = ends.pop(), len(rows), max(kept), max(rest.shape[1] for _, rest, _ in rows)
+    device = rows[0][1].device
+    pad = S > min(kept) or R > min(rest.shape[1] for _, rest, _ in rows)
+    mask = torch.zeros(B, S + R, dtype=torch.long, device=device)  # 1 where a row has an entry of its own
+    x = torch.zeros(B, R, dtype=torch.long, device=device)  # pad id 0: masked, never read
+    positions = torch.zeros(B, R, dtype=torch.long, device=device)
+    for b, ((_, rest, start), s) in enumerate(zip(rows, kept)):
+        r = rest.shape[1]
+        mask[b, S - s:S], mask[b, S + R - r:] = 1, 1
+        x[b, R - r:], positions[b, R - r:] = rest[0], torch.arange(start, n, device=device)
     cache = DynamicCache()
-    for layer in range(len(lengths)):
-        k = torch.cat([kv[layer][0] for kv, _, _ in rows])  # (B, Hkv, S, D): new tensors, the rows' caches unwritten
-        v = torch.cat([kv[layer][1] for kv, _, _ in rows])
-        cache.update(k, v, layer)
-    new, read = [[] for _ in rows], []
-    live, x, pos = list(range(B)), torch.cat([rest for _, rest, _ in rows]), start
-    with torch.no_grad():
-        while live and len(new[live[0]]) < max_new:
-            positions = torch.arange(pos, pos + x.shape[1], device=x.device)[None].expand(B, -1)
-            logits = hf(input_ids=x, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
-            pos += x.shape[1]
-            read.append((kept + pos - start) / pos)  # dense reads positions 0 .. pos - 1
-            nxt = logits[:, -1].argmax(-1)  # (B,)
-            ids = nxt.tolist()
-            for b in live:
-                new[b].append(ids[b])
-            live = [b for b in live if ids[b] not in eos]
-            x = nxt[:, None]
-    return [(ids, read[:len(ids)]) for ids in new]
-
-
-def batches(peers: list[Peer], spans: dict, kv: dict) -> list[list[Peer]]:
-    """The peers whose compressed caches can share a batch: the same span (protocol) and kept lengths."""
-    out = {}
-    for p in peers:
-        out.setdefault((spans[p.key], tuple(k.shape[2] for k, _ in kv[p.key])), []).append(p)
-    return list(out.values())
+    for layer in range(len(rows[0][0])):
+        left = lambda t, s: torch.nn.functional.pad(t, (0, 0, S - s, 0))  # noqa: E731  (1, Hkv, S, D)
+        cache.update(torch.cat([left(kv[layer][0], s) for (kv, _, _), s in zip(rows, kept)]),  # (B, Hkv, S, D): new
+                     torch.cat([left(kv[layer][1], s) for (kv, _, _), s in zip(rows, kept)]), layer)  # tensors
+    AttentionInterface.register("grouped_sdpa", grouped_sdpa)
+    AttentionMaskInterface.register("grouped_sdpa", sdpa_mask)
+    was = hf.config._attn_implementation
+    hf.set_attn_implementation("grouped_sdpa")
+    new, read = [[] for _ in rows], [[] for _ in rows]
+    live, pos = list(range(B)), n
+    try:
+        with torch.no_grad():
+            while live and pos - n < max_new:
+                logits = hf(input_ids=x, attention_mask=mask if pad else None, past_key_values=cache,
+                            position_ids=positions, logits_to_keep=1).logits  # (B, 1, V)
+                nxt = logits[:, -1].argmax(-1)  # (B,)
+                ids = nxt.tolist()
+                for b in live:
+                    new[b].append(ids[b])
+                    read[b].append((kept[b] + pos - rows[b][2]) / pos)  # dense reads positions 0 .. pos - 1
+                live = [b for b in live if ids[b] not in eos]
+                pos += 1
+                x, positions = nxt[:, None], torch.full((B, 1), pos - 1, dtype=torch.long, device=device)
+                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+    finally:
+        hf.set_attn_implementation(was)
+    return [(new[b], read[b]) for b in range(B)]
 
 
 def run_sample(hf, tok, sample: Sample, ids: list[int], peers: list[Peer], device: str) -> list[dict]:
-    """Every peer on one sample: one dense prefill of all but the last token, then the presses' caches decoded, a
-    batch for those of one length."""
+    """Every peer on one sample: one dense prefill of all but the last token, then every press's cache decoded as
+    a row of one batch."""
     n = len(ids)
     n_ctx = question_start(sample, ids, tok) if any(p.protocol == "context" for p in peers) else None
     x = torch.tensor([ids], device=device)
@@ -244,14 +276,12 @@ def run_sample(hf, tok, sample: Sample, ids: list[int], peers: list[Peer], devic
     if x.is_cuda:
         torch.cuda.reset_peak_memory_stats(device)
         held = torch.cuda.memory_allocated(device)
-    decoded, seconds, rows = {}, {}, {}
-    for batch in batches(peers, spans, kv):  # presses of one ratio and protocol keep as many entries
-        t0 = time.perf_counter()
-        out = greedy_rows(hf, [(kv[p.key], x[:, spans[p.key]:], spans[p.key]) for p in batch], sample.max_new_tokens,
-                          tok.eos_ids)
-        sync(x.device)
-        for p, o in zip(batch, out):  # the batch's time shared by its rows, as the sweep's
-            decoded[p], seconds[p], rows[p] = o, (time.perf_counter() - t0) / len(batch), len(batch)
+    t0 = time.perf_counter()
+    out = greedy_rows(hf, [(kv[p.key], x[:, spans[p.key]:], spans[p.key]) for p in peers], sample.max_new_tokens,
+                      tok.eos_ids)
+    sync(x.device)
+    decode_s = (time.perf_counter() - t0) / len(peers)  # the batch's time shared by its rows, as the sweep's
+    decoded = dict(zip(peers, out))
     peak = torch.cuda.max_memory_allocated(device) - held if x.is_cuda else None
     records = []
     for p in peers:
@@ -263,7 +293,7 @@ def run_sample(hf, tok, sample: Sample, ids: list[int], peers: list[Peer], devic
             "task": sample.task, "index": sample.index, "config": p.key, "method": p.method,
             "path": "kvpress" if p.ratio else "transformers", "source": p.protocol, "threshold": p.ratio or None,
             "threshold_kind": "compression" if p.ratio else None, "n_prompt": n,
-            "n_new": len(new), "decode_s": round(seconds[p], 2), "batch": rows[p], "score": score(sample, text),
+            "n_new": len(new), "decode_s": round(decode_s, 2), "batch": len(peers), "score": score(sample, text),
             "pred": text, "steps": len(new), "sparsity": None, "kv_read": sum(read) / len(read), "kv_kept": kept / span,
             "kv_bytes": sum(k.nbytes + v.nbytes for k, v in kv[p.key]), "peak_bytes": peak,
             "compress_s": round(compress_s[p.key], 3), "prefill_s": round(prefill_s, 2), "ids_sha1": sha})

@@ -69,27 +69,40 @@ def test_one_shared_prefill_gives_each_press_its_own_prefill(hf, peer):
     assert read == pytest.approx([(kept + p - span) / p for p in positions])
 
 
-def test_presses_of_one_length_decode_as_a_batch_each_as_it_would_alone(hf):
-    """The presses of a prompt are batched by protocol and ratio (caches of one length), and each row of a batch gets
-    the ids and KV reads of its decoding alone; caches of different lengths are refused, not padded."""
+def test_grouped_sdpa_is_transformers_sdpa_without_the_copies():
+    """The folded attention equals transformers' own (which repeats each KV head per query head) under a padding and
+    causal mask, for several queries at once (the rest of a prompt) and one."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, G, S, D = 3, 2, 4, 40, 8
+    module = types.SimpleNamespace(num_key_value_groups=G, is_causal=True)
+    key, value = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    for q in (7, 1):
+        query = torch.randn(B, Hkv * G, q, D, generator=g)
+        mask = torch.rand(B, 1, q, S, generator=g) > 0.3
+        mask[..., -1] = True  # every query row sees something
+        want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+        got, _ = peers.grouped_sdpa(module, query, key, value, mask, scaling=0.3)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_a_batch_of_presses_decodes_each_as_it_would_alone(hf):
+    """Every press of a prompt decoded as one batch (caches of different lengths, both protocols, the uncompressed
+    control) gives each row the ids and KV reads of that row decoded alone: the padding is masked, the positions are
+    the row's own, and no KV head is copied for the padded batch (grouped_sdpa)."""
     ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(5))
-    todo = [peers.HF_DENSE, peers.Peer("snapkv", "question", 0.5), peers.Peer("expected_attention", "question", 0.5),
-            peers.Peer("knorm", "question", 0.5), peers.Peer("snapkv", "question", 0.75),
-            peers.Peer("snapkv", "context", 0.5), peers.Peer("knorm", "context", 0.5)]
+    todo = [peers.HF_DENSE, peers.Peer("snapkv", "question", 0.5), peers.Peer("expected_attention", "question", 0.75),
+            peers.Peer("knorm", "question", 0.5), peers.Peer("snapkv", "context", 0.5),
+            peers.Peer("knorm", "context", 0.9)]
     spans = {p.key: (T - 1 if p.protocol == "question" else N_CTX) for p in todo}
     kv, _ = peers.compress_all(hf, ids[:, :T - 1], spans, {p.key: p.make() for p in todo})
-    groups = peers.batches(todo, spans, kv)
-    assert [[p.key for p in g] for g in groups] == [["hf_dense"], ["snapkv@0.5", "expected_attention@0.5", "knorm@0.5"],
-                                                   ["snapkv@0.75"], ["snapkv_ctx@0.5", "knorm_ctx@0.5"]]
-    for group in groups:
-        rows = [(kv[p.key], ids[:, spans[p.key]:], spans[p.key]) for p in group]
-        for p, row, got in zip(group, rows, peers.greedy_rows(hf, rows, 10, {0})):
-            assert got == peers.greedy(hf, *row, 10, {0}), p.key
-    assert len({tuple(r for r in peers.greedy(hf, kv[p.key], ids[:, spans[p.key]:], spans[p.key], 10, {0})[0])
-                for p in groups[1]}) > 1  # the rows answer differently: a batch that mixed them up would show it
-    with pytest.raises(ValueError, match="one cache length"):
-        peers.greedy_rows(hf, [(kv["snapkv@0.5"], ids[:, T - 1:], T - 1), (kv["snapkv@0.75"], ids[:, T - 1:], T - 1)],
-                          4, {0})
+    rows = [(kv[p.key], ids[:, spans[p.key]:], spans[p.key]) for p in todo]
+    alone = [peers.greedy(hf, *row, 10, {0}) for row in rows]
+    assert peers.greedy_rows(hf, rows, 10, {0}) == alone
+    assert len({tuple(new) for new, _ in alone}) > 2  # the rows answer differently: a mix-up would show
+    assert hf.config._attn_implementation == "sdpa"  # put back
+    with pytest.raises(ValueError, match="one position"):  # a row whose prompt ends elsewhere
+        peers.greedy_rows(hf, [rows[0], (rows[1][0], ids[:, T - 3:T - 1], T - 3)], 4, {0})
 
 
 def test_an_uncompressed_cache_decodes_as_dense(hf):
