@@ -46,8 +46,8 @@ try:  # the fused kernel's compiler: optional, CUDA builds of torch bring it; th
 except ImportError:
     triton = None
 
-from criterion import (GROUP_RULES, TAU, check_tau, gaussian_log_bulk, local_labels, oracle_labels, oracle_log_masses,
-                       qada_labels, sampled_log_bulk, tau_logit, window_mask, window_slices)
+from criterion import (GROUP_RULES, TAU, check_tau, corrected_log_bulk, gaussian_log_bulk, local_labels, oracle_labels,
+                       oracle_log_masses, qada_labels, sampled_log_bulk, tau_logit, window_mask, window_slices)
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 
 # ---------------------------------------------------------------------------------------------------------
@@ -106,19 +106,29 @@ def qada_cal(q, k, v, *, layer, n_sink, n_local, tau, moments, calibration, rule
                 correction=calibration.layer(layer))
 
 
-def qada_sampled(q, k, v, *, layer, n_sink, n_local, tau, n_samples, z=0.0, rule=None):
+def qada_sampled(q, k, v, *, layer, n_sink, n_local, tau, n_samples, z=0.0, rule=None, correction=None):
     """Beyond the Gaussian (ours): A_bulk estimated from n_samples bulk keys, one from each of n_samples equal strata
     of the bulk (bulk_sample), instead of from the keys' moments (criterion.sampled_log_bulk; z > 0 decides on the
     upper end of its interval). Reading m keys of dimension D costs what the Gaussian's q A q^T costs when m = D, and
-    it is counted: a local group reads its window and the sampled keys (HeadStats.decision_read)."""
+    it is counted: a local group reads its window and the sampled keys (HeadStats.decision_read). `correction`:
+    qada_sampled_cal's."""
     y_window, log_local = window_attention(q, k, v, n_sink, n_local)
     T = k.shape[1]
     if T <= n_local:  # no bulk: the window is the whole context
         return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
     idx = bulk_sample(T, n_sink, n_local, n_samples, layer, q.device)  # (m,)
     log_bulk = sampled_log_bulk(all_scores(q, k[:, idx]), T - n_local, z)  # the sampled keys' scores (H, m)
+    if correction is not None:
+        log_bulk = corrected_log_bulk(log_local, log_bulk, correction)
     labels = local_labels(log_local, log_bulk, tau, k.shape[0], rule)
     return mixed_attention(q, k, v, labels, n_sink, n_local, y_window), labels
+
+
+def qada_sampled_cal(q, k, v, *, layer, n_sink, n_local, tau, n_samples, calibration, rule=None):
+    """The sampled estimate with an affine correction per layer and head (ours: a Calibration of kind "sampled",
+    fitted by lab.calibrate on the same estimate where the true masses are known)."""
+    return qada_sampled(q, k, v, layer=layer, n_sink=n_sink, n_local=n_local, tau=tau, n_samples=n_samples, rule=rule,
+                        correction=calibration.layer(layer))
 
 
 PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada,
@@ -126,7 +136,9 @@ PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qa
          "qada_kv_all": partial(qada, rule="all"), "qada_cal": qada_cal, "qada_kv_cal": partial(qada_cal, rule="mean"),
          "qada_kv_all_cal": partial(qada_cal, rule="all"), "qada_sampled": partial(qada_sampled, n_samples=64),
          "qada_kv_sampled": partial(qada_sampled, n_samples=64, rule="mean"),
-         "qada_sampled_upper": partial(qada_sampled, n_samples=64, z=2.0)}
+         "qada_sampled_upper": partial(qada_sampled, n_samples=64, z=2.0),
+         "qada_sampled_cal": partial(qada_sampled_cal, n_samples=64),
+         "qada_kv_sampled_cal": partial(qada_sampled_cal, n_samples=64, rule="mean")}
 # Paths that compute every score to find their labels: the KV-read fraction of those labels is implied, not saved.
 ANALYSIS_ONLY = ("oracle", "oracle_kv")
 
@@ -142,8 +154,13 @@ def path_inputs(method: str) -> tuple[str, ...]:
 def decision_read(method: str) -> float:
     """KV entries a local group of the path registered as `method` reads beyond its window to decide, counted in
     entries of key and value: a sampled estimate reads n_samples keys (half an entry each), the Gaussian none."""
-    path = PATHS[method]
-    return path.keywords["n_samples"] / 2 if getattr(path, "func", path) is qada_sampled else 0.0
+    return getattr(PATHS[method], "keywords", {}).get("n_samples", 0) / 2
+
+
+def bulk_estimate(method: str) -> str:
+    """The bulk-mass estimate the path registered as `method` decides with, which a calibration it reads must
+    correct (criterion.check_calibration): "sampled" (bulk keys) or "gaussian" (Eq. 6)."""
+    return "sampled" if "n_samples" in getattr(PATHS[method], "keywords", {}) else "gaussian"
 
 
 def qada_rule(method: str) -> tuple[bool, str | None]:

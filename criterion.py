@@ -169,9 +169,15 @@ def qada_labels(q: torch.Tensor, log_local: torch.Tensor, form: tuple[torch.Tens
         form = (form[0] * correction[2][..., None, None], form[1])  # A = Sigma_K / 2d scaled per KV head
     log_bulk = estimated_log_bulk(q, form, n_bulk)
     if correction is not None:
-        a, b, _ = correction
-        log_bulk = log_local - (a + b * (log_local - log_bulk))  # the calibrated ratio a + b r, as a log bulk mass
+        log_bulk = corrected_log_bulk(log_local, log_bulk, correction)
     return local_labels(log_local, log_bulk, tau, form[0].shape[-3], rule)
+
+
+def corrected_log_bulk(log_local: torch.Tensor, log_bulk: torch.Tensor, correction: tuple) -> torch.Tensor:
+    """The calibrated estimate (ours): the estimated log ratio r = log A_local - log A_bulk (..., H) mapped to a + b r
+    by one layer's correction (a (H,), b (H,), ...), returned as the log bulk mass that gives that ratio."""
+    a, b = correction[0], correction[1]
+    return log_local - (a + b * (log_local - log_bulk))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -179,7 +185,7 @@ def qada_labels(q: torch.Tensor, log_local: torch.Tensor, form: tuple[torch.Tens
 # (too low in the late layers, far too high in layer 0), and the window and bulk masses differ only ~7x, so the
 # bias flips labels. A correction fitted where the true masses are known (lab.calibrate) removes it.
 
-CALIBRATION_KINDS = ("offset", "scale", "affine", "quantile")
+CALIBRATION_KINDS = ("offset", "scale", "affine", "quantile", "sampled")
 
 
 @dataclass
@@ -190,7 +196,9 @@ class Calibration:
         scale      s by least squares on log A_bulk          the variance term alone (a = 0, b = 1)
         affine     a, b by least squares of r on r_est       contains static heads (b = 0) and QAdA (a = 0, b = 1)
         quantile   a = the eps-quantile of r - r_est, b = 1  at most a fraction eps of a head's calibration steps
-                                                             has a true ratio below the corrected one"""
+                                                             has a true ratio below the corrected one
+        sampled    affine, of qada_sampled's estimate       the estimate from sampled keys instead (its settings'
+                                                             "estimate" is "sampled"; the others' "gaussian")"""
     a: torch.Tensor  # (L, H)
     b: torch.Tensor  # (L, H)
     s: torch.Tensor | None  # (L, Hkv), or None: the variance term as it is
@@ -198,6 +206,12 @@ class Calibration:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return self.a[layer], self.b[layer], None if self.s is None else self.s[layer]
+
+    @property
+    def estimate(self) -> str:
+        """The estimate it corrects: "gaussian" (Eq. 6) or "sampled" (qada_sampled's); files before the sampled
+        estimate existed corrected the Gaussian."""
+        return self.settings.get("estimate", "gaussian")
 
 
 def save_calibration(path: str | Path, calibration: Calibration) -> None:
@@ -228,14 +242,20 @@ def load_calibration(path: str | Path, device=None) -> Calibration:
 
 
 def check_calibration(c: Calibration, name, L: int, H: int, Hkv: int, n_sink: int, n_local: int,
-                      moments_source: str | None = None) -> None:
+                      moments_source: str | None = None, estimate: str | None = None) -> None:
     """That the correction `c` (from file `name`) fits a model of (L, H) heads on Hkv KV heads, the window it is used
-    with and, if given, the moments it corrects; ValueError with one line otherwise."""
+    with and, if given, the moments and the estimate (attention.bulk_estimate) it corrects; ValueError with one line
+    otherwise."""
     if tuple(c.a.shape) != (L, H) or (c.s is not None and tuple(c.s.shape) != (L, Hkv)):
         raise ValueError(f"{name} corrects {tuple(c.a.shape)} heads; the model has ({L}, {H}) on {Hkv} KV heads")
     for key, value in (("n_sink", n_sink), ("n_local", n_local)):
         if c.settings.get(key, value) != value:
             raise ValueError(f"{name} was fitted with {key} {c.settings[key]}, not {value}")
+    if estimate is not None and c.estimate != estimate:
+        raise ValueError(f"{name} corrects the {c.estimate} estimate of the bulk mass, this method decides with the "
+                         f"{estimate} one (kind 'sampled' corrects the sampled estimate, every other kind the Gaussian)")
+    if c.estimate == "sampled":
+        return  # the sampled estimate reads no moments
     fitted = c.settings.get("moments_source", "random-words")
     if moments_source is not None and fitted != moments_source:
         raise ValueError(f"{name} corrects the {fitted} moments' estimate; run it with --moments {fitted}")

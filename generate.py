@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 import attention
-from attention import ANALYSIS_ONLY, PATHS, BatchAttention, build_attention, path_inputs
+from attention import ANALYSIS_ONLY, PATHS, BatchAttention, build_attention, bulk_estimate, path_inputs
 from criterion import TAU, check_calibration, check_tau, load_calibration, load_labels
 from model import KVCache
 from moments import SOURCES, ReferenceKeys, reference_words
@@ -99,7 +99,7 @@ def attention_sources(model, tokenizer, method: str, moments_source: str, static
         correction = load_calibration(calibration, model.device)
         cfg = model.cfg
         check_calibration(correction, calibration, cfg.num_hidden_layers, cfg.num_attention_heads,
-                          cfg.num_key_value_heads, n_sink, n_local, moments_source)
+                          cfg.num_key_value_heads, n_sink, n_local, moments_source, bulk_estimate(method))
     words = reference_words(moments_source) if "moments" in inputs else None
     reference = ReferenceKeys(model, tokenizer, words, n_max=max_context, root=cache_dir() / "moments",
                               progress=progress) if words else None

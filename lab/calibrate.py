@@ -142,18 +142,24 @@ def fit_calibration(masses: torch.Tensor, n_bulk: torch.Tensor, n_kv_heads: int,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The correction of `kind` (criterion.Calibration) per (layer, head) from every step's masses (N, L, >= 4, H) and
     T_bulk (N,): a (L, H), b (L, H), s (L, Hkv) or None. r is the true log ratio log A_local - log A_bulk, r_est
-    Eq. 7's estimate of it."""
+    Eq. 7's estimate of it (kind "sampled": qada_sampled's, the masses' fifth row)."""
     m = masses.double()
     log_local, log_bulk, mu, half_var = m[:, :, :4].unbind(2)  # (N, L, H) each
     log_n = n_bulk.double().log()[:, None, None]
-    r, r_est = log_local - log_bulk, log_local - (log_n + mu + half_var)  # estimated_log_bulk, from its two terms
+    if kind == "sampled":
+        if m.shape[2] < 5:
+            raise ValueError("these masses hold no sampled estimate (recorded before it existed): record them again")
+        estimate = m[:, :, 4]
+    else:
+        estimate = log_n + mu + half_var  # estimated_log_bulk, from its two terms
+    r, r_est = log_local - log_bulk, log_local - estimate
     N, L, H = r.shape
     ones, s = torch.ones(L, H, dtype=torch.float64), None
     if kind == "offset":
         a, b = (r - r_est).median(0).values, ones
     elif kind == "quantile":
         a, b = torch.quantile(r - r_est, eps, dim=0), ones
-    elif kind == "affine":
+    elif kind in ("affine", "sampled"):
         x, y = r_est - r_est.mean(0), r - r.mean(0)
         b = ((x * y).sum(0) / (x * x).sum(0).clamp(min=1e-12)).clamp(min=0)  # a larger estimate never lowers r
         a = r.mean(0) - b * r_est.mean(0)
@@ -199,9 +205,12 @@ def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samp
     masses, n_bulk = torch.cat([m[:, :, :rows] for m, _ in chosen]), torch.cat([n for _, n in chosen])
     out = {}
     for kind in CALIBRATION_KINDS:
+        if kind == "sampled" and rows < 5:
+            continue
         a, b, s = fit_calibration(masses, n_bulk, model.cfg.num_key_value_heads, kind, eps)
-        out[kind] = Calibration(a, b, s, dict(settings, kind=kind, steps=int(masses.shape[0]),
-                                              **({"eps": eps} if kind == "quantile" else {})))
+        extra = {"eps": eps} if kind == "quantile" else {"n_samples": 64} if kind == "sampled" else {}
+        out[kind] = Calibration(a, b, s, dict(settings, kind=kind, estimate="sampled" if kind == "sampled" else
+                                              "gaussian", steps=int(masses.shape[0]), **extra))
         save_calibration(folder / f"{kind}.json", out[kind])
     return out
 

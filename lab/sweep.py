@@ -70,7 +70,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from attention import ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, path_inputs, summarize
+from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, bulk_estimate,
+                       path_inputs, summarize)
 from criterion import TAU, check_calibration, load_calibration, static_labels
 from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
@@ -106,6 +107,11 @@ METHODS = {
     "qada_cal_transfer": ("qada_cal", "transfer-affine"),
     "qada_kv_cal_transfer": ("qada_kv_cal", "transfer-affine"),
     "qada_kv_all_cal_transfer": ("qada_kv_all_cal", "transfer-affine"),
+    # the sampled estimate (64 bulk keys) with its own affine correction, kind "sampled" of the same folders
+    "qada_sampled_cal": ("qada_sampled_cal", "sampled"),
+    "qada_kv_sampled_cal": ("qada_kv_sampled_cal", "sampled"),
+    "qada_sampled_cal_transfer": ("qada_sampled_cal", "transfer-sampled"),
+    "qada_kv_sampled_cal_transfer": ("qada_kv_sampled_cal", "transfer-sampled"),
 }
 DEFAULT_SOURCE = {"calibration": "affine", "moments": "random-words", "static_local": "calibrated"}
 LABEL_SOURCES = ("random", "calibrated", "own-task", "calibrated-kv", "own-task-kv")
@@ -246,7 +252,7 @@ def config_attention(cfg: Config, model, sample, cache, resources: dict, track: 
     kind = threshold_kind(cfg.method)
     labels = config_labels(cfg, source, model, sample, resources, seed) if "static_local" in reads else None
     calibration = resources["calibration"][source] if "calibration" in reads else None
-    moments = calibration.settings["moments_source"] if calibration else source if "moments" in reads else None
+    moments = (calibration.settings["moments_source"] if calibration else source) if "moments" in reads else None
     words = reference_words(moments) if moments else None
     return build_attention(path, cache, n_sink=n_sink, n_local=n_local, moments_source=moments or "random-words",
                            reference=resources["reference"][words] if words else None, track_oracle=track,
@@ -334,11 +340,15 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
         path = Path(folder) / f"{src.removeprefix(prefix)}.json"
         calibrations[src] = load_calibration(path, model.device)
         cfg = model.cfg
+        estimates = {bulk_estimate(p) for p, src2 in sources if src2 == src}  # the paths reading this file
+        if len(estimates) > 1:
+            raise ValueError(f"the {src} calibration is read by paths of both estimates; use a source per estimate")
         check_calibration(calibrations[src], path, cfg.num_hidden_layers, cfg.num_attention_heads,
-                          cfg.num_key_value_heads, calibrate_kwargs["n_sink"], calibrate_kwargs["n_local"])
+                          cfg.num_key_value_heads, calibrate_kwargs["n_sink"], calibrate_kwargs["n_local"],
+                          estimate=estimates.pop())
         calibrations[src].settings.setdefault("moments_source", "random-words")
     moments = {src for path, src in sources if "moments" in path_inputs(path) and "calibration" not in path_inputs(path)}
-    moments |= {c.settings["moments_source"] for c in calibrations.values()}
+    moments |= {c.settings["moments_source"] for c in calibrations.values() if c.estimate == "gaussian"}
     words = {reference_words(m) for m in moments} - {None}
     res = {"reference": {w: ReferenceKeys(model, tok, w, root=cache_dir() / "moments", progress=progress)
                          for w in sorted(words)}, "oracle_freq": {}, "calibration": calibrations}

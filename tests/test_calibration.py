@@ -218,15 +218,22 @@ def test_generate_and_the_sweep_run_calibrated_qada(fitted, tiny_dir, tmp_path, 
     assert generate.main(argv + ["--method", "qada_cal", "--calibration", str(tmp_path / "identity.json"),
                                  "--moments", "prompt"]) == 2
     assert "--moments random-words" in capsys.readouterr().err
+    assert generate.main(argv + ["--method", "qada_sampled_cal", "--calibration", str(fitted / "sampled.json")]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "qada_sampled_cal"
+    assert generate.main(argv + ["--method", "qada_sampled_cal", "--calibration", str(fitted / "affine.json")]) == 2
+    assert "corrects the gaussian estimate" in capsys.readouterr().err
 
     out = tmp_path / "run"
     assert sweep.main(["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "1", "--methods",
-                       "dense,qada_cal,qada_cal_quantile,qada_kv_cal,qada_cal_transfer", "--taus", "0.6",
+                       "dense,qada_cal,qada_cal_quantile,qada_kv_cal,qada_cal_transfer,qada_sampled_cal,"
+                       "qada_kv_sampled_cal_transfer", "--taus", "0.6",
                        "--ablations", "", "--ctxfree-samples", "0", "--track", "", "--model", str(tiny_dir),
                        "--calibration", str(fitted), "--calibration-transfer", str(fitted), "--no-report"]) == 0
     found = {r["config"]: r for r in records.read_records(out)}
     assert set(found) == {"dense", "qada_cal@0.6", "qada_cal_quantile@0.6", "qada_kv_cal@0.6",
-                          "qada_cal_transfer@0.6"}
+                          "qada_cal_transfer@0.6", "qada_sampled_cal@0.6", "qada_kv_sampled_cal_transfer@0.6"}
+    assert (found["qada_kv_sampled_cal_transfer@0.6"]["path"], found["qada_kv_sampled_cal_transfer@0.6"]["source"]) == (
+        "qada_kv_sampled_cal", "transfer-sampled")
     assert (found["qada_cal_quantile@0.6"]["path"], found["qada_cal_quantile@0.6"]["source"]) == ("qada_cal", "quantile")
     assert found["qada_cal@0.6"]["sparsity"] == found["qada_cal_transfer@0.6"]["sparsity"]  # the same file here
     assert sweep.main(["--out", str(tmp_path / "run2"), "--tasks", "fwe", "--length", "400", "--samples", "1",

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from attention import PATHS, path_inputs
+from attention import PATHS, bulk_estimate, decision_read, path_inputs
 from criterion import Calibration, save_calibration, save_labels
 import generate
 from moments import SOURCES
@@ -69,15 +69,17 @@ def built(monkeypatch):
     return runs
 
 
-def kv_read_by_hand(labels, lengths, n_kv_heads, n_local):
+def kv_read_by_hand(labels, lengths, n_kv_heads, n_local, decision=0.0):
     """KV entries read over entries held: per step and layer, a KV head reads min(T, n_local) entries when every
-    query head of its group is local, else all T."""
+    query head of its group is local, plus what deciding read of its bulk (`decision` entries: a sampled estimate's
+    keys, half an entry each, at most the bulk's), else all T."""
     read = total = 0
     for step, T in zip(labels, lengths):
         for layer in step:
             G = len(layer) // n_kv_heads
             for g in range(n_kv_heads):
-                read += min(T, n_local) if all(layer[g * G:(g + 1) * G]) else T
+                local = min(T, n_local) + min(max(T - n_local, 0) / 2, decision)
+                read += local if all(layer[g * G:(g + 1) * G]) else T
                 total += T
     return read / total
 
@@ -88,7 +90,8 @@ def check_statistics(r, att, n_local):
     assert labels.shape[0] == r["new_tokens"] - 1  # one decode step per token after the first
     assert r["sparsity"] == pytest.approx(labels.double().mean().item(), abs=1e-12)
     assert r["layer_sparsity"] == pytest.approx(labels.double().mean((0, 2)).tolist(), abs=1e-6)
-    assert r["kv_read"] == pytest.approx(kv_read_by_hand(labels.tolist(), att.stats.lengths, 2, n_local), abs=1e-12)
+    by_hand = kv_read_by_hand(labels.tolist(), att.stats.lengths, 2, n_local, decision_read(att.method))
+    assert r["kv_read"] == pytest.approx(by_hand, abs=1e-12)
     return labels
 
 
@@ -155,7 +158,7 @@ def test_short_prompt_grows_past_the_window(tiny_dir, tmp_path, capsys, monkeypa
     save_labels(labels_file, torch.linspace(0, 1, 8).view(2, 4), {"test": True})
     calibration = tmp_path / "calibration.json"  # a correction that shifts every head's estimated log ratio
     save_calibration(calibration, Calibration(torch.full((2, 4), 0.5), torch.ones(2, 4), None,
-                                              {"moments_source": "random-words"}))
+                                              {"moments_source": "random-words", "estimate": bulk_estimate(method)}))
     argv = ["--prompt", str(write_prompt(tmp_path, 3)), "--model", str(tiny_dir), "--method", method, "--n-local",
             "16", "--n-sink", "4", "--max-new-tokens", "30", "--static-labels", str(labels_file), "--calibration",
             str(calibration), "--json"]

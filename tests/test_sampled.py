@@ -118,3 +118,78 @@ def test_the_sweep_charges_the_sampled_keys(monkeypatch):
     rec = sweep.head_stats(stats, 2, N_LOCAL)
     assert rec["kv_read"] == pytest.approx(stats.summary(2)["kv_read"])
     assert rec["kv_read"] == pytest.approx(((N_LOCAL + 32 + 600) + (N_LOCAL + 32 + 601)) / (2 * 600 + 2 * 601))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# qada_sampled_cal: the sampled estimate with its own affine correction (a Calibration of kind "sampled")
+
+
+def sampled_cal_logit(q, k, layer, a, b, n_samples=64):
+    """The calibrated log ratio of the sampled estimate from the equations alone, in float64 (no project function
+    but the sample's positions): r = log A_local - log(T_bulk mean_j exp(s_j)) over the sampled bulk keys, then
+    a + b r per query head."""
+    H, D = q.shape
+    Hkv, T, _ = k.shape
+    window = list(range(N_SINK)) + list(range(T - (N_LOCAL - N_SINK), T))
+    idx = bulk_sample(T, N_SINK, N_LOCAL, n_samples, layer).tolist()
+    out = torch.empty(H, dtype=torch.float64)
+    for h in range(H):
+        kh = k[h // (H // Hkv)].double()
+        s = kh @ q[h].double() / math.sqrt(D)  # (T,)
+        log_local = math.log(sum(math.exp(s[i]) for i in window))
+        log_bulk = math.log((T - N_LOCAL) * sum(math.exp(s[i]) for i in idx) / len(idx))
+        out[h] = a[h] + b[h] * (log_local - log_bulk)
+    return out
+
+
+def test_calibrated_sampled_labels_equal_the_equation_in_float64_per_layer():
+    """Each layer's own correction, with its sign: the labels of qada_sampled_cal at every layer equal the equation's,
+    on a mix of local and long-context heads."""
+    from criterion import Calibration
+    L, H, Hkv, D, T = 3, 8, 2, 16, 700
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(L, H, generator=g) * 2, torch.rand(L, H, generator=g) * 1.5
+    cal = Calibration(a, b, None, {"kind": "sampled", "estimate": "sampled"})
+    agree, local = 0, 0
+    for layer in range(L):
+        for seed in range(6):
+            q, k, v = qkv(H, Hkv, D, T, seed=10 * layer + seed, spread=1.0)
+            for tau in (0.2, 0.5, 0.8):
+                _, got = attention.PATHS["qada_sampled_cal"](q, k, v, layer=layer, n_sink=N_SINK, n_local=N_LOCAL,
+                                                             tau=tau, calibration=cal)
+                want = sampled_cal_logit(q, k, layer, a[layer].double(), b[layer].double())
+                clear = (want - math.log(tau / (1 - tau))).abs() > 1e-4
+                assert torch.equal(got[clear], (want >= math.log(tau / (1 - tau)))[clear]), (layer, seed, tau)
+                agree, local = agree + int(clear.sum()), local + int(got.sum())
+    assert agree > 400 and 0.2 < local / agree < 0.8  # both kinds of label, most heads clear of rounding
+
+
+def test_the_sampled_fit_recovers_a_known_correction_and_is_kept_apart():
+    """lab.calibrate's kind "sampled" is the affine fit of the true log ratio on the sampled estimate's (the masses'
+    fifth row); a Gaussian path refuses its file, and a sampled path a Gaussian one."""
+    from criterion import Calibration, check_calibration
+    from lab import calibrate
+    g = torch.Generator().manual_seed(0)
+    N, L, H = 300, 2, 4
+    n_bulk = torch.randint(500, 8000, (N,), generator=g).double()
+    log_local = torch.randn(N, L, H, generator=g) + 8
+    sampled = torch.randn(N, L, H, generator=g) + 9  # the sampled estimate of log A_bulk
+    a0, b0 = torch.tensor([[0.5, -1.0, 2.0, 0.0], [1.5, 0.3, -0.7, 1.0]]), torch.tensor([[0.9, 0.5, 1.2, 0.1],
+                                                                                           [0.8, 1.0, 0.7, 0.3]])
+    r = a0 + b0 * (log_local - sampled)
+    gauss = torch.randn(N, L, 2, H, generator=g)  # mu_s and sigma_s^2 / 2: no part in this fit
+    masses = torch.cat([log_local[:, :, None], (log_local - r)[:, :, None], gauss, sampled[:, :, None]], 2)
+    a, b, s = calibrate.fit_calibration(masses, n_bulk, 2, "sampled")
+    assert s is None
+    torch.testing.assert_close(a, a0.float(), atol=1e-3, rtol=0)
+    torch.testing.assert_close(b, b0.float(), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="no sampled estimate"):
+        calibrate.fit_calibration(masses[:, :, :4], n_bulk, 2, "sampled")
+    c = Calibration(a, b, None, {"estimate": "sampled", "n_sink": N_SINK, "n_local": N_LOCAL})
+    check_calibration(c, "s.json", L, H, 2, N_SINK, N_LOCAL, "prompt", attention.bulk_estimate("qada_sampled_cal"))
+    with pytest.raises(ValueError, match="corrects the sampled estimate"):
+        check_calibration(c, "s.json", L, H, 2, N_SINK, N_LOCAL, None, attention.bulk_estimate("qada_cal"))
+    with pytest.raises(ValueError, match="corrects the gaussian estimate"):
+        check_calibration(Calibration(a, b, None, {}), "g.json", L, H, 2, N_SINK, N_LOCAL, None,
+                          attention.bulk_estimate("qada_kv_sampled_cal"))
+    assert attention.decision_read("qada_kv_sampled_cal") == 32

@@ -17,8 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from criterion import CALIBRATION_KINDS, load_calibration  # noqa: E402
-from lab.calibrate import fit_calibration  # noqa: E402
+from criterion import CALIBRATION_KINDS, corrected_log_bulk, load_calibration  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,19 +35,14 @@ def estimates(masses, n_bulk, folder: Path) -> dict[str, torch.Tensor]:
     out = {"QAdA (Gaussian)": log_n + mu + half_var}
     for kind in CALIBRATION_KINDS:
         c = load_calibration(folder / f"{kind}.json")
+        if c.estimate == "sampled":
+            if masses.shape[2] > 4:  # recorded with qada_sampled's estimate (64 bulk keys)
+                out["sampled, 64 keys"] = masses[:, :, 4]
+                out["sampled + affine"] = corrected_log_bulk(log_local, masses[:, :, 4], c.layer(slice(None)))
+            continue
         G = masses.shape[-1] // (c.s.shape[-1] if c.s is not None else 1)
         s = c.s.double().repeat_interleave(G, -1) if c.s is not None else 1.0
-        r_est = log_local - (log_n + mu + s * half_var)
-        out[f"{kind}"] = log_local - (c.a.double() + c.b.double() * r_est)
-    fit_masses, fit_n = load_masses(folder)
-    if masses.shape[2] > 4 and fit_masses.shape[2] > 4:  # recorded with qada_sampled's estimate (64 bulk keys)
-        out["sampled, 64 keys"] = masses[:, :, 4]
-        # its affine correction, fitted as the Gaussian's is: the sampled estimate in place of log T_bulk + mu_s
-        fl = fit_masses[:, :, 0]
-        as_gauss = torch.stack([fl, fit_masses[:, :, 1], fit_masses[:, :, 4] - fit_n.log()[:, None, None],
-                                torch.zeros_like(fl)], 2)
-        a, b, _ = fit_calibration(as_gauss, fit_n, 1, "affine")
-        out["sampled + affine"] = log_local - (a.double() + b.double() * (log_local - masses[:, :, 4]))
+        out[f"{kind}"] = corrected_log_bulk(log_local, log_n + mu + s * half_var, c.layer(slice(None)))
     return out
 
 
