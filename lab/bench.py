@@ -58,6 +58,7 @@ every part in the folder, so the two parts may run apart.
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -72,11 +73,11 @@ import torch
 
 import attention
 from attention import BatchAttention, build_attention
-from criterion import TAU, qada_labels
+from criterion import TAU, check_calibration, load_calibration, qada_labels
 from generate import pick_device
 from model import KVCache, LlamaConfig
 from moments import FixedMoments, ReferenceKeys
-from weights.checkpoints import DEFAULT, DTYPES, load
+from weights.checkpoints import DEFAULT, DTYPES, load, shipped_calibration
 from weights.downloads import cache_dir
 
 N_SINK, N_LOCAL = 16, 128
@@ -371,12 +372,56 @@ def parse_methods(text: str) -> list[tuple[str, float]]:
     return out
 
 
+def prefilled(model, ids: list[int], extra: int, folder: Path | None) -> tuple[KVCache, torch.Tensor, float]:
+    """A batch-1 cache of the prompt `ids` with room for `extra` more positions, the prefill's last logits (1, V) and
+    its seconds. With a `folder`, the filled keys and values are kept there on disk, keyed by the model, its dtype and
+    RoPE base and the ids, and read back instead of prefilled again (a 32k prefill takes minutes on a CPU; the seconds
+    reported are those of the prefill that made the file)."""
+    cfg = model.cfg
+    path = None
+    if folder is not None:
+        key = json.dumps([str(model.model_dir), str(model.dtype), cfg.rope_theta, ids])
+        path = Path(folder) / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.pt"
+    cache = model.new_cache(len(ids) + extra)
+    if path is not None and path.is_file():
+        saved = torch.load(path, map_location=cache.k.device, weights_only=True)
+        cache.k[:, :, :, :len(ids)], cache.v[:, :, :, :len(ids)] = saved["k"], saved["v"]  # (L, 1, Hkv, n, D)
+        cache.length = len(ids)
+        return cache, saved["first"], saved["seconds"]
+    t0 = time.perf_counter()
+    first = model.prefill(torch.tensor([ids], device=model.device), cache)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    seconds = time.perf_counter() - t0
+    if path is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        torch.save({"k": cache.k[:, :, :, :len(ids)].clone(), "v": cache.v[:, :, :, :len(ids)].clone(), "first": first,
+                    "seconds": seconds}, tmp)
+        os.replace(tmp, path)
+    return cache, first, seconds
+
+
 def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n_new: int, device: torch.device,
-                     dtype: torch.dtype, rope_theta: float, profile_at: int | None = None) -> tuple[list[dict], str]:
+                     dtype: torch.dtype, rope_theta: float, profile_at: int | None = None,
+                     calibration: str | None = None, prefill_cache: Path | None = None) -> tuple[list[dict], str]:
     """One row per (length, batch, sparse method): ms per decode step of the method, of packed dense (the model's
     own decode, the best dense we have) and of the window only, in interleaved rounds; the bound from the measured
-    non-attention time (the window-only run) and the method's measured KV-read fraction."""
+    non-attention time (the window-only run) and the method's measured KV-read fraction. A method that reads a
+    calibration (qada_cal, ...) reads `calibration` (default: the one the model ships); prompts are prefilled through
+    `prefill_cache` (`prefilled`)."""
     rows, models, profile = [], {}, ""
+    correction = None
+    if any("calibration" in attention.path_inputs(m) for m, _ in methods):
+        calibration = calibration or shipped_calibration(model_name)
+        if calibration is None:
+            raise ValueError(f"{model_name} ships no calibration: give --calibration FILE for the qada_cal methods")
+        correction = load_calibration(calibration, device)
+        estimates = {attention.bulk_estimate(m) for m, _ in methods if "calibration" in attention.path_inputs(m)}
+        if len(estimates) > 1:
+            raise ValueError("one calibration file corrects one estimate: bench the sampled and the Gaussian "
+                             "calibrated methods apart")
+        estimate = estimates.pop()
 
     def model_for(theta):
         if theta not in models:
@@ -387,16 +432,18 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
         model, tok = model_for(None)
         if T > model.cfg.max_position_embeddings:
             model, tok = model_for(rope_theta)
+        if correction is not None:
+            cfg = model.cfg
+            check_calibration(correction, calibration, cfg.num_hidden_layers, cfg.num_attention_heads,
+                              cfg.num_key_value_heads, N_SINK, N_LOCAL, "random-words", estimate)
         reference = ReferenceKeys(model, tok, n_max=max(T, model.cfg.max_position_embeddings), root=cache_dir() / "moments")
         prompts = [needle_prompt(tok, T - NEEDLE_TOKENS, seed=b) for b in range(max(batches))]  # different needles
         caches, firsts, prefill_s = [], [], []
         for ids, _ in prompts:  # each prompt prefilled alone, once; batch B takes the first B
-            caches.append(model.new_cache(len(ids) + NEEDLE_TOKENS + 1))
-            t0 = time.perf_counter()
-            firsts.append(model.prefill(torch.tensor([ids], device=device), caches[-1]))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            prefill_s.append(time.perf_counter() - t0)
+            cache, first, seconds = prefilled(model, ids, NEEDLE_TOKENS + 1, prefill_cache)
+            caches.append(cache)
+            firsts.append(first)
+            prefill_s.append(seconds)
         for B in batches:
             if B == 1:
                 cache = caches[0]
@@ -405,8 +452,8 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
             logits, n = torch.cat(firsts[:B]), cache.length
 
             def build(method, tau):  # through the one builder, one attention per prompt on its own cache
-                atts = [build_attention(method, c, tau=tau, reference=reference, n_sink=N_SINK, n_local=N_LOCAL)
-                        for c in caches[:B]]
+                atts = [build_attention(method, c, tau=tau, reference=reference, n_sink=N_SINK, n_local=N_LOCAL,
+                                        calibration=correction) for c in caches[:B]]
                 return atts[0] if B == 1 else BatchAttention(atts, start=cache.start.tolist())
 
             make = {"dense": lambda: None, "local": lambda: build("local", 1.0)}  # None: the model's packed dense
@@ -569,7 +616,7 @@ def setup_line(device: torch.device, dtype: str = "float32") -> str:
 
 def main(device: str | None, threads: int | None, repeats: int | None, parts: str, lengths: str | None,
          quick: bool, decode_tokens: int, rope_theta: float, out: str, model: str, batches: str, e2e_methods: str,
-         dtype: str, compile_decision: bool) -> int:
+         dtype: str, compile_decision: bool, calibration: str | None = None, prefill_cache: str | None = None) -> int:
     t_start = time.perf_counter()
     if threads:
         torch.set_num_threads(threads)
@@ -603,9 +650,15 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
         print(f"\n## End to end: {model} ({dtype}) decode ms per step, median of {e2e_repeats} interleaved repeats "
               f"of {decode_tokens} tokens; load average {load_average()}\n")
         print(table(E2E_COLUMNS, []))
-        e2e_rows, prof = bench_end_to_end(model, e2e_lengths, batch_sizes, methods, e2e_repeats, decode_tokens, device,
-                                          DTYPES[dtype], rope_theta,
-                                          profile_at=8192 if 8192 in e2e_lengths else e2e_lengths[-1])
+        try:
+            e2e_rows, prof = bench_end_to_end(model, e2e_lengths, batch_sizes, methods, e2e_repeats, decode_tokens,
+                                              device, DTYPES[dtype], rope_theta,
+                                              profile_at=8192 if 8192 in e2e_lengths else e2e_lengths[-1],
+                                              calibration=calibration,
+                                              prefill_cache=Path(prefill_cache) if prefill_cache else None)
+        except (OSError, ValueError) as e:  # a calibration that is missing or does not fit: one line
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         write_part(out, "end_to_end", e2e_setup, e2e_rows, prof, model=model)
         (out / "end_to_end.md").write_text(
             f"End to end, {model}, {e2e_setup}: decode ms per step (a step decodes one token of every row), median of "
@@ -640,4 +693,9 @@ if __name__ == "__main__":
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="end-to-end weights and KV cache (default: float32)")
     p.add_argument("--compile", dest="compile_decision", action="store_true", help="profile also qada's decision under torch.compile (inductor: "
                    "needs a C++ compiler on the CPU, ~20 s per shape to compile)")
+    p.add_argument("--calibration", default=None, metavar="FILE", help="the correction the qada_cal methods read, end "
+                   "to end (default: the one the model ships, weights/calibration/)")
+    p.add_argument("--prefill-cache", default=None, metavar="DIR", help="keep each prompt's prefilled KV cache in DIR "
+                   "and read it back on a later run instead of prefilling again (about 0.4 GB per 32k prompt of the "
+                   "default model in bf16)")
     sys.exit(main(**vars(p.parse_args())))

@@ -144,6 +144,36 @@ def test_end_to_end_runs_batches_of_different_prompts(tmp_path, monkeypatch):
         bench.parse_methods("local@0.5")
 
 
+def test_end_to_end_takes_a_calibration_and_reads_prefills_back(tmp_path, monkeypatch):
+    """A calibrated method reads the --calibration file (the identity correction: qada's own labels); prompts kept
+    by --prefill-cache are read back on the next run instead of prefilled, with the same answers and labels."""
+    from criterion import Calibration, save_calibration
+    from model import Llama
+    from tests.test_generate import make_tiny_dir
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    folder = make_tiny_dir(tmp_path / "tiny")
+    identity = tmp_path / "identity.json"
+    save_calibration(identity, Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, {}))
+    methods = bench.parse_methods("qada@0.6,qada_cal@0.6")
+    kw = dict(repeats=1, n_new=2, device=torch.device("cpu"), dtype=torch.float32, rope_theta=4e5,
+              calibration=str(identity), prefill_cache=tmp_path / "prefills")
+    rows, _ = bench.bench_end_to_end(str(folder), [300], [1, 2], methods, **kw)
+    plain, cal = ([(r["sparsity"], r["kv_read"], r["needle"]) for r in rows if r["method"] == m]
+                  for m in ("qada@0.6", "qada_cal@0.6"))
+    assert plain == cal and len(plain) == 2
+    from weights.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(folder)
+    distinct = {tuple(bench.needle_prompt(tok, 300 - bench.NEEDLE_TOKENS, seed=b)[0]) for b in range(2)}
+    assert len(list((tmp_path / "prefills").glob("*.pt"))) == len(distinct)  # one file per prompt (the tiny
+    # tokenizer spells the two needles alike)
+    monkeypatch.setattr(Llama, "prefill", lambda *a, **k: pytest.fail("prefilled again"))
+    again, _ = bench.bench_end_to_end(str(folder), [300], [1, 2], methods, **kw)
+    assert [(r["sparsity"], r["kv_read"], r["needle"], r["prefill_s"]) for r in again] == \
+        [(r["sparsity"], r["kv_read"], r["needle"], r["prefill_s"]) for r in rows]
+    with pytest.raises(ValueError, match="ships no calibration"):
+        bench.bench_end_to_end(str(folder), [300], [1], methods, **dict(kw, calibration=None))
+
+
 def test_the_two_parts_run_apart_into_one_folder(tmp_path, monkeypatch):
     """Each part writes its own table, profile and rows; the second run keeps the first's, and the plot draws both."""
     from tests.test_generate import make_tiny_dir
