@@ -131,14 +131,16 @@ def qada_sampled_cal(q, k, v, *, layer, n_sink, n_local, tau, n_samples, calibra
                         correction=calibration.layer(layer))
 
 
+N_SAMPLES = 64  # bulk keys the sampled estimate reads per KV head: at head dim 64, the Gaussian's q A q^T cost
 PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada,
          "oracle_kv": partial(oracle, rule="mean"), "qada_kv": partial(qada, rule="mean"),
          "qada_kv_all": partial(qada, rule="all"), "qada_cal": qada_cal, "qada_kv_cal": partial(qada_cal, rule="mean"),
-         "qada_kv_all_cal": partial(qada_cal, rule="all"), "qada_sampled": partial(qada_sampled, n_samples=64),
-         "qada_kv_sampled": partial(qada_sampled, n_samples=64, rule="mean"),
-         "qada_sampled_upper": partial(qada_sampled, n_samples=64, z=2.0),
-         "qada_sampled_cal": partial(qada_sampled_cal, n_samples=64),
-         "qada_kv_sampled_cal": partial(qada_sampled_cal, n_samples=64, rule="mean")}
+         "qada_kv_all_cal": partial(qada_cal, rule="all"),
+         "qada_sampled": partial(qada_sampled, n_samples=N_SAMPLES),
+         "qada_kv_sampled": partial(qada_sampled, n_samples=N_SAMPLES, rule="mean"),
+         "qada_sampled_upper": partial(qada_sampled, n_samples=N_SAMPLES, z=2.0),
+         "qada_sampled_cal": partial(qada_sampled_cal, n_samples=N_SAMPLES),
+         "qada_kv_sampled_cal": partial(qada_sampled_cal, n_samples=N_SAMPLES, rule="mean")}
 # Paths that compute every score to find their labels: the KV-read fraction of those labels is implied, not saved.
 ANALYSIS_ONLY = ("oracle", "oracle_kv")
 

@@ -253,7 +253,8 @@ def check_calibration(c: Calibration, name, L: int, H: int, Hkv: int, n_sink: in
             raise ValueError(f"{name} was fitted with {key} {c.settings[key]}, not {value}")
     if estimate is not None and c.estimate != estimate:
         raise ValueError(f"{name} corrects the {c.estimate} estimate of the bulk mass, this method decides with the "
-                         f"{estimate} one (kind 'sampled' corrects the sampled estimate, every other kind the Gaussian)")
+                         f"{estimate} one (kind 'sampled' corrects the sampled estimate, every other kind the "
+                         "Gaussian)")
     if c.estimate == "sampled":
         return  # the sampled estimate reads no moments
     fitted = c.settings.get("moments_source", "random-words")

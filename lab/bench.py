@@ -373,14 +373,14 @@ def parse_methods(text: str) -> list[tuple[str, float]]:
 
 
 def prefilled(model, ids: list[int], extra: int, folder: Path | None) -> tuple[KVCache, torch.Tensor, float]:
-    """A batch-1 cache of the prompt `ids` with room for `extra` more positions, the prefill's last logits (1, V) and
-    its seconds. With a `folder`, the filled keys and values are kept there on disk, keyed by the model, its dtype and
-    RoPE base and the ids, and read back instead of prefilled again (a 32k prefill takes minutes on a CPU; the seconds
-    reported are those of the prefill that made the file)."""
+    """A batch-1 cache of the prompt `ids` with room for `extra` more positions, the prefill's last logits (1, V)
+    and its seconds. With a `folder`, the filled keys and values are kept there on disk, keyed by the model, its
+    dtype, device type and RoPE base and the ids, and read back instead of prefilled again (a 32k prefill takes
+    minutes on a CPU; the seconds reported are those of the prefill that made the file)."""
     cfg = model.cfg
     path = None
     if folder is not None:
-        key = json.dumps([str(model.model_dir), str(model.dtype), cfg.rope_theta, ids])
+        key = json.dumps([str(model.model_dir), str(model.dtype), model.device.type, cfg.rope_theta, ids])
         path = Path(folder) / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.pt"
     cache = model.new_cache(len(ids) + extra)
     if path is not None and path.is_file():

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from attention import all_scores, build_attention, bulk_sample, dense
+from attention import N_SAMPLES, all_scores, build_attention, bulk_sample, dense
 from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_exponent, load_local_freq, oracle_log_masses,
                        sampled_log_bulk, save_calibration, save_labels)
 from generate import decode, pick_device
@@ -98,7 +98,7 @@ class MassRecorder:
     and the bulk beside the Gaussian estimate's two terms and the sampled estimate (qada_sampled's, `n_samples` keys),
     all (H,) per layer."""
 
-    def __init__(self, moments, n_sink: int, n_local: int, n_samples: int = 64):
+    def __init__(self, moments, n_sink: int, n_local: int, n_samples: int = N_SAMPLES):
         self.moments, self.n_sink, self.n_local, self.n_samples = moments, n_sink, n_local, n_samples
         # per decode step: (L, 5, H) [log A_local, log A_bulk, mu_s, sigma_s^2 / 2, sampled log A_bulk]
         self.steps, self.n_bulk = [], []
@@ -191,7 +191,8 @@ def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samp
     reference = ReferenceKeys(model, tok, words, root=cache_dir() / "moments", progress=progress) if words else None
     for task in tasks:
         for i in range(samples):
-            if f"{task}#{i}" in data["prompts"]:
+            kept = data["prompts"].get(f"{task}#{i}")
+            if kept is not None and kept[0].shape[2] == 5:  # 4 rows: recorded before the sampled estimate, so again
                 continue
             t0 = time.perf_counter()
             data["prompts"][f"{task}#{i}"] = prompt_masses(model, tok, reference, task, i, length, seed,
@@ -201,14 +202,11 @@ def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samp
                 print(f"{task}#{i}: {len(data['prompts'][f'{task}#{i}'][1])} steps, {time.perf_counter() - t0:.0f} s",
                       file=sys.stderr)
     chosen = [data["prompts"][f"{t}#{i}"] for t in tasks for i in range(samples)]
-    rows = min(m.shape[2] for m, _ in chosen)  # prompts recorded before the sampled estimate have its 4 rows
-    masses, n_bulk = torch.cat([m[:, :, :rows] for m, _ in chosen]), torch.cat([n for _, n in chosen])
+    masses, n_bulk = torch.cat([m for m, _ in chosen]), torch.cat([n for _, n in chosen])
     out = {}
     for kind in CALIBRATION_KINDS:
-        if kind == "sampled" and rows < 5:
-            continue
         a, b, s = fit_calibration(masses, n_bulk, model.cfg.num_key_value_heads, kind, eps)
-        extra = {"eps": eps} if kind == "quantile" else {"n_samples": 64} if kind == "sampled" else {}
+        extra = {"eps": eps} if kind == "quantile" else {"n_samples": N_SAMPLES} if kind == "sampled" else {}
         out[kind] = Calibration(a, b, s, dict(settings, kind=kind, estimate="sampled" if kind == "sampled" else
                                               "gaussian", steps=int(masses.shape[0]), **extra))
         save_calibration(folder / f"{kind}.json", out[kind])

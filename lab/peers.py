@@ -11,8 +11,8 @@ their window. The two save different things: a press frees memory for good (an e
 later question), QAdA saves reading and frees nothing.
 
 The prompts are the sweep's (lab.tasks with the same tasks, seeds and length, tokenized by the same tokenizer), so
-the records pair with a sweep's sample for sample; `--pair RUN` checks every prompt's token count against RUN's
-records. Two protocols, in the config's name:
+the records pair with a sweep's sample for sample; `--pair RUN` checks every prompt's token count (and its ids' hash,
+where RUN's records keep one) against RUN's records. Two protocols, in the config's name:
 
     snapkv@0.5          question-aware: all of the prompt but its last token is compressed, the question inside it
                         (what QAdA sees when it decides); the last token then reads the compressed cache
@@ -257,11 +257,11 @@ def greedy_rows(hf, rows: list[tuple[list, torch.Tensor, int]], max_new: int, eo
     return [(new[b], read[b]) for b in range(B)]
 
 
-def run_sample(hf, tok, sample: Sample, ids: list[int], peers: list[Peer], device: str) -> list[dict]:
+def run_sample(hf, tok, sample: Sample, ids: list[int], n_ctx: int | None, peers: list[Peer], device: str
+               ) -> list[dict]:
     """Every peer on one sample: one dense prefill of all but the last token, then every press's cache decoded as
     a row of one batch."""
-    n = len(ids)
-    n_ctx = question_start(sample, ids, tok) if any(p.protocol == "context" for p in peers) else None
+    n = len(ids)  # n_ctx: where the question starts (question_start), for the context-only protocol
     x = torch.tensor([ids], device=device)
     spans = {p.key: n - 1 if p.protocol == "question" else n_ctx for p in peers}
     sync(x.device)
@@ -365,8 +365,9 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
     device = pick_device(device)
     model = model or DEFAULT
     expected = paired_prompts(Path(pair)) if pair else {}
+    if not task_list or samples < 1:
+        raise ValueError("nothing to run: give --tasks and --samples >= 1")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     settings = dict(tasks=task_list, length=length, seed=seed, stop="eos", model=model, dtype=dtype,
                     runner="lab.peers")
     meta = out / "run.json"
@@ -377,8 +378,6 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
         if clash:
             raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
         settings["tasks"] = list(dict.fromkeys(info["settings"]["tasks"] + task_list))
-    info["settings"] = settings
-    meta.write_text(json.dumps(info, indent=1))
 
     folder = resolve(model, progress=progress)
     tok = Tokenizer.from_dir(folder)
@@ -387,20 +386,24 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
     jobs = [(t, i, [p for p in peers if (t, i, p.key) not in done and wanted(p, i)])
             for i in range(samples) for t in task_list]
     jobs = [j for j in jobs if j[2]]
-    prompts = {}
-    for task, index, _ in jobs:  # every prompt, and its pairing, before the first hour of decoding
+    prompts, context = {}, any(p.protocol == "context" for p in peers)
+    for task, index, _ in jobs:  # every prompt, its split and its pairing, before the first hour of decoding
         sample = make_sample(task, index, length, tok, seed)
-        prompts[task, index] = sample, tok.encode(sample.prompt)
+        ids = tok.encode(sample.prompt)
+        prompts[task, index] = sample, ids, question_start(sample, ids, tok) if context else None
     if pair:
-        check_pairing(list(prompts.values()), expected, pair)
+        check_pairing([(sample, ids) for sample, ids, _ in prompts.values()], expected, pair)
+    out.mkdir(parents=True, exist_ok=True)  # the settings are written once every check has passed
+    info["settings"] = settings
+    meta.write_text(json.dumps(info, indent=1))
     hf = load_hf(folder, DTYPES[dtype], device)
     bar = tqdm(total=sum(len(ps) for _, _, ps in jobs), unit="run", desc="peers", file=sys.stderr,
                dynamic_ncols=True, disable=not progress)
     t_start = time.perf_counter()
     for task, index, todo in jobs:
-        sample, ids = prompts[task, index]
+        sample, ids, n_ctx = prompts[task, index]
         bar.set_postfix_str(f"{task}#{index}")
-        records = run_sample(hf, tok, sample, ids, todo, device)
+        records = run_sample(hf, tok, sample, ids, n_ctx, todo, device)
         with open(path, "a") as f:  # a sample's records at once: an interruption loses one sample
             for rec in records:
                 f.write(json.dumps(rec) + "\n")
@@ -437,7 +440,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         out = run(a.out, a.tasks, a.length, a.samples, a.presses, a.ratios, a.context_ratios, a.seed, a.model, a.dtype,
-                  a.device, a.pair, a.threads, a.dense_samples, command="python -m lab.peers " + " ".join(argv or sys.argv[1:]))
+                  a.device, a.pair, a.threads, a.dense_samples,
+                  command="python -m lab.peers " + " ".join(argv or sys.argv[1:]))
     except (OSError, ValueError) as e:  # bad input: one line
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,9 +21,10 @@ from criterion import TAU, static_labels
 ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_prompt_online",
          "qada_word", "qada_long", "static_kv", "static_oracle_kv", "oracle_kv", "qada_kv", "qada_kv_all",
          "qada_cal", "qada_cal_transfer", "qada_cal_offset", "qada_cal_scale", "qada_cal_quantile", "qada_kv_cal",
-         "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer", "qada_sampled", "qada_kv_sampled", "qada_sampled_upper",
-         "hf_dense", "snapkv", "expected_attention", "knorm", "streaming_llm", "snapkv_ctx", "expected_attention_ctx", "knorm_ctx",
-         "streaming_llm_ctx")
+         "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer", "qada_sampled", "qada_kv_sampled",
+         "qada_sampled_upper", "qada_sampled_cal", "qada_sampled_cal_transfer", "qada_kv_sampled_cal",
+         "qada_kv_sampled_cal_transfer", "hf_dense", "snapkv", "expected_attention", "knorm", "streaming_llm", "snapkv_ctx",
+         "expected_attention_ctx", "knorm_ctx", "streaming_llm_ctx")
 LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
          "static_oracle": "static oracle", "oracle": "adaptive oracle", "qada_rw": "QAdA (random words)",
          "qada_prompt": "QAdA (current prompt, fixed)", "qada_prompt_online": "QAdA (current prompt, online; ours)",
@@ -41,7 +42,12 @@ LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads
          "qada_sampled": "QAdA, bulk mass from 64 sampled keys (ours)",
          "qada_kv_sampled": "QAdA per KV group, bulk mass from 64 sampled keys (ours)",
          "qada_sampled_upper": "QAdA, bulk mass from 64 sampled keys, upper end of its interval (ours)",
-         "hf_dense": "dense through transformers (the peers' control)", "snapkv": "kvpress SnapKV (question in the press)", "expected_attention": "kvpress ExpectedAttention (question in the press)",
+         "qada_sampled_cal": "QAdA, 64 sampled keys, calibrated (affine; ours)",
+         "qada_sampled_cal_transfer": "QAdA, 64 sampled keys, calibrated on other tasks (affine)",
+         "qada_kv_sampled_cal": "QAdA per KV group, 64 sampled keys, calibrated (mean share)",
+         "qada_kv_sampled_cal_transfer": "QAdA per KV group, 64 sampled keys, calibrated on other tasks (mean share)",
+         "hf_dense": "dense through transformers (the peers' control)", "snapkv": "kvpress SnapKV (question in the press)",
+         "expected_attention": "kvpress ExpectedAttention (question in the press)",
          "knorm": "kvpress Knorm (question in the press)", "streaming_llm": "kvpress StreamingLLM",
          "snapkv_ctx": "kvpress SnapKV (context only)", "expected_attention_ctx": "kvpress ExpectedAttention (context only)",
          "knorm_ctx": "kvpress Knorm (context only)", "streaming_llm_ctx": "kvpress StreamingLLM (context only)"}

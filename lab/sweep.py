@@ -340,7 +340,7 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
         path = Path(folder) / f"{src.removeprefix(prefix)}.json"
         calibrations[src] = load_calibration(path, model.device)
         cfg = model.cfg
-        estimates = {bulk_estimate(p) for p, src2 in sources if src2 == src}  # the paths reading this file
+        estimates = {bulk_estimate(p) for p, src2 in sources if src2 == src and "calibration" in path_inputs(p)}
         if len(estimates) > 1:
             raise ValueError(f"the {src} calibration is read by paths of both estimates; use a source per estimate")
         check_calibration(calibrations[src], path, cfg.num_hidden_layers, cfg.num_attention_heads,

@@ -3,6 +3,7 @@
 No timings are asserted: speed is what lab.bench reports, these tests only pin what it computes."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,6 +173,26 @@ def test_end_to_end_takes_a_calibration_and_reads_prefills_back(tmp_path, monkey
         [(r["sparsity"], r["kv_read"], r["needle"], r["prefill_s"]) for r in rows]
     with pytest.raises(ValueError, match="ships no calibration"):
         bench.bench_end_to_end(str(folder), [300], [1], methods, **dict(kw, calibration=None))
+    local = tmp_path / "all_local.json"  # a correction that makes every head local: the file is really read
+    save_calibration(local, Calibration(torch.full((2, 4), 40.0), torch.ones(2, 4), None, {}))
+    rows, _ = bench.bench_end_to_end(str(folder), [300], [1], bench.parse_methods("qada_cal@0.6"),
+                                     **dict(kw, calibration=str(local)))
+    assert rows[0]["sparsity"] == 1.0 and plain[0][0] < 1.0
+
+
+def test_a_prefill_read_back_is_the_prefill(tmp_path):
+    """`prefilled` from its file: the same keys, values, length and first logits as the prefill that wrote it."""
+    from model import load_model
+    from tests.test_generate import make_tiny_dir
+    model = load_model(make_tiny_dir(tmp_path / "tiny"))
+    ids = torch.randint(1, 100, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    fresh, first, seconds = bench.prefilled(model, ids, 5, tmp_path / "prefills")
+    back, first_back, seconds_back = bench.prefilled(model, ids, 5, tmp_path / "prefills")
+    other, _, _ = bench.prefilled(model, ids[:-1], 5, tmp_path / "prefills")  # another prompt: its own file
+    assert len(list((tmp_path / "prefills").glob("*.pt"))) == 2
+    assert back.length == fresh.length == 40 and back.max_len == fresh.max_len == 45 and other.length == 39
+    assert torch.equal(back.k, fresh.k) and torch.equal(back.v, fresh.v) and back.k.dtype == fresh.k.dtype
+    assert torch.equal(first_back, first) and seconds_back == seconds
 
 
 def test_the_two_parts_run_apart_into_one_folder(tmp_path, monkeypatch):

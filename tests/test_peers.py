@@ -164,6 +164,9 @@ def test_the_runner_writes_sweep_records_that_pair_and_resume(tiny_dir, tmp_path
                                                 for r in rows))
     with pytest.raises(ValueError, match="prompt tokens here"):
         run(tiny_dir, tmp_path / "other", pair=str(pair))
+    assert not (tmp_path / "other" / "run.json").exists()  # a refused run leaves no settings to clash with later
+    with pytest.raises(ValueError, match="nothing to run"):
+        run(tiny_dir, tmp_path / "empty", samples=0)
 
 
 def test_the_control_runs_on_the_first_samples_only_when_asked(tiny_dir, tmp_path):
