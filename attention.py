@@ -45,6 +45,7 @@ try:  # the fused kernel's compiler: optional, CUDA builds of torch bring it; th
     import triton.language as tl
 except ImportError:
     triton = None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels (the tests)
 
 from criterion import (GROUP_RULES, TAU, check_tau, corrected_log_bulk, gaussian_log_bulk, local_labels, oracle_labels,
                        oracle_log_masses, qada_labels, sampled_log_bulk, tau_logit, window_mask, window_slices)
@@ -57,8 +58,8 @@ from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk
 def dense(q, k, v):
     """Every head reads the whole cache; each KV head once for its G query heads (the best dense we have)."""
     H, D = q.shape
-    y = full_attention(q.view(k.shape[0], -1, D), k, v)  # (Hkv, G, D)
-    return y.view(H, D), torch.zeros(H, dtype=torch.bool, device=q.device)
+    y = full_attention(q.view(k.shape[0], -1, D), k, v)  # (Hkv, G, D), not contiguous from CUDA's SDPA
+    return y.reshape(H, D), torch.zeros(H, dtype=torch.bool, device=q.device)
 
 
 def local(q, k, v, *, n_sink, n_local):
@@ -84,14 +85,14 @@ def qada(q, k, v, *, layer, n_sink, n_local, tau, moments, rule=None, correction
     """Listing 1: the window's scores, the Gaussian estimate of the bulk (Eq. 7), then full attention for the
     long-context heads only. With a `rule`, one decision per KV group (ours): a group labelled long-context reads
     its KV head once for all G query heads, a local group reads its window only. `correction`: qada_cal's."""
-    if fused(q):  # the same decision and skipping in three Triton kernels, nothing read back to the host
+    T = k.shape[1]
+    if fused(q) and T > n_local:  # the same decision and skipping in three Triton kernels, nothing read back to the host
         A, b = moments.quadratic_form(layer, k)
         zero = torch.zeros(1, dtype=torch.int32, device=q.device)  # row 0 of the cache, from position 0
         y, labels = fused_qada(q[None], k[None], v[None], zero, zero, n_sink, n_local, (A[None], b[None]),
                                torch.full((1,), tau, dtype=torch.float64, device=q.device), rule, correction)
         return y[0], labels[0]
     y_window, log_local = window_attention(q, k, v, n_sink, n_local)
-    T = k.shape[1]
     if T <= n_local:  # no bulk: the window is the whole context, every head is exact and local
         return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
     form = moments.quadratic_form(layer, k)  # Eq. 6's (A, b): q A q^T + q b = mu_s + sigma_s^2 / 2
@@ -222,7 +223,7 @@ class DecodeAttention:
         if self.stats.track_oracle:  # analysis: every score, the true masses beside the Gaussian estimate
             oracle_local, log_masses = self.oracle_view(q1, k1, layer)
         self.stats.record(layer, k1.shape[1], labels, oracle_local, log_masses)
-        return y.view(1, H, 1, D)
+        return y.reshape(1, H, 1, D)
 
     def oracle_view(self, q, k, layer: int):
         """The oracle's labels (at the path's tau, else criterion.TAU) and the log masses (4, H): local, true bulk,
@@ -383,7 +384,7 @@ class HeadStats:
         return torch.stack([torch.stack(step) for step in self.oracle]).cpu()
 
     def summary(self, n_kv_heads: int) -> dict:
-        return summarize(self.label_tensor(), torch.tensor(self.lengths), n_kv_heads, self.n_local,
+        return summarize(self.label_tensor(), torch.tensor(self.lengths, device="cpu"), n_kv_heads, self.n_local,
                          self.oracle_tensor() if self.track_oracle and self.oracle else None, self.decision_read)
 
 
@@ -394,7 +395,7 @@ def kv_read_fraction(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: in
     at most the bulk's keys). labels (S, L, H) bool, lengths (S,)."""
     S, L, H = labels.shape
     group_local = labels.view(S, L, n_kv_heads, H // n_kv_heads).all(-1)  # (S, L, Hkv)
-    T = lengths.double()[:, None, None]
+    T = lengths.to(labels.device).double()[:, None, None]
     # a decision that reads bulk keys reads at most the bulk's T - n_local keys (half an entry each: no values)
     local_read = n_local + torch.minimum((T - n_local).clamp(min=0) / 2, torch.full_like(T, decision_read))
     read = torch.where(group_local, torch.minimum(T, local_read), T)
@@ -549,7 +550,7 @@ def reference_attention(q, k, v, labels, n_sink, n_local):
     H, D = q.shape
     Hkv, T, _ = k.shape
     in_window = window_mask(T, n_sink, n_local, q.device)
-    keep = in_window[None, :] | ~labels[:, None]  # (H, T)
+    keep = in_window[None, :] | ~labels.to(q.device)[:, None]  # (H, T)
     weights = all_scores(q, k).masked_fill(~keep, -math.inf).softmax(-1)  # (H, T)
     return torch.bmm(weights.view(Hkv, H // Hkv, T), v.float()).view(H, D)
 
@@ -575,7 +576,11 @@ def fused(q: torch.Tensor) -> bool:
         raise ValueError(f"QADA_KERNEL takes auto, triton or torch; got {choice!r}")
     if choice == "triton" and triton is None:
         raise RuntimeError("QADA_KERNEL=triton, but triton is not installed (pip install triton)")
-    return choice == "triton" or (choice == "auto" and q.is_cuda and triton is not None)
+    D = q.shape[-1]
+    kernel_dim = D >= 16 and D & (D - 1) == 0  # tl.dot's smallest tile and tl.arange's powers of two
+    if choice == "triton" and not kernel_dim and not INTERPRETED:
+        raise ValueError(f"QADA_KERNEL=triton: the kernel takes head dims that are powers of two from 16, not {D}")
+    return choice == "triton" or (choice == "auto" and q.is_cuda and triton is not None and kernel_dim)
 
 if triton is not None:
 
@@ -584,7 +589,8 @@ if triton is not None:
                               sqb, sqh, skb, skh, skt, svb, svh, svt, sab, sah, sbb, sbh,
                               H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                               D: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, W_PAD: tl.constexpr,
-                              RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr):
+                              RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+                              BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr):
         b, g = tl.program_id(0), tl.program_id(1)
         row = tl.load(ROWS + b)  # the cache row of this program's query
         start = tl.load(START + b)
@@ -592,30 +598,45 @@ if triton is not None:
         h = tl.arange(0, G_PAD)
         h_ok = h < G
         d = tl.arange(0, D)
-        q = tl.load(Q + b * sqb + (g * G + h)[:, None] * sqh + d[None, :], mask=h_ok[:, None], other=0.0)
-        q = q.to(tl.float32)  # (G_PAD, D)
-        # the window: the first N_SINK and the last N_LOCAL - N_SINK positions, or the whole context if shorter
-        w = tl.arange(0, W_PAD)
+        q_rows = Q + b * sqb + (g * G + h)[:, None] * sqh
+        q = tl.load(q_rows + d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, D)
+        # The window, the first N_SINK and the last N_LOCAL - N_SINK positions (or the whole context if shorter), in
+        # blocks of BLOCK_W with a running softmax: small tiles keep the program in registers. Exact fp32 products
+        # (not TF32), so that the labels are the torch path's.
         short = n_ctx <= N_LOCAL
-        pos = tl.where(short | (w < N_SINK), start + w, T - N_LOCAL + w)
-        w_ok = tl.where(short, w < n_ctx, w < N_LOCAL)
-        kw = tl.load(K + row * skb + g * skh + pos[:, None] * skt + d[None, :], mask=w_ok[:, None], other=0.0)
-        vw = tl.load(V + row * svb + g * svh + pos[:, None] * svt + d[None, :], mask=w_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kw.to(tl.float32))) * sm_scale  # (G_PAD, W_PAD)
-        s = tl.where(w_ok[None, :], s, float("-inf"))
-        m = tl.max(s, 1)
-        p = tl.exp(s - m[:, None])
-        l_sum = tl.sum(p, 1)
-        y = tl.dot(p, vw.to(tl.float32)) / l_sum[:, None]  # (G_PAD, D)
+        m = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((G_PAD,), tl.float32)
+        acc = tl.zeros((G_PAD, D), tl.float32)
+        for w0 in range(0, W_PAD, BLOCK_W):  # block 0 holds position 0, so m is finite after it
+            w = w0 + tl.arange(0, BLOCK_W)
+            pos = tl.where(short | (w < N_SINK), start + w, T - N_LOCAL + w)
+            w_ok = tl.where(short, w < n_ctx, w < N_LOCAL)
+            kw = tl.load(K + row * skb + g * skh + pos[:, None] * skt + d[None, :], mask=w_ok[:, None], other=0.0)
+            vw = tl.load(V + row * svb + g * svh + pos[:, None] * svt + d[None, :], mask=w_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kw.to(tl.float32)), input_precision="ieee") * sm_scale  # (G_PAD, BLOCK_W)
+            s = tl.where(w_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, vw.to(tl.float32), input_precision="ieee")
+            m = m_new
+        y = acc / l_sum[:, None]  # (G_PAD, D)
         log_local = m + tl.log(l_sum)
         tl.store(Y_WIN + (b * H + g * G + h)[:, None] * D + d[None, :], y, mask=h_ok[:, None])
         tl.store(LOG_LOCAL + b * H + g * G + h, log_local, mask=h_ok)
-        # Eq. 6-7: log A_bulk = log T_bulk + q A q^T + q b, corrected, against the threshold
-        a_mat = tl.load(A + b * sab + g * sah + d[:, None] * D + d[None, :])  # (D, D) fp32
-        if HAS_SCALE:
-            a_mat = a_mat * tl.load(CS + g)
+        # Eq. 6: q A q^T + q b, with A read BLOCK_D columns at a time
+        quad = tl.zeros((G_PAD,), tl.float32)
+        for j0 in range(0, D, BLOCK_D):
+            j = j0 + tl.arange(0, BLOCK_D)
+            a_cols = tl.load(A + b * sab + g * sah + d[:, None] * D + j[None, :])  # (D, BLOCK_D) fp32
+            q_j = tl.load(q_rows + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, BLOCK_D)
+            quad += tl.sum(tl.dot(q, a_cols, input_precision="ieee") * q_j, 1)
+        if HAS_SCALE:  # the variance term (q A q^T: A is Sigma / 2D) scaled per KV head
+            quad = quad * tl.load(CS + g)
         bv = tl.load(BV + b * sbb + g * sbh + d)
-        expo = tl.sum(tl.dot(q, a_mat) * q, 1) + tl.sum(q * bv[None, :], 1)
+        expo = quad + tl.sum(q * bv[None, :], 1)
+        # Eq. 7: log A_bulk = log T_bulk + the exponent, corrected, against the threshold
         log_bulk = expo + tl.log(tl.maximum(n_ctx - N_LOCAL, 1).to(tl.float32))
         if HAS_CAL:
             ca = tl.load(CA + g * G + h, mask=h_ok, other=0.0)
@@ -635,10 +656,10 @@ if triton is not None:
         tl.store(READ + b * HKV + g, (tl.sum(tl.where(h_ok & ~local, 1, 0), 0) > 0).to(tl.int8))
 
     @triton.jit
-    def _split_attention_kernel(Q, K, V, ROWS, START, READ, O_PART, M_PART, L_PART, T, sm_scale,
+    def _split_attention_kernel(Q, K, V, ROWS, START, READ, O_PART, M_PART, L_PART, T, N_SPLITS, sm_scale,
                                 sqb, sqh, skb, skh, skt, svb, svh, svt,
                                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                                D: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+                                D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, LOW: tl.constexpr):
         b, g, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if tl.load(READ + b * HKV + g) == 0:  # a local group: its cache is not read
             return
@@ -653,19 +674,26 @@ if triton is not None:
         acc = tl.zeros((G_PAD, D), tl.float32)
         if lo < hi:
             q = tl.load(Q + b * sqb + (g * G + h)[:, None] * sqh + d[None, :], mask=(h < G)[:, None], other=0.0)
-            q = q.to(tl.float32)
+            if not LOW:
+                q = q.to(tl.float32)
             for i in range(SPLIT // BLOCK_N):  # a fixed trip count; the tail of the context is masked
                 offs = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
                 ok = offs < hi
                 kt = tl.load(K + row * skb + g * skh + offs[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
                 vt = tl.load(V + row * svb + g * svh + offs[:, None] * svt + d[None, :], mask=ok[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(kt.to(tl.float32))) * sm_scale
+                if LOW:  # bf16 / fp16 cache: tensor-core products of the stored values, fp32 sums (as flash attention)
+                    s = tl.dot(q, tl.trans(kt)) * sm_scale
+                else:  # exact fp32 products, not TF32
+                    s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee") * sm_scale
                 s = tl.where(ok[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32))
+                if LOW:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
                 m_i = m_new
         tl.store(M_PART + part, m_i)
         tl.store(L_PART + part, l_i)
@@ -673,8 +701,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(Y_WIN, LABELS, READ, O_PART, M_PART, L_PART, Y,
-                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                      N_SPLITS: tl.constexpr):
+                      N_SPLITS, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                      D: tl.constexpr):
         b, g = tl.program_id(0), tl.program_id(1)
         h = tl.arange(0, G_PAD)
         h_ok = h < G
@@ -698,21 +726,31 @@ if triton is not None:
         tl.store(Y + rows, y, mask=h_ok[:, None])
 
 
+def split_size(n_programs: int, T: int, device: torch.device, block_n: int = 64) -> int:
+    """Context positions per split program: enough splits that the long-context groups' programs fill the GPU
+    (four per multiprocessor if every (row, KV head) reads), at most 64 splits per group, whole blocks of block_n."""
+    slots = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8)
+    per_group = min(64, triton.cdiv(slots, n_programs))
+    return max(256, triton.cdiv(triton.cdiv(T, per_group), block_n) * block_n)
+
+
 def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None, correction=None,
-               split: int = 1024, block_n: int = 64, count_reads: bool = False):
+               split: int | None = None, block_n: int = 64, count_reads: bool = False):
     """QAdA for one layer and n rows in three Triton kernels: the same labels and output as the `qada` path of each
     row, up to fp32 rounding. q (n, H, D); k, v (B, Hkv, T, D), views of the cache (any stride over T), of which row
     rows[i] is query i's (integers, (n,)); start (n,), each row's first filled position (left padding); form: each
     row's (A (n, Hkv, D, D), b (n, Hkv, D)) fp32; tau (n,), float64 so that the threshold is criterion.tau_logit's;
     rule as criterion.local_labels; correction: one layer's Calibration.layer() (a (H,), b (H,), s (Hkv,) or None).
     Returns y (n, H, D) in q's dtype and labels (n, H) bool, on the device; with `count_reads` (for tests) also the
-    splits of each (row, KV head) that read the cache, (n, Hkv)."""
+    splits of each (row, KV head) that read the cache, (n, Hkv). `split`: context positions per program (default
+    split_size's); the split count is a runtime argument, so a growing context never recompiles the kernels."""
     if triton is None:
         raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
     B, H, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     G = H // Hkv
     G_pad = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
+    split = split or split_size(B * Hkv, T, q.device, block_n)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
     n_splits = triton.cdiv(T, split)
@@ -725,26 +763,28 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     ca, cb, cs = correction if correction is not None else (None, None, None)
     dummy = log_local  # never read: HAS_CAL / HAS_SCALE are off
     sm_scale = 1 / math.sqrt(D)
+    w_pad = max(16, triton.next_power_of_2(n_local))
     _window_decide_kernel[(B, Hkv)](
         q, k, v, rows, start, A, bvec, tau.float(), tau_logit(tau.double()), ca if ca is not None else dummy, cb if cb is not None else dummy,
         cs if cs is not None else dummy, y_win, log_local, labels, read, T, sm_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
-        W_PAD=max(16, triton.next_power_of_2(n_local)), RULE=RULES[rule], HAS_CAL=ca is not None,
-        HAS_SCALE=cs is not None)
+        W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None,
+        HAS_SCALE=cs is not None, BLOCK_W=min(32, w_pad), BLOCK_D=min(32, D))
     o_part = torch.empty(B, Hkv, n_splits, G_pad, D, device=dev, dtype=f32)
     m_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
     if count_reads:
         m_part.fill_(math.inf)  # what no split program writes: a max score is finite, -inf or NaN
     l_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
     _split_attention_kernel[(B, Hkv, n_splits)](
-        q, k, v, rows, start, read, o_part, m_part, l_part, T, sm_scale,
+        q, k, v, rows, start, read, o_part, m_part, l_part, T, n_splits, sm_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, N_SPLITS=n_splits, BLOCK_N=block_n)
+        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
+        LOW=k.dtype != torch.float32 and not INTERPRETED)  # the interpreter multiplies bf16 tiles wrongly
     y = torch.empty(B, H, D, device=dev, dtype=f32)
-    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y,
-                            H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SPLITS=n_splits)
+    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y, n_splits,
+                            H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D)
     if count_reads:  # a split that ran wrote its max score, -inf when its part of the context was empty
         return y.to(q.dtype), labels.bool(), (m_part[..., 0] != math.inf).sum(-1)
     return y.to(q.dtype), labels.bool()
