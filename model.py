@@ -11,6 +11,7 @@ L layers, V vocabulary.
 """
 
 import copy
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -201,6 +202,11 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
@@ -222,14 +228,19 @@ class Attention(nn.Module):
         k, v = cache.write(self.layer, k, v)  # (B, Hkv, start + T, D)
         if T == 1 and decode_attention is not None:
             y = decode_attention(q, k, v, self.layer)  # (B, H, 1, D)
+        elif T == 1 and x.is_cuda and cache.start is None and B * self.Hkv < multiprocessors(x.device):
+            # Dense decoding on a GPU with few (row, KV head) pairs: FlashAttention's decoding splits each head's
+            # context across thread blocks (flash-decoding) and reads a KV head once for its G query heads; the
+            # packed layout below would give it only B * Hkv blocks to fill the GPU with.
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # (B, H, 1, D)
         elif T == 1:
             # Plain dense decoding, packed: a group's G query heads go to SDPA as G query positions of their
-            # KV head, so each KV head is read once (enable_gqa would read it once per query head).
+            # KV head, so each KV head is read once (enable_gqa reads it once per query head on the CPU).
             mask = None
             if cache.start is not None:  # left-padded rows: no row sees its padding
                 mask = (torch.arange(k.shape[2], device=x.device) >= cache.start[:, None])[:, None, None]  # (B, 1, 1, T)
             y = F.scaled_dot_product_attention(q.view(B, self.Hkv, -1, self.D), k, v, attn_mask=mask)  # (B, Hkv, G, D)
-            y = y.view(B, self.H, 1, self.D)
+            y = y.reshape(B, self.H, 1, self.D)
         elif cache.start is not None:
             raise ValueError("a stacked (left-padded) cache decodes one token at a time; prefill each prompt alone")
         elif start == 0:
@@ -372,7 +383,7 @@ def load_model(model_dir: str | Path, device=None, dtype=torch.float32, rope_the
         if not rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {rope_theta}")
         cfg.rope_theta = rope_theta
-    device = torch.device(device or "cpu")
+    device = torch.device(device) if device is not None else torch.get_default_device()  # "cpu" unless set otherwise
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} asked for, but this machine has no CUDA (torch {torch.__version__})")
     with torch.device("meta"):
