@@ -279,7 +279,7 @@ def static_labels(local_freq: torch.Tensor, sparsity: float, n_kv_heads: int | N
         group_freq = local_freq.float().view(L, n_kv_heads, H // n_kv_heads).mean(-1)  # (L, Hkv)
         return static_labels(group_freq, sparsity).repeat_interleave(H // n_kv_heads, dim=1)
     n = round(sparsity * local_freq.numel())
-    labels = torch.zeros(local_freq.numel(), dtype=torch.bool)
+    labels = torch.zeros(local_freq.numel(), dtype=torch.bool, device=local_freq.device)
     # A stable sort on a fixed order makes ties reproducible.
     order = torch.sort(local_freq.flatten().float().cpu(), descending=True, stable=True).indices
     labels[order[:n]] = True

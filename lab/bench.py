@@ -192,7 +192,7 @@ class Stack:
         """The criterion labels exactly the pattern; with every head long, qada equals dense."""
         G = self.H // self.Hkv
         labels = torch.stack(self.criterion(moments)).cpu()  # (L, H)
-        if not torch.equal(labels, ~full.repeat_interleave(G, 1)):
+        if not torch.equal(labels, ~full.repeat_interleave(G, 1).cpu()):
             raise RuntimeError("the synthetic moments did not produce the intended label pattern")
         if full.all():
             for a, b in zip(self.run("qada", moments), self.run("dense")):

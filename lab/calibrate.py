@@ -122,7 +122,7 @@ class MassRecorder:
 
     def masses(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(S, L, 5, H) and each step's T_bulk (S,)."""
-        return torch.stack([torch.stack(s) for s in self.steps]), torch.tensor(self.n_bulk, dtype=torch.float64)
+        return torch.stack([torch.stack(s) for s in self.steps]), torch.tensor(self.n_bulk, dtype=torch.float64, device="cpu")
 
 
 @torch.inference_mode()
@@ -145,7 +145,7 @@ def fit_calibration(masses: torch.Tensor, n_bulk: torch.Tensor, n_kv_heads: int,
     Eq. 7's estimate of it (kind "sampled": qada_sampled's, the masses' fifth row)."""
     m = masses.double()
     log_local, log_bulk, mu, half_var = m[:, :, :4].unbind(2)  # (N, L, H) each
-    log_n = n_bulk.double().log()[:, None, None]
+    log_n = n_bulk.to(m.device).double().log()[:, None, None]
     if kind == "sampled":
         if m.shape[2] < 5:
             raise ValueError("these masses hold no sampled estimate (recorded before it existed): record them again")
@@ -154,7 +154,7 @@ def fit_calibration(masses: torch.Tensor, n_bulk: torch.Tensor, n_kv_heads: int,
         estimate = log_n + mu + half_var  # estimated_log_bulk, from its two terms
     r, r_est = log_local - log_bulk, log_local - estimate
     N, L, H = r.shape
-    ones, s = torch.ones(L, H, dtype=torch.float64), None
+    ones, s = torch.ones(L, H, dtype=torch.float64, device=m.device), None
     if kind == "offset":
         a, b = (r - r_est).median(0).values, ones
     elif kind == "quantile":
@@ -167,7 +167,7 @@ def fit_calibration(masses: torch.Tensor, n_bulk: torch.Tensor, n_kv_heads: int,
         G = H // n_kv_heads
         x, y = half_var.reshape(N, L, n_kv_heads, G), (log_bulk - log_n - mu).reshape(N, L, n_kv_heads, G)
         s = ((x * y).sum((0, 3)) / (x * x).sum((0, 3)).clamp(min=1e-12)).clamp(min=0)  # (L, Hkv)
-        a, b = torch.zeros(L, H, dtype=torch.float64), ones
+        a, b = torch.zeros(L, H, dtype=torch.float64, device=m.device), ones
     else:
         raise ValueError(f"unknown calibration kind {kind!r}; choose from {', '.join(CALIBRATION_KINDS)}")
     return a.float(), b.float(), None if s is None else s.float()

@@ -429,7 +429,7 @@ def recall_rows(rows, static_freq: dict) -> list[dict]:
             continue
         tn = S - q - o + b  # both long
         sparsity = q.sum() / (S * q.size)
-        static = static_labels(torch.tensor(static_freq[task]), float(sparsity)).numpy()
+        static = static_labels(torch.tensor(static_freq[task], device="cpu"), float(sparsity)).numpy()
         out.append({"task": task, "config": cfg, "qada_sparsity": float(sparsity), "oracle_sparsity": float(o.sum() / (S * q.size)),
                     "recall_qada": float(tn.sum() / long_oracle.sum()),
                     "recall_static_oracle": float(long_oracle[~static].sum() / long_oracle.sum())})
@@ -455,5 +455,5 @@ def run_recall(r, static_freq: list) -> tuple[float, float] | None:
     long_oracle = S - o  # (L, H): steps the oracle needs the whole context
     if long_oracle.sum() <= 0:
         return None
-    static = static_labels(torch.tensor(static_freq), float(q.sum() / (S * q.size))).numpy()
+    static = static_labels(torch.tensor(static_freq, device="cpu"), float(q.sum() / (S * q.size))).numpy()
     return float((S - q - o + b).sum() / long_oracle.sum()), float(long_oracle[~static].sum() / long_oracle.sum())

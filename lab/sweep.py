@@ -182,8 +182,8 @@ def make(task: str, index: int, length: int, tokenizer, seed: int):
 def random_labels(L: int, H: int, sparsity: float, seed: int) -> torch.Tensor:
     """(L, H) bool with round(sparsity * L * H) heads local, drawn at random (seeded)."""
     n = round(sparsity * L * H)
-    order = torch.randperm(L * H, generator=torch.Generator().manual_seed(seed))
-    labels = torch.zeros(L * H, dtype=torch.bool)
+    order = torch.randperm(L * H, generator=torch.Generator().manual_seed(seed), device="cpu")
+    labels = torch.zeros(L * H, dtype=torch.bool, device="cpu")
     labels[order[:n]] = True
     return labels.view(L, H)
 
@@ -199,7 +199,7 @@ def head_stats(stats, n_kv_heads: int, n_local: int) -> dict:
         return {"steps": 0, "sparsity": None, "kv_read": None}
     labels = stats.label_tensor()  # (S, L, H)
     oracle = stats.oracle_tensor() if stats.track_oracle else None
-    s = summarize(labels, torch.tensor(stats.lengths), n_kv_heads, n_local, oracle, stats.decision_read)
+    s = summarize(labels, torch.tensor(stats.lengths, device="cpu"), n_kv_heads, n_local, oracle, stats.decision_read)
     r4 = lambda t: [[round(x, 4) for x in row] for row in t.tolist()]  # noqa: E731
     out = {"steps": s["steps"], "sparsity": s["sparsity"], "kv_read": s["kv_read"],
            "layer_sparsity": [round(x, 4) for x in s["layer_sparsity"]],
@@ -368,7 +368,7 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
     resources.setdefault("reference", {})
     for r in records:  # the oracle's head frequencies on finished samples: the static-oracle labels of later ones
         if r["config"] == Config("oracle", TAU).key and r.get("local_freq"):
-            resources["oracle_freq"][r["task"], r["index"]] = (torch.tensor(r["local_freq"]), r["steps"])
+            resources["oracle_freq"][r["task"], r["index"]] = (torch.tensor(r["local_freq"], device="cpu"), r["steps"])
     if path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
         with open(path, "a") as f:  # end a line torn by a kill, so the next record starts on a line of its own
             f.write("\n")
@@ -395,7 +395,7 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
                     f.write(json.dumps(rec) + "\n")
             for cfg, rec in zip(group, records):
                 if cfg == Config("oracle", TAU) and rec.get("local_freq"):
-                    resources["oracle_freq"][task, index] = (torch.tensor(rec["local_freq"]), rec["steps"])
+                    resources["oracle_freq"][task, index] = (torch.tensor(rec["local_freq"], device="cpu"), rec["steps"])
             written += len(records)
             bar.update(len(records))
     bar.close()

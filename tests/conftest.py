@@ -1,6 +1,7 @@
 """Shared pytest fixtures: the default named model, SmolLM2-135M (converted once into the cache), and
 transformers' own GGUF loading of the same file, the independent oracle the conversion is held against."""
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -21,12 +22,37 @@ if TEST_DEVICE != "cpu":
         raise pytest.UsageError(f"QADA_TEST_DEVICE={TEST_DEVICE}, but this machine has no CUDA")
     torch.set_default_device(TEST_DEVICE)
 
+    def drawn_on_cpu(factory):
+        """Tests draw their data from seeded CPU generators, so that every device sees the same numbers: given one,
+        the factory draws on the CPU and moves the tensor to the test device."""
+        @functools.wraps(factory)
+        def draw(*args, generator=None, **kwargs):
+            if generator is not None and generator.device.type == "cpu" and "device" not in kwargs:
+                return factory(*args, generator=generator, device="cpu", **kwargs).to(TEST_DEVICE)
+            return factory(*args, generator=generator, **kwargs)
+        return draw
+
+    for name in ("rand", "randn", "randint", "randperm"):
+        setattr(torch, name, drawn_on_cpu(getattr(torch, name)))
+
 # The project is flat top-level files (`from model import Llama`); make them importable from tests/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+MODEL_FIXTURES = {"embedded_dir", "embedded_gguf_file", "hf_gguf_model", "hf_gguf_tokenizer", "qwen05_dir",
+                  "hf_qwen05_tokenizer"}
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: uses a real model (seconds to about a minute); still run by default")
+    config.addinivalue_line("markers", "slow: uses a real model (seconds to about a minute, and the network the first "
+                                       "time); still run by default")
+
+
+def pytest_collection_modifyitems(items):
+    """A test that reads a real model is slow whether or not it says so: `-m "not slow"` runs offline."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

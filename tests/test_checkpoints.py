@@ -94,6 +94,7 @@ def test_assemble_reads_members_in_chunks(tmp_path):
     assert out.read_bytes() == b"x" * 5000
 
 
+@pytest.mark.slow
 def test_catalog_members_exist_in_the_wheels():
     """Every named model's wheels (fetched once into the cache) hold the member the catalog names, and the
     members' sizes add up to the file's size. Reads only the zip directories."""

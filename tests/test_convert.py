@@ -25,8 +25,8 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def rope_rotate_half(x, pos, theta=10000.0):
     # x: (T, H, D); HF Llama convention, pairs (i, i + D/2).
     D = x.shape[-1]
-    inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    ang = pos[:, None].double() * inv[None]  # (T, D/2)
+    inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64, device=x.device) / D)
+    ang = pos.to(x.device)[:, None].double() * inv[None]  # (T, D/2)
     cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
     x1, x2 = x[..., : D // 2], x[..., D // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin

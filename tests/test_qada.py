@@ -252,7 +252,7 @@ def test_oracle_labels_and_agreement_equal_brute_force():
             step.append(a_local / sum(math.exp(x) for x in s) >= 0.5)
         want_oracle.append(step)
     oracle = attn.stats.oracle_tensor()[:, 0]  # (steps, H)
-    want = torch.tensor(want_oracle)
+    want = torch.tensor(want_oracle, device="cpu")  # the statistics are kept on the CPU
     assert torch.equal(oracle, want)
     assert 0 < int(want.sum()) < want.numel()  # both labels occur
     labels = attn.stats.label_tensor()[:, 0]
@@ -346,7 +346,7 @@ def test_short_prompts_decode_past_the_window_with_every_moments_option(tiny, tm
     for _ in range(steps):
         logits = tiny.decode_step(logits.argmax(-1), cache, attn)
     labels = attn.stats.label_tensor()  # (S, L, H)
-    lengths = torch.tensor(attn.stats.lengths)
+    lengths = torch.tensor(attn.stats.lengths, device="cpu")  # beside the labels, on the CPU
     assert labels[lengths <= N_LOCAL].all()  # no bulk yet: every head exact on its window
     assert not labels[lengths > N_LOCAL + 5].all()  # then the criterion decides (some heads long-context)
 

@@ -150,7 +150,8 @@ def stacked(truth, i):
 
 def close(recorded, expected: torch.Tensor, atol: float):
     """A record's (rounded) list of numbers against the float64 tensor computed here."""
-    torch.testing.assert_close(torch.tensor(recorded, dtype=torch.float64), expected.double(), rtol=0, atol=atol)
+    torch.testing.assert_close(torch.tensor(recorded, dtype=torch.float64, device="cpu"), expected.double().cpu(), rtol=0,
+                               atol=atol)
 
 
 def test_records_carry_the_statistics(tiny, resources, monkeypatch):
@@ -177,7 +178,7 @@ def test_records_carry_the_statistics(tiny, resources, monkeypatch):
         assert lengths == [len(ids) + 1 + i for i in range(len(lengths))]
         assert min(t[5] for step in truth for t in step) > 1e-4  # no head sits on the threshold: fp32 = fp64
         labels = stacked(truth, 0 if rec is oracle_run else 1)  # (S, L, H) bool
-        assert torch.equal(recorder.stats.label_tensor(), labels)
+        assert torch.equal(recorder.stats.label_tensor(), labels.cpu())  # the statistics are kept on the CPU
         assert rec["sparsity"] == pytest.approx(labels.double().mean().item(), abs=1e-12)
         assert rec["kv_read"] == pytest.approx(kv_read_by_hand(labels.tolist(), lengths, Hkv, N_LOCAL), abs=1e-12)
         close(rec["local_freq"], labels.double().mean(0), 1e-4)
@@ -477,7 +478,7 @@ def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch):
     assert int(labels.sum()) == round(0.5 * L * H) and settings["seed"] == 5 and 1 <= settings["steps"] <= 5
     monkeypatch.setattr(calibrate, "oracle_frequency", lambda *a, **k: pytest.fail("recalibrated"))
     again = calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)  # same settings: read back
-    assert torch.allclose(again["niah_single_1"], freqs["niah_single_1"])
+    assert torch.allclose(again["niah_single_1"].cpu(), freqs["niah_single_1"].cpu())
 
 
 def test_records_are_read_compressed_and_plain_and_merged_into_one_compressed_file(tmp_path):

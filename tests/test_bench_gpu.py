@@ -1,0 +1,65 @@
+"""lab.bench_gpu on this CPU, at tiny shapes: the label patterns it times are the ones it claims (the real criterion,
+checked), the table's arithmetic, and the end-to-end part's fixed-label correction. Its timings need a GPU."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import attention  # noqa: E402
+from lab import bench_gpu  # noqa: E402
+from lab.bench import full_pattern, ideal_speedup  # noqa: E402
+from model import LlamaConfig  # noqa: E402
+
+TINY = {"tiny": dict(H=4, Hkv=2, D=16)}
+
+
+@pytest.fixture
+def tiny_shapes(monkeypatch):
+    monkeypatch.setattr(bench_gpu, "SHAPES", TINY)
+    monkeypatch.setattr(bench_gpu, "timed_ms", lambda fn, device, quick=False: (fn(), 1.0)[1])
+    monkeypatch.setenv("QADA_KERNEL", "torch")
+
+
+@pytest.mark.parametrize("f", [1.0, 0.5, 0.0])
+def test_the_moments_give_each_pattern_and_a_wrong_one_is_refused(f, tiny_shapes):
+    layer = bench_gpu.Layer(4, 2, 16, B=3, T=200, device=torch.device("cpu"), dtype=torch.float32)
+    full = full_pattern(3, 2, f)
+    batch = layer.attention(full)
+    layer.check(batch, full)  # labels are the pattern; at f = 1 the output is packed dense's
+    if 0 < f < 1:
+        with pytest.raises(RuntimeError, match="intended label pattern"):
+            layer.check(layer.attention(full), ~full)
+
+
+def test_the_attention_table_compares_with_the_best_dense(tiny_shapes, monkeypatch):
+    times = iter(range(1, 1000))
+    monkeypatch.setattr(bench_gpu, "timed_ms", lambda fn, device, quick=False: (fn(), float(next(times)))[1])
+    rows = bench_gpu.bench_attention([200], [2], torch.device("cpu"), quick=True)
+    assert [r["f"] for r in rows] == [1.0, 0.5, 0.25, 0.25, 0.0]  # round(f * 4) of 4 (row, KV head) pairs
+    for r in rows:
+        best = min(r["packed_ms"], r["flash_ms"])
+        assert r["speedup"] == pytest.approx(best / r["graph_ms"])
+        assert r["ideal"] == pytest.approx(ideal_speedup(r["f"], 200))
+        assert r["of_bound"] == pytest.approx(r["speedup"] / r["ideal"])
+        assert r["decision"] == pytest.approx(rows[-1]["graph_ms"] / best)
+
+
+def test_fixed_labels_read_the_share_asked_for(monkeypatch):
+    """The end-to-end part's correction makes the real decision label a share f of (layer, KV head) pairs long."""
+    monkeypatch.setenv("QADA_KERNEL", "torch")
+    monkeypatch.setattr(bench_gpu, "LLAMA3_8B", LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128,
+                                                            num_hidden_layers=4, num_attention_heads=4,
+                                                            num_key_value_heads=2, head_dim=16))
+    monkeypatch.setattr(bench_gpu, "step_ms", lambda step, reset, device, n: (reset(), step(), 1.0)[2])
+    monkeypatch.setattr(bench_gpu, "graphed", lambda step, reset, device: step)
+    monkeypatch.setattr(bench_gpu, "sync_free", lambda step, reset: "none")
+    monkeypatch.setattr(bench_gpu, "E2E_FRACTIONS", (1.0, 0.5, 0.0))
+    T = 1000
+    rows = {r["method"]: r for r in bench_gpu.bench_end_to_end(T, [(2, 4)], torch.device("cpu"), 1)}
+    window = attention.kv_read_fraction(torch.ones(1, 1, 4), torch.tensor([T + 1]), 2, 128)  # all local
+    for f in (1.0, 0.5, 0.0):
+        assert rows[f"kv {f}"]["kv_read"] == pytest.approx(f + (1 - f) * window, abs=1e-6)
+    assert rows["dense"]["kv_read"] == 1.0 and all(r["logits_ok"] for r in rows.values())
+    assert not math.isnan(rows["qada"]["kv_read"])
