@@ -1,0 +1,462 @@
+"""Decode speed on an NVIDIA GPU at the shapes the paper targets: attention alone at 7-8B-model shapes and long
+contexts, and a random-weight Llama-3-8B end to end, each against the best dense decoding torch offers there.
+
+    python -m lab.bench_gpu                                        # both parts, the committed tables (H100: ~3 min)
+    TRITON_INTERPRET=1 python -m lab.bench_gpu --parts attention --lengths 300 --batches 1,2 --quick   # CPU smoke run
+
+Part 1, attention only: one layer's decode step in bf16, B rows over a KV cache of T tokens laid out as
+model.KVCache lays it out, at the shapes of Llama-3-8B (H 32 query heads, Hkv 8 KV heads, D 128) and Qwen2.5-7B
+(28 / 4 / 128). Each call is timed alone with the GPU's L2 flushed before it (triton.testing.do_bench; median ms),
+replayed from a CUDA graph where it can be captured (no host work between launches, as a decoder that captures its
+step runs it):
+  flash      SDPA with enable_gqa under the flash backend: FlashAttention's decoding, which splits each head's
+             context across thread blocks when the grid is small (graph);
+  packed     SDPA with a group's query heads as the query positions of its KV head (each KV head read once), the
+             backend torch picks: the model's dense decode on the CPU and for large batches (graph);
+  torch      attention.BatchAttention's qada rows on the torch path (QADA_KERNEL=torch): the batched decision, then
+             mixed_attention per row (a host read of the labels per row and layer: eager only);
+  fused      the same BatchAttention on the fused kernel (QADA_KERNEL=triton): decision, split-context attention of
+             the long-context groups and merge in three launches, nothing read back to the host (eager, and graph).
+The label pattern comes out of the real criterion, as in lab.bench: per (row, KV head) the moments' mean points along
+the group's queries (the bulk outweighs the window: long-context) or against them (local), so that a share f of the
+(row, KV head) pairs reads its cache; the labels are checked before timing, and at f = 1 both paths' outputs
+against packed dense. The bound is the speedup over the best dense if only the cache read counted:
+1 / (f + (1 - f) * 128 / T); speedup and % of bound are the fused graph's. "decision" is the fused graph at f = 0
+(window, decision, merge and the grid of split programs that return at once) over the best dense.
+
+Part 2, end to end: a decoder with random weights at Llama-3-8B's shapes (32 layers, 128k vocabulary), bf16, its
+KV cache filled with random keys and values to T = 32k (no prefill: decode time does not depend on the values),
+batch 8, and batch 32 with 8 of the 32 layers (a 32-layer batch-32 cache needs 137 GB). ms per step (one token of
+every row), eager and replayed as one CUDA graph (captured at position T; each replay decodes at T again). Methods:
+  dense      the model's own packed dense decode;
+  kv F       qada_cal on the fused kernel with a correction that fixes the labels (b = 0, a = +-50), so that a
+             share F of the (layer, KV head) pairs is long-context for every row: the decision is computed as always,
+             the labels are those of a static choice at the KV read QAdA reaches on the research model;
+  qada       QAdA's own decision (Option 1: the random cache's own bulk moments), whatever KV read it reaches.
+The bound is dense / (floor + f * (dense - floor)) with floor the all-local step (kv 0), as lab.bench has it.
+Each kernel method's eager step runs once under torch.cuda.set_sync_debug_mode("error"): "host syncs" says whether
+one was met.
+
+Outputs in --out (results/bench-gpu/): attention.md and end_to_end_<T>k.md (the tables with the device, driver and
+torch versions and the command), their rows as JSON, and speedup.png.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import attention
+from attention import BatchAttention, DecodeAttention, HeadStats
+from criterion import TAU, Calibration
+from generate import pick_device
+from lab.bench import full_pattern, ideal_speedup
+from model import KVCache, Llama, LlamaConfig
+from moments import FixedMoments, bulk_end, mean_cov
+
+N_SINK, N_LOCAL = 16, 128
+SHAPES = {"Llama-3-8B": dict(H=32, Hkv=8, D=128), "Qwen2.5-7B": dict(H=28, Hkv=4, D=128)}
+FRACTIONS = (1.0, 0.5, 0.3, 0.15, 0.0)
+LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=5e5,
+                        max_position_embeddings=131072)
+E2E_FRACTIONS = (1.0, 0.45, 0.35, 0.15, 0.0)  # 0.45 / 0.35: calibrated QAdA's lossless KV read, per head / per group
+
+
+def kernel(choice: str):
+    """QADA_KERNEL for the paths called inside: "torch" or "triton" (attention.fused)."""
+    os.environ["QADA_KERNEL"] = choice
+
+
+def graph_ms(fn, device: torch.device, quick: bool = False) -> float:
+    """timed_ms of fn captured as one CUDA graph (what a decoder replaying its step runs); as timed_ms off CUDA."""
+    if device.type != "cuda":
+        return timed_ms(fn, device, quick)
+    return timed_ms(graphed(fn, lambda: None, device), device, quick)
+
+
+def timed_ms(fn, device: torch.device, quick: bool = False) -> float:
+    """Median ms of fn: on CUDA with triton's do_bench (L2 flushed before every call), else wall-clock."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=5 if quick else 10, rep=20 if quick else 60, return_mode="median")
+    fn()
+    times = []
+    for _ in range(2 if quick else 3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Part 1: attention only
+
+
+class Layer:
+    """One layer's decode state for B rows at context T: q (B, H, 1, D), a KV cache, and what gives each pattern."""
+
+    def __init__(self, H: int, Hkv: int, D: int, B: int, T: int, device: torch.device, dtype=torch.bfloat16):
+        torch.manual_seed(0)
+        G = H // Hkv
+        self.k = torch.randn(B, Hkv, T + 1, D, device=device, dtype=dtype)[:, :, :T]  # room for the step's token
+        self.v = torch.randn(B, Hkv, T + 1, D, device=device, dtype=dtype)[:, :, :T]
+        self.q = torch.randn(B, H, 1, D, device=device, dtype=dtype)
+        qg = self.q.float().view(B, Hkv, G, D).sum(2)
+        self.direction = qg / qg.norm(dim=-1, keepdim=True)  # (B, Hkv, D): each group's queries
+        a = torch.randn(Hkv, D, D, device=device) * 0.3 / math.sqrt(D)
+        self.cov = a @ a.transpose(-1, -2) + 0.01 * torch.eye(D, device=device)  # (Hkv, D, D)
+        self.H, self.Hkv, self.D, self.B, self.T, self.G = H, Hkv, D, B, T, G
+
+    def attention(self, full: torch.Tensor) -> BatchAttention:
+        """qada rows whose criterion labels the (row, KV head) pairs of full (B, Hkv) long-context, the rest local."""
+        sign = full.to(self.q.device).float() * 2 - 1
+        return BatchAttention([DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=TAU, moments=FixedMoments(
+            (100.0 * sign[b, :, None] * self.direction[b])[None], self.cov[None], self.T - N_LOCAL)))
+            for b in range(self.B)])
+
+    def packed(self):
+        return F.scaled_dot_product_attention(self.q.view(self.B, self.Hkv, self.G, self.D), self.k, self.v)
+
+    def flash(self):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True)
+
+    def check(self, batch: BatchAttention, full: torch.Tensor) -> None:
+        """One step: the labels are the pattern's; with every head long-context the output is dense's."""
+        y = batch(self.q, self.k, self.v, 0)
+        labels = torch.stack([row.stats.labels[-1][0] for row in batch.rows]).cpu()  # (B, H)
+        if not torch.equal(labels, ~full.repeat_interleave(self.G, 1)):
+            raise RuntimeError("the synthetic moments did not produce the intended label pattern")
+        if full.all():
+            torch.testing.assert_close(y.view(self.B, self.Hkv, self.G, self.D), self.packed(), rtol=2e-2, atol=2e-2)
+
+
+def bench_attention(lengths, batches, device: torch.device, quick: bool) -> list[dict]:
+    rows = []
+    for shape, dims in SHAPES.items():
+        for T in lengths:
+            for B in batches:
+                layer = Layer(**dims, B=B, T=T, device=device)
+                dense = {"packed": graph_ms(layer.packed, device, quick)}
+                try:
+                    layer.flash()
+                    dense["flash"] = graph_ms(layer.flash, device, quick)
+                except RuntimeError:  # no flash backend here (a torch without it)
+                    dense["flash"] = math.nan
+                best = min(t for t in dense.values() if not math.isnan(t))
+                kv_gb = 2 * layer.k.numel() * layer.k.element_size() / 1e9  # keys and values of every row
+                times = {}
+                for f in FRACTIONS:
+                    full = full_pattern(B, layer.Hkv, f)
+                    batch = layer.attention(full)
+                    for choice, name in (("torch", "torch"), ("triton", "fused")):
+                        kernel(choice)
+                        layer.check(batch, full)
+                        times[name, f] = timed_ms(lambda: batch(layer.q, layer.k, layer.v, 0), device, quick)
+                        if choice == "triton":  # and replayed as a CUDA graph: the launches' host work gone
+                            times["graph", f] = graph_ms(lambda: batch(layer.q, layer.k, layer.v, 0), device, quick)
+                        for row in batch.rows:  # the statistics of the timed calls are not needed
+                            row.stats = HeadStats(N_LOCAL)
+                    f_got = float(full.float().mean())
+                    ideal = ideal_speedup(f_got, T)
+                    rows.append(dict(shape=shape, T=T, B=B, f=f_got, flash_ms=dense["flash"], packed_ms=dense["packed"],
+                                     dense_GBps=kv_gb / best * 1e3, torch_ms=times["torch", f],
+                                     fused_ms=times["fused", f], graph_ms=times["graph", f],
+                                     speedup=best / times["graph", f], ideal=ideal,
+                                     of_bound=best / times["graph", f] / ideal,
+                                     eager_of_bound=best / times["fused", f] / ideal,
+                                     torch_of_bound=best / times["torch", f] / ideal))
+                for row in rows[-len(FRACTIONS):]:
+                    row["decision"] = times["graph", 0.0] / best
+                    print(format_row(ATTENTION_COLUMNS, row), flush=True)
+                del layer, batch
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Part 2: end to end
+
+
+def random_llama(cfg: LlamaConfig, device: torch.device, dtype=torch.bfloat16) -> Llama:
+    """A Llama of cfg's shapes with random weights (std 0.02, norms at 1), made on the device in dtype."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Llama(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    return model.eval()
+
+
+def fixed_labels(cfg: LlamaConfig, f: float, device) -> Calibration:
+    """A correction that labels a share f of the (layer, KV head) pairs long-context whatever the estimate says."""
+    full = full_pattern(cfg.num_hidden_layers, cfg.num_key_value_heads, f)  # (L, Hkv)
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
+    a = torch.where(full.repeat_interleave(G, 1), -50.0, 50.0).to(device)  # (L, H): r = a, far from any threshold
+    return Calibration(a, torch.zeros_like(a), None, {"kind": "fixed labels", "f": f})
+
+
+def bulk_moments(cache: KVCache, T: int) -> FixedMoments:
+    """Option 1 on row 0's random keys, a layer at a time (moments.prompt_moments at once would hold every layer's
+    bulk in fp32 twice: 34 GB at 128k)."""
+    end = bulk_end(T, N_SINK, N_LOCAL)
+    mean, cov = zip(*(mean_cov(cache.k[i, 0, :, N_SINK:end]) for i in range(cache.k.shape[0])))
+    return FixedMoments(torch.stack(mean), torch.stack(cov), end - N_SINK)
+
+
+def step_ms(step, reset, device: torch.device, n: int) -> float:
+    """ms per call of step(), each decoding at the same position (reset() rolls the cache back)."""
+    for _ in range(2):
+        reset()
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(n):
+        reset()
+        step()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / n
+
+
+def graphed(step, reset, device: torch.device):
+    """step captured as one CUDA graph (after warm-up on a side stream, as torch's documentation does it)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            reset()
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    reset()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def sync_free(step, reset) -> str:
+    """Whether one eager step reads anything back to the host (torch's sync debug mode raises if it does)."""
+    reset()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        return "none"
+    except RuntimeError as e:
+        return str(e).splitlines()[0][:80]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def bench_end_to_end(T: int, setups, device: torch.device, n: int) -> list[dict]:
+    rows = []
+    for B, L in setups:
+        cfg = LlamaConfig(**{**LLAMA3_8B.__dict__, "num_hidden_layers": L})
+        model = random_llama(cfg, device)
+        cache = KVCache(cfg, T + 16, B, device=device, dtype=torch.bfloat16)
+        cache.k.normal_(), cache.v.normal_()
+        cache.length = T
+        moments = bulk_moments(cache, T)
+        token = torch.randint(cfg.vocab_size, (B,), device=device)
+
+        def reset():
+            cache.length = T
+
+        def make(method: str, f: float | None):
+            if method == "dense":
+                return lambda: model.decode_step(token, cache), None
+            inputs = dict(tau=TAU, moments=moments)
+            if method == "qada_cal":
+                inputs["calibration"] = fixed_labels(cfg, f, device)
+            batch = BatchAttention([DecodeAttention(method, N_SINK, N_LOCAL, dict(inputs)) for _ in range(B)])
+            return lambda: model.decode_step(token, cache, batch), batch
+
+        kernel("triton")
+        methods = [("dense", "dense", None)] + [(f"kv {f}", "qada_cal", f) for f in E2E_FRACTIONS] + [("qada", "qada", None)]
+        out = {}
+        for name, method, f in methods:
+            step, batch = make(method, f)
+            reset()
+            logits = step()
+            kv_read = math.nan if batch is None else batch.rows[0].stats.summary(cfg.num_key_value_heads)["kv_read"]
+            eager = step_ms(step, reset, device, n)
+            syncs = "" if batch is None else sync_free(step, reset)
+            try:
+                replay = graphed(step, reset, device)
+                graph = step_ms(replay, lambda: None, device, n)
+            except RuntimeError as e:  # a capture that fails is a finding, not a crash of the whole table
+                graph, syncs = math.nan, (syncs + "; capture: " + str(e).splitlines()[0])[:120]
+            out[name] = dict(B=B, L=L, T=T, method=name, kv_read=1.0 if batch is None else kv_read, eager_ms=eager,
+                             graph_ms=graph, host_syncs=syncs, logits_ok=bool(torch.isfinite(logits).all()))
+            del step, batch
+        for mode in ("eager", "graph"):
+            dense, floor = out["dense"][f"{mode}_ms"], out["kv 0.0"][f"{mode}_ms"]
+            for r in out.values():
+                bound = dense / (floor + r["kv_read"] * (dense - floor))
+                r[f"{mode}_speedup"] = dense / r[f"{mode}_ms"]
+                r[f"{mode}_of_bound"] = r[f"{mode}_speedup"] / bound
+        for r in out.values():
+            rows.append(r)
+            print(format_row(E2E_COLUMNS, r), flush=True)
+        del model, cache, moments
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tables and the figure
+
+
+ATTENTION_COLUMNS = [("shape", "shape", "{}"), ("T", "T", "{}"), ("B", "B", "{}"), ("f", "KV read", "{:.2f}"),
+                     ("flash_ms", "flash ms", "{:.3f}"), ("packed_ms", "packed ms", "{:.3f}"),
+                     ("dense_GBps", "dense GB/s", "{:.0f}"), ("torch_ms", "torch ms", "{:.3f}"),
+                     ("fused_ms", "fused eager ms", "{:.3f}"), ("graph_ms", "fused graph ms", "{:.3f}"),
+                     ("speedup", "fused speedup", "{:.2f}x"), ("ideal", "bound", "{:.2f}x"),
+                     ("of_bound", "fused % of bound", "{:.0%}"), ("eager_of_bound", "eager % of bound", "{:.0%}"),
+                     ("torch_of_bound", "torch % of bound", "{:.0%}"), ("decision", "decision / dense", "{:.1%}")]
+E2E_COLUMNS = [("B", "B", "{}"), ("L", "layers", "{}"), ("T", "T", "{}"), ("method", "method", "{}"),
+               ("kv_read", "KV read", "{:.2f}"), ("eager_ms", "eager ms", "{:.2f}"),
+               ("eager_speedup", "eager speedup", "{:.2f}x"), ("eager_of_bound", "eager % of bound", "{:.0%}"),
+               ("graph_ms", "graph ms", "{:.2f}"), ("graph_speedup", "graph speedup", "{:.2f}x"),
+               ("graph_of_bound", "graph % of bound", "{:.0%}"), ("host_syncs", "host syncs", "{}")]
+
+
+def format_row(columns, row) -> str:
+    cells = []
+    for key, _, fmt in columns:
+        value = row.get(key, math.nan)
+        cells.append("n/a" if isinstance(value, float) and math.isnan(value) else fmt.format(value))
+    return "| " + " | ".join(cells) + " |"
+
+
+def table(columns, rows) -> str:
+    head = "| " + " | ".join(title for _, title, _ in columns) + " |"
+    rule = "|" + "|".join("---" if fmt == "{}" else "---:" for _, _, fmt in columns) + "|"
+    return "\n".join([head, rule] + [format_row(columns, r) for r in rows])
+
+
+def setup_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        driver = os.popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null").read().strip()
+        gpu = f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB), driver {driver or '?'}, CUDA {torch.version.cuda}"
+    else:
+        gpu = f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
+    triton_version = attention.triton.__version__ if attention.triton is not None else "none"
+    return f"{gpu}; torch {torch.__version__}, triton {triton_version}, Python {platform.python_version()}"
+
+
+def plot(att_rows, path: Path, setup: str) -> None:
+    """Fused and torch-path speedup over the best dense against the KV read, one panel per shape and length."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shapes = list(dict.fromkeys(r["shape"] for r in att_rows))
+    lengths = sorted({r["T"] for r in att_rows})
+    fig, axes = plt.subplots(len(shapes), len(lengths), figsize=(3.4 * len(lengths), 3.0 * len(shapes)), squeeze=False,
+                             sharey=True)
+    for ax, (shape, T) in zip(axes.flat, [(s, T) for s in shapes for T in lengths]):
+        for B in sorted({r["B"] for r in att_rows}):
+            rs = sorted((r for r in att_rows if (r["shape"], r["T"], r["B"]) == (shape, T, B)), key=lambda r: r["f"])
+            line, = ax.plot([r["f"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"fused, B {B}")
+            ax.plot([r["f"] for r in rs], [r["speedup"] * r["torch_of_bound"] / r["of_bound"] for r in rs], "x:",
+                    color=line.get_color(), label=f"torch path, B {B}")
+        fs = [i / 50 for i in range(51)]
+        ax.plot(fs, [ideal_speedup(f, T) for f in fs], "k--", lw=0.8, label="bound")
+        ax.axhline(1, color="grey", lw=0.5)
+        ax.set_yscale("log")
+        ax.set_title(f"{shape}, T {T // 1024}k", fontsize=9)
+        ax.set_xlabel("KV read")
+    for row in axes:
+        row[0].set_ylabel("speedup over the best dense")
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(setup, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write(out: Path, part: str, setup: str, columns, rows, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{part}.json").write_text(json.dumps(dict(setup=setup, command=command, rows=rows), indent=1))
+    (out / f"{part}.md").write_text(f"{setup}\n\n`{command}`\n\n{table(columns, rows)}\n")
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"error: --{what} takes comma-separated integers, got {text!r}")
+    if not values or min(values) <= 0:
+        raise SystemExit(f"error: --{what} takes positive integers, got {text!r}")
+    return values
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda, cuda:1, ... (default: cuda if available; the attention part runs on the CPU too)")
+    p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"], help="which part to run (default: all)")
+    p.add_argument("--lengths", default="8192,32768,131072", help="attention part: context lengths (default: 8k, 32k, 128k)")
+    p.add_argument("--batches", default="1,8,32", help="attention part: batch sizes (default: 1,8,32)")
+    p.add_argument("--e2e-length", type=int, default=32768, help="end to end: context length (default: 32768)")
+    p.add_argument("--e2e", default="8x32,32x8", help="end to end: BATCHxLAYERS setups (default: 8x32,32x8)")
+    p.add_argument("--steps", type=int, default=10, help="end to end: timed steps per method and mode (default: 10)")
+    p.add_argument("--quick", action="store_true", help="fewer timed calls")
+    p.add_argument("--out", default="results/bench-gpu", help="output folder")
+    args = p.parse_args(argv)
+    lengths, batches = parse_ints(args.lengths, "lengths"), parse_ints(args.batches, "batches")
+    if min(lengths) <= N_LOCAL:
+        raise SystemExit(f"error: --lengths must exceed the window ({N_LOCAL})")
+    try:
+        setups = [tuple(int(x) for x in s.split("x")) for s in args.e2e.split(",")]
+        assert all(len(s) == 2 and min(s) > 0 for s in setups)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"error: --e2e takes BATCHxLAYERS,..., for example 8x32,32x8; got {args.e2e!r}")
+    try:
+        device = torch.device(pick_device(args.device))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    if attention.triton is None:
+        raise SystemExit("error: the fused kernel needs triton (pip install triton)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels are defined
+        raise SystemExit("error: no CUDA here; the fused kernel runs on the CPU only under TRITON_INTERPRET=1")
+    setup = setup_line(device)
+    command = "python -m lab.bench_gpu " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(setup, flush=True)
+    out = Path(args.out)
+    if args.parts in ("attention", "all"):
+        print(table(ATTENTION_COLUMNS, []), flush=True)
+        rows = []
+        for T in lengths:  # written after each length: a run cut off keeps what it measured
+            rows += bench_attention([T], batches, device, args.quick)
+            write(out, "attention", setup, ATTENTION_COLUMNS, rows, command)
+            plot(rows, out / "speedup.png", setup)
+    if args.parts in ("e2e", "all"):
+        if device.type != "cuda":
+            raise SystemExit("error: the end-to-end part times CUDA graphs and needs a GPU: no CUDA on this machine")
+        print(table(E2E_COLUMNS, []), flush=True)
+        rows = []
+        for one in setups:  # written after each setup: a later one that fails keeps the earlier rows
+            rows += bench_end_to_end(args.e2e_length, [one], device, args.steps)
+            write(out, f"end_to_end_{args.e2e_length // 1024}k", setup, E2E_COLUMNS, rows, command)
+
+
+if __name__ == "__main__":
+    main()
