@@ -145,42 +145,45 @@ def bench_attention(lengths, batches, device: torch.device, quick: bool) -> list
     for shape, dims in SHAPES.items():
         for T in lengths:
             for B in batches:
-                layer = Layer(**dims, B=B, T=T, device=device)
-                dense = {"packed": graph_ms(layer.packed, device, quick)}
-                try:
-                    layer.flash()
-                    dense["flash"] = graph_ms(layer.flash, device, quick)
-                except RuntimeError:  # no flash backend here (a torch without it)
-                    dense["flash"] = math.nan
-                best = min(t for t in dense.values() if not math.isnan(t))
-                kv_gb = 2 * layer.k.numel() * layer.k.element_size() / 1e9  # keys and values of every row
-                times = {}
-                for f in FRACTIONS:
-                    full = full_pattern(B, layer.Hkv, f)
-                    batch = layer.attention(full)
-                    for choice, name in (("torch", "torch"), ("triton", "fused")):
-                        kernel(choice)
-                        layer.check(batch, full)
-                        times[name, f] = timed_ms(lambda: batch(layer.q, layer.k, layer.v, 0), device, quick)
-                        if choice == "triton":  # and replayed as a CUDA graph: the launches' host work gone
-                            times["graph", f] = graph_ms(lambda: batch(layer.q, layer.k, layer.v, 0), device, quick)
-                        for row in batch.rows:  # the statistics of the timed calls are not needed
-                            row.stats = HeadStats(N_LOCAL)
-                    f_got = float(full.float().mean())
-                    ideal = ideal_speedup(f_got, T)
-                    rows.append(dict(shape=shape, T=T, B=B, f=f_got, flash_ms=dense["flash"], packed_ms=dense["packed"],
-                                     dense_GBps=kv_gb / best * 1e3, torch_ms=times["torch", f],
-                                     fused_ms=times["fused", f], graph_ms=times["graph", f],
-                                     speedup=best / times["graph", f], ideal=ideal,
-                                     of_bound=best / times["graph", f] / ideal,
-                                     eager_of_bound=best / times["fused", f] / ideal,
-                                     torch_of_bound=best / times["torch", f] / ideal))
-                for row in rows[-len(FRACTIONS):]:
-                    row["decision"] = times["graph", 0.0] / best
-                    print(format_row(ATTENTION_COLUMNS, row), flush=True)
-                del layer, batch
+                rows += bench_layer(shape, Layer(**dims, B=B, T=T, device=device), device, quick)
                 if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                    torch.cuda.empty_cache()  # the layer's cache is gone: up to 17 GB at 128k, batch 32
+    return rows
+
+
+def bench_layer(shape: str, layer: Layer, device: torch.device, quick: bool) -> list[dict]:
+    """One table row per KV-read fraction of FRACTIONS, for one shape, T and B."""
+    dense = {"packed": graph_ms(layer.packed, device, quick)}
+    try:
+        layer.flash()
+        dense["flash"] = graph_ms(layer.flash, device, quick)
+    except RuntimeError:  # no flash backend here (a torch without it)
+        dense["flash"] = math.nan
+    best = min(t for t in dense.values() if not math.isnan(t))
+    kv_gb = 2 * layer.k.numel() * layer.k.element_size() / 1e9  # keys and values of every row
+    rows, times = [], {}
+    for f in FRACTIONS:
+        full = full_pattern(layer.B, layer.Hkv, f)
+        batch = layer.attention(full)
+        step = lambda: batch(layer.q, layer.k, layer.v, 0)  # noqa: E731
+        for choice, name in (("torch", "torch"), ("triton", "fused")):
+            kernel(choice)
+            layer.check(batch, full)
+            times[name, f] = timed_ms(step, device, quick)
+            if choice == "triton":  # and replayed as a CUDA graph: the launches' host work gone
+                times["graph", f] = graph_ms(step, device, quick)
+            for row in batch.rows:  # the statistics of the timed calls are not needed
+                row.stats = HeadStats(N_LOCAL)
+        f_got = float(full.float().mean())
+        ideal = ideal_speedup(f_got, layer.T)
+        rows.append(dict(shape=shape, T=layer.T, B=layer.B, f=f_got, flash_ms=dense["flash"], packed_ms=dense["packed"],
+                         dense_GBps=kv_gb / best * 1e3, torch_ms=times["torch", f], fused_ms=times["fused", f],
+                         graph_ms=times["graph", f], speedup=best / times["graph", f], ideal=ideal,
+                         of_bound=best / times["graph", f] / ideal, eager_of_bound=best / times["fused", f] / ideal,
+                         torch_of_bound=best / times["torch", f] / ideal))
+    for row in rows:
+        row["decision"] = times["graph", 0.0] / best
+        print(format_row(ATTENTION_COLUMNS, row), flush=True)
     return rows
 
 
@@ -268,57 +271,59 @@ def sync_free(step, reset) -> str:
 def bench_end_to_end(T: int, setups, device: torch.device, n: int) -> list[dict]:
     rows = []
     for B, L in setups:
-        cfg = LlamaConfig(**{**LLAMA3_8B.__dict__, "num_hidden_layers": L})
-        model = random_llama(cfg, device)
-        cache = KVCache(cfg, T + 16, B, device=device, dtype=torch.bfloat16)
-        cache.k.normal_(), cache.v.normal_()
-        cache.length = T
-        moments = bulk_moments(cache, T)
-        token = torch.randint(cfg.vocab_size, (B,), device=device)
-
-        def reset():
-            cache.length = T
-
-        def make(method: str, f: float | None):
-            if method == "dense":
-                return lambda: model.decode_step(token, cache), None
-            inputs = dict(tau=TAU, moments=moments)
-            if method == "qada_cal":
-                inputs["calibration"] = fixed_labels(cfg, f, device)
-            batch = BatchAttention([DecodeAttention(method, N_SINK, N_LOCAL, dict(inputs)) for _ in range(B)])
-            return lambda: model.decode_step(token, cache, batch), batch
-
-        kernel("triton")
-        methods = [("dense", "dense", None)] + [(f"kv {f}", "qada_cal", f) for f in E2E_FRACTIONS] + [("qada", "qada", None)]
-        out = {}
-        for name, method, f in methods:
-            step, batch = make(method, f)
-            reset()
-            logits = step()
-            kv_read = math.nan if batch is None else batch.rows[0].stats.summary(cfg.num_key_value_heads)["kv_read"]
-            eager = step_ms(step, reset, device, n)
-            syncs = "" if batch is None else sync_free(step, reset)
-            try:
-                replay = graphed(step, reset, device)
-                graph = step_ms(replay, lambda: None, device, n)
-            except RuntimeError as e:  # a capture that fails is a finding, not a crash of the whole table
-                graph, syncs = math.nan, (syncs + "; capture: " + str(e).splitlines()[0])[:120]
-            out[name] = dict(B=B, L=L, T=T, method=name, kv_read=1.0 if batch is None else kv_read, eager_ms=eager,
-                             graph_ms=graph, host_syncs=syncs, logits_ok=bool(torch.isfinite(logits).all()))
-            del step, batch
-        for mode in ("eager", "graph"):
-            dense, floor = out["dense"][f"{mode}_ms"], out["kv 0.0"][f"{mode}_ms"]
-            for r in out.values():
-                bound = dense / (floor + r["kv_read"] * (dense - floor))
-                r[f"{mode}_speedup"] = dense / r[f"{mode}_ms"]
-                r[f"{mode}_of_bound"] = r[f"{mode}_speedup"] / bound
-        for r in out.values():
-            rows.append(r)
-            print(format_row(E2E_COLUMNS, r), flush=True)
-        del model, cache, moments
+        rows += bench_setup(T, B, L, device, n)
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the setup's model and cache are gone: up to 50 GB
     return rows
+
+
+def bench_setup(T: int, B: int, L: int, device: torch.device, n: int) -> list[dict]:
+    """Every method of one setup (batch B, L layers of Llama-3-8B) at context T: a table row each."""
+    cfg = LlamaConfig(**{**LLAMA3_8B.__dict__, "num_hidden_layers": L})
+    model = random_llama(cfg, device)
+    cache = KVCache(cfg, T + 16, B, device=device, dtype=torch.bfloat16)
+    cache.k.normal_(), cache.v.normal_()
+    cache.length = T
+    moments = bulk_moments(cache, T)
+    token = torch.randint(cfg.vocab_size, (B,), device=device)
+
+    def reset():
+        cache.length = T
+
+    def attention_of(method: str, f: float | None) -> BatchAttention | None:
+        if method == "dense":
+            return None  # the model's own dense decoding
+        inputs = dict(tau=TAU, moments=moments)
+        if method == "qada_cal":
+            inputs["calibration"] = fixed_labels(cfg, f, device)
+        return BatchAttention([DecodeAttention(method, N_SINK, N_LOCAL, dict(inputs)) for _ in range(B)])
+
+    kernel("triton")
+    methods = [("dense", "dense", None), *((f"kv {f}", "qada_cal", f) for f in E2E_FRACTIONS), ("qada", "qada", None)]
+    out = {}
+    for name, method, f in methods:
+        batch = attention_of(method, f)
+        step = lambda batch=batch: model.decode_step(token, cache, batch)  # noqa: E731
+        reset()
+        logits = step()
+        kv_read = 1.0 if batch is None else batch.rows[0].stats.summary(cfg.num_key_value_heads)["kv_read"]
+        eager = step_ms(step, reset, device, n)
+        syncs = "" if batch is None else sync_free(step, reset)
+        try:
+            graph = step_ms(graphed(step, reset, device), lambda: None, device, n)
+        except RuntimeError as e:  # a capture that fails is a finding, not a crash of the whole table
+            graph, syncs = math.nan, (syncs + "; capture: " + str(e).splitlines()[0])[:120]
+        out[name] = dict(B=B, L=L, T=T, method=name, kv_read=kv_read, eager_ms=eager, graph_ms=graph,
+                         host_syncs=syncs, logits_ok=bool(torch.isfinite(logits).all()))
+    for mode in ("eager", "graph"):
+        dense, floor = out["dense"][f"{mode}_ms"], out["kv 0.0"][f"{mode}_ms"]
+        for r in out.values():
+            bound = dense / (floor + r["kv_read"] * (dense - floor))
+            r[f"{mode}_speedup"] = dense / r[f"{mode}_ms"]
+            r[f"{mode}_of_bound"] = r[f"{mode}_speedup"] / bound
+    for r in out.values():
+        print(format_row(E2E_COLUMNS, r), flush=True)
+    return list(out.values())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -357,7 +362,8 @@ def setup_line(device: torch.device) -> str:
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         driver = os.popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null").read().strip()
-        gpu = f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB), driver {driver or '?'}, CUDA {torch.version.cuda}"
+        gpu = (f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB), driver {driver or '?'}, "
+               f"CUDA {torch.version.cuda}")
     else:
         gpu = f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
     triton_version = attention.triton.__version__ if attention.triton is not None else "none"
@@ -410,10 +416,13 @@ def parse_ints(text: str, what: str) -> list[int]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default=None, help="cuda, cuda:1, ... (default: cuda if available; the attention part runs on the CPU too)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda, cuda:1, ... (default: cuda if available; the attention part "
+                                                  "runs on the CPU too, under TRITON_INTERPRET=1)")
     p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"], help="which part to run (default: all)")
-    p.add_argument("--lengths", default="8192,32768,131072", help="attention part: context lengths (default: 8k, 32k, 128k)")
+    p.add_argument("--lengths", default="8192,32768,131072",
+                   help="attention part: context lengths (default: 8k, 32k, 128k)")
     p.add_argument("--batches", default="1,8,32", help="attention part: batch sizes (default: 1,8,32)")
     p.add_argument("--e2e-length", type=int, default=32768, help="end to end: context length (default: 32768)")
     p.add_argument("--e2e", default="8x32,32x8", help="end to end: BATCHxLAYERS setups (default: 8x32,32x8)")
@@ -435,6 +444,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: {e}")
     if attention.triton is None:
         raise SystemExit("error: the fused kernel needs triton (pip install triton)")
+    if device.type != "cuda" and args.parts != "attention":
+        raise SystemExit("error: the end-to-end part times CUDA graphs and needs a GPU: no CUDA on this machine")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels are defined
         raise SystemExit("error: no CUDA here; the fused kernel runs on the CPU only under TRITON_INTERPRET=1")
     setup = setup_line(device)
@@ -449,8 +460,6 @@ def main(argv=None) -> None:
             write(out, "attention", setup, ATTENTION_COLUMNS, rows, command)
             plot(rows, out / "speedup.png", setup)
     if args.parts in ("e2e", "all"):
-        if device.type != "cuda":
-            raise SystemExit("error: the end-to-end part times CUDA graphs and needs a GPU: no CUDA on this machine")
         print(table(E2E_COLUMNS, []), flush=True)
         rows = []
         for one in setups:  # written after each setup: a later one that fails keeps the earlier rows
