@@ -50,11 +50,11 @@ def figure_scores(out: Path, tasks, methods, points, peers=()):
         ax.grid(alpha=0.3)
 
     n = max((p["n"] for p in points.values() if p), default=0)
-    paper = [m for m in methods if not m.endswith("_kv") and m != "qada_kv_all" and m not in peers]
-    kv = [m for m in methods if m not in paper and m not in peers]
+    paper = [m for m in methods if "_kv" not in m and m not in peers]  # per query head
+    kv = [m for m in methods if "_kv" in m and m not in peers]  # per KV group, calibrated ones included
     figs = [("fig4_score_vs_sparsity.png", paper, "Score vs sparsity and KV read")]
     if kv or peers:  # the KV-group variants beside the per-query-head methods they refine, and the presses
-        figs.append(("figKV_score_vs_kv_read.png", [m for m in ("static_oracle", "oracle", "qada_rw") if m in methods] + kv
+        figs.append(("figKV_score_vs_kv_read.png", [m for m in ("static_oracle", "oracle", "qada_rw", "qada_cal") if m in methods] + kv
                      + list(peers), "KV-group criteria vs per-query-head ones" + (" and kvpress's presses" if peers else "")))
     for name, ms, title in figs:
         fig, axes = plt.subplots(1, 2, figsize=(13, 5))
