@@ -86,7 +86,7 @@ def qada(q, k, v, *, layer, n_sink, n_local, tau, moments, rule=None, correction
     long-context heads only. With a `rule`, one decision per KV group (ours): a group labelled long-context reads
     its KV head once for all G query heads, a local group reads its window only. `correction`: qada_cal's."""
     T = k.shape[1]
-    if fused(q) and T > n_local:  # the same decision and skipping in three Triton kernels, nothing read back to the host
+    if fused(q) and T > n_local:  # the same decision and skipping in three Triton kernels, nothing read to the host
         A, b = moments.quadratic_form(layer, k)
         zero = torch.zeros(1, dtype=torch.int32, device=q.device)  # row 0 of the cache, from position 0
         y, labels = fused_qada(q[None], k[None], v[None], zero, zero, n_sink, n_local, (A[None], b[None]),
@@ -728,10 +728,12 @@ if triton is not None:
 
 def split_size(n_programs: int, T: int, device: torch.device, block_n: int = 64) -> int:
     """Context positions per split program: enough splits that the long-context groups' programs fill the GPU
-    (four per multiprocessor if every (row, KV head) reads), at most 64 splits per group, whole blocks of block_n."""
+    (four per multiprocessor if every (row, KV head) reads), at most 64 splits per group. A power of two from 256
+    (whole blocks of block_n): the split is a compile-time constant of the kernel, so a context growing from 8k to 128k
+    compiles a few variants, not one per step."""
     slots = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8)
     per_group = min(64, triton.cdiv(slots, n_programs))
-    return max(256, triton.cdiv(triton.cdiv(T, per_group), block_n) * block_n)
+    return max(256, block_n, triton.next_power_of_2(triton.cdiv(T, per_group)))
 
 
 def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None, correction=None,
@@ -743,7 +745,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     rule as criterion.local_labels; correction: one layer's Calibration.layer() (a (H,), b (H,), s (Hkv,) or None).
     Returns y (n, H, D) in q's dtype and labels (n, H) bool, on the device; with `count_reads` (for tests) also the
     splits of each (row, KV head) that read the cache, (n, Hkv). `split`: context positions per program (default
-    split_size's); the split count is a runtime argument, so a growing context never recompiles the kernels."""
+    split_size's); the split count is a runtime argument."""
     if triton is None:
         raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
     B, H, D = q.shape

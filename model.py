@@ -228,10 +228,12 @@ class Attention(nn.Module):
         k, v = cache.write(self.layer, k, v)  # (B, Hkv, start + T, D)
         if T == 1 and decode_attention is not None:
             y = decode_attention(q, k, v, self.layer)  # (B, H, 1, D)
-        elif T == 1 and x.is_cuda and cache.start is None and B * self.Hkv < multiprocessors(x.device):
+        elif (T == 1 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and cache.start is None
+              and B * self.Hkv < multiprocessors(x.device)):
             # Dense decoding on a GPU with few (row, KV head) pairs: FlashAttention's decoding splits each head's
             # context across thread blocks (flash-decoding) and reads a KV head once for its G query heads; the
-            # packed layout below would give it only B * Hkv blocks to fill the GPU with.
+            # packed layout below would give it only B * Hkv blocks to fill the GPU with. (16-bit only: in fp32
+            # SDPA would fall back to a kernel that copies each KV head per query head.)
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # (B, H, 1, D)
         elif T == 1:
             # Plain dense decoding, packed: a group's G query heads go to SDPA as G query positions of their

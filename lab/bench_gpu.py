@@ -28,7 +28,8 @@ Part 2, end to end: a decoder with random weights at Llama-3-8B's shapes (32 lay
 KV cache filled with random keys and values to T = 32k (no prefill: decode time does not depend on the values),
 batch 8, and batch 32 with 8 of the 32 layers (a 32-layer batch-32 cache needs 137 GB). ms per step (one token of
 every row), eager and replayed as one CUDA graph (captured at position T; each replay decodes at T again). Methods:
-  dense      the model's own packed dense decode;
+  dense      the model's own dense decode (FlashAttention's decoding while batch x KV heads is below the SM count,
+             else packed SDPA);
   kv F       qada_cal on the fused kernel with a correction that fixes the labels (b = 0, a = +-50), so that a
              share F of the (layer, KV head) pairs is long-context for every row: the decision is computed as always,
              the labels are those of a static choice at the KV read QAdA reaches on the research model;
@@ -420,7 +421,8 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cuda, cuda:1, ... (default: cuda if available; the attention part "
                                                   "runs on the CPU too, under TRITON_INTERPRET=1)")
-    p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"], help="which part to run (default: all)")
+    p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"],
+                   help="which part to run (default: all)")
     p.add_argument("--lengths", default="8192,32768,131072",
                    help="attention part: context lengths (default: 8k, 32k, 128k)")
     p.add_argument("--batches", default="1,8,32", help="attention part: batch sizes (default: 1,8,32)")

@@ -122,7 +122,8 @@ class MassRecorder:
 
     def masses(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(S, L, 5, H) and each step's T_bulk (S,)."""
-        return torch.stack([torch.stack(s) for s in self.steps]), torch.tensor(self.n_bulk, dtype=torch.float64, device="cpu")
+        masses = torch.stack([torch.stack(s) for s in self.steps])
+        return masses, torch.tensor(self.n_bulk, dtype=torch.float64, device="cpu")
 
 
 @torch.inference_mode()

@@ -54,7 +54,8 @@ def figure_scores(out: Path, tasks, methods, points, peers=()):
     kv = [m for m in methods if "_kv" in m and m not in peers]  # per KV group, calibrated ones included
     figs = [("fig4_score_vs_sparsity.png", paper, "Score vs sparsity and KV read")]
     if kv or peers:  # the KV-group variants beside the per-query-head methods they refine, and the presses
-        figs.append(("figKV_score_vs_kv_read.png", [m for m in ("static_oracle", "oracle", "qada_rw", "qada_cal") if m in methods] + kv
+        per_head = [m for m in ("static_oracle", "oracle", "qada_rw", "qada_cal") if m in methods]
+        figs.append(("figKV_score_vs_kv_read.png", per_head + kv
                      + list(peers), "KV-group criteria vs per-query-head ones" + (" and kvpress's presses" if peers else "")))
     for name, ms, title in figs:
         fig, axes = plt.subplots(1, 2, figsize=(13, 5))

@@ -395,7 +395,8 @@ def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, 
                     f.write(json.dumps(rec) + "\n")
             for cfg, rec in zip(group, records):
                 if cfg == Config("oracle", TAU) and rec.get("local_freq"):
-                    resources["oracle_freq"][task, index] = (torch.tensor(rec["local_freq"], device="cpu"), rec["steps"])
+                    freq = torch.tensor(rec["local_freq"], device="cpu")
+                    resources["oracle_freq"][task, index] = (freq, rec["steps"])
             written += len(records)
             bar.update(len(records))
     bar.close()

@@ -150,8 +150,8 @@ def stacked(truth, i):
 
 def close(recorded, expected: torch.Tensor, atol: float):
     """A record's (rounded) list of numbers against the float64 tensor computed here."""
-    torch.testing.assert_close(torch.tensor(recorded, dtype=torch.float64, device="cpu"), expected.double().cpu(), rtol=0,
-                               atol=atol)
+    got = torch.tensor(recorded, dtype=torch.float64, device="cpu")
+    torch.testing.assert_close(got, expected.double().cpu(), rtol=0, atol=atol)
 
 
 def test_records_carry_the_statistics(tiny, resources, monkeypatch):

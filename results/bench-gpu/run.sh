@@ -7,15 +7,19 @@ cd "$(dirname "$0")/../.."
 OUT=${1:-${OUT:-/tmp/bench-gpu}}
 FILES=$(mktemp -d)  # the tables and figures, packed into $OUT/results.tar.gz at the end
 mkdir -p "$OUT"
-pack() { tar -czf "$OUT/results.tar.gz" --exclude=tiny -C "$FILES" .; }  # after every part: a cut-off run keeps the rest
+# packed after every part: a run cut off keeps what it measured
+pack() { tar -czf "$OUT/results.tar.gz" --exclude=tiny -C "$FILES" .; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -d .whl ]; then  # wheels, and the RULER data files the tasks read (weights.downloads' cache layout)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
   [ -d .whl/qada-cache ] && export QADA_CACHE=$(mktemp -d) && cp -r .whl/qada-cache/. "$QADA_CACHE"
 fi
 exec > >(tee "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+python3 -c "import torch, triton, transformers as t
+print('torch', torch.__version__, 'cuda', torch.version.cuda,
+      'triton', triton.__version__, 'transformers', t.__version__)"
 
 echo "== attention only (8B shapes; 8k, 32k, 128k; batch 1, 8, 32)"
 timeout 170 python3 -m lab.bench_gpu --parts attention --out "$FILES"; pack
@@ -37,11 +41,12 @@ for m in dense qada qada_kv_all; do
 done
 timeout 90 python3 -m lab.sweep --device cuda --model "$FILES/tiny" --length 480 --samples 1 \
   --tasks niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
-  --methods dense,qada_rw --taus 0.6 --ablations "" --track "" --ctxfree-samples 0 --out "$FILES/sweep" 2>&1 | tail -c 1500
+  --methods dense,qada_rw --taus 0.6 --ablations "" --track "" --ctxfree-samples 0 --out "$FILES/sweep" 2>&1 \
+  | tail -c 1500
 echo "sweep rc=${PIPESTATUS[0]}"
 
 echo "== the test suite with CUDA as torch's default device (tests that fetch real models need the network: not here)"
-QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=line -rfE tests \
+QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfE tests \
   > "$FILES/tests.txt" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$FILES/tests.txt" | cut -c1-220 | tail -60
 pack

@@ -22,7 +22,8 @@ def main() -> None:
     dense = {(r["task"], r["index"]): r["score"] for r in records(HERE.parent / "qwen0.5b-8k" / "samples.jsonl.xz")
              if r["config"] == "dense"}
     peers = records(HERE / "samples.jsonl.xz")
-    lines = ["| press config | samples | KV read | score | our dense | score / dense | 95 % interval |", "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| press config | samples | KV read | score | our dense | score / dense | 95 % interval |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for config in CONFIGS:
         rs = [r for r in peers if r["config"] == config]
         s, d = [r["score"] for r in rs], [dense[r["task"], r["index"]] for r in rs]
