@@ -58,6 +58,7 @@ every part in the folder, so the two parts may run apart.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -145,6 +146,14 @@ def full_pattern(L: int, Hkv: int, f: float) -> torch.Tensor:
     return full.view(L, Hkv)
 
 
+def pattern_moments(direction: torch.Tensor, cov: torch.Tensor, full: torch.Tensor, n_bulk: int) -> FixedMoments:
+    """Moments under which qada labels a KV group long-context exactly where full (..., Hkv) is True: a bulk mean of
+    +-100 along the group's query direction (..., Hkv, D) puts the estimated bulk mass e^50 or so above or below the
+    window's, whatever the keys."""
+    sign = full.to(direction.device).float() * 2 - 1
+    return FixedMoments(100.0 * sign[..., None] * direction, cov, n_bulk)
+
+
 class Stack:
     """L layers of synthetic decode state at context T: q, a KV cache, and moments giving each label pattern."""
 
@@ -165,8 +174,7 @@ class Stack:
 
     def moments(self, full: torch.Tensor) -> FixedMoments:
         """Moments under which qada labels a group long-context exactly where full (L, Hkv) is True."""
-        sign = full.to(self.q.device).float() * 2 - 1  # +1: the bulk outweighs the window by e^50 or so
-        return FixedMoments(100.0 * sign[..., None] * self.direction, self.cov, self.T - N_LOCAL)
+        return pattern_moments(self.direction, self.cov, full, self.T - N_LOCAL)
 
     def run(self, method: str, moments=None):
         """Every layer through the path registered as `method` (attention.PATHS), given what it reads; or through a
@@ -205,15 +213,22 @@ def sdpa_gqa(q, k, v):
     return y[0, :, 0], None
 
 
+@contextlib.contextmanager
+def qada_kernel(choice: str):
+    """The qada paths called inside take `choice` (attention.fused: "torch" or "triton"); restored on the way out."""
+    old = os.environ.get("QADA_KERNEL")
+    os.environ["QADA_KERNEL"] = choice
+    try:
+        yield
+    finally:
+        os.environ.pop("QADA_KERNEL") if old is None else os.environ.update(QADA_KERNEL=old)
+
+
 def with_kernel(choice: str, fn):
-    """fn run with the qada paths on `choice` (attention.fused: "torch" or "triton")."""
+    """fn run with the qada paths on `choice`."""
     def run():
-        old = os.environ.get("QADA_KERNEL")
-        os.environ["QADA_KERNEL"] = choice
-        try:
+        with qada_kernel(choice):
             return fn()
-        finally:
-            os.environ.pop("QADA_KERNEL") if old is None else os.environ.update(QADA_KERNEL=old)
     return run
 
 

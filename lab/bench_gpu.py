@@ -59,7 +59,7 @@ import attention
 from attention import BatchAttention, DecodeAttention, HeadStats
 from criterion import TAU, Calibration
 from generate import pick_device
-from lab.bench import full_pattern, ideal_speedup
+from lab.bench import full_pattern, ideal_speedup, pattern_moments, qada_kernel
 from model import KVCache, Llama, LlamaConfig
 from moments import FixedMoments, bulk_end, mean_cov
 
@@ -70,11 +70,6 @@ LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=5e5,
                         max_position_embeddings=131072)
 E2E_FRACTIONS = (1.0, 0.45, 0.35, 0.15, 0.0)  # 0.45 / 0.35: calibrated QAdA's lossless KV read, per head / per group
-
-
-def kernel(choice: str):
-    """QADA_KERNEL for the paths called inside: "torch" or "triton" (attention.fused)."""
-    os.environ["QADA_KERNEL"] = choice
 
 
 def graph_ms(fn, device: torch.device, quick: bool = False) -> float:
@@ -119,10 +114,8 @@ class Layer:
 
     def attention(self, full: torch.Tensor) -> BatchAttention:
         """qada rows whose criterion labels the (row, KV head) pairs of full (B, Hkv) long-context, the rest local."""
-        sign = full.to(self.q.device).float() * 2 - 1
-        return BatchAttention([DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=TAU, moments=FixedMoments(
-            (100.0 * sign[b, :, None] * self.direction[b])[None], self.cov[None], self.T - N_LOCAL)))
-            for b in range(self.B)])
+        return BatchAttention([DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=TAU, moments=pattern_moments(
+            self.direction[b][None], self.cov[None], full[b][None], self.T - N_LOCAL))) for b in range(self.B)])
 
     def packed(self):
         return F.scaled_dot_product_attention(self.q.view(self.B, self.Hkv, self.G, self.D), self.k, self.v)
@@ -168,11 +161,11 @@ def bench_layer(shape: str, layer: Layer, device: torch.device, quick: bool) -> 
         batch = layer.attention(full)
         step = lambda: batch(layer.q, layer.k, layer.v, 0)  # noqa: E731
         for choice, name in (("torch", "torch"), ("triton", "fused")):
-            kernel(choice)
-            layer.check(batch, full)
-            times[name, f] = timed_ms(step, device, quick)
-            if choice == "triton":  # and replayed as a CUDA graph: the launches' host work gone
-                times["graph", f] = graph_ms(step, device, quick)
+            with qada_kernel(choice):
+                layer.check(batch, full)
+                times[name, f] = timed_ms(step, device, quick)
+                if choice == "triton":  # and replayed as a CUDA graph: the launches' host work gone
+                    times["graph", f] = graph_ms(step, device, quick)
             for row in batch.rows:  # the statistics of the timed calls are not needed
                 row.stats = HeadStats(N_LOCAL)
         f_got = float(full.float().mean())
@@ -272,7 +265,8 @@ def sync_free(step, reset) -> str:
 def bench_end_to_end(T: int, setups, device: torch.device, n: int) -> list[dict]:
     rows = []
     for B, L in setups:
-        rows += bench_setup(T, B, L, device, n)
+        with qada_kernel("triton"):
+            rows += bench_setup(T, B, L, device, n)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the setup's model and cache are gone: up to 50 GB
     return rows
@@ -299,7 +293,6 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int) -> list[di
             inputs["calibration"] = fixed_labels(cfg, f, device)
         return BatchAttention([DecodeAttention(method, N_SINK, N_LOCAL, dict(inputs)) for _ in range(B)])
 
-    kernel("triton")
     methods = [("dense", "dense", None), *((f"kv {f}", "qada_cal", f) for f in E2E_FRACTIONS), ("qada", "qada", None)]
     out = {}
     for name, method, f in methods:
