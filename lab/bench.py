@@ -419,12 +419,14 @@ def prefilled(model, ids: list[int], extra: int, folder: Path | None) -> tuple[K
 
 def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n_new: int, device: torch.device,
                      dtype: torch.dtype, rope_theta: float, profile_at: int | None = None,
-                     calibration: str | None = None, prefill_cache: Path | None = None) -> tuple[list[dict], str]:
+                     calibration: str | None = None, prefill_cache: Path | None = None,
+                     prefill_only: bool = False) -> tuple[list[dict], str]:
     """One row per (length, batch, sparse method): ms per decode step of the method, of packed dense (the model's
     own decode, the best dense we have) and of the window only, in interleaved rounds; the bound from the measured
     non-attention time (the window-only run) and the method's measured KV-read fraction. A method that reads a
     calibration (qada_cal, ...) reads `calibration` (default: the one the model ships); prompts are prefilled through
-    `prefill_cache` (`prefilled`)."""
+    `prefill_cache` (`prefilled`); `prefill_only` fills that cache and the reference keys, and times nothing (the
+    prefills may then run beside other work, the timed run alone later)."""
     rows, models, profile = [], {}, ""
     correction = None
     if any("calibration" in attention.path_inputs(m) for m, _ in methods):
@@ -459,6 +461,9 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
             caches.append(cache)
             firsts.append(first)
             prefill_s.append(seconds)
+        if prefill_only:
+            reference.for_prompt(max(len(ids) for ids, _ in prompts), N_SINK, N_LOCAL)
+            continue
         for B in batches:
             if B == 1:
                 cache = caches[0]
@@ -631,13 +636,18 @@ def setup_line(device: torch.device, dtype: str = "float32") -> str:
 
 def main(device: str | None, threads: int | None, repeats: int | None, parts: str, lengths: str | None,
          quick: bool, decode_tokens: int, rope_theta: float, out: str, model: str, batches: str, e2e_methods: str,
-         dtype: str, compile_decision: bool, calibration: str | None = None, prefill_cache: str | None = None) -> int:
+         dtype: str, compile_decision: bool, calibration: str | None = None, prefill_cache: str | None = None,
+         prefill_only: bool = False) -> int:
     t_start = time.perf_counter()
     if threads:
         torch.set_num_threads(threads)
     try:
         device = torch.device(pick_device(device))
         methods, batch_sizes = parse_methods(e2e_methods), [int(b) for b in batches.split(",")]
+        if prefill_only and not prefill_cache:
+            raise ValueError("--prefill-only fills --prefill-cache DIR: give it one")
+        if prefill_only and parts != "e2e":
+            raise ValueError("--prefill-only is for the end-to-end part: give --parts e2e")
     except ValueError as e:  # bad input: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -670,10 +680,15 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
                                               device, DTYPES[dtype], rope_theta,
                                               profile_at=8192 if 8192 in e2e_lengths else e2e_lengths[-1],
                                               calibration=calibration,
-                                              prefill_cache=Path(prefill_cache) if prefill_cache else None)
+                                              prefill_cache=Path(prefill_cache) if prefill_cache else None,
+                                              prefill_only=prefill_only)
         except (OSError, ValueError) as e:  # a calibration that is missing or does not fit: one line
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if prefill_only:
+            print(f"prefilled {', '.join(map(str, e2e_lengths))} into {prefill_cache} in "
+                  f"{time.perf_counter() - t_start:.0f} s")
+            return 0
         write_part(out, "end_to_end", e2e_setup, e2e_rows, prof, model=model)
         (out / "end_to_end.md").write_text(
             f"End to end, {model}, {e2e_setup}: decode ms per step (a step decodes one token of every row), median of "
@@ -713,4 +728,6 @@ if __name__ == "__main__":
     p.add_argument("--prefill-cache", default=None, metavar="DIR", help="keep each prompt's prefilled KV cache in DIR "
                    "and read it back on a later run instead of prefilling again (about 0.4 GB per 32k prompt of the "
                    "default model in bf16)")
+    p.add_argument("--prefill-only", action="store_true", help="fill --prefill-cache (and the reference keys) for "
+                   "--lengths and exit, timing nothing: the prefills may run beside other work, the timed run later")
     sys.exit(main(**vars(p.parse_args())))

@@ -146,8 +146,9 @@ def test_end_to_end_runs_batches_of_different_prompts(tmp_path, monkeypatch):
 
 
 def test_end_to_end_takes_a_calibration_and_reads_prefills_back(tmp_path, monkeypatch):
-    """A calibrated method reads the --calibration file (the identity correction: qada's own labels); prompts kept
-    by --prefill-cache are read back on the next run instead of prefilled, with the same answers and labels."""
+    """A calibrated method reads the --calibration file (the identity correction: qada's own labels); a
+    --prefill-only run times nothing and leaves every prompt and the reference keys on disk, so that the timed run
+    after it prefills nothing."""
     from criterion import Calibration, save_calibration
     from model import Llama
     from tests.test_generate import make_tiny_dir
@@ -158,19 +159,19 @@ def test_end_to_end_takes_a_calibration_and_reads_prefills_back(tmp_path, monkey
     methods = bench.parse_methods("qada@0.6,qada_cal@0.6")
     kw = dict(repeats=1, n_new=2, device=torch.device("cpu"), dtype=torch.float32, rope_theta=4e5,
               calibration=str(identity), prefill_cache=tmp_path / "prefills")
-    rows, _ = bench.bench_end_to_end(str(folder), [300], [1, 2], methods, **kw)
-    plain, cal = ([(r["sparsity"], r["kv_read"], r["needle"]) for r in rows if r["method"] == m]
-                  for m in ("qada@0.6", "qada_cal@0.6"))
-    assert plain == cal and len(plain) == 2
+    assert bench.bench_end_to_end(str(folder), [300], [1, 2], methods, **kw, prefill_only=True) == ([], "")
     from weights.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(folder)
     distinct = {tuple(bench.needle_prompt(tok, 300 - bench.NEEDLE_TOKENS, seed=b)[0]) for b in range(2)}
     assert len(list((tmp_path / "prefills").glob("*.pt"))) == len(distinct)  # one file per prompt (the tiny
     # tokenizer spells the two needles alike)
     monkeypatch.setattr(Llama, "prefill", lambda *a, **k: pytest.fail("prefilled again"))
-    again, _ = bench.bench_end_to_end(str(folder), [300], [1, 2], methods, **kw)
-    assert [(r["sparsity"], r["kv_read"], r["needle"], r["prefill_s"]) for r in again] == \
-        [(r["sparsity"], r["kv_read"], r["needle"], r["prefill_s"]) for r in rows]
+    rows, _ = bench.bench_end_to_end(str(folder), [300], [1, 2], methods, **kw)
+    monkeypatch.undo()
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    plain, cal = ([(r["sparsity"], r["kv_read"], r["needle"]) for r in rows if r["method"] == m]
+                  for m in ("qada@0.6", "qada_cal@0.6"))
+    assert plain == cal and len(plain) == 2
     with pytest.raises(ValueError, match="ships no calibration"):
         bench.bench_end_to_end(str(folder), [300], [1], methods, **dict(kw, calibration=None))
     local = tmp_path / "all_local.json"  # a correction that makes every head local: the file is really read
