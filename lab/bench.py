@@ -672,9 +672,10 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
         del timer
     if parts in ("e2e", "all"):
         e2e_setup = setup_line(device, dtype)
-        print(f"\n## End to end: {model} ({dtype}) decode ms per step, median of {e2e_repeats} interleaved repeats "
-              f"of {decode_tokens} tokens; load average {load_average()}\n")
-        print(table(E2E_COLUMNS, []))
+        if not prefill_only:
+            print(f"\n## End to end: {model} ({dtype}) decode ms per step, median of {e2e_repeats} interleaved "
+                  f"repeats of {decode_tokens} tokens; load average {load_average()}\n")
+            print(table(E2E_COLUMNS, []))
         try:
             e2e_rows, prof = bench_end_to_end(model, e2e_lengths, batch_sizes, methods, e2e_repeats, decode_tokens,
                                               device, DTYPES[dtype], rope_theta,
