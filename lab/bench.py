@@ -362,7 +362,8 @@ def needle_prompt(tok, n_tokens: int, seed: int = 0) -> tuple[list[int], str]:
 
 def decode_timed(model, cache, n_prompt: int, logits, n_new: int, attn) -> tuple[float, list[list[int]]]:
     """Roll the cache back to the prompt(s) and decode n_new greedy tokens for every row (EOS not checked, so
-    every run does the same work); seconds per decode step and each row's tokens."""
+    every run does the same work); seconds per decode step and each row's tokens. The cache is left rolled back
+    too: a batch-1 cache is later stacked into the larger batches, which must not see this run's tokens."""
     cache.length = n_prompt
     token, outs = logits.argmax(-1), [[] for _ in range(logits.shape[0])]  # (B,)
     sync = (lambda: torch.cuda.synchronize(model.device)) if model.device.type == "cuda" else (lambda: None)
@@ -373,7 +374,9 @@ def decode_timed(model, cache, n_prompt: int, logits, n_new: int, attn) -> tuple
             out.append(t)
         token = model.decode_step(token, cache, attn).argmax(-1)
     sync()
-    return (time.perf_counter() - t0) / n_new, outs
+    seconds = (time.perf_counter() - t0) / n_new
+    cache.length = n_prompt
+    return seconds, outs
 
 
 def parse_methods(text: str) -> list[tuple[str, float]]:

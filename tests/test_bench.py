@@ -141,6 +141,12 @@ def test_end_to_end_runs_batches_of_different_prompts(tmp_path, monkeypatch):
         assert r["bound"] == pytest.approx(r["dense_ms"] / (r["local_ms"] + r["kv_read"] * (r["dense_ms"] - r["local_ms"])))
         assert r["of_bound"] == pytest.approx(r["speedup"] / r["bound"]) and 0 < r["kv_read"] <= 1
         assert r["needle"].endswith(f"/{r['batch']}") and 250 < r["T"] <= 300 - bench.NEEDLE_TOKENS
+    # Batch 3 after batch 1 decodes the prompts as they were prefilled: the batch-1 run's tokens are not left in
+    # the first prompt's cache (they were, and shifted the batch by n_new positions).
+    alone, _ = bench.bench_end_to_end(str(folder), [300], [3], methods, repeats=1, n_new=3,
+                                      device=torch.device("cpu"), dtype=torch.float32, rope_theta=4e5)
+    assert [(r["T"], r["sparsity"], r["kv_read"], r["needle"]) for r in alone] == \
+        [(r["T"], r["sparsity"], r["kv_read"], r["needle"]) for r in rows if r["batch"] == 3]
     with pytest.raises(ValueError, match="PATH@TAU"):
         bench.parse_methods("local@0.5")
 
