@@ -67,6 +67,7 @@ import platform
 import random
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -572,7 +573,7 @@ def plot(att_rows, e2e_rows, path: Path, setup: str, e2e_model: str = "") -> Non
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
     panels = [s for s in SHAPES if any(r["shape"] == s for r in att_rows)] + (["e2e"] if e2e_rows else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(6.5, 5 * len(panels)), 4.6), squeeze=False)
     colors = dict(zip(FRACTIONS, ["tab:gray", "tab:blue", "tab:red", "tab:green"]))
     for ax, panel in zip(axes[0], panels):
         if panel == "e2e":
@@ -585,7 +586,7 @@ def plot(att_rows, e2e_rows, path: Path, setup: str, e2e_model: str = "") -> Non
                 for r in rs:
                     ax.annotate(f"f={r['kv_read']:.2f}", (r["T"], r["speedup"]), textcoords="offset points",
                                 xytext=(0, 7), ha="center", fontsize=7, color=cmap(i))
-            ax.set_title(f"End to end: {e2e_model} decode (dashed: bound at the measured KV read)", fontsize=9)
+            ax.set_title(f"End to end: {e2e_model} decode\n(dashed: bound at the measured KV read)", fontsize=9)
             ax.legend(fontsize=8, loc="best")
         else:
             rows = [r for r in att_rows if r["shape"] == panel]
@@ -612,7 +613,7 @@ def plot(att_rows, e2e_rows, path: Path, setup: str, e2e_model: str = "") -> Non
         ax.set_ylabel("speedup over packed dense" if panel == "e2e" else "speedup over dense (torch SDPA)")
         ax.axhline(1, color="k", lw=0.6)
         ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(f"QAdA decode speedup over dense attention: {setup}", fontsize=10)
+    fig.suptitle(textwrap.fill(f"QAdA decode speedup over dense attention: {setup}", max(75, 60 * len(panels))), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
