@@ -695,10 +695,12 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
                   f"{time.perf_counter() - t_start:.0f} s")
             return 0
         write_part(out, "end_to_end", e2e_setup, e2e_rows, prof, model=model)
+        rope = "".join({f"; RoPE theta {rope_theta:g} above the model's context" for r in e2e_rows
+                        if r["theta"] == f"{rope_theta:g}"})  # said only where a length went past it
         (out / "end_to_end.md").write_text(
             f"End to end, {model}, {e2e_setup}: decode ms per step (a step decodes one token of every row), median of "
-            f"{e2e_repeats} interleaved repeats of {decode_tokens} tokens; rows of a batch are different prompts; RoPE "
-            f"theta {rope_theta:g} above the model's context; load average {load_average()} at the end.\n\n"
+            f"{e2e_repeats} interleaved repeats of {decode_tokens} tokens; rows of a batch are different prompts{rope}; "
+            f"load average {load_average()} at the end.\n\n"
             f"{table(E2E_COLUMNS, e2e_rows)}\n")
     # The plot draws every part in the folder: a part run alone keeps the other's last results beside it.
     done = {part: json.loads((out / f"{part}.json").read_text()) for part in ("attention", "end_to_end")
