@@ -391,16 +391,19 @@ def parse_methods(text: str) -> list[tuple[str, float]]:
     return out
 
 
+def prefill_file(model, ids: list[int], folder: Path) -> Path:
+    """Where `prefilled` keeps the prompt `ids`' KV cache in `folder`: keyed by the model, its dtype, device type and
+    RoPE base, and the ids."""
+    key = json.dumps([str(model.model_dir), str(model.dtype), model.device.type, model.cfg.rope_theta, ids])
+    return Path(folder) / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.pt"
+
+
 def prefilled(model, ids: list[int], extra: int, folder: Path | None) -> tuple[KVCache, torch.Tensor, float]:
     """A batch-1 cache of the prompt `ids` with room for `extra` more positions, the prefill's last logits (1, V)
-    and its seconds. With a `folder`, the filled keys and values are kept there on disk, keyed by the model, its
-    dtype, device type and RoPE base and the ids, and read back instead of prefilled again (a 32k prefill takes
-    minutes on a CPU; the seconds reported are those of the prefill that made the file)."""
-    cfg = model.cfg
-    path = None
-    if folder is not None:
-        key = json.dumps([str(model.model_dir), str(model.dtype), model.device.type, cfg.rope_theta, ids])
-        path = Path(folder) / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.pt"
+    and its seconds. With a `folder`, the filled keys and values are kept there on disk (`prefill_file`) and read
+    back instead of prefilled again (a 32k prefill takes minutes on a CPU; the seconds reported are those of the
+    prefill that made the file)."""
+    path = prefill_file(model, ids, folder) if folder is not None else None
     cache = model.new_cache(len(ids) + extra)
     if path is not None and path.is_file():
         saved = torch.load(path, map_location=cache.k.device, weights_only=True)
@@ -459,15 +462,18 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
                               cfg.num_key_value_heads, N_SINK, N_LOCAL, "random-words", estimate)
         reference = ReferenceKeys(model, tok, n_max=max(T, model.cfg.max_position_embeddings), root=cache_dir() / "moments")
         prompts = [needle_prompt(tok, T - NEEDLE_TOKENS, seed=b) for b in range(max(batches))]  # different needles
+        if prefill_only:  # the files and the reference keys only: no cache held, none read back
+            for ids, _ in prompts:
+                if not prefill_file(model, ids, prefill_cache).is_file():
+                    prefilled(model, ids, NEEDLE_TOKENS + 1, prefill_cache)
+            reference.for_prompt(max(len(ids) for ids, _ in prompts), N_SINK, N_LOCAL)
+            continue
         caches, firsts, prefill_s = [], [], []
         for ids, _ in prompts:  # each prompt prefilled alone, once; batch B takes the first B
             cache, first, seconds = prefilled(model, ids, NEEDLE_TOKENS + 1, prefill_cache)
             caches.append(cache)
             firsts.append(first)
             prefill_s.append(seconds)
-        if prefill_only:
-            reference.for_prompt(max(len(ids) for ids, _ in prompts), N_SINK, N_LOCAL)
-            continue
         for B in batches:
             if B == 1:
                 cache = caches[0]
@@ -613,7 +619,8 @@ def plot(att_rows, e2e_rows, path: Path, setup: str, e2e_model: str = "") -> Non
         ax.set_ylabel("speedup over packed dense" if panel == "e2e" else "speedup over dense (torch SDPA)")
         ax.axhline(1, color="k", lw=0.6)
         ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(textwrap.fill(f"QAdA decode speedup over dense attention: {setup}", max(75, 60 * len(panels))), fontsize=10)
+    title = f"QAdA decode speedup over dense attention: {setup}"
+    fig.suptitle(textwrap.fill(title, max(75, 60 * len(panels))), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -695,8 +702,8 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
                   f"{time.perf_counter() - t_start:.0f} s")
             return 0
         write_part(out, "end_to_end", e2e_setup, e2e_rows, prof, model=model)
-        rope = "".join({f"; RoPE theta {rope_theta:g} above the model's context" for r in e2e_rows
-                        if r["theta"] == f"{rope_theta:g}"})  # said only where a length went past it
+        past = any(r["theta"] == f"{rope_theta:g}" for r in e2e_rows)  # said only where a length went past it
+        rope = f"; RoPE theta {rope_theta:g} above the model's context" if past else ""
         (out / "end_to_end.md").write_text(
             f"End to end, {model}, {e2e_setup}: decode ms per step (a step decodes one token of every row), median of "
             f"{e2e_repeats} interleaved repeats of {decode_tokens} tokens; rows of a batch are different prompts{rope}; "

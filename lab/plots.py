@@ -17,7 +17,8 @@ COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "ta
          "qada_kv": "magenta", "qada_kv_all": "indigo", "snapkv": "crimson", "snapkv_ctx": "salmon",
          "expected_attention": "teal", "expected_attention_ctx": "turquoise", "knorm": "goldenrod",
          "streaming_llm": "dimgray", "hf_dense": "black", "qada_cal": "sienna", "qada_cal_transfer": "chocolate",
-         "qada_kv_cal": "darkgoldenrod", "qada_kv_all_cal": "darkred", "qada_kv_cal_transfer": "olivedrab", "qada_kv_all_cal_transfer": "darkslategray"}
+         "qada_kv_cal": "darkgoldenrod", "qada_kv_all_cal": "darkred", "qada_kv_cal_transfer": "olivedrab",
+         "qada_kv_all_cal_transfer": "darkslategray"}
 MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_oracle": "x", "oracle": "o", "qada_rw": "D",
           "qada_prompt": "P", "qada_prompt_online": "X", "static_kv": "<", "static_oracle_kv": "+", "oracle_kv": "h",
           "qada_kv": "*", "qada_kv_all": "d"}

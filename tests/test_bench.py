@@ -171,10 +171,9 @@ def test_end_to_end_takes_a_calibration_and_reads_prefills_back(tmp_path, monkey
     distinct = {tuple(bench.needle_prompt(tok, 300 - bench.NEEDLE_TOKENS, seed=b)[0]) for b in range(2)}
     assert len(list((tmp_path / "prefills").glob("*.pt"))) == len(distinct)  # one file per prompt (the tiny
     # tokenizer spells the two needles alike)
-    monkeypatch.setattr(Llama, "prefill", lambda *a, **k: pytest.fail("prefilled again"))
-    rows, _ = bench.bench_end_to_end(str(folder), [300], [1, 2], methods, **kw)
-    monkeypatch.undo()
-    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    with monkeypatch.context() as m:
+        m.setattr(Llama, "prefill", lambda *a, **k: pytest.fail("prefilled again"))
+        rows, _ = bench.bench_end_to_end(str(folder), [300], [1, 2], methods, **kw)
     plain, cal = ([(r["sparsity"], r["kv_read"], r["needle"]) for r in rows if r["method"] == m]
                   for m in ("qada@0.6", "qada_cal@0.6"))
     assert plain == cal and len(plain) == 2

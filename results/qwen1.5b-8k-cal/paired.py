@@ -13,7 +13,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from lab.records import normalised, paired_scores, paired_values, read_records  # noqa: E402
+from lab.records import drawn_mean, normalised, paired_scores, paired_values, read_records  # noqa: E402
 
 TASKS = ["niah_single_2", "niah_multikey_2", "niah_multivalue", "vt"]
 PAIRS = [  # (ours, against): what each comparison asks
@@ -34,16 +34,16 @@ def main(n_boot: int = 2000, seed: int = 0) -> None:
     values = {f: paired_values(rows, scores, configs, f) for f in ("sparsity", "kv_read")}
     everyone = {t: np.arange(len(order)) for t, (order, _) in scores.items()}
     rng = np.random.default_rng(seed)
-    draws = [{t: rng.integers(len(order), size=len(order)) for t, (order, _) in scores.items()} for _ in range(n_boot)]
+    draws = [{t: rng.integers(0, len(order), len(order)) for t, (order, _) in scores.items()} for _ in range(n_boot)]
 
     def where(c: str) -> str:
-        return " / ".join(f"{np.mean([np.nanmean(v[t][c]) for t in v]):.2f}" for v in values.values())
+        return " / ".join(f"{drawn_mean(v, everyone, c):.2f}" for v in values.values())
 
     lines = ["| ours (head sparsity / KV read) | against | score / dense, ours | against | difference | 95 % interval |"
              " samples |", "|---|---|---:|---:|---:|---|---:|"]
     for ours, other in PAIRS:
-        diff = sorted(normalised(scores, d, ours) - normalised(scores, d, other) for d in draws)
-        lo, hi = diff[int(0.025 * n_boot)], diff[int(0.975 * n_boot) - 1]
+        diff = [normalised(scores, d, ours) - normalised(scores, d, other) for d in draws]
+        lo, hi = np.percentile(diff, [2.5, 97.5])  # as lab.records' intervals
         a, b = normalised(scores, everyone, ours), normalised(scores, everyone, other)
         n = sum(len(order) for order, _ in scores.values())
         lines.append(f"| {ours} ({where(ours)}) | {other} ({where(other)}) | {a:.2f} | {b:.2f} | {a - b:+.2f} | "
