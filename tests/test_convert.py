@@ -35,8 +35,8 @@ def rope_rotate_half(x, pos, theta=10000.0):
 def rope_interleaved(x, pos, theta=10000.0):
     # x: (T, H, D); llama.cpp / GPT-J convention, pairs (2i, 2i+1).
     D = x.shape[-1]
-    inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    ang = pos[:, None].double() * inv[None]
+    inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64, device=x.device) / D)
+    ang = pos.to(x.device)[:, None].double() * inv[None]  # (T, D/2)
     cos, sin = ang.cos()[:, None], ang.sin()[:, None]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
@@ -57,8 +57,9 @@ def test_unpermuted_weights_with_rotate_half_equal_gguf_weights_with_interleaved
     T, H, D, C = 7, 2, 8, 12
     x = torch.randn(T, C, dtype=torch.float64)
     wq, wk = torch.randn(H * D, C, dtype=torch.float64), torch.randn(H * D, C, dtype=torch.float64)
-    gq, gk = (torch.from_numpy(llama_cpp_permute(w.numpy(), H)) for w in (wq, wk))  # as stored in the GGUF
-    hq, hk = (torch.from_numpy(unpermute_qk(w.numpy(), H)) for w in (gq, gk))  # after our conversion
+    # the conversion runs in numpy; back on x's device (CUDA under QADA_TEST_DEVICE=cuda)
+    gq, gk = (torch.from_numpy(llama_cpp_permute(w.cpu().numpy(), H)).to(x.device) for w in (wq, wk))  # in the GGUF
+    hq, hk = (torch.from_numpy(unpermute_qk(w.cpu().numpy(), H)).to(x.device) for w in (gq, gk))  # after conversion
     pos = torch.arange(T)
 
     def scores(wq, wk, rope):
