@@ -278,8 +278,8 @@ class BatchAttention:
         """q (B, H, 1, D), k/v (B, Hkv, T, D) -> (B, H, 1, D)."""
         if q.shape[0] != len(self.rows):
             raise ValueError(f"a batch of {q.shape[0]} rows for {len(self.rows)} attentions")
-        y = torch.zeros_like(q)
         live = [b for b in range(len(self.rows)) if not self.done[b]]
+        y = torch.empty_like(q) if len(live) == len(self.rows) else torch.zeros_like(q)  # every live row is written
         start = self.start or [0] * len(self.rows)
         if self.all_qada and live and all(k.shape[2] - start[b] > self.rows[b].n_local for b in live):
             return self.qada_rows(q, k, v, layer, live, start, y)
@@ -301,17 +301,18 @@ class BatchAttention:
         if key not in self.cached:
             forms = [self.rows[b].moments.quadratic_form(layer, k) for b in live]
             self.cached = {kk: c for kk, c in self.cached.items() if kk[1] == key[1]}  # rows that ended are gone
+            tau = torch.tensor([[self.rows[b].tau] for b in live], dtype=torch.float64, device=q.device)  # (n, 1)
             self.cached[key] = (torch.stack([A for A, _ in forms]), torch.stack([b for _, b in forms]),  # (n, Hkv, ...)
-                                torch.tensor([[self.rows[b].tau] for b in live], dtype=torch.float64, device=q.device),
+                                tau, kernel_thresholds(tau[:, 0]),  # the kernel's fp32 taus and their logits
                                 torch.tensor([start[b] for b in live], device=q.device),  # (n,)
                                 torch.tensor(live, device=q.device))  # made once per set of live rows, not per step
-        A, b_, tau, first_pos, rows = self.cached[key]
+        A, b_, tau, thresholds, first_pos, rows = self.cached[key]
         calibration = first.inputs.get("calibration")  # qada_cal: one correction for every row
         correction = calibration.layer(layer) if calibration is not None else None
         if fused(q):  # every live row in the three kernels, each reading its own cache row from its own start
-            y_live, labels = fused_qada(q[rows, :, 0], k, v, rows, first_pos, n_sink, n_local, (A, b_),
-                                        tau[:, 0], qada_rule(first.method)[1], correction)
-            y[rows, :, 0] = y_live
+            qs = q[:, :, 0] if n == B else q[rows, :, 0]  # (n, H, D): a view when every row is live
+            _, labels = fused_qada(qs, k, v, rows, first_pos, n_sink, n_local, (A, b_), thresholds,
+                                   qada_rule(first.method)[1], correction, out=y[:, :, 0])  # into y at rows
             for i, b in enumerate(live):
                 self.rows[b].stats.record(layer, T - start[b], labels[i])
             return y
@@ -700,9 +701,9 @@ if triton is not None:
         tl.store(O_PART + part[:, None] * D + d[None, :], acc)
 
     @triton.jit
-    def _merge_kernel(Y_WIN, LABELS, READ, O_PART, M_PART, L_PART, Y,
+    def _merge_kernel(Y_WIN, LABELS, READ, O_PART, M_PART, L_PART, Y, ROWS, syb, syh,
                       N_SPLITS, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                      D: tl.constexpr):
+                      D: tl.constexpr, BY_ROW: tl.constexpr):
         b, g = tl.program_id(0), tl.program_id(1)
         h = tl.arange(0, G_PAD)
         h_ok = h < G
@@ -723,7 +724,11 @@ if triton is not None:
                 acc += tl.load(O_PART + (base + sp * G_PAD + h)[:, None] * D + d[None, :]) * scale[:, None]
             local = tl.load(LABELS + b * H + g * G + h, mask=h_ok, other=1) != 0
             y = tl.where(local[:, None], y, acc / l_sum[:, None])
-        tl.store(Y + rows, y, mask=h_ok[:, None])
+        y_b = b
+        if BY_ROW:  # the output's row is the cache row's: the result lands in the caller's tensor
+            y_b = tl.load(ROWS + b)
+        out = Y + y_b * syb + (g * G + h)[:, None] * syh + d[None, :]
+        tl.store(out, y.to(Y.dtype.element_ty), mask=h_ok[:, None])  # in the output's dtype: no cast launched after
 
 
 def split_size(n_programs: int, T: int, device: torch.device, block_n: int = 64) -> int:
@@ -736,19 +741,29 @@ def split_size(n_programs: int, T: int, device: torch.device, block_n: int = 64)
     return max(256, block_n, triton.next_power_of_2(triton.cdiv(T, per_group)))
 
 
+def kernel_thresholds(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tau (n,) float64 -> the kernel's thresholds, tau and criterion.tau_logit(tau), both (n,) fp32: a caller that
+    decides every layer with the same taus makes them once instead of launching their arithmetic per layer."""
+    return tau.float(), tau_logit(tau.double())
+
+
 def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None, correction=None,
-               split: int | None = None, block_n: int = 64, count_reads: bool = False):
+               split: int | None = None, block_n: int = 64, count_reads: bool = False, out=None):
     """QAdA for one layer and n rows in three Triton kernels: the same labels and output as the `qada` path of each
-    row, up to fp32 rounding. q (n, H, D); k, v (B, Hkv, T, D), views of the cache (any stride over T), of which row
-    rows[i] is query i's (integers, (n,)); start (n,), each row's first filled position (left padding); form: each
-    row's (A (n, Hkv, D, D), b (n, Hkv, D)) fp32; tau (n,), float64 so that the threshold is criterion.tau_logit's;
-    rule as criterion.local_labels; correction: one layer's Calibration.layer() (a (H,), b (H,), s (Hkv,) or None).
-    Returns y (n, H, D) in q's dtype and labels (n, H) bool, on the device; with `count_reads` (for tests) also the
-    splits of each (row, KV head) that read the cache, (n, Hkv). `split`: context positions per program (default
-    split_size's); the split count is a runtime argument."""
+    row, up to fp32 rounding. q (n, H, D), any strides but the last; k, v (B, Hkv, T, D), views of the cache (any
+    stride over T), of which row rows[i] is query i's (integers, (n,)); start (n,), each row's first filled position
+    (left padding); form: each row's (A (n, Hkv, D, D), b (n, Hkv, D)) fp32; tau (n,), float64 so that the threshold
+    is criterion.tau_logit's, or kernel_thresholds(tau); rule as criterion.local_labels; correction: one layer's
+    Calibration.layer() (a (H,), b (H,), s (Hkv,) or None). Returns y (n, H, D) in q's dtype and labels (n, H) bool,
+    on the device; with `out` (B, H, D), any strides but the last, query i's output is written to out[rows[i]] in
+    out's dtype instead and out is returned. With `count_reads` (for tests) also the splits of each (row, KV head)
+    that read the cache, (n, Hkv). `split`: context positions per program (default split_size's); the split count is
+    a runtime argument."""
     if triton is None:
         raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
     B, H, D = q.shape
+    if q.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+        raise ValueError("fused_qada reads q and writes its output with unit stride over the head dim")
     Hkv, T = k.shape[1], k.shape[2]
     G = H // Hkv
     G_pad = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
@@ -763,11 +778,12 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     labels = torch.empty(B, H, device=dev, dtype=torch.int8)
     read = torch.empty(B, Hkv, device=dev, dtype=torch.int8)
     ca, cb, cs = correction if correction is not None else (None, None, None)
+    tau_f32, tau_lgt = tau if isinstance(tau, tuple) else kernel_thresholds(tau)
     dummy = log_local  # never read: HAS_CAL / HAS_SCALE are off
     sm_scale = 1 / math.sqrt(D)
     w_pad = max(16, triton.next_power_of_2(n_local))
     _window_decide_kernel[(B, Hkv)](
-        q, k, v, rows, start, A, bvec, tau.float(), tau_logit(tau.double()), ca if ca is not None else dummy, cb if cb is not None else dummy,
+        q, k, v, rows, start, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy, cb if cb is not None else dummy,
         cs if cs is not None else dummy, y_win, log_local, labels, read, T, sm_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1),
@@ -784,9 +800,10 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=k.dtype != torch.float32 and not INTERPRETED)  # the interpreter multiplies bf16 tiles wrongly
-    y = torch.empty(B, H, D, device=dev, dtype=f32)
-    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y, n_splits,
-                            H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D)
+    y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
+    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y, rows, y.stride(0), y.stride(1), n_splits,
+                            H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, BY_ROW=out is not None)
+    labels = labels.view(torch.bool)  # 0 / 1 bytes reinterpreted, no launch
     if count_reads:  # a split that ran wrote its max score, -inf when its part of the context was empty
-        return y.to(q.dtype), labels.bool(), (m_part[..., 0] != math.inf).sum(-1)
-    return y.to(q.dtype), labels.bool()
+        return y, labels, (m_part[..., 0] != math.inf).sum(-1)
+    return y, labels

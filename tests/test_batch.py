@@ -42,13 +42,18 @@ def test_batch_attention_gives_each_row_its_own_attention_on_its_own_part_of_the
         BatchAttention(atts, start=[0, 1])
 
 
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
 @pytest.mark.parametrize("method", ["qada", "qada_kv", "qada_kv_all", "qada_cal", "qada_kv_cal"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, method, dtype, tol):
+def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, method, dtype, tol, kernel):
     """B prompts under a QAdA path, each with its own moments and padding (and tau, per query head): the batched
     decision (one window pass and one Gaussian term for every row) gives each row the labels and output of its own
-    path, and a row that ended is left out of it. The row-by-row path is not called on the batched route."""
+    path, and a row that ended is left out of it. The row-by-row path is not called on the batched route. Both
+    routes through the torch path and through the fused kernel (which writes each live row's output in place)."""
     from moments import FixedMoments
+    if kernel == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("QADA_KERNEL", kernel)
     B, H, Hkv, T, D, L = 4, 6, 2, 400, 16, 2
     g = torch.Generator().manual_seed(3)
     q = (torch.randn(B, H, 1, D, generator=g) * torch.linspace(0.5, 3.0, H)[:, None, None]).to(dtype)
