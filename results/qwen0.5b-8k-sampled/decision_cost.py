@@ -50,6 +50,8 @@ def main() -> None:
     rows = [("window attention (both)", median_us(lambda: window_attention(q, k, v, N_SINK, N_LOCAL))),
             ("Gaussian bulk term + affine correction + labels", median_us(gaussian)),
             (f"sampled bulk term ({N_SAMPLES} keys) + affine correction + labels", median_us(sampled)),
+            (f"  of which placing the {N_SAMPLES} positions (bulk_sample)",
+             median_us(lambda: bulk_sample(T, N_SINK, N_LOCAL, N_SAMPLES, LAYER))),
             ("dense attention over all 8,192 tokens",
              median_us(lambda: full_attention(q.view(HKV, H // HKV, D), k, v), number=20))]
     print(f"torch {torch.__version__}, 1 thread; shape H={H}, Hkv={HKV}, D={D}, T={T}, bf16 cache\n")
