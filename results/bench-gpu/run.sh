@@ -7,8 +7,12 @@ cd "$(dirname "$0")/../.."
 OUT=${1:-${OUT:-/tmp/bench-gpu}}
 FILES=$(mktemp -d)  # the tables and figures, packed into $OUT/results.tar.gz at the end
 mkdir -p "$OUT"
-# packed after every part: a run cut off keeps what it measured
-pack() { tar -czf "$OUT/results.tar.gz" --exclude=tiny -C "$FILES" .; }
+# packed after every part: a run cut off keeps what it measured; the tables name this script, not its temporary folder
+pack() {
+  sed -i -e "s#--out $FILES\`#--out DIR\` (inside \`bash results/bench-gpu/run.sh\`)#" -e "s#--out $FILES\"#--out DIR\"#" \
+    "$FILES"/*.md "$FILES"/*.json 2>/dev/null
+  tar -czf "$OUT/results.tar.gz" --exclude=tiny -C "$FILES" .
+}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -d .whl ]; then  # gguf and wonderwords installed; the RULER wheel, which the tasks fetch with pip download
   # (weights.downloads) into whatever cache they use, found in .whl/links instead of a registry
