@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from lab.plots import plots
-from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, common_indices, config_sort_key, confusion, curves, group, head_counts, label, lossless_draws,
-                     lossless_table, matched_table, mean, mean_draws, measured_points, method_configs, read_records,
-                     recall_rows,
-                     run_recall, static_oracle_freq, summary_rows)
+from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, common_indices, config_sort_key, confusion, curves,
+                        drawn_mean, group, head_counts, label, lossless_draws, lossless_table, matched_table, mean,
+                        mean_draws, measured_points, method_configs, normalised, paired_scores, paired_values,
+                        read_records, recall_rows, run_recall, static_oracle_freq, summary_rows)
 from lab.tasks import CTXFREE, TASKS as TASK_ORDER
 
 
@@ -249,6 +249,33 @@ def kv_read_differences(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[
         lo, hi = float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))
         lines.append(f"| {label(a)} | {read_a:.2f} | {label(b)} | {read_b:.2f} | {read_a - read_b:+.2f} | "
                      f"[{lo:+.2f}, {hi:+.2f}] | {res[a]['n']} |")
+    return lines
+
+
+def config_differences(rows, tasks, pairs, header: str, n_boot: int = 2000, seed: int = 0) -> list[str]:
+    """A markdown table (under `header`, a line of seven column names) of single configurations compared in pairs
+    (first, second): each one's head sparsity / KV read and score / dense (mean over tasks) on the samples dense and
+    every configuration finished, and first minus second with a paired-bootstrap 95 % interval (n_boot draws of the
+    samples within each task, the same draw for both configurations and dense). For what the matched tables cannot
+    say: a method with one measured point, or two configurations at (nearly) the same cost."""
+    configs = sorted({c for pair in pairs for c in pair})
+    scores = paired_scores(rows, tasks, configs)
+    values = {f: paired_values(rows, scores, configs, f) for f in ("sparsity", "kv_read")}
+    everyone = {t: np.arange(len(order)) for t, (order, _) in scores.items()}
+    rng = np.random.default_rng(seed)
+    draws = [{t: rng.integers(0, len(order), len(order)) for t, (order, _) in scores.items()} for _ in range(n_boot)]
+    n = sum(len(order) for order, _ in scores.values())
+
+    def where(c: str) -> str:
+        return " / ".join(f"{drawn_mean(v, everyone, c):.2f}" for v in values.values())
+
+    lines = [header, "|---|---|---:|---:|---:|---|---:|"]
+    for a, b in pairs:
+        diff = [normalised(scores, d, a) - normalised(scores, d, b) for d in draws]
+        lo, hi = np.percentile(diff, [2.5, 97.5])  # as lab.records' intervals
+        sa, sb = normalised(scores, everyone, a), normalised(scores, everyone, b)
+        lines.append(f"| {a} ({where(a)}) | {b} ({where(b)}) | {sa:.2f} | {sb:.2f} | {sa - sb:+.2f} | "
+                     f"[{lo:+.2f}, {hi:+.2f}] | {n} |")
     return lines
 
 

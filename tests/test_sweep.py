@@ -450,6 +450,27 @@ def test_claims_table_against_hand_computed_values():
         "below the paper", "consistent", "above the paper", "consistent", "ours higher"]
 
 
+
+def test_config_differences_against_hand_computed_values():
+    """Two single configurations compared on the samples dense and both finished: where each sits (sparsity / KV
+    read), score / dense as the mean over tasks, the difference, and a paired interval that is its point when every
+    sample agrees and opens when one does not."""
+    rows = []
+    for task, dense in (("a", 1.0), ("b", 0.5)):
+        for i in range(4):
+            rows += [row(task, i, "dense", dense, 0.0), row(task, i, "x@0.2", dense, 0.9),
+                     row(task, i, "y@0.8", dense / 2, 0.5)]
+    rows.append(row("a", 4, "x@0.2", 0.0, 0.1))  # a sample dense and y never ran: left out
+    header = "| x | y | score x | score y | difference | interval | samples |"
+    lines = report.config_differences(rows, ["a", "b"], [("x@0.2", "y@0.8")], header, n_boot=50)
+    assert lines[0] == header
+    assert lines[2] == "| x@0.2 (0.90 / 0.10) | y@0.8 (0.50 / 0.50) | 1.00 | 0.50 | +0.50 | [+0.50, +0.50] | 8 |"
+    rows = [dict(r, score=0.0) if (r["task"], r["index"], r["config"]) == ("a", 0, "x@0.2") else r for r in rows]
+    cells = report.config_differences(rows, ["a", "b"], [("x@0.2", "y@0.8")], header, n_boot=200)[2].split(" | ")
+    assert cells[2:5] == ["0.88", "0.50", "+0.38"]  # task a: 3/4 of dense; (0.75 + 1) / 2
+    lo, hi = (float(x) for x in cells[5].strip("[]").split(", "))
+    assert lo < 0.38 < hi == 0.50
+
 def test_kv_read_differences_are_paired():
     """The KV-group comparison by hand: the group rule is lossless down to 0.7 of the KV read, per-head QAdA to 0.8, so
     the difference is -0.10, a point when every sample agrees; the pairs with methods that never ran are left out."""

@@ -10,12 +10,10 @@ and dense). The Gaussian configurations' records come from results/qwen0.5b-8k-c
 import sys
 from pathlib import Path
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from lab.records import drawn_mean, normalised, paired_scores, paired_values, read_records  # noqa: E402
-from lab.report import with_baseline  # noqa: E402
+from lab.records import read_records  # noqa: E402
+from lab.report import config_differences, with_baseline  # noqa: E402
 
 TASKS = ["niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multivalue", "niah_multiquery"]
 PAIRS = [  # (sampled, Gaussian): the same correction kind and tau
@@ -30,27 +28,10 @@ PAIRS = [  # (sampled, Gaussian): the same correction kind and tau
 ]
 
 
-def main(n_boot: int = 2000, seed: int = 0) -> None:
+def main() -> None:
     rows = with_baseline(HERE, read_records(HERE), HERE.parent / "qwen0.5b-8k-cal")
-    configs = sorted({c for pair in PAIRS for c in pair})
-    scores = paired_scores(rows, TASKS, configs)
-    values = {f: paired_values(rows, scores, configs, f) for f in ("sparsity", "kv_read")}
-    everyone = {t: np.arange(len(order)) for t, (order, _) in scores.items()}
-    rng = np.random.default_rng(seed)
-    draws = [{t: rng.integers(0, len(order), len(order)) for t, (order, _) in scores.items()} for _ in range(n_boot)]
-
-    def where(c: str) -> str:
-        return " / ".join(f"{drawn_mean(v, everyone, c):.2f}" for v in values.values())
-
-    lines = ["| sampled (head sparsity / KV read) | Gaussian (head sparsity / KV read) | score / dense, sampled | "
-             "Gaussian | difference | 95 % interval | samples |", "|---|---|---:|---:|---:|---|---:|"]
-    for ours, other in PAIRS:
-        diff = [normalised(scores, d, ours) - normalised(scores, d, other) for d in draws]
-        lo, hi = np.percentile(diff, [2.5, 97.5])  # as lab.records' intervals
-        a, b = normalised(scores, everyone, ours), normalised(scores, everyone, other)
-        n = sum(len(order) for order, _ in scores.values())
-        lines.append(f"| {ours} ({where(ours)}) | {other} ({where(other)}) | {a:.2f} | {b:.2f} | {a - b:+.2f} | "
-                     f"[{lo:+.2f}, {hi:+.2f}] | {n} |")
+    lines = config_differences(rows, TASKS, PAIRS, "| sampled (head sparsity / KV read) | Gaussian (head sparsity / "
+                               "KV read) | score / dense, sampled | Gaussian | difference | 95 % interval | samples |")
     (HERE / "paired.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
