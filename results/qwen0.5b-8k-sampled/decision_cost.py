@@ -3,11 +3,12 @@ model's attention shape (14 query heads, 2 KV heads, head dim 64; bf16 cache of 
 
 Both decisions share the window's exact attention (timed apart); what differs is the bulk term: the Gaussian's
 q A q^T + q b with its correction, against gathering 64 bulk keys, their scores and their log-mean-exp. Dense attention
-over the whole cache is timed beside them for scale. Median of many calls, one thread, nothing else running:
+over the whole cache is timed beside them for scale. Median of 41 repeats, one thread, nothing else running:
 
-    python results/qwen0.5b-8k-sampled/decision_cost.py          # prints a markdown table (~30 s)
+    python results/qwen0.5b-8k-sampled/decision_cost.py          # prints a markdown table (~10 s)
 """
 
+import statistics
 import sys
 import timeit
 from pathlib import Path
@@ -22,9 +23,9 @@ from criterion import (corrected_log_bulk, estimated_log_bulk, gaussian_form, lo
 H, HKV, D, T, N_SINK, N_LOCAL, TAU, LAYER = 14, 2, 64, 8192, 16, 128, 0.2, 12
 
 
-def median_us(fn, number: int = 200, repeat: int = 15) -> float:
+def median_us(fn, number: int = 200, repeat: int = 41) -> float:
     fn()  # warm-up
-    return min(sorted(timeit.repeat(fn, number=number, repeat=repeat))[: repeat // 2 + 1]) / number * 1e6
+    return statistics.median(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
 
 
 def main() -> None:
