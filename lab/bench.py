@@ -52,9 +52,10 @@ time (the window-only run) and the measured KV read. Lengths above the model's c
 override (--rope-theta) and moments from a random-words prompt of that length (computed once, then cached in
 ~/.cache/qada/moments).
 
-Outputs in --out (results/bench/): per part its table (attention.md, end_to_end.md), where the time goes
+Outputs in --out (default: a new folder runs/bench/<time>, so that no run overwrites another's; results/bench/
+holds the committed ones): per part its table (attention.md, end_to_end.md), where the time goes
 (attention_profile.md, end_to_end_profile.md) and its rows (attention.json, end_to_end.json); speedup.png draws
-every part in the folder, so the two parts may run apart.
+every part in the folder, so the two parts may run apart into one --out.
 """
 
 import argparse
@@ -77,6 +78,8 @@ import attention
 from attention import BatchAttention, build_attention
 from criterion import TAU, check_calibration, load_calibration, qada_labels
 from generate import pick_device
+from lab.calibrate import calibration_file
+from lab.cli import Parser, at_least, fail, fresh_folder, ints, positive_float
 from model import KVCache, LlamaConfig
 from moments import FixedMoments, ReferenceKeys
 from weights.checkpoints import DEFAULT, DTYPES, load, shipped_calibration
@@ -387,7 +390,13 @@ def parse_methods(text: str) -> list[tuple[str, float]]:
         name, _, tau = item.strip().partition("@")
         if name not in attention.PATHS or "tau" not in attention.path_inputs(name) or not tau:
             raise ValueError(f"--e2e-methods takes PATH@TAU items of a path that reads tau, got {item!r}")
-        out.append((name, float(tau)))
+        try:
+            value = float(tau)
+        except ValueError:
+            value = math.nan
+        if not 0 <= value <= 1:  # NaN fails too
+            raise ValueError(f"--e2e-methods {item!r}: TAU takes a number in [0, 1]")
+        out.append((name, value))
     return out
 
 
@@ -645,27 +654,33 @@ def setup_line(device: torch.device, dtype: str = "float32") -> str:
     return f"{device.type} ({where}), {dtype}, torch {torch.__version__}"
 
 
-def main(device: str | None, threads: int | None, repeats: int | None, parts: str, lengths: str | None,
-         quick: bool, decode_tokens: int, rope_theta: float, out: str, model: str, batches: str, e2e_methods: str,
-         dtype: str, compile_decision: bool, calibration: str | None = None, prefill_cache: str | None = None,
-         prefill_only: bool = False) -> int:
+def run(device: str | None, threads: int | None, repeats: int | None, parts: str, lengths: str | None,
+        quick: bool, decode_tokens: int, rope_theta: float, out: str | None, model: str, batches: str, e2e_methods: str,
+        dtype: str, compile_decision: bool, calibration: str | None = None, prefill_cache: str | None = None,
+        prefill_only: bool = False) -> int:
+    """Both parts, or one (`parts`), written into `out` (None: a fresh folder runs/bench/<time>); the arguments as
+    main's flags (lengths, batches, e2e_methods: comma-separated text). Returns the exit status."""
     t_start = time.perf_counter()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
+    try:  # bad input: one line, before anything runs
         device = torch.device(pick_device(device))
-        methods, batch_sizes = parse_methods(e2e_methods), [int(b) for b in batches.split(",")]
+        methods, batch_sizes = parse_methods(e2e_methods), [int(b) for b in ints(batches).split(",") if b.strip()]
+        given = [int(x) for x in ints(lengths).split(",") if x.strip()] if lengths else None
         if prefill_only and not prefill_cache:
             raise ValueError("--prefill-only fills --prefill-cache DIR: give it one")
         if prefill_only and parts != "e2e":
             raise ValueError("--prefill-only is for the end-to-end part: give --parts e2e")
-    except ValueError as e:  # bad input: one line
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        calibration = calibration_for(methods, calibration)
+        if out is not None and Path(out).exists() and not Path(out).is_dir():
+            raise ValueError(f"--out {out} is a file; give a folder")
+        if prefill_cache and Path(prefill_cache).exists() and not Path(prefill_cache).is_dir():
+            raise ValueError(f"--prefill-cache {prefill_cache} is a file; give a folder")
+        if threads:
+            torch.set_num_threads(threads)
+    except (OSError, ValueError, argparse.ArgumentTypeError) as e:
+        return fail(e)
     setup = setup_line(device)
-    out = Path(out)
+    out = Path(out) if out is not None else fresh_folder("runs/bench")
     out.mkdir(parents=True, exist_ok=True)
-    given = [int(x) for x in lengths.split(",")] if lengths else None
     att_lengths = given or ([2048, 8192] if quick else [2048, 4096, 8192, 16384, 32768])
     e2e_lengths = given or ([2048] if quick else [2048, 4096, 8192, 16384])
     att_repeats, e2e_repeats = repeats or (3 if quick else 5), repeats or (2 if quick else 6)
@@ -718,30 +733,63 @@ def main(device: str | None, threads: int | None, repeats: int | None, parts: st
     return 0
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def calibration_for(methods: list[tuple[str, float]], calibration: str | None) -> str | None:
+    """The calibration file the end-to-end methods read, from --calibration: a file as given, or in a folder of
+    lab.calibrate --qada the file of the estimate they correct (affine.json, sampled.json); None leaves the default
+    (the model's shipped one) to bench_end_to_end. One-line errors, before anything runs."""
+    readers = [m for m, _ in methods if "calibration" in attention.path_inputs(m)]
+    if calibration is not None and not readers:
+        raise ValueError(f"--calibration {calibration}: no method of --e2e-methods reads a calibration (qada_cal ... "
+                         "do)")
+    if calibration is None:
+        return None
+    estimates = {attention.bulk_estimate(m) for m in readers}
+    if len(estimates) > 1:
+        raise ValueError("one calibration file corrects one estimate: bench the sampled and the Gaussian calibrated "
+                         "methods apart")
+    if Path(calibration).is_dir():
+        kind = "sampled" if estimates.pop() == "sampled" else "affine"
+        return str(calibration_file(calibration, kind, "--calibration", ", ".join(dict.fromkeys(readers))))
+    if not Path(calibration).is_file():
+        raise FileNotFoundError(f"--calibration {calibration}: no such file or folder")
+    return calibration
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="python -m lab.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default: 5 attention, 6 end to end)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--repeats", type=at_least(1), default=None, help="timed repeats per method (default: 5 attention, "
+                   "6 end to end)")
     p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"], help="which part to run (default: all)")
-    p.add_argument("--lengths", default=None, help="comma-separated context lengths for both parts "
+    p.add_argument("--lengths", type=ints, default=None, help="comma-separated context lengths for both parts "
                    "(default: 2048..32768 attention, 2048..16384 end to end)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer lengths, repeats and tokens")
-    p.add_argument("--decode-tokens", type=int, default=8, help="tokens decoded per method and timed repeat, end to end (default: 8)")
-    p.add_argument("--rope-theta", type=float, default=4e5, help="RoPE base for end-to-end lengths above the model's context (default: 4e5)")
-    p.add_argument("--out", default="results/bench", help="output folder")
+    p.add_argument("--decode-tokens", type=at_least(1), default=8, help="tokens decoded per method and timed repeat, "
+                   "end to end (default: 8)")
+    p.add_argument("--rope-theta", type=positive_float, default=4e5, help="RoPE base for end-to-end lengths above the "
+                   "model's context (default: 4e5)")
+    p.add_argument("--out", default=None, help="output folder (default: a new folder runs/bench/<time>, so that no run "
+                   "overwrites another's; results/bench holds the committed tables, and two parts run apart draw one "
+                   "figure only in one folder given here)")
     p.add_argument("--model", default=DEFAULT, help=f"end-to-end model: a name, folder or hub id (default: {DEFAULT})")
-    p.add_argument("--batches", default="1,8", help="end-to-end batch sizes, each row a different prompt (default: 1,8)")
+    p.add_argument("--batches", type=ints, default="1,8", help="end-to-end batch sizes, each row a different prompt (default: 1,8)")
     p.add_argument("--e2e-methods", default="qada@0.6", help="sparse paths timed end to end, PATH@TAU,... (e.g. "
                    "qada@0.2,qada_kv@0.6: each at the tau where it keeps the score; default: qada@0.6)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="end-to-end weights and KV cache (default: float32)")
     p.add_argument("--compile", dest="compile_decision", action="store_true", help="profile also qada's decision under torch.compile (inductor: "
                    "needs a C++ compiler on the CPU, ~20 s per shape to compile)")
-    p.add_argument("--calibration", default=None, metavar="FILE", help="the correction the qada_cal methods read, end "
-                   "to end (default: the one the model ships, weights/calibration/)")
+    p.add_argument("--calibration", default=None, metavar="FILE|DIR", help="the correction the qada_cal methods read, "
+                   "end to end: a file, or a folder of lab.calibrate --qada (its affine.json, or sampled.json for the "
+                   "sampled estimate); default: the one the model ships, weights/calibration/")
     p.add_argument("--prefill-cache", default=None, metavar="DIR", help="keep each prompt's prefilled KV cache in DIR "
                    "and read it back on a later run instead of prefilling again (about 0.4 GB per 32k prompt of the "
                    "default model in bf16)")
     p.add_argument("--prefill-only", action="store_true", help="fill --prefill-cache (and the reference keys) for "
                    "--lengths and exit, timing nothing: the prefills may run beside other work, the timed run later")
-    sys.exit(main(**vars(p.parse_args())))
+    args = p.parse(argv)
+    return args if isinstance(args, int) else run(**vars(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

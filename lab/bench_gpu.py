@@ -60,6 +60,7 @@ from attention import BatchAttention, DecodeAttention, HeadStats
 from criterion import TAU, Calibration
 from generate import pick_device
 from lab.bench import full_pattern, ideal_speedup, pattern_moments, qada_kernel
+from lab.cli import Parser, at_least, fail, fresh_folder, ints
 from model import KVCache, Llama, LlamaConfig
 from moments import FixedMoments, bulk_end, mean_cov
 
@@ -399,54 +400,69 @@ def write(out: Path, part: str, setup: str, columns, rows, command: str) -> None
     (out / f"{part}.md").write_text(f"{setup}\n\n`{command}`\n\n{table(columns, rows)}\n")
 
 
-def parse_ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise SystemExit(f"error: --{what} takes comma-separated integers, got {text!r}")
-    if not values or min(values) <= 0:
-        raise SystemExit(f"error: --{what} takes positive integers, got {text!r}")
+def lengths_above_window(text: str) -> list[int]:
+    """--lengths (an argparse type): comma-separated context lengths, each above the window."""
+    values = [int(x) for x in ints(text).split(",") if x.strip()]
+    if min(values) <= N_LOCAL:
+        raise argparse.ArgumentTypeError(f"each length must exceed the window ({N_LOCAL}), got {text!r}")
     return values
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def int_list(text: str) -> list[int]:
+    """--batches (an argparse type): comma-separated integers >= 1."""
+    return [int(x) for x in ints(text).split(",") if x.strip()]
+
+
+def setups(text: str) -> list[tuple[int, int]]:
+    """--e2e (an argparse type): BATCHxLAYERS,... with both at least 1."""
+    try:
+        out = [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or not all(len(s) == 2 and min(s) > 0 for s in out):
+        raise argparse.ArgumentTypeError(f"takes BATCHxLAYERS,..., for example 8x32,32x8; got {text!r}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="python -m lab.bench_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cuda, cuda:1, ... (default: cuda if available; the attention part "
                                                   "runs on the CPU too, under TRITON_INTERPRET=1)")
     p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"],
                    help="which part to run (default: all)")
-    p.add_argument("--lengths", default="8192,32768,131072",
+    p.add_argument("--lengths", type=lengths_above_window, default="8192,32768,131072",
                    help="attention part: context lengths (default: 8k, 32k, 128k)")
-    p.add_argument("--batches", default="1,8,32", help="attention part: batch sizes (default: 1,8,32)")
-    p.add_argument("--e2e-length", type=int, default=32768, help="end to end: context length (default: 32768)")
-    p.add_argument("--e2e", default="8x32,32x8", help="end to end: BATCHxLAYERS setups (default: 8x32,32x8)")
-    p.add_argument("--steps", type=int, default=10, help="end to end: timed steps per method and mode (default: 10)")
+    p.add_argument("--batches", type=int_list, default="1,8,32", help="attention part: batch sizes (default: 1,8,32)")
+    p.add_argument("--e2e-length", type=at_least(N_LOCAL + 1), default=32768, help="end to end: context length "
+                   "(default: 32768)")
+    p.add_argument("--e2e", type=setups, default="8x32,32x8", help="end to end: BATCHxLAYERS setups (default: "
+                   "8x32,32x8)")
+    p.add_argument("--steps", type=at_least(1), default=10, help="end to end: timed steps per method and mode "
+                   "(default: 10)")
     p.add_argument("--quick", action="store_true", help="fewer timed calls")
-    p.add_argument("--out", default="results/bench-gpu", help="output folder")
-    args = p.parse_args(argv)
-    lengths, batches = parse_ints(args.lengths, "lengths"), parse_ints(args.batches, "batches")
-    if min(lengths) <= N_LOCAL:
-        raise SystemExit(f"error: --lengths must exceed the window ({N_LOCAL})")
-    try:
-        setups = [tuple(int(x) for x in s.split("x")) for s in args.e2e.split(",")]
-        assert all(len(s) == 2 and min(s) > 0 for s in setups)
-    except (ValueError, AssertionError):
-        raise SystemExit(f"error: --e2e takes BATCHxLAYERS,..., for example 8x32,32x8; got {args.e2e!r}")
-    try:
+    p.add_argument("--out", default=None, help="output folder (default: a new folder runs/bench-gpu/<time>, so that no "
+                   "run overwrites another's; results/bench-gpu holds the committed tables)")
+    args = p.parse(argv)
+    if isinstance(args, int):  # --help, or a bad argument
+        return args
+    lengths, batches = args.lengths, args.batches
+    try:  # what this machine lacks: one line, exit 2
         device = torch.device(pick_device(args.device))
+        if attention.triton is None:
+            raise ValueError("the fused kernel needs triton (pip install triton)")
+        if device.type != "cuda" and args.parts != "attention":
+            raise ValueError("the end-to-end part times CUDA graphs and needs a GPU: no CUDA on this machine "
+                             "(--parts attention runs on the CPU under TRITON_INTERPRET=1)")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels are defined
+            raise ValueError("no CUDA here; the fused kernel runs on the CPU only under TRITON_INTERPRET=1")
+        if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out} is a file; give a folder")
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
-    if attention.triton is None:
-        raise SystemExit("error: the fused kernel needs triton (pip install triton)")
-    if device.type != "cuda" and args.parts != "attention":
-        raise SystemExit("error: the end-to-end part times CUDA graphs and needs a GPU: no CUDA on this machine")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels are defined
-        raise SystemExit("error: no CUDA here; the fused kernel runs on the CPU only under TRITON_INTERPRET=1")
+        return fail(e)
     setup = setup_line(device)
     command = "python -m lab.bench_gpu " + " ".join(sys.argv[1:] if argv is None else argv)
     print(setup, flush=True)
-    out = Path(args.out)
+    out = Path(args.out) if args.out is not None else fresh_folder("runs/bench-gpu")
     if args.parts in ("attention", "all"):
         print(table(ATTENTION_COLUMNS, []), flush=True)
         rows = []
@@ -457,10 +473,12 @@ def main(argv=None) -> None:
     if args.parts in ("e2e", "all"):
         print(table(E2E_COLUMNS, []), flush=True)
         rows = []
-        for one in setups:  # written after each setup: a later one that fails keeps the earlier rows
+        for one in args.e2e:  # written after each setup: a later one that fails keeps the earlier rows
             rows += bench_end_to_end(args.e2e_length, [one], device, args.steps)
             write(out, f"end_to_end_{args.e2e_length // 1024}k", setup, E2E_COLUMNS, rows, command)
+    print(f"wrote {out}/", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

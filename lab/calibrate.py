@@ -18,9 +18,13 @@ keys (for the calibration curves' comparison). `masses.pt` keeps them per prompt
 computes only the prompts it lacks), and every kind of criterion.CALIBRATION_KINDS is fitted from them into
 `KIND.json`, each loadable with criterion.load_calibration. The fits are per (layer, head), on every decode step
 of every prompt.
+
+Files of the same settings in --out are reused; labels, masses or corrections of other settings (another model,
+length, tasks ...) are refused, before the model loads where they can be told apart by then, unless --force.
 """
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -28,12 +32,13 @@ from pathlib import Path
 import torch
 
 from attention import N_SAMPLES, all_scores, build_attention, bulk_sample, dense
-from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_exponent, load_local_freq, oracle_log_masses,
-                       sampled_log_bulk, save_calibration, save_labels)
+from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_exponent, load_calibration, load_local_freq,
+                       oracle_log_masses, sampled_log_bulk, save_calibration, save_labels)
 from generate import decode, pick_device
+from lab.cli import Parser, at_least, fail
 from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
-from weights.checkpoints import DEFAULT, DTYPES, load
+from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, model_dir
 from weights.downloads import cache_dir
 
 
@@ -57,25 +62,89 @@ def oracle_frequency(model, tok, task: str, length: int, samples: int, seed: int
     return (counts / steps).float(), steps
 
 
+def task_names(text: str) -> list[str]:
+    """--tasks: comma-separated names of lab.tasks.TASKS (an argparse type)."""
+    names = [t for t in text.split(",") if t]
+    unknown = [t for t in names if t not in TASKS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+    return names
+
+
+def open_fraction(text: str) -> float:
+    """--eps: a number in (0, 1) (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1), got {text!r}")
+    return value
+
+
+def planned_model(name: str | None) -> str | None:
+    """The folder `load(name)` will give model.model_dir, as the files' settings record it, where it is known before
+    loading (a named model, a local folder); None for a hub id."""
+    name = name or DEFAULT
+    if name in MODELS:
+        return str(model_dir(name))
+    return str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else None
+
+
+def differences(old: dict, want: dict) -> str:
+    """The first settings `old` holds otherwise than `want`, as "key: old there, new asked"; "" if none."""
+    diff = [f"{k}: {old.get(k)!r} there, {v!r} asked" for k, v in want.items() if old.get(k) != v]
+    return "; ".join(diff[:2])
+
+
+def check_labels(folder: Path, tasks: list[str], ruler_tasks: list[str], common: dict, force: bool = False,
+                 hint: str = "--force replaces them, or give another --out") -> None:
+    """That writing static labels into `folder` replaces none of other settings: each TASK.json and ruler.json there
+    must hold the settings asked for (`common`: length, samples, seed, max_new_tokens, tau, n_sink, n_local and, once
+    known, model). ValueError with one line otherwise, unless `force`."""
+    ruler = {k: v for k, v in common.items() if k != "max_new_tokens"}
+    for path, want in [(Path(folder) / f"{t}.json", dict(task=t, **common)) for t in tasks] + [
+            (Path(folder) / "ruler.json", dict(tasks=ruler_tasks, **ruler))]:
+        if force or not path.is_file():
+            continue
+        try:
+            _, old = load_local_freq(path)
+        except ValueError as e:
+            raise ValueError(f"{e}; {hint}") from None
+        if differences(old, want):
+            raise ValueError(f"{path} holds static labels of other settings ({differences(old, want)}); {hint}")
+
+
+def same_labels(path: Path, settings: dict) -> torch.Tensor | None:
+    """The local frequencies of the labels file `path` if it holds `settings`; None if not, unreadable or absent."""
+    try:
+        freq, old = load_local_freq(path)
+    except (OSError, ValueError):
+        return None
+    return None if differences(old, settings) else freq
+
+
 def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int, seed: int, max_new_tokens: int,
            n_sink: int = 16, n_local: int = 128, progress: bool = True,
-           ruler_tasks: list[str] | None = None) -> dict[str, torch.Tensor]:
+           ruler_tasks: list[str] | None = None, force: bool = False,
+           hint: str = "--force replaces them, or give another --out") -> dict[str, torch.Tensor]:
     """Oracle local frequencies per task and their mean over `ruler_tasks` (default: tasks) as "ruler", read from
-    `folder` or calibrated and saved."""
+    `folder` or calibrated and saved. Files of other settings are refused (check_labels) unless `force`."""
     ruler_tasks = list(ruler_tasks or tasks)
     tasks = list(dict.fromkeys(tasks + ruler_tasks))
     folder = Path(folder)
+    common = dict(length=length, samples=samples, seed=seed, max_new_tokens=max_new_tokens, tau=TAU, n_sink=n_sink,
+                  n_local=n_local, model=str(model.model_dir))
+    check_labels(folder, tasks, ruler_tasks, common, force, hint)  # before a file is written
     folder.mkdir(parents=True, exist_ok=True)
     out = {}
     for task in tasks:
-        settings = dict(task=task, length=length, samples=samples, seed=seed, max_new_tokens=max_new_tokens,
-                        tau=TAU, n_sink=n_sink, n_local=n_local, model=str(model.model_dir))
+        settings = dict(task=task, **common)
         path = folder / f"{task}.json"
-        if path.is_file():
-            freq, old = load_local_freq(path)
-            if {k: old.get(k) for k in settings} == settings:
-                out[task] = freq
-                continue
+        kept = same_labels(path, settings)
+        if kept is not None:
+            out[task] = kept
+            continue
         t0 = time.perf_counter()
         if progress:
             print(f"calibrating static labels on {task} ({samples} prompts, seed {seed})...", file=sys.stderr)
@@ -87,6 +156,37 @@ def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int
                                                    n_sink=n_sink, n_local=n_local, model=str(model.model_dir)))
     out["ruler"] = mean
     return out
+
+
+def label_frequencies(given: str | Path, L: int, H: int) -> torch.Tensor:
+    """The oracle local frequencies (L, H) of a static labels file (lab.calibrate's TASK.json or ruler.json),
+    checked against the model's heads; one-line errors."""
+    freq, _ = load_local_freq(given)
+    if tuple(freq.shape) != (L, H):
+        raise ValueError(f"{given} holds labels of {tuple(freq.shape)} heads; the model has ({L}, {H})")
+    return freq
+
+
+def calibration_file(given: str | Path, kind: str, flag: str = "--calibration", readers: str = "") -> Path:
+    """The file of the correction `kind` (criterion.CALIBRATION_KINDS) that `given` names: a file of that kind itself,
+    or KIND.json in a folder of lab.calibrate --qada. FileNotFoundError or ValueError with one line naming what the
+    folder or file holds otherwise. `readers`: the methods that read it, for the message."""
+    given, who = Path(given), f" ({readers} reads it)" if readers else ""
+    if given.is_dir():
+        path = given / f"{kind}.json"
+        if path.is_file():
+            return path
+        have = sorted(p.stem for p in given.glob("*.json") if p.stem in CALIBRATION_KINDS)
+        raise FileNotFoundError(f"{flag} {given}: the folder holds no {kind}.json{who}; "
+                                + (f"it holds {', '.join(have)}" if have else
+                                   "python -m lab.calibrate --qada --out DIR writes one per kind"))
+    if given.is_file():
+        have = load_calibration(given).settings.get("kind")  # a file that is no calibration: one line
+        if have not in (None, kind):
+            raise ValueError(f"{flag} {given} holds the {have} correction, not the {kind} one{who}; give the folder "
+                             f"lab.calibrate --qada wrote, or its {kind}.json")
+        return given
+    raise FileNotFoundError(f"{flag} {given}: no such file or folder")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -174,20 +274,62 @@ def fit_calibration(masses: torch.Tensor, n_bulk: torch.Tensor, n_kv_heads: int,
     return a.float(), b.float(), None if s is None else s.float()
 
 
+MASSES_KEYS = ("length", "seed", "max_new_tokens", "moments_source", "n_sink", "n_local", "model", "dtype")
+FIT_KEYS = ("tasks", "samples") + MASSES_KEYS  # what a KIND.json is fitted from, besides eps for the quantile kind
+
+
+def read_masses(path: Path, settings: dict, force: bool = False) -> dict | None:
+    """The record in masses.pt ({"settings", "prompts"}) when it holds masses of `settings` (MASSES_KEYS: those given);
+    None when there is none, or when `force` lets an unreadable one or one of other settings be replaced. ValueError
+    with one line otherwise."""
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, weights_only=True)
+        cause = None if isinstance(data, dict) and isinstance(data.get("settings"), dict) and isinstance(
+            data.get("prompts"), dict) else "not a dict of settings and prompts"
+    except Exception as e:  # a cut or corrupt file fails in zipfile, pickle or torch, each its own way
+        cause = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0].split('. ')[0]}"
+    if cause:
+        if force:
+            return None
+        raise ValueError(f"{path}: unreadable masses ({cause}); --force records them again, or give another --out")
+    diff = differences(data["settings"], {k: settings[k] for k in MASSES_KEYS if k in settings})
+    if diff and not force:
+        raise ValueError(f"{path} holds masses of other settings ({diff}); --force replaces them, or give another --out")
+    return None if diff else data
+
+
+def check_fits(folder: Path, settings: dict, eps: float, force: bool = False) -> None:
+    """That writing the corrections (KIND.json) into `folder` replaces none fitted with other settings (FIT_KEYS:
+    those given; eps for the quantile kind): ValueError with one line otherwise, unless `force`."""
+    for kind in CALIBRATION_KINDS:
+        path = Path(folder) / f"{kind}.json"
+        if force or not path.is_file():
+            continue
+        try:
+            old = load_calibration(path).settings
+        except ValueError as e:
+            raise ValueError(f"{e}; --force replaces it, or give another --out") from None
+        want = {k: settings[k] for k in FIT_KEYS if k in settings} | ({"eps": eps} if kind == "quantile" else {})
+        if differences(old, want):
+            raise ValueError(f"{path} holds a correction fitted with other settings ({differences(old, want)}); "
+                             "--force refits it, or give another --out")
+
+
 def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samples: int, seed: int,
                    max_new_tokens: int, moments_source: str = "random-words", n_sink: int = 16, n_local: int = 128,
-                   eps: float = 0.05, progress: bool = True) -> dict[str, Calibration]:
-    """Record the masses of every calibration prompt `folder`/masses.pt lacks, then fit and write every kind."""
+                   eps: float = 0.05, progress: bool = True, force: bool = False) -> dict[str, Calibration]:
+    """Record the masses of every calibration prompt `folder`/masses.pt lacks, then fit and write every kind. Masses
+    and corrections of other settings in `folder` are refused (read_masses, check_fits) unless `force`."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     settings = dict(tasks=tasks, length=length, samples=samples, seed=seed, max_new_tokens=max_new_tokens,
                     moments_source=moments_source, n_sink=n_sink, n_local=n_local, model=str(model.model_dir),
                     dtype=str(model.dtype).removeprefix("torch."))
     path = folder / "masses.pt"
-    data = torch.load(path, weights_only=True) if path.is_file() else {"settings": settings, "prompts": {}}
-    keep = ("length", "seed", "max_new_tokens", "moments_source", "n_sink", "n_local", "model", "dtype")
-    if {k: data["settings"].get(k) for k in keep} != {k: settings[k] for k in keep}:
-        raise ValueError(f"{path} holds masses of other settings; use another --out")
+    check_fits(folder, settings, eps, force)
+    data = read_masses(path, settings, force) or {"settings": settings, "prompts": {}}
+    folder.mkdir(parents=True, exist_ok=True)
     words = reference_words(moments_source)
     reference = ReferenceKeys(model, tok, words, root=cache_dir() / "moments", progress=progress) if words else None
     for task in tasks:
@@ -215,49 +357,61 @@ def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samp
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m lab.calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for TASK.json and ruler.json (with --qada: masses.pt and "
-                   "KIND.json)")
-    p.add_argument("--tasks", required=True, help="comma-separated tasks")
-    p.add_argument("--length", type=int, default=4096, help="prompt + answer token budget")
-    p.add_argument("--samples", type=int, default=4, help="calibration prompts per task")
+                   "KIND.json); what it holds from other settings is refused unless --force")
+    p.add_argument("--tasks", required=True, type=task_names, help="comma-separated tasks")
+    p.add_argument("--length", type=at_least(1), default=4096, help="prompt + answer token budget")
+    p.add_argument("--samples", type=at_least(1), default=4, help="calibration prompts per task")
     p.add_argument("--seed", type=int, default=1, help="task seed (keep it different from the evaluation's 42)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="decode steps per prompt at most (oracle; dense "
-                   "with --qada)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=32, help="decode steps per prompt at most (oracle; "
+                   "dense with --qada)")
     p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a hub id "
                    f"(default: {DEFAULT})")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--qada", action="store_true", help="fit QAdA's correction (criterion.Calibration) instead of "
                    "static labels: masses.pt and one KIND.json per kind")
     p.add_argument("--moments", dest="moments_source", default="random-words", choices=SOURCES,
                    help="with --qada: the moments whose Gaussian estimate is corrected")
-    p.add_argument("--eps", type=float, default=0.05, help="with --qada: the quantile kind's fraction of calibration "
+    p.add_argument("--eps", type=open_fraction, default=0.05, help="with --qada: the quantile kind's fraction of calibration "
                    "steps allowed a true log ratio below the corrected one")
-    a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    p.add_argument("--force", action="store_true", help="replace the labels, masses or corrections of other settings "
+                   "that --out holds (without it they are refused, and files of the same settings are reused)")
+    a = p.parse(argv)
+    if isinstance(a, int):  # --help, or a bad argument
+        return a
+    out = Path(a.out)
     try:
-        if not 0 < a.eps < 1:
-            raise ValueError(f"--eps must lie in (0, 1), got {a.eps}")
-        if a.samples < 1:
-            raise ValueError(f"--samples must be at least 1, got {a.samples}")
-        unknown = [t for t in a.tasks.split(",") if t not in TASKS]
-        if unknown:
-            raise ValueError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
-        net, tok = load(a.model, device=pick_device(a.device), dtype=DTYPES[a.dtype])
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file; give a folder")
+        device = pick_device(a.device)
+        # What --out holds is checked before the model loads (the model's folder where it is known by then).
+        known = {k: v for k, v in dict(model=planned_model(a.model)).items() if v is not None}
         if a.qada:
-            fits = calibrate_qada(net, tok, a.tasks.split(","), Path(a.out), a.length, a.samples, a.seed,
-                                  a.max_new_tokens, a.moments_source, eps=a.eps)
+            settings = dict(tasks=a.tasks, length=a.length, samples=a.samples, seed=a.seed,
+                            max_new_tokens=a.max_new_tokens, moments_source=a.moments_source, n_sink=16, n_local=128,
+                            dtype=a.dtype, **known)
+            check_fits(out, settings, a.eps, a.force)
+            read_masses(out / "masses.pt", settings, a.force)
+        else:
+            check_labels(out, a.tasks, a.tasks, dict(length=a.length, samples=a.samples, seed=a.seed,
+                                                     max_new_tokens=a.max_new_tokens, tau=TAU, n_sink=16, n_local=128,
+                                                     **known), a.force)
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        net, tok = load(a.model, device=device, dtype=DTYPES[a.dtype])
+        if a.qada:
+            fits = calibrate_qada(net, tok, a.tasks, out, a.length, a.samples, a.seed, a.max_new_tokens,
+                                  a.moments_source, eps=a.eps, force=a.force)
             for kind, c in fits.items():
                 print(f"{kind:9s} a {float(c.a.mean()):+.2f} (mean), b {float(c.b.mean()):.2f} (mean)"
                       + ("" if c.s is None else f", s {float(c.s.mean()):.2f} (mean)"))
             return 0
-        freqs = ensure(net, tok, a.tasks.split(","), Path(a.out), a.length, a.samples, a.seed, a.max_new_tokens)
+        freqs = ensure(net, tok, a.tasks, out, a.length, a.samples, a.seed, a.max_new_tokens, force=a.force)
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     for name, f in freqs.items():
         print(f"{name:16s} mean local frequency {float(f.mean()):.3f}")
     return 0

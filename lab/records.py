@@ -63,17 +63,97 @@ def result_files(out: Path) -> list[Path]:
     return sorted(out.glob("samples*.jsonl.xz")) + sorted(out.glob("samples*.jsonl"))
 
 
-def read_records(out: Path) -> list[dict]:
-    """Every complete line of the run's record files, in result_files' order (a line torn by a kill is ignored)."""
+class DamagedRecord(ValueError):
+    """A record file that is not what lab.sweep writes; the message names the file, the line and the cause."""
+
+
+KEYS = {"task": str, "index": int, "config": str}  # what every record holds: lab.sweep's resume and merge key
+
+
+def record(line: bytes) -> tuple[dict | None, str | None]:
+    """One line of a record file: (the record, None), or (None, why it is not one)."""
+    try:
+        text = line.decode().removeprefix("\ufeff")  # a byte-order mark (an editor's) is no damage
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 text (byte {e.start + 1})"
+    try:
+        r = json.loads(text)
+    except json.JSONDecodeError as e:
+        return None, f"not a JSON line, cut short or mangled ({e})"
+    if not isinstance(r, dict):
+        return None, f"a JSON {type(r).__name__} ({text.strip()[:20]}), not a record (an object of task, index, config)"
+    missing = [k for k, t in KEYS.items() if not isinstance(r.get(k), t) or isinstance(r.get(k), bool)]
+    return (None, f"a record without a valid {', '.join(missing)}") if missing else (r, None)
+
+
+def file_records(path: Path, on_damage=None) -> tuple[list[dict], int]:
+    """The records of one file of result_files and its size in bytes as read. A damaged line (cut mid-file, not JSON,
+    not a record) or compressed data that end early or do not decompress raise DamagedRecord ("FILE:LINE: cause"), or
+    with `on_damage` are handed to it as that text and left out. The last line of a plain file without its newline
+    is a record being written (or torn by a kill): left out, not damage; the sweep decodes it again."""
+    path = Path(path)
+    data = path.read_bytes()
+    size, broken = len(data), None
+    if path.suffix == ".xz":  # written whole and renamed into place: any fault is damage
+        d, parts, pos = lzma.LZMADecompressor(), [], 0
+        try:
+            while pos < len(data) and not d.eof:  # in chunks: what precedes a fault is kept
+                parts.append(d.decompress(data[pos:pos + (1 << 20)]))
+                pos += 1 << 20
+            if not d.eof:
+                broken = "an empty file" if not data else "the compressed data end early (the file was cut short)"
+            elif d.unused_data or pos < len(data):
+                broken = "bytes after the end of the compressed data"
+        except lzma.LZMAError as e:
+            broken = f"not readable as xz ({e})"
+        data = b"".join(parts)
+        lines = data.split(b"\n")
+        tail = lines.pop()  # after the last newline: nothing in a whole file
+    else:
+        lines = data.split(b"\n")
+        lines.pop()  # after the last newline: nothing, or a record still being written
+        tail = b""
     rows = []
-    for path in result_files(out):
-        data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
-        for line in data.decode().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        r, why = record(line)
+        if r is not None:
+            rows.append(r)
+        elif on_damage is None:
+            raise DamagedRecord(f"{path}:{n}: {why}")
+        else:
+            on_damage(f"{path}:{n}: {why}")
+    if broken or tail:
+        why = f"{path}:{len(lines) + 1}: {broken or 'a last line without its end'} ({len(lines)} whole lines before it)"
+        if on_damage is None:
+            raise DamagedRecord(why)
+        on_damage(why)
+    return rows, size
+
+
+def read_records(out: Path, on_damage=None) -> list[dict]:
+    """Every record of the run's files, in result_files' order (file_records: a damaged line raises DamagedRecord, or
+    goes to `on_damage` and is left out)."""
+    return [r for path in result_files(out) for r in file_records(path, on_damage)[0]]
+
+
+def read_run(out: Path) -> dict:
+    """OUT/run.json, which lab.sweep writes: {"settings": {...}, "runs": [...]}; ValueError naming the file and the
+    cause when it is not that."""
+    path = Path(out) / "run.json"
+    try:
+        info = json.loads(path.read_bytes().decode().removeprefix("\ufeff"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: damaged, not JSON ({e}); restore it from the run's copy or history") from None
+    if not isinstance(info, dict) or not isinstance(info.get("settings"), dict):
+        raise ValueError(f"{path}: no \"settings\" object (damaged, or not written by lab.sweep); restore it")
+    return info
+
+
+def is_run_folder(out: Path) -> bool:
+    """Whether `out` holds a run of lab.sweep or lab.peers: run.json or record files."""
+    return (Path(out) / "run.json").is_file() or bool(result_files(out))
 
 
 def ids_hash(ids: list[int]) -> str:

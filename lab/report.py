@@ -16,23 +16,25 @@ into OUT:
     fig5efg_moments_ablation.png (when the ablations ran), fig6a_sparsity_along_answer.png,
     fig6bc_sparsity_vs_tau.png, fig7_long_context_heads.png, figC_recall_long_context_heads.png
 Averages over tasks use only the samples every compared config has finished, so a partial run compares like
-with like. Sparsity = fraction of (decode step, layer, head) labelled local, averaged per sample.
+with like. Sparsity = fraction of (decode step, layer, head) labelled local, averaged per sample. A damaged record
+line stops the report with its file and line; --skip-damaged leaves it out and states how many at the top of
+summary.md and analysis.md.
 """
 
-import argparse
 import csv
-import json
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
 
+from lab.cli import Parser, fail
 from lab.plots import plots
-from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, common_indices, config_sort_key, confusion, curves,
-                        drawn_mean, group, head_counts, label, lossless_draws, lossless_table, matched_table, mean,
-                        mean_draws, measured_points, method_configs, normalised, paired_scores, paired_values,
-                        read_records, recall_rows, run_recall, static_oracle_freq, summary_rows)
+from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, DamagedRecord, common_indices, config_sort_key,
+                        confusion, curves, drawn_mean, group, head_counts, is_run_folder, label, lossless_draws,
+                        lossless_table, matched_table, mean, mean_draws, measured_points, method_configs, normalised,
+                        paired_scores, paired_values, read_records, read_run, recall_rows, run_recall,
+                        static_oracle_freq, summary_rows)
 from lab.tasks import CTXFREE, TASKS as TASK_ORDER
 
 
@@ -44,7 +46,14 @@ def fmt(x, scale=1.0, digits=1):
 # Summary
 
 
-def write_summary(out: Path, rows, tasks):
+def damage_note(damaged: list[str]) -> list[str]:
+    """The lines a table file states the damaged record lines left out with (--skip-damaged); none if none."""
+    if not damaged:
+        return []
+    return [f"**{len(damaged)} damaged record line(s) left out** (--skip-damaged): " + "; ".join(damaged), ""]
+
+
+def write_summary(out: Path, rows, tasks, damaged: list[str] = ()):
     srows = summary_rows(rows)
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(srows[0]))
@@ -57,7 +66,7 @@ def write_summary(out: Path, rows, tasks):
              "Score = RULER string match x 100, averaged over samples. Sparsity = fraction of (decode step, layer, "
              "head) labelled local. KV read = fraction of KV entries read; for the oracle it is implied by its labels "
              "(what a path that skips by them would read): the oracle path itself reads every entry to find them. "
-             "n = samples per task.", ""]
+             "n = samples per task.", ""] + damage_note(damaged)
     # dense vs floor
     lines += ["## Dense score and the local-window floor per task", "", "| task | n | dense | local (floor) | dense tokens |",
               "|---|---|---|---|---|"]
@@ -428,10 +437,10 @@ def log_error_table(rows, oracle_freq_rank) -> list[str]:
     return lines
 
 
-def write_analysis(out: Path, rows, tasks, cur, points):
+def write_analysis(out: Path, rows, tasks, cur, points, damaged: list[str] = ()):
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
-    lines = [f"# Analysis of {out.name}", ""] + write_lossless(out, rows, tasks) + [""]
+    lines = [f"# Analysis of {out.name}", ""] + damage_note(damaged) + write_lossless(out, rows, tasks) + [""]
     lines += ["## Score / dense per configuration, paired bootstrap 95 % interval", "",
               score_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + score_table(points) + [""]
     lines += ["## Score / dense at matched head sparsity and KV read, paired bootstrap 95 % interval", "",
@@ -522,49 +531,67 @@ def write_analysis(out: Path, rows, tasks, cur, points):
 SAME_RUN = ("length", "seed", "stop", "n_sink", "n_local", "model", "dtype")  # settings two folders must share to pair
 
 
-def with_baseline(out: Path, rows: list[dict], other: Path) -> list[dict]:
+def with_baseline(out: Path, rows: list[dict], other: Path, on_damage=None) -> list[dict]:
     """`rows` plus the records of the run folder `other` that `out` lacks (a configuration decoded in both: out's), on
     the samples `out` has decoded, so a sweep of new configurations, finished or not, or a peers run (lab.peers), is
     compared with an earlier one's on the same samples. The two runs must have decoded the same prompts the same way:
-    the SAME_RUN settings both record must agree (a peers run has no window, so no n_sink or n_local)."""
-    mine, theirs = (json.loads((Path(f) / "run.json").read_text())["settings"] for f in (out, other))
+    the SAME_RUN settings both record must agree (a peers run has no window, so no n_sink or n_local). `on_damage`:
+    as in lab.records.read_records."""
+    mine, theirs = (read_run(f)["settings"] for f in (out, other))
     clash = {k: (mine.get(k), theirs.get(k)) for k in SAME_RUN if k in mine and k in theirs and mine[k] != theirs[k]}
     missing = [k for k in ("length", "seed", "model") if k not in mine or k not in theirs]
     if clash or missing:
         raise ValueError(f"{out} and {other} are not runs of the same samples: {clash or missing}")
     have = {(r["task"], r["index"], r["config"]) for r in rows}
     samples = {(r["task"], r["index"]) for r in rows}
-    return rows + [r for r in read_records(other)
+    return rows + [r for r in read_records(other, on_damage)
                    if (r["task"], r["index"]) in samples and (r["task"], r["index"], r["config"]) not in have]
 
 
-def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str | Path] = ()) -> None:
+def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str | Path] = (),
+           skip_damaged: bool = False) -> None:
+    """The tables and plots of the run folder `out` (with the records of `baselines` paired in). A damaged record
+    line raises lab.records.DamagedRecord; with `skip_damaged` it is left out, and the count and places are printed
+    and written at the top of summary.md and analysis.md."""
     out = Path(out)
-    rows = read_records(out)
+    damaged = []
+    on_damage = damaged.append if skip_damaged else None
+    rows = read_records(out, on_damage)
     for other in baselines if rows else ():
-        rows = with_baseline(out, rows, Path(other))
+        rows = with_baseline(out, rows, Path(other), on_damage)
+    if damaged:
+        print(f"warning: left out {len(damaged)} damaged record line(s) (--skip-damaged): {'; '.join(damaged[:3])}"
+              + (" ... (all in summary.md)" if len(damaged) > 3 else ""), file=sys.stderr)
     if not rows:
         print(f"{out}: no results yet")
         return
+    run_tasks = read_run(out)["settings"].get("tasks") if (out / "run.json").is_file() else None
     if tasks is None:
-        meta = out / "run.json"
-        tasks = json.loads(meta.read_text())["settings"]["tasks"] if meta.is_file() else sorted({r["task"] for r in rows} - {CTXFREE})
+        tasks = run_tasks or sorted({r["task"] for r in rows} - {CTXFREE})
         tasks = [t for t in tasks if any(r["task"] == t for r in rows)]
-    cur = write_summary(out, rows, tasks)
+    else:
+        unknown = [t for t in tasks if not any(r["task"] == t for r in rows)]
+        if unknown:
+            raise ValueError(f"--tasks {','.join(unknown)}: no record of it in {out} (its tasks: "
+                             f"{', '.join(sorted({r['task'] for r in rows}))})")
+    cur = write_summary(out, rows, tasks, damaged)
     points = measured_points(rows, tasks)  # the bootstrap behind both the table and Fig. 4
-    rr = write_analysis(out, rows, tasks, cur, points)
+    rr = write_analysis(out, rows, tasks, cur, points, damaged)
     plots(out, rows, tasks, cur, rr, points)
     print(f"tables and plots written to {out}")
 
 
-def dense_table(root: str | Path) -> str:
+def dense_table(root: str | Path, on_damage=None) -> str:
     """Markdown: dense score per task in every lab.sweep run folder under `root` (a pilot's model x length grid),
     with the seconds per sample (prefill + decode), and the mean over tasks. Writes root/dense.md too."""
     root = Path(root)
     runs = []
-    for meta in sorted(root.glob("*/run.json")):
-        settings = json.loads(meta.read_text())["settings"]
-        rows = [r for r in read_records(meta.parent) if r["method"] == "dense" and r["score"] is not None]
+    metas = sorted(root.glob("*/run.json"))
+    if not metas:
+        raise ValueError(f"{root}: no run folder in it (no */run.json); --dense-table takes a folder of run folders")
+    for meta in metas:
+        settings = read_run(meta.parent)["settings"]
+        rows = [r for r in read_records(meta.parent, on_damage) if r.get("method") == "dense" and r.get("score") is not None]
         if rows:
             runs.append((settings.get("model") or "smollm2-135m", settings["length"], settings.get("dtype", "float32"), rows))
     runs.sort(key=lambda run: (run[0], run[1]))
@@ -594,12 +621,12 @@ def dense_table(root: str | Path) -> str:
     return text
 
 
-def compare_runs(a: str | Path, b: str | Path) -> str:
+def compare_runs(a: str | Path, b: str | Path, on_damage=None) -> str:
     """Markdown: the records two run folders share (same task, sample and configuration, e.g. one run in fp32 and
     one in bf16): how often the answers are identical and the scores equal, and how far sparsity and each head's
     local frequency move."""
-    ra = {(r["task"], r["index"], r["config"]): r for r in read_records(a)}
-    rb = {(r["task"], r["index"], r["config"]): r for r in read_records(b)}
+    ra = {(r["task"], r["index"], r["config"]): r for r in read_records(a, on_damage)}
+    rb = {(r["task"], r["index"], r["config"]): r for r in read_records(b, on_damage)}
     lines = [f"# {Path(a).name} vs {Path(b).name}", "", f"`python -m lab.report {a} --compare {b}`", "",
              "| config | records | identical answers | equal scores | mean abs. sparsity diff | mean abs. head-frequency diff |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -617,7 +644,7 @@ def compare_runs(a: str | Path, b: str | Path) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m lab.report", description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="run folder of lab.sweep (with --dense-table: a folder of run folders)")
     p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's)")
     p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
@@ -627,20 +654,34 @@ def main(argv=None) -> int:
                    "peers of lab.peers), paired with OUT's; repeat for several")
     p.add_argument("--compare", default=None, metavar="OTHER", help="compare the records of OUT with those of the run "
                    "folder OTHER (e.g. fp32 against bf16)")
-    a = p.parse_args(argv)
+    p.add_argument("--skip-damaged", action="store_true", help="leave out record lines that are damaged (cut "
+                   "mid-file, not a record, a compressed file cut short) and state how many, and where, on stderr and "
+                   "in summary.md and analysis.md; without it a damaged line stops the report, naming its file and line")
+    a = p.parse(argv)
+    if isinstance(a, int):  # --help, or a bad argument
+        return a
+    damaged = []
+    on_damage = damaged.append if a.skip_damaged else None
     try:
         for folder in [a.out] + ([a.compare] if a.compare else []) + a.baselines:
             if not Path(folder).is_dir():
                 raise FileNotFoundError(f"{folder}: no such run folder")
+            if not (a.dense_table and folder == a.out) and not is_run_folder(folder):
+                raise ValueError(f"{folder} is not a run folder: no run.json and no samples*.jsonl[.xz] (lab.sweep "
+                                 "--out writes them; for a folder of run folders: --dense-table)")
         if a.compare:
-            print(compare_runs(a.out, a.compare))
+            print(compare_runs(a.out, a.compare, on_damage))
         elif a.dense_table:
-            print(dense_table(a.out))
+            print(dense_table(a.out, on_damage))
         else:
-            report(a.out, a.tasks.split(",") if a.tasks else None, a.baselines)
+            report(a.out, a.tasks.split(",") if a.tasks else None, a.baselines, a.skip_damaged)
+        if damaged:  # report() states its own
+            print(f"warning: left out {len(damaged)} damaged record line(s) (--skip-damaged): {'; '.join(damaged)}",
+                  file=sys.stderr)
+    except DamagedRecord as e:
+        return fail(f"{e}; --skip-damaged leaves damaged lines out and counts them")
     except (OSError, ValueError, KeyError) as e:  # bad input: one line
-        print(f"error: {e!r}" if isinstance(e, KeyError) else f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     return 0
 
 

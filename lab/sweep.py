@@ -40,6 +40,11 @@ what is there, so an interrupted run resumes where it stopped. At the end the re
 OUT/samples.jsonl.xz (lab.records reads both forms). lab.report turns them into tables and plots (run at the end,
 or any time on a partial run). Inputs of a path that have no flag of their own: --set NAME=VALUE.
 
+A sweep holds OUT while it writes it (flock on OUT/sweep.lock): a second sweep on the same OUT stops at once, naming
+the first one's pid. A damaged record line (cut mid-file, not a record, a compressed file cut short) stops a resume
+with its file and line before the model loads; --skip-damaged leaves it out, decodes it again and keeps the damaged
+file beside as FILE.damaged.
+
 Several processes, one per GPU (or per CPU core), through torch.distributed:
 
     torchrun --standalone --nproc-per-node 8 -m lab.sweep --tasks ... --out results/ruler-4k
@@ -55,13 +60,14 @@ writes run.json and the report. The progress bar is rank 0's share.
 """
 
 import argparse
+import fcntl
 import json
 import os
 import re
 import sys
 import time
 import zlib
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -76,7 +82,8 @@ from criterion import TAU, check_calibration, load_calibration, static_labels
 from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
-from lab.records import ids_hash, read_records, result_files, write_records
+from lab.cli import Parser, at_least, fail, fractions
+from lab.records import DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records
 from lab.report import report
 from lab.tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
 from weights.checkpoints import DEFAULT, DTYPES, load
@@ -160,15 +167,40 @@ def build_configs(methods: list[str], taus: list[float], sparsities: list[float]
 
 
 def parse_grids(items: list[str]) -> dict[str, list[float]]:
-    """--grid NAME=v1,v2 (repeatable) -> {NAME: [v1, v2]}."""
+    """--grid NAME=v1,v2 (repeatable) -> {NAME: [v1, v2]}, each value in [0, 1]."""
     grids = {}
     for item in items or []:
         name, sep, values = item.partition("=")
         if not sep or not values:
             raise ValueError(f"--grid takes NAME=v1,v2,...; got {item!r}")
-        path_and_source(name)  # an unknown name is an error here, not a silently ignored grid
-        grids[name] = parse_grid(values)
+        try:
+            path_and_source(name)  # an unknown name is an error here, not a silently ignored grid
+            grids[name] = parse_grid(fractions(values))
+        except Exception as e:  # ValueError or argparse.ArgumentTypeError: one line naming the flag
+            raise ValueError(f"--grid {item}: {e}") from None
     return grids
+
+
+def methods_configs(flag: str, methods: str, taus: list[float], sparsities: list[float],
+                    grids: dict | None = None) -> list[Config]:
+    """build_configs of a comma-separated --methods-like flag, an unknown name refused with the flag's name."""
+    try:
+        return build_configs([m for m in methods.split(",") if m], taus, sparsities, grids)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
+def task_text(text: str) -> str:
+    """--tasks checked (calibrate.task_names; empty for the context-free samples alone), kept as text."""
+    calibrate.task_names(text)
+    return text
+
+
+def shard_text(text: str) -> str:
+    """--shard checked: K/N with 0 <= K < N, kept as text."""
+    if not re.fullmatch(r"\d+/\d+", text) or not int(text.split("/")[0]) < int(text.split("/")[1]):
+        raise argparse.ArgumentTypeError(f"takes K/N with 0 <= K < N, got {text!r}")
+    return text
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -331,13 +363,7 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
     `calibration_dirs`: "" for --calibration, "transfer-" for --calibration-transfer) that the configurations read."""
     sources = {path_and_source(c.method) for c in configs}
     calibrations = {}
-    for src in sorted({src for path, src in sources if "calibration" in path_inputs(path)}):
-        prefix = "transfer-" if src.startswith("transfer-") else ""
-        folder = (calibration_dirs or {}).get(prefix)
-        if folder is None:
-            raise ValueError(f"a {src} calibration is asked for: give --calibration{'-transfer' if prefix else ''} DIR "
-                             "(made by python -m lab.calibrate --qada)")
-        path = Path(folder) / f"{src.removeprefix(prefix)}.json"
+    for src, path in calibration_files(configs, calibration_dirs).items():
         calibrations[src] = load_calibration(path, model.device)
         cfg = model.cfg
         estimates = {bulk_estimate(p) for p, src2 in sources if src2 == src and "calibration" in path_inputs(p)}
@@ -353,25 +379,60 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
     res = {"reference": {w: ReferenceKeys(model, tok, w, root=cache_dir() / "moments", progress=progress)
                          for w in sorted(words)}, "oracle_freq": {}, "calibration": calibrations}
     if any(src != "random" for path, src in sources if "static_local" in path_inputs(path)):
-        res["static_freq"] = calibrate.ensure(model, tok, tasks, static_labels_dir, **calibrate_kwargs)
+        if static_labels_dir is not None and Path(static_labels_dir).is_file():  # one file: the static labels
+            res["static_freq"] = {"ruler": calibrate.label_frequencies(static_labels_dir, model.cfg.num_hidden_layers,
+                                                                       model.cfg.num_attention_heads)}
+        else:
+            res["static_freq"] = calibrate.ensure(model, tok, tasks, static_labels_dir, **calibrate_kwargs,
+                                                  hint=LABELS_HINT)
     return res
 
 
+LABELS_HINT = ("keep the --calib-* and --static-tasks settings they were made with, or give another --static-labels "
+               "folder")
+
+
+def calibration_files(configs: list[Config], calibration_dirs: dict[str, str | Path | None] | None) -> dict[str, Path]:
+    """{source: the calibration file it reads} for the configurations' calibrated paths, from --calibration ("") or
+    --calibration-transfer ("transfer-"), each a folder of lab.calibrate --qada or one file of the kind asked for
+    (calibrate.calibration_file); ValueError or FileNotFoundError with one line."""
+    readers = {}
+    for c in configs:
+        path, src = path_and_source(c.method)
+        if "calibration" in path_inputs(path):
+            readers.setdefault(src, []).append(c.method)
+    out = {}
+    for src in sorted(readers):
+        prefix = "transfer-" if src.startswith("transfer-") else ""
+        flag = f"--calibration{'-transfer' if prefix else ''}"
+        given = (calibration_dirs or {}).get(prefix)
+        if given is None:
+            who = list(dict.fromkeys(readers[src]))
+            raise ValueError(f"{', '.join(who)} read{'s' if len(who) == 1 else ''} the {src} calibration: give {flag} "
+                             "DIR (made by python -m lab.calibrate --qada) or its file")
+        out[src] = calibrate.calibration_file(given, src.removeprefix(prefix), flag,
+                                              ", ".join(dict.fromkeys(readers[src])))
+    return out
+
+
 def sweep(model, tok, out: Path, jobs, resources: dict, length: int, seed: int, track: set[str], n_sink: int,
-          n_local: int, stop: str = "sentence", progress: bool = True, path: Path | None = None, batch: int = 32) -> int:
+          n_local: int, stop: str = "sentence", progress: bool = True, path: Path | None = None, batch: int = 32,
+          records: list[dict] | None = None) -> int:
     """Decode every missing (sample, config), up to `batch` configs of a sample at once; append one line each to
-    `path` (default out/samples.jsonl). Returns the number of lines written."""
+    `path` (default out/samples.jsonl). `records`: what the folder holds (default: read_records). Returns the number
+    of lines written."""
     path = path or out / "samples.jsonl"
-    records = read_records(out)
+    records = read_records(out) if records is None else records
     done = {(r["task"], r["index"], r["config"]) for r in records}
     resources.setdefault("oracle_freq", {})
     resources.setdefault("reference", {})
     for r in records:  # the oracle's head frequencies on finished samples: the static-oracle labels of later ones
         if r["config"] == Config("oracle", TAU).key and r.get("local_freq"):
             resources["oracle_freq"][r["task"], r["index"]] = (torch.tensor(r["local_freq"], device="cpu"), r["steps"])
-    if path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
-        with open(path, "a") as f:  # end a line torn by a kill, so the next record starts on a line of its own
-            f.write("\n")
+    data = path.read_bytes() if path.is_file() else b""
+    if data and not data.endswith(b"\n"):  # a line torn by a kill: cut off (its record is decoded again), so that
+        with open(path, "r+b") as f:      # the next record starts on a line of its own and no torn line stays mid-file
+            f.truncate(data.rfind(b"\n") + 1)
     todo = [(t, i, [c for c in cfgs if (t, i, c.key) not in done]) for t, i, cfgs in jobs]
     todo = [j for j in todo if j[2]]
     n_total = sum(len(c) for _, _, c in todo)
@@ -416,31 +477,53 @@ def split(jobs, tasks: list[str], k: int, n: int, by_task: bool) -> list:
     return [j for j in jobs if j[0] in mine]
 
 
-def merge(out: Path, jobs) -> Path:
+def merge(out: Path, jobs, on_damage=None) -> Path:
     """Every record of the run's files (lab.records.result_files) into OUT/samples.jsonl.xz, in the order one process
     writes them (`jobs`' order, a sample's records in configuration order; records outside `jobs`, from earlier
     runs, first), each (task, index, config) once; then the plain files are removed. The new file is renamed into
     place, so a kill leaves the old files or the merged one (and plain files that the next merge skips as
-    duplicates)."""
+    duplicates). A damaged line raises DamagedRecord, or with `on_damage` goes to it and is left out: its file is
+    then kept beside, renamed FILE.damaged. A plain file that has grown since it was read (a writer that holds no
+    lock) is kept too; the next merge takes its new lines."""
     position = {}
     for task, index, cfgs in jobs:
         for c in cfgs:
             position.setdefault((task, index, c.key), len(position))
-    records = {}
-    for r in read_records(out):  # the compressed file first, then samples.jsonl and samples.R.jsonl
-        records.setdefault((r["task"], r["index"], r["config"]), r)
+    records, sizes, damaged = {}, {}, set()
+    for p in result_files(out):  # the compressed file first, then samples.jsonl and samples.R.jsonl
+        note = None if on_damage is None else (lambda why, p=p: (damaged.add(p), on_damage(why)))
+        rows, sizes[p] = file_records(p, note)
+        for r in rows:
+            records.setdefault((r["task"], r["index"], r["config"]), r)
     ordered = sorted(records.values(), key=lambda r: position.get((r["task"], r["index"], r["config"]), -1))
-    path = write_records(out / "samples.jsonl.xz", ordered)
-    for p in result_files(out):
-        if p != path:
+    target = out / "samples.jsonl.xz"
+    if target in damaged:
+        os.link(target, aside(target))  # the damaged file stays beside, under another name
+    path = write_records(target, ordered)
+    for p, size in sizes.items():
+        if p == path:
+            continue
+        if p in damaged:
+            p.rename(aside(p))
+        elif p.stat().st_size == size:
             p.unlink()
     return path
 
 
+def aside(p: Path) -> Path:
+    """A free name beside `p` for a damaged record file: FILE.damaged, FILE.damaged2, ... (result_files skips them)."""
+    q, n = p.with_name(f"{p.name}.damaged"), 1
+    while q.exists():
+        n += 1
+        q = p.with_name(f"{p.name}.damaged{n}")
+    return q
+
+
 def rank_lines(out: Path, world: int) -> list[int]:
-    """Lines in each rank's file OUT/samples.R.jsonl, a torn one included."""
+    """Whole lines in each rank's file OUT/samples.R.jsonl (a torn last line, which sweep() cuts off before it
+    appends, is not one)."""
     paths = [out / f"samples.{r}.jsonl" for r in range(world)]
-    return [len(p.read_bytes().splitlines()) if p.is_file() else 0 for p in paths]
+    return [p.read_bytes().count(b"\n") if p.is_file() else 0 for p in paths]
 
 
 @contextmanager
@@ -473,6 +556,78 @@ def rank_zero_first(rank: int, world: int):
         dist.barrier()
 
 
+# ---------------------------------------------------------------------------------------------------------
+# One sweep writes a folder at a time
+
+
+class FolderLocked(ValueError):
+    """Another sweep holds the folder: the message names its pid."""
+
+
+LOCK = "sweep.lock"
+
+
+@contextmanager
+def flocked(path: Path, exclusive: bool):
+    """flock(2) on `path`, created if absent, while the block runs; BlockingIOError at once if another open file
+    holds it. The kernel releases it when the process ends, however it ends. The exclusive holder writes its pid into
+    the file and the last holder removes it on the way out; a file removed between open and lock is opened again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)  # shared: no exclusive holder can be alive, so a pid left by a killed one goes
+        if exclusive:
+            os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        try:
+            if not exclusive:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the last shard out removes the file
+            path.unlink()
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        os.close(fd)
+
+
+def read_pid(path: Path) -> str:
+    """The pid a lock file holds ("" if none, or if the file went meanwhile)."""
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+@contextmanager
+def folder_lock(out: Path, shard: int | None = None):
+    """OUT held for this sweep while the block runs. A sweep that merges (one process, or rank 0 under torchrun,
+    whose other ranks are its own and wait for it) holds OUT/sweep.lock alone; with `shard` K (--shard K/N by hand)
+    it shares that lock with the other shards and holds OUT/sweep.K.lock alone. FolderLocked, one line naming the
+    holder's pid, when another sweep holds what this one needs: so no merge removes a file another sweep appends to,
+    and no two sweeps append to one file."""
+    out = Path(out)
+    locks = [(out / LOCK, shard is None)] + ([(out / f"sweep.{shard}.lock", True)] if shard is not None else [])
+    with ExitStack() as stack:
+        for path, exclusive in locks:
+            try:
+                stack.enter_context(flocked(path, exclusive))
+            except BlockingIOError:
+                pids = list(dict.fromkeys(t for p in sorted(out.glob("sweep*.lock")) if (t := read_pid(p))))
+                raise FolderLocked(f"{out}: another lab.sweep (pid{'s' * (len(pids) > 1)} {', '.join(pids) or '?'}) "
+                                   "is writing this folder; wait for it to end, or give another --out") from None
+        yield
+
+
 QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, taus="0.6,0.9", grid=["oracle=0.6", "qada_prompt=0.6"],
              sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1, calib_samples=1)
 
@@ -483,15 +638,14 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, dtype: str,
         threads: int | None, quick: bool = False, shard: str = "0/1", batch: int = 32, report_at_end: bool = True,
         progress: bool = True, device: str | None = None, inputs: list[str] = (), calibration: str | None = None,
-        calibration_transfer: str | None = None) -> Path:
-    if threads:
-        torch.set_num_threads(threads)
+        calibration_transfer: str | None = None, skip_damaged: bool = False) -> Path:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if world > 1 and shard != "0/1":
         raise ValueError("--shard splits a sweep by hand; under torchrun the ranks split it, so leave --shard out")
     progress = progress and rank == 0  # one progress bar: rank 0's share
     out = Path(out)
     task_list = [t for t in tasks.split(",") if t]
+    # Everything that can be wrong with the arguments is found here, before the folder is touched or a model loads.
     if batch < 1:
         raise ValueError(f"--batch must be at least 1, got {batch}")
     if not re.fullmatch(r"\d+/\d+", shard) or not int(shard.split("/")[0]) < int(shard.split("/")[1]):
@@ -499,15 +653,43 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     for t in task_list:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
+    if not 0 <= n_sink < n_local:
+        raise ValueError(f"the window's {n_sink} sinks (--n-sink) must be fewer than its {n_local} tokens (--n-local)")
+    if not task_list and not ctxfree_samples:
+        raise ValueError("nothing to decode: no --tasks and --ctxfree-samples 0")
     grids = parse_grids(grid)
-    configs = build_configs([m for m in methods.split(",") if m], parse_grid(taus), parse_grid(sparsities), grids)
-    abl = build_configs([m for m in ablations.split(",") if m], parse_grid(ablation_taus), [])
+    configs = methods_configs("--methods", methods, parse_grid(taus), parse_grid(sparsities), grids)
+    abl = methods_configs("--ablations", ablations, parse_grid(ablation_taus), [])
     ctxfree = [Config("oracle", TAU)] + build_configs(["qada_rw"], parse_grid(taus), [], grids)  # Fig. 6c, 7b
+    methods_configs("--track", track, [], [])  # a misspelt method is refused, not silently untracked
     extra_inputs = parse_inputs(inputs, reserved={"layer", "n_sink", "n_local", "tau", "moments", "static_local",
                                                   "calibration", "reference"})
     for name in extra_inputs:
         if not any(name in path_inputs(path_and_source(c.method)[0]) for c in configs + abl):
             raise ValueError(f"--set {name}: no path of --methods reads it")
+    every = configs + abl + (ctxfree if ctxfree_samples else [])
+    read = calibration_files(every, {"": calibration, "transfer-": calibration_transfer})
+    for flag, given, prefix in (("--calibration", calibration, ""), ("--calibration-transfer", calibration_transfer,
+                                                                      "transfer-")):
+        if given and not any(src.startswith(prefix) and (prefix or not src.startswith("transfer-")) for src in read):
+            raise ValueError(f"{flag} {given}: no method of --methods reads it (qada_cal ... read --calibration, the "
+                             "*_transfer methods --calibration-transfer)")
+    labels_dir = Path(static_labels) if static_labels else out / "static_labels"
+    static_sources = {path_and_source(c.method)[1] for c in every if "static_local" in path_inputs(
+        path_and_source(c.method)[0])} - {"random"}
+    ruler_tasks = static_tasks.split(",") if static_tasks else None
+    if static_sources and labels_dir.is_file():
+        own = list(dict.fromkeys(c.method for c in every if str(path_and_source(c.method)[1]).startswith("own-task")))
+        if own:
+            raise ValueError(f"--static-labels {labels_dir} is one file; {', '.join(own)} read{'s' * (len(own) == 1)} one per task "
+                             "(TASK.json): give the folder python -m lab.calibrate wrote")
+    elif static_sources:
+        calibrate.check_labels(labels_dir, list(dict.fromkeys(task_list + (ruler_tasks or []))), ruler_tasks or task_list,
+                               dict(length=length, samples=calib_samples, seed=calib_seed,
+                                    max_new_tokens=calib_max_new_tokens, tau=TAU, n_sink=n_sink, n_local=n_local),
+                               hint=LABELS_HINT)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder")
     model = model or DEFAULT  # the name, not None, so a run keeps its model when the default changes
     settings = dict(tasks=task_list, length=length, seed=seed, stop=stop, n_sink=n_sink, n_local=n_local, model=model,
                     calib_seed=calib_seed, dtype=dtype)
@@ -516,119 +698,144 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     for name, folder in (("calibration", calibration), ("calibration_transfer", calibration_transfer)):
         if folder:  # a resumed run keeps reading the corrections it started with
             settings[name] = folder
+    if threads:
+        torch.set_num_threads(threads)
+    jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)
+    k, n_shards = (rank, world) if world > 1 else (int(x) for x in shard.split("/"))
+    damaged = []  # with skip_damaged: the damaged lines left out, "FILE:LINE: cause", each once (resume and merge)
+    on_damage = (lambda why: why in damaged or damaged.append(why)) if skip_damaged else None
     out.mkdir(parents=True, exist_ok=True)
     meta = out / "run.json"
     t_start = time.perf_counter()
-    with rank_zero_first(rank, world):
-        if rank == 0:
-            if meta.is_file():  # resuming: refuse to mix runs with different settings in one file
-                old = json.loads(meta.read_text())["settings"]
-                clash = {k: (old.get(k), v) for k, v in settings.items() if k != "tasks" and old.get(k) != v}
-                if clash:
-                    raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
-                settings["tasks"] = list(dict.fromkeys(old["tasks"] + task_list))
-            info = json.loads(meta.read_text()) if meta.is_file() else {"runs": []}
-            info["settings"] = settings
-            meta.write_text(json.dumps(info, indent=1))  # now, so that a partial run describes itself
-            before = rank_lines(out, world) if world > 1 else []  # lines a killed run left in rank files
-        net, tok = load(model, device=device, dtype=DTYPES[dtype], progress=progress)
-        labels_dir = Path(static_labels) if static_labels else out / "static_labels"
-        resources = load_resources(net, tok, task_list, configs + abl + (ctxfree if ctxfree_samples else []),
-                                   labels_dir, dict(length=length, samples=calib_samples, seed=calib_seed,
-                                                    max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local,
-                                                    ruler_tasks=static_tasks.split(",") if static_tasks else None),
-                                   {"": calibration, "transfer-": calibration_transfer}, progress)
-        resources["inputs"] = extra_inputs
-    jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)
-    k, n_shards = (rank, world) if world > 1 else (int(x) for x in shard.split("/"))
-    mine, path = jobs, out / "samples.jsonl"
-    if n_shards > 1:  # whole tasks when a configuration reads its own task's earlier samples (and under --shard)
-        by_task = world == 1 or any(path_and_source(c.method)[1] in ("own-task", "own-task-kv") for c in configs + abl)
-        mine, path = split(jobs, task_list, k, n_shards, by_task), out / f"samples.{k}.jsonl"
-    n = sweep(net, tok, out, mine, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress,
-              path, batch)
-    if world > 1:
-        # Every rank's share is done once all have reached the barrier; then rank 0 alone goes on. No all_reduce of
-        # the counts: gloo's worker thread may free a collective's Python tensor while a rank that returned at once
-        # is already exiting, which aborts that rank (1 run in ~20 here); a barrier has no Python tensor.
-        dist.barrier()
-        if rank > 0:
-            return out
-        per_rank = [a - b for a, b in zip(rank_lines(out, world), before)]
-        n = sum(per_rank)
-    if world > 1 or n_shards == 1:  # the last process standing: every record, compressed, in one file
-        path = merge(out, jobs)
-    wall = time.perf_counter() - t_start
-    this_run = {"command": " ".join(sys.argv), "lines_written": n, "wall_s": round(wall, 1),
-               "threads": torch.get_num_threads(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    if world > 1:
-        this_run.update(ranks=world, device=str(net.device), lines_per_rank=per_rank)
-    info.setdefault("runs", []).append(this_run)
-    meta.write_text(json.dumps(info, indent=1))
-    print(f"{n} runs written to {path} in {wall / 60:.1f} min")
-    if report_at_end:
-        report(out)
+    with ExitStack() as held:  # the folder's lock, taken first thing, held to the end: the ranks' work and the merge
+        with rank_zero_first(rank, world):
+            if rank == 0:
+                held.enter_context(folder_lock(out, k if world == 1 and n_shards > 1 else None))
+                info = read_run(out) if meta.is_file() else {"runs": []}
+                if meta.is_file():  # resuming: refuse to mix runs with different settings in one file
+                    old = info["settings"]
+                    clash = {k: (old.get(k), v) for k, v in settings.items() if k != "tasks" and old.get(k) != v}
+                    if clash:
+                        raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
+                    settings["tasks"] = list(dict.fromkeys(old.get("tasks", []) + task_list))
+            records = read_records(out, on_damage)  # a damaged record stops the sweep here, before the model loads
+            if damaged and rank == 0:
+                print(f"warning: left out {len(damaged)} damaged record line(s) (--skip-damaged: decoded again; at "
+                      f"the merge the damaged files are kept beside as *.damaged): {'; '.join(damaged[:3])}"
+                      + (" ..." if len(damaged) > 3 else ""), file=sys.stderr)
+            net, tok = load(model, device=device, dtype=DTYPES[dtype], progress=progress)
+            resources = load_resources(net, tok, task_list, every, labels_dir,
+                                       dict(length=length, samples=calib_samples, seed=calib_seed,
+                                            max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local,
+                                            ruler_tasks=ruler_tasks),
+                                       {"": calibration, "transfer-": calibration_transfer}, progress)
+            resources["inputs"] = extra_inputs
+            if rank == 0:  # once the model and what it reads have loaded: a run that cannot start leaves no run.json
+                info["settings"] = settings
+                meta.write_text(json.dumps(info, indent=1))  # now, so that a partial run describes itself
+                before = rank_lines(out, world) if world > 1 else []  # lines a killed run left in rank files
+        mine, path = jobs, out / "samples.jsonl"
+        if n_shards > 1:  # whole tasks when a configuration reads its own task's earlier samples (and under --shard)
+            by_task = world == 1 or any(path_and_source(c.method)[1] in ("own-task", "own-task-kv") for c in configs + abl)
+            mine, path = split(jobs, task_list, k, n_shards, by_task), out / f"samples.{k}.jsonl"
+        n = sweep(net, tok, out, mine, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress,
+                  path, batch, records)
+        if world > 1:
+            # Every rank's share is done once all have reached the barrier; then rank 0 alone goes on. No all_reduce
+            # of the counts: gloo's worker thread may free a collective's Python tensor while a rank that returned at
+            # once is already exiting, which aborts that rank (1 run in ~20 here); a barrier has no Python tensor.
+            dist.barrier()
+            if rank > 0:
+                return out
+            per_rank = [a - b for a, b in zip(rank_lines(out, world), before)]
+            n = sum(per_rank)
+        if world > 1 or n_shards == 1:  # the last process standing: every record, compressed, in one file
+            path = merge(out, jobs, on_damage)
+        wall = time.perf_counter() - t_start
+        this_run = {"command": " ".join(sys.argv), "lines_written": n, "wall_s": round(wall, 1),
+                    "threads": torch.get_num_threads(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        if damaged:
+            this_run["damaged_lines_left_out"] = damaged
+        if world > 1:
+            this_run.update(ranks=world, device=str(net.device), lines_per_rank=per_rank)
+        info.setdefault("runs", []).append(this_run)
+        meta.write_text(json.dumps(info, indent=1))
+        print(f"{n} runs written to {path} in {wall / 60:.1f} min")
+        if report_at_end:
+            report(out, skip_damaged=skip_damaged)
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m lab.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="run folder: samples.jsonl.xz (plain samples*.jsonl while running), "
-                   "run.json, tables and plots")
-    p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,fwe",
-                   help="comma-separated tasks (tasks.TASKS)")
-    p.add_argument("--length", type=int, default=4096, help="prompt + answer token budget")
-    p.add_argument("--samples", type=int, default=20, help="samples per task")
+                   "run.json, tables and plots; locked while a sweep writes it (sweep.lock)")
+    p.add_argument("--tasks", type=task_text,
+                   default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,fwe",
+                   help="comma-separated tasks (tasks.TASKS); '' for the context-free samples alone")
+    p.add_argument("--length", type=at_least(1), default=4096, help="prompt + answer token budget")
+    p.add_argument("--samples", type=at_least(1), default=20, help="samples per task")
     p.add_argument("--methods", default="dense,local,random,static,static_oracle,oracle,qada_rw,qada_prompt",
                    help="comma-separated methods: a path of attention.PATHS or a named method "
                         f"({', '.join(f'{k}={v[0]}:{v[1]}' for k, v in METHODS.items())})")
-    p.add_argument("--taus", default="0.4,0.6,0.8,0.9", help="tau grid of every configuration with a tau")
-    p.add_argument("--sparsities", default="0.5,0.8", help="sparsity grid of every static-label configuration")
+    p.add_argument("--taus", type=fractions, default="0.4,0.6,0.8,0.9", help="tau grid of every configuration with a tau")
+    p.add_argument("--sparsities", type=fractions, default="0.5,0.8",
+                   help="sparsity grid of every static-label configuration")
     p.add_argument("--grid", action="append", default=[], metavar="NAME=v1,v2",
                    help="a configuration's own grid instead of --taus/--sparsities (repeatable), e.g. oracle=0.6,0.9")
     p.add_argument("--ablations", default="qada_word,qada_long", help="moments ablations, on the first samples only")
-    p.add_argument("--ablation-taus", default="0.6,0.9", help="tau grid of the ablations")
-    p.add_argument("--ablation-samples", type=int, default=5, help="samples per task that also run the ablations")
-    p.add_argument("--ctxfree-samples", type=int, default=5, help="context-independent samples (0 = none)")
+    p.add_argument("--ablation-taus", type=fractions, default="0.6,0.9", help="tau grid of the ablations")
+    p.add_argument("--ablation-samples", type=at_least(0), default=5, help="samples per task that also run the ablations")
+    p.add_argument("--ctxfree-samples", type=at_least(0), default=5, help="context-independent samples (0 = none)")
     p.add_argument("--track", default="qada_rw",
                    help="methods that also record the oracle labels and log masses (costs ~30%% decode time)")
-    p.add_argument("--static-labels", default=None, help="folder of lab.calibrate files (default OUT/static_labels; "
-                   "calibrated on first use)")
-    p.add_argument("--calibration", default=None, metavar="DIR", help="folder of QAdA calibrations (KIND.json, made "
-                   "by python -m lab.calibrate --qada) that the qada_cal methods read")
-    p.add_argument("--calibration-transfer", default=None, metavar="DIR", help="a second such folder, fitted on other "
-                   "prompts, that the *_transfer methods read")
+    p.add_argument("--static-labels", default=None, metavar="DIR|FILE", help="folder of lab.calibrate files "
+                   "(default OUT/static_labels; calibrated on first use), or one such file (TASK.json or ruler.json) "
+                   "for the static methods when no own-task method (static_oracle) runs")
+    p.add_argument("--calibration", default=None, metavar="DIR|FILE", help="folder of QAdA calibrations (KIND.json, "
+                   "made by python -m lab.calibrate --qada) that the qada_cal methods read, or one such file for the "
+                   "methods of its kind")
+    p.add_argument("--calibration-transfer", default=None, metavar="DIR|FILE", help="a second such folder or file, "
+                   "fitted on other prompts, that the *_transfer methods read")
     p.add_argument("--static-tasks", default=None, help="tasks whose calibration prompts make the static (RULER) "
                    "labels (default: --tasks); keep it fixed when a run is continued with other --tasks")
-    p.add_argument("--calib-samples", type=int, default=1, help="calibration prompts per task (when calibrating)")
+    p.add_argument("--calib-samples", type=at_least(1), default=1, help="calibration prompts per task (when "
+                   "calibrating)")
     p.add_argument("--calib-seed", type=int, default=1, help="task seed of the calibration prompts (not --seed)")
-    p.add_argument("--calib-max-new-tokens", type=int, default=24, help="oracle decode steps per calibration prompt")
+    p.add_argument("--calib-max-new-tokens", type=at_least(1), default=24, help="oracle decode steps per calibration "
+                   "prompt")
     p.add_argument("--seed", type=int, default=42, help="task seed of the evaluated prompts (RULER's)")
     p.add_argument("--stop", default="eos", choices=["eos", "sentence"],
                    help="end an answer at EOS / max new tokens only (eos, RULER's rule: the headline numbers), or also "
                         "once it loops or, for niah, fwe and qa, once its sentence has ended (sentence, cheaper; the "
                         "SmolLM2 sweeps used it; see answer_finished)")
-    p.add_argument("--n-sink", type=int, default=16, help="sink tokens at the start of the window")
-    p.add_argument("--n-local", type=int, default=128, help="the window's size (the paper's T_local), sinks included")
+    p.add_argument("--n-sink", type=at_least(0), default=16, help="sink tokens at the start of the window")
+    p.add_argument("--n-local", type=at_least(1), default=128, help="the window's size (the paper's T_local), sinks "
+                   "included")
     p.add_argument("--set", dest="inputs", action="append", default=[], metavar="NAME=VALUE",
                    help="an input a path reads by NAME that has no flag of its own (a new path's; repeatable); every "
                         "configuration whose path reads it gets it")
     p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a hub id "
                    f"(default: {DEFAULT})")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--shard", default="0/1", help="K/N: this process runs every N-th task (from the K-th; the "
-                   "context-free samples count as one more task) and writes OUT/samples.K.jsonl; start N processes "
-                   "(e.g. with --threads 1 each) to use N cores. Under torchrun the ranks split the sweep instead: "
-                   "whole tasks when static_oracle (own-task labels) is in the grid, else samples round-robin; rank 0 "
-                   "merges their files into samples.jsonl.xz")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--shard", type=shard_text, default="0/1", help="K/N: this process runs every N-th task (from the "
+                   "K-th; the context-free samples count as one more task) and writes OUT/samples.K.jsonl; start N "
+                   "processes (e.g. with --threads 1 each) to use N cores. Under torchrun the ranks split the sweep "
+                   "instead: whole tasks when static_oracle (own-task labels) is in the grid, else samples "
+                   "round-robin; rank 0 merges their files into samples.jsonl.xz")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, cuda:LOCAL_RANK "
                    "under torchrun; else cpu)")
-    p.add_argument("--batch", type=int, default=32, help="configurations of a sample decoded side by side as one "
-                   "batch (memory: one copy of the prompt's KV cache per row)")
+    p.add_argument("--batch", type=at_least(1), default=32, help="configurations of a sample decoded side by side as "
+                   "one batch (memory: one copy of the prompt's KV cache per row)")
+    p.add_argument("--skip-damaged", action="store_true", help="leave out record lines that are damaged (cut "
+                   "mid-file, not a record, a compressed file cut short), decode them again and count them in run.json; "
+                   "without it a damaged line stops the sweep, naming its file and line")
     p.add_argument("--quick", action="store_true", help=f"smoke run (~10 min): {QUICK}")
     p.add_argument("--no-report", dest="report_at_end", action="store_false", help="skip tables and plots at the end")
-    args = p.parse_args(argv)
+    args = p.parse(argv)
+    if isinstance(args, int):  # --help, or a bad argument
+        return args
     if args.quick:  # the quick defaults apply where the flag was not given explicitly
         given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])}
         for k, v in QUICK.items():
@@ -638,9 +845,10 @@ def main(argv=None) -> int:
         args.device = pick_device(args.device)
         with process_group(args.device):
             run(**vars(args), progress=True)  # the bar goes to stderr, also into a log file: a sweep runs for hours
+    except DamagedRecord as e:
+        return fail(f"{e}; --skip-damaged leaves damaged lines out (counted) and decodes them again")
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     return 0
 
 

@@ -209,9 +209,9 @@ def test_the_two_parts_run_apart_into_one_folder(tmp_path, monkeypatch):
     common = dict(device="cpu", threads=None, repeats=1, lengths="300", quick=True, decode_tokens=2, rope_theta=4e5,
                   out=str(out), model=str(folder), batches="1", e2e_methods="qada@0.6", dtype="float32",
                   compile_decision=False)
-    assert bench.main(parts="attention", **common) == 0
+    assert bench.run(parts="attention", **common) == 0
     first = (out / "attention.json").read_text()
-    assert bench.main(parts="e2e", **common) == 0
+    assert bench.run(parts="e2e", **common) == 0
     assert (out / "attention.json").read_text() == first  # not overwritten by the other part
     for part in ("attention", "end_to_end"):
         assert (out / f"{part}.md").is_file() and (out / f"{part}_profile.md").read_text().startswith("Profiles")

@@ -256,4 +256,4 @@ def test_calibration_mismatches_are_one_clear_line(tmp_path, capsys):
     assert calibrate.main(["--qada", "--tasks", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown task 'nope'" in capsys.readouterr().err
     assert calibrate.main(["--qada", "--tasks", "fwe", "--samples", "0", "--out", str(tmp_path)]) == 2
-    assert "--samples must be at least 1" in capsys.readouterr().err
+    assert "argument --samples: must be at least 1" in capsys.readouterr().err

@@ -314,7 +314,7 @@ def test_ctxfree_runs_without_qada_among_the_methods(tmp_path, monkeypatch):
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
     tiny_dir = make_tiny_dir(tmp_path / "tiny")
     out = tmp_path / "run"
-    assert sweep.main(["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "0", "--methods", "dense",
+    assert sweep.main(["--out", str(out), "--tasks", "", "--length", "400", "--methods", "dense",
                     "--taus", "0.6", "--ablations", "", "--ctxfree-samples", "1", "--model", str(tiny_dir),
                     "--no-report"]) == 0
     assert {r["config"] for r in records.read_records(out)} == {"oracle@0.6", "qada_rw@0.6"}

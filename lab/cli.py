@@ -1,0 +1,110 @@
+"""What the harness's command lines share: a bad argument is one line on stderr and exit 2 (no usage block, no
+traceback), --help shows each default once, and argument types that check a value before anything is loaded.
+
+The checked lists (`ints`, `fractions`) return the text they checked, so that a command's run function takes the
+same strings from Python as from the command line.
+"""
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """"(default: X)" after an option's help, unless the help states its default itself, the option is a flag (a
+    store_true's default is its absence, a store_false's its presence) or the default is None or empty."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS) or action.default == []
+                or "default" in text.lower()):
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with Help and one-line errors: "error: argument --samples: must be at least 1, got 0", exit 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", Help)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+    def parse(self, argv=None) -> argparse.Namespace | int:
+        """parse_args, or the exit status where parsing ends: 0 after --help, 2 after a bad argument (its line
+        printed), so that main(argv) returns it."""
+        try:
+            return self.parse_args(argv)
+        except SystemExit as e:
+            return e.code
+
+
+def fail(e: Exception | str) -> int:
+    """A caught error (or its text) as one line on stderr; the exit status of bad input."""
+    text = f"missing key {e}" if isinstance(e, KeyError) else " ".join(str(e).split())
+    print(f"error: {text}", file=sys.stderr)
+    return 2
+
+
+def at_least(low: int):
+    """An argparse type: an integer >= low."""
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return integer
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"takes a finite number above 0, got {text!r}")
+    return value
+
+
+def ints(text: str) -> str:
+    """An argparse type: comma-separated integers >= 1 ("2048,8192"), returned as given."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers, e.g. 2048,8192; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers of at least 1, got {text!r}")
+    return text
+
+
+def fractions(text: str) -> str:
+    """An argparse type: comma-separated numbers in [0, 1] (a tau or a sparsity grid, "0.4,0.6"), returned as given;
+    an empty text is an empty grid."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated numbers in [0, 1], e.g. 0.6,0.9; got {text!r}"
+                                         ) from None
+    bad = [v for v in values if not 0 <= v <= 1]  # NaN fails too
+    if bad:
+        raise argparse.ArgumentTypeError(f"takes numbers in [0, 1], got {bad[0]:g} in {text!r}")
+    return text
+
+
+def fresh_folder(root: str) -> Path:
+    """A new folder root/YYYYmmdd-HHMMSS (-2, -3, ... when that exists): where a command writes by default, so that a
+    run never overwrites an earlier one's, the committed results/ least of all."""
+    base = Path(root) / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path

@@ -1,0 +1,385 @@
+"""The research harness's command lines on bad input and on what they would overwrite (issue 29): a bad argument is one
+line on stderr and exit 2, found before a model loads; nothing written is replaced unless asked (--force, or a fresh
+default folder); a sweep folder is locked while a sweep writes it; a damaged record stops lab.report and a sweep's
+resume with its file and line, unless --skip-damaged, which leaves it out and counts it."""
+
+import json
+import lzma
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from criterion import Calibration, save_calibration, save_labels
+from lab import bench, calibrate, records, report, sweep
+from tests.test_generate import make_tiny_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ["--tasks", "fwe", "--length", "400", "--samples", "2", "--methods", "dense,local", "--ablations", "",
+       "--ctxfree-samples", "0", "--track", "dense", "--device", "cpu", "--no-report"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_dir(tmp_path_factory.mktemp("tiny_lab_cli"))
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Every CLI's model loading (and lab.bench's timing) fails the test: what is checked must be found before."""
+    def loaded(*a, **k):
+        raise AssertionError("a model was loaded: the check should come before")
+    for module in (sweep, calibrate, bench):
+        monkeypatch.setattr(module, "load", loaded)
+    monkeypatch.setattr(bench, "bench_attention", loaded)
+
+
+def one_line(capsys, rc: int, *expected: str) -> str:
+    """The command ended with exit 2 and one line on stderr naming each `expected` text, and no traceback."""
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+def record(task="fwe", index=0, config="dense", **extra) -> dict:
+    return dict(task=task, index=index, config=config, method=config.split("@")[0], threshold=None, score=1.0,
+                sparsity=0.0, kv_read=1.0, n_new=3, decode_s=0.1, prefill_s=0.1, **extra)
+
+
+def run_folder(path: Path, body: bytes, name: str = "samples.jsonl", settings: dict | None = None) -> Path:
+    """A run folder holding run.json and one record file with the bytes `body`."""
+    path.mkdir(parents=True)
+    (path / "run.json").write_text(json.dumps({"settings": settings or {"tasks": ["fwe"]}, "runs": []}))
+    (path / name).write_bytes(body)
+    return path
+
+
+LINES = [json.dumps(record(index=i, config=c)).encode() + b"\n" for i in range(3) for c in ("dense", "local")]
+WHOLE = lzma.compress(b"".join(LINES))
+# (name, file, bytes, the damaged place): every kind of damage the report and the resume must stop at
+DAMAGED = [("cut", "samples.jsonl", b"".join(LINES[:2]) + LINES[2][:25] + b"\n" + b"".join(LINES[3:]), "samples.jsonl:3"),
+           ("number", "samples.jsonl", LINES[0] + b"42\n" + b"".join(LINES[1:]), "samples.jsonl:2: a JSON int (42)"),
+           ("no-index", "samples.jsonl", LINES[0] + b'{"task": "fwe", "config": "dense"}\n', "without a valid index"),
+           ("latin-1", "samples.jsonl", LINES[0] + b'{"task": "f\xe9"}\n', "samples.jsonl:2: not UTF-8"),
+           ("truncated-xz", "samples.jsonl.xz", WHOLE[:len(WHOLE) // 2], "end early"),
+           ("empty-xz", "samples.jsonl.xz", b"", "samples.jsonl.xz:1: an empty file"),
+           ("not-xz", "samples.jsonl.xz", b"".join(LINES), "not readable as xz")]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Damaged records
+
+
+@pytest.mark.parametrize("name, file, body, where", DAMAGED, ids=[d[0] for d in DAMAGED])
+def test_a_damaged_record_is_named_by_file_and_line_or_left_out_and_counted(tmp_path, name, file, body, where):
+    out = run_folder(tmp_path / "run", body, file)
+    with pytest.raises(records.DamagedRecord, match=re.escape(where)):
+        records.read_records(out)
+    damaged = []
+    rows = records.read_records(out, damaged.append)
+    assert len(damaged) == 1 and where in damaged[0] and str(out / file) in damaged[0]
+    assert all(r["config"] in ("dense", "local") for r in rows)
+
+
+def test_what_is_no_damage_reads_whole(tmp_path):
+    """A byte-order mark, blank lines, and the last line of a plain file still being written (no newline yet)."""
+    body = b"\xef\xbb\xbf" + LINES[0] + b"\n" + b"".join(LINES[1:]) + LINES[0][:30]
+    assert len(records.read_records(run_folder(tmp_path / "a", body))) == 6
+    assert len(records.read_records(run_folder(tmp_path / "b", WHOLE, "samples.jsonl.xz"))) == 6
+
+
+def test_report_stops_at_a_damaged_record_and_with_the_flag_counts_what_it_left_out(tmp_path, capsys):
+    out = run_folder(tmp_path / "run", dict(DAMAGED_BODIES)["cut"])
+    one_line(capsys, report.main([str(out)]), f"{out / 'samples.jsonl'}:3:", "--skip-damaged")
+    assert not (out / "summary.md").exists()  # nothing rewritten from a damaged run
+    assert report.main([str(out), "--skip-damaged"]) == 0
+    err = capsys.readouterr().err
+    assert "left out 1 damaged record line" in err and "samples.jsonl:3" in err
+    for table in ("summary.md", "analysis.md"):
+        assert "**1 damaged record line(s) left out**" in (out / table).read_text()
+    assert "| dense | 100.0 (2)" in (out / "summary.md").read_text()  # the two whole dense records, not three
+
+
+def test_a_resume_stops_at_a_damaged_record_before_loading_and_with_the_flag_decodes_it_again(tmp_path, tiny_dir,
+                                                                                              monkeypatch, capsys):
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--model", str(tiny_dir)] + RUN
+    assert sweep.main(argv) == 0
+    capsys.readouterr()
+    whole = records.read_records(out)
+    lines = [json.dumps(r) + "\n" for r in whole]
+    (out / "samples.jsonl.xz").unlink()
+    (out / "samples.jsonl").write_text(lines[0] + lines[1][:40] + "\n" + "".join(lines[2:]))  # cut mid-file
+    load = sweep.load
+    monkeypatch.setattr(sweep, "load", lambda *a, **k: pytest.fail("loaded a model before finding the damage"))
+    one_line(capsys, sweep.main(argv), f"{out / 'samples.jsonl'}:2:", "--skip-damaged")
+    monkeypatch.setattr(sweep, "load", load)
+    assert sweep.main(argv + ["--skip-damaged"]) == 0
+    assert "left out 1 damaged record line" in capsys.readouterr().err
+    again = records.read_records(out)
+    assert [(r["task"], r["index"], r["config"]) for r in again] == [(r["task"], r["index"], r["config"]) for r in whole]
+    kept = (out / "samples.jsonl.damaged").read_text()  # kept beside (out of result_files) as it stood at the merge:
+    assert lines[1][:40] + "\n" in kept and kept.count("\n") == 5  # its 4 lines and the record decoded again
+    runs = json.loads((out / "run.json").read_text())["runs"]
+    assert runs[-1]["lines_written"] == 1 and len(runs[-1]["damaged_lines_left_out"]) == 1
+
+
+def test_a_merge_keeps_a_file_that_grew_after_it_was_read(tmp_path, monkeypatch):
+    """A writer outside the lock (lab.peers, an older sweep) appends after the merge read its file: the file stays,
+    with the new line, for the next merge."""
+    (tmp_path / "samples.1.jsonl").write_bytes(LINES[0])
+    read = sweep.file_records
+
+    def then_append(path, on_damage=None):
+        got = read(path, on_damage)
+        with open(tmp_path / "samples.1.jsonl", "ab") as f:
+            f.write(LINES[1])
+        return got
+    monkeypatch.setattr(sweep, "file_records", then_append)
+    sweep.merge(tmp_path, [])
+    assert (tmp_path / "samples.1.jsonl").read_bytes() == LINES[0] + LINES[1]
+    assert {r["config"] for r in records.read_records(tmp_path)} == {"dense", "local"}  # the new one is not lost
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The folder's lock
+
+
+def test_a_second_sweep_is_refused_while_one_holds_the_folder(tmp_path, tiny_dir, no_model, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = ["--out", str(out), "--model", str(tiny_dir)] + RUN
+    with sweep.folder_lock(out):
+        one_line(capsys, sweep.main(argv), "another lab.sweep", f"pid {os.getpid()}")
+        one_line(capsys, sweep.main(argv + ["--shard", "1/2"]), "another lab.sweep")  # a shard waits for it too
+    assert not (out / "run.json").exists() and list(out.iterdir()) == []  # the refused run wrote nothing
+
+
+def test_shards_share_the_folder_but_not_a_file_and_keep_a_merging_sweep_out(tmp_path):
+    with sweep.folder_lock(tmp_path, 0), sweep.folder_lock(tmp_path, 1):  # --shard 0/2 and 1/2 by hand
+        with pytest.raises(sweep.FolderLocked):
+            with sweep.folder_lock(tmp_path):  # its merge would remove their files
+                pass
+        with pytest.raises(sweep.FolderLocked):
+            with sweep.folder_lock(tmp_path, 1):  # two writers of samples.1.jsonl
+                pass
+    assert list(tmp_path.iterdir()) == []  # the last one out removes the lock files
+    with sweep.folder_lock(tmp_path):
+        pass
+
+
+def test_the_lock_of_another_process_is_seen_and_goes_with_it(tmp_path, capsys):
+    hold = subprocess.Popen([sys.executable, "-c", "import sys, time; from lab import sweep\n"
+                             f"with sweep.folder_lock({str(tmp_path)!r}):\n    print('held', flush=True); time.sleep(60)"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout.readline().strip() == "held"
+        with pytest.raises(sweep.FolderLocked, match=f"pid {hold.pid}\\)"):
+            with sweep.folder_lock(tmp_path):
+                pass
+    finally:
+        hold.kill()  # killed, not let go: the kernel releases the lock
+        hold.wait()
+    with sweep.folder_lock(tmp_path):
+        assert (tmp_path / "sweep.lock").read_text().strip() == str(os.getpid())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Nothing overwritten unless asked
+
+
+def other_labels(folder: Path) -> None:
+    """Static labels of another model in `folder`, with the settings lab.calibrate's defaults would write."""
+    common = dict(length=400, samples=1, seed=1, max_new_tokens=4, tau=0.6, n_sink=16, n_local=128, model="/other")
+    save_labels(folder / "fwe.json", torch.full((2, 4), 0.25), dict(task="fwe", **common))
+    save_labels(folder / "ruler.json", torch.full((2, 4), 0.25),
+                dict(tasks=["fwe"], **{k: v for k, v in common.items() if k != "max_new_tokens"}))
+
+
+def test_calibrate_refuses_to_overwrite_another_models_labels_unless_forced(tmp_path, tiny_dir, monkeypatch, capsys):
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "labels"
+    out.mkdir()
+    other_labels(out)
+    before = (out / "fwe.json").read_text()
+    argv = ["--tasks", "fwe", "--length", "400", "--samples", "1", "--max-new-tokens", "4", "--model", str(tiny_dir),
+            "--out", str(out), "--device", "cpu"]
+    load = calibrate.load
+    monkeypatch.setattr(calibrate, "load", lambda *a, **k: pytest.fail("loaded a model before refusing"))
+    one_line(capsys, calibrate.main(argv), f"{out / 'fwe.json'} holds static labels of other settings",
+             "model: '/other' there", "--force")
+    assert (out / "fwe.json").read_text() == before
+    monkeypatch.setattr(calibrate, "load", load)
+    assert calibrate.main(argv + ["--force"]) == 0
+    assert json.loads((out / "fwe.json").read_text())["settings"]["model"] == str(tiny_dir)
+    again = (out / "fwe.json").read_text()
+    assert calibrate.main(argv) == 0 and (out / "fwe.json").read_text() == again  # the same settings: reused
+
+
+def test_calibrate_qada_refuses_unreadable_masses_and_corrections_of_other_settings(tmp_path, tiny_dir, no_model,
+                                                                                    capsys):
+    argv = ["--qada", "--tasks", "fwe", "--length", "400", "--samples", "1", "--model", str(tiny_dir), "--device", "cpu"]
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "masses.pt").write_bytes(b"PK\x03\x04 cut short")
+    one_line(capsys, calibrate.main(argv + ["--out", str(cut)]), f"{cut / 'masses.pt'}: unreadable masses", "--force")
+    fitted = tmp_path / "fitted"
+    fitted.mkdir()
+    save_calibration(fitted / "affine.json", Calibration(torch.zeros(2, 4), torch.ones(2, 4), None,
+                                                         dict(tasks=["vt"], length=400, kind="affine")))
+    one_line(capsys, calibrate.main(argv + ["--out", str(fitted)]), "affine.json holds a correction fitted with "
+             "other settings (tasks: ['vt'] there, ['fwe'] asked", "--force")
+
+
+def test_bench_writes_a_fresh_folder_by_default_never_the_committed_results(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "Timer", lambda device: None)
+    monkeypatch.setattr(bench, "bench_attention", lambda *a: [])
+    monkeypatch.setattr(bench, "profile_qada", lambda *a, **k: "")
+    monkeypatch.setattr(bench, "plot", lambda *a, **k: None)
+    argv = ["--parts", "attention", "--lengths", "300", "--device", "cpu"]
+    assert bench.main(argv) == 0 and bench.main(argv) == 0
+    folders = sorted((tmp_path / "runs" / "bench").iterdir())
+    assert len(folders) == 2 and all((f / "attention.json").is_file() for f in folders)  # one each, none replaced
+    assert not (tmp_path / "results").exists()
+    assert "runs/bench/" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input, table-driven: exit 2, one line naming the cause, before any model loads
+
+
+def places(tmp_path: Path, tiny_dir: Path) -> dict[str, str]:
+    """The files and folders the bad-input table names, made in tmp_path."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    labels = tmp_path / "labels"
+    labels.mkdir()
+    other_labels(labels)
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    save_calibration(cal / "affine.json", Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, dict(kind="affine")))
+    run_folder(tmp_path / "no_settings", LINES[0]).joinpath("run.json").write_text('{"runs": []}')
+    run_folder(tmp_path / "run", b"".join(LINES))
+    run_folder(tmp_path / "cut", dict(DAMAGED_BODIES)["cut"])
+    run_folder(tmp_path / "truncated", dict(DAMAGED_BODIES)["truncated-xz"], "samples.jsonl.xz")
+    (tmp_path / "cut" / "run.json").write_text(json.dumps({"settings": dict(
+        tasks=["fwe"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model=str(tiny_dir), calib_seed=1,
+        dtype="float32")}))
+    return {k: str(tmp_path / k) for k in ("empty", "a_file", "labels", "cal", "no_settings", "run", "cut",
+                                           "truncated", "missing")} | {"tiny": str(tiny_dir)}
+
+
+DAMAGED_BODIES = [(name, body) for name, _, body, _ in DAMAGED]
+SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
+    (["--samples", "0"], "argument --samples: must be at least 1"),
+    (["--samples", "x"], "argument --samples: takes an integer"),
+    (["--taus", "abc"], "argument --taus: takes comma-separated numbers"),
+    (["--taus", "nan"], "argument --taus: takes numbers in [0, 1]"),
+    (["--sparsities", "1.5"], "argument --sparsities"),
+    (["--threads", "0"], "argument --threads: must be at least 1"),
+    (["--threads", "-1"], "argument --threads"),
+    (["--batch", "0"], "argument --batch"),
+    (["--tasks", "nope"], "unknown task 'nope'"),
+    (["--methods", "dense,nope"], "--methods: unknown method 'nope'"),
+    (["--track", "qada_wr"], "--track: unknown method 'qada_wr'"),
+    (["--grid", "oracle=abc"], "--grid oracle=abc"),
+    (["--grid", "nope=0.5"], "--grid nope=0.5: unknown method"),
+    (["--shard", "2/2"], "argument --shard: takes K/N"),
+    (["--n-sink", "128"], "--n-sink"),
+    (["--tasks", "", "--ctxfree-samples", "0"], "nothing to decode"),
+    (["--methods", "dense,qada_cal"], "qada_cal reads the affine calibration: give --calibration"),
+    (["--methods", "dense,qada_cal", "--calibration", "{empty}"], "{empty}: the folder holds no affine.json"),
+    (["--methods", "dense,qada_cal", "--calibration", "{missing}"], "{missing}: no such file or folder"),
+    (["--methods", "dense,qada_cal_offset", "--calibration", "{cal}/affine.json"],
+     "holds the affine correction, not the offset one"),
+    (["--methods", "dense", "--calibration", "{cal}"], "--calibration {cal}: no method of --methods reads it"),
+    (["--methods", "dense,static_oracle", "--sparsities", "0.5", "--static-labels", "{labels}/ruler.json"],
+     "is one file; static_oracle reads one per task"),
+    (["--methods", "dense,static", "--sparsities", "0.5", "--static-labels", "{labels}"],
+     "fwe.json holds static labels of other settings"),
+    (["--device", "tpu"], "--device takes cpu, cuda or cuda:N"),
+    (["--out", "{a_file}"], "is a file"),
+    (["--out", "{no_settings}"], 'no_settings/run.json: no "settings"'),
+    (["--out", "{cut}"], "cut/samples.jsonl:3:"),
+]
+REPORT = [  # (argv, what the line names)
+    (["{missing}"], "no such run folder"),
+    (["{empty}"], "is not a run folder"),
+    (["{run}", "--with", "{empty}"], "{empty} is not a run folder"),
+    (["{run}", "--tasks", "vt"], "--tasks vt: no record of it"),
+    (["{empty}", "--dense-table"], "no run folder in it"),
+    (["{no_settings}"], 'run.json: no "settings"'),
+    (["{cut}"], "cut/samples.jsonl:3:"),
+    (["{truncated}"], "truncated/samples.jsonl.xz:1: the compressed data end early"),
+    (["{run}", "--compare", "{cut}"], "cut/samples.jsonl:3:"),
+]
+CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
+    (["--out", "{empty}"], "the following arguments are required: --tasks"),
+    (["--tasks", "nope", "--out", "{empty}"], "unknown task 'nope'"),
+    (["--tasks", "fwe", "--samples", "0", "--out", "{empty}"], "argument --samples: must be at least 1"),
+    (["--tasks", "fwe", "--threads", "-1", "--out", "{empty}"], "argument --threads"),
+    (["--tasks", "fwe", "--eps", "nan", "--out", "{empty}"], "argument --eps: must lie in (0, 1)"),
+    (["--tasks", "fwe", "--out", "{a_file}"], "is a file"),
+    (["--tasks", "fwe", "--length", "400", "--samples", "1", "--max-new-tokens", "4", "--out", "{labels}"],
+     "holds static labels of other settings"),
+]
+BENCH = [  # (argv after --device cpu, what the line names)
+    (["--lengths", "abc"], "argument --lengths: takes comma-separated integers"),
+    (["--lengths", "0"], "argument --lengths"),
+    (["--batches", "1,x"], "argument --batches"),
+    (["--repeats", "0"], "argument --repeats"),
+    (["--threads", "-1"], "argument --threads"),
+    (["--decode-tokens", "0"], "argument --decode-tokens"),
+    (["--rope-theta", "nan"], "argument --rope-theta"),
+    (["--e2e-methods", "qada@x"], "--e2e-methods 'qada@x'"),
+    (["--e2e-methods", "nope@0.6"], "--e2e-methods takes PATH@TAU"),
+    (["--calibration", "{cal}"], "no method of --e2e-methods reads a calibration"),
+    (["--e2e-methods", "qada_cal@0.2", "--calibration", "{empty}"], "{empty}: the folder holds no affine.json"),
+    (["--e2e-methods", "qada_cal@0.2", "--calibration", "{missing}"], "no such file or folder"),
+    (["--prefill-only", "--parts", "e2e"], "--prefill-only fills --prefill-cache"),
+    (["--out", "{a_file}"], "is a file"),
+]
+CASES = ([("sweep", a, m) for a, m in SWEEP] + [("report", a, m) for a, m in REPORT]
+         + [("calibrate", a, m) for a, m in CALIBRATE] + [("bench", a, m) for a, m in BENCH])
+
+
+@pytest.mark.parametrize("cli, argv, message", CASES, ids=[f"{c}:{' '.join(a)}" for c, a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, tiny_dir, no_model, capsys, cli, argv,
+                                                                 message):
+    where = places(tmp_path, tiny_dir)
+    argv, message = [a.format(**where) for a in argv], message.format(**where)
+    if cli == "sweep":
+        rc = sweep.main(["--out", str(tmp_path / "out"), "--model", where["tiny"]] + RUN + argv)
+    elif cli == "report":
+        rc = report.main(argv)
+    elif cli == "calibrate":
+        rc = calibrate.main(["--model", where["tiny"], "--device", "cpu"] + argv)
+    else:
+        rc = bench.main(["--device", "cpu"] + argv)
+    one_line(capsys, rc, message)
+
+
+@pytest.mark.parametrize("argv, message", [(["--lengths", "100"], "exceed the window"), (["--e2e", "8y3"], "BATCHxLAYERS"),
+                                           (["--steps", "0"], "argument --steps"), (["--batches", "0"], "--batches")])
+def test_bench_gpu_arguments_are_one_line_and_exit_2(capsys, argv, message):
+    bench_gpu = pytest.importorskip("lab.bench_gpu")
+    one_line(capsys, bench_gpu.main(argv), message)
+
+
+@pytest.mark.parametrize("cli", ["sweep", "report", "calibrate", "bench", "bench_gpu"])
+def test_help_shows_each_default_once_and_no_flag_default(cli, capsys):
+    module = pytest.importorskip(f"lab.{cli}")
+    assert module.main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: True)" not in text and "(default: False)" not in text and "(default: None)" not in text
+    for option in text.split(" --")[1:]:  # each option's entry, roughly
+        assert option.count("default") <= 1, option
