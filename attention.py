@@ -2,6 +2,9 @@
 oracle decided per KV group, QAdA with a calibrated estimate and QAdA with the bulk mass estimated from sampled keys
 (ours: criterion.local_labels' group rules, criterion.Calibration, criterion.sampled_log_bulk).
 
+Reading order: `qada` (Listing 1) -> criterion.qada_labels (Eq. 7) -> moments.KeyMoments.quadratic_form (Eq. 6) ->
+`window_attention` and `mixed_attention` (what is read). kernels.py is the same decode step fused in Triton.
+
 A path is one function `path(q, k, v, **inputs) -> (y, labels)` for one layer and one decoded token of one row:
 q (H, D) is the rotated query, k and v (Hkv, T, D) are the layer's filled KV cache, y (H, D) is the attention
 output and labels (H,) bool say which heads attended to their local window only (True = local). Its keyword-only
@@ -20,35 +23,22 @@ A new path may read a new input: it is one more keyword, which DecodeAttention p
 set it with `--set NAME=VALUE`). A keyword with a default is a setting its PATHS entry fixes (functools.partial).
 
 `PATHS` is the one list of methods: the CLI and the research harness take their names from it, and a new method is
-one function plus one entry. `DecodeAttention` is what the model calls at each decode step, `build_attention` makes
-one for a prefilled prompt, and `BatchAttention` runs one per row of a batch.
-
-Reading order: `qada` below (Listing 1) -> criterion.qada_labels (Eq. 7) -> moments (Eq. 6's inputs) ->
-`mixed_attention` (what is read). The kernels come last: in torch, `window_attention` (the window's output and log
-mass), `mixed_attention` (full attention only for the KV heads some query head needs: the saving is real) and
-`reference_attention` (the explicit fp32 computation the tests hold the others against); then `fused_qada`, the same
-decode step in three Triton kernels that decide and skip on the device with nothing read back to the host, which
-the qada paths take on CUDA (`fused`).
+one function plus one entry. `run_path` runs one row's step (a qada path on the fused kernel where that applies),
+`DecodeAttention` is what the model calls at each decode step, `build_attention` makes one for a prefilled prompt,
+and `BatchAttention` runs one per row of a batch.
 """
 
 import inspect
 import math
-import os
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-try:  # the fused kernel's compiler: optional, CUDA builds of torch bring it; the torch paths need nothing of it
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels (the tests)
-
-from criterion import (GROUP_RULES, TAU, check_tau, corrected_log_bulk, gaussian_log_bulk, local_labels, oracle_labels,
-                       oracle_log_masses, qada_labels, sampled_log_bulk, tau_logit, window_mask, window_slices)
+from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussian_log_bulk, local_labels,
+                       oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
+from kernels import fused, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 
 # ---------------------------------------------------------------------------------------------------------
@@ -84,15 +74,10 @@ def static(q, k, v, *, layer, n_sink, n_local, static_local):
 def qada(q, k, v, *, layer, n_sink, n_local, tau, moments, rule=None, correction=None):
     """Listing 1: the window's scores, the Gaussian estimate of the bulk (Eq. 7), then full attention for the
     long-context heads only. With a `rule`, one decision per KV group (ours): a group labelled long-context reads
-    its KV head once for all G query heads, a local group reads its window only. `correction`: qada_cal's."""
-    T = k.shape[1]
-    if fused(q) and T > n_local:  # the same decision and skipping in three Triton kernels, nothing read to the host
-        A, b = moments.quadratic_form(layer, k)
-        zero = torch.zeros(1, dtype=torch.int32, device=q.device)  # row 0 of the cache, from position 0
-        y, labels = fused_qada(q[None], k[None], v[None], zero, zero, n_sink, n_local, (A[None], b[None]),
-                               torch.full((1,), tau, dtype=torch.float64, device=q.device), rule, correction)
-        return y[0], labels[0]
+    its KV head once for all G query heads, a local group reads its window only. `correction`: qada_cal's.
+    (run_path takes the same step fused, kernels.fused_qada, where kernels.fused says so.)"""
     y_window, log_local = window_attention(q, k, v, n_sink, n_local)
+    T = k.shape[1]
     if T <= n_local:  # no bulk: the window is the whole context, every head is exact and local
         return y_window, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
     form = moments.quadratic_form(layer, k)  # Eq. 6's (A, b): q A q^T + q b = mu_s + sigma_s^2 / 2
@@ -168,14 +153,176 @@ def bulk_estimate(method: str) -> str:
 
 def qada_rule(method: str) -> tuple[bool, str | None]:
     """Whether the path registered as `method` is `qada` or `qada_cal`, and the KV-group rule its entry fixes (None:
-    per head). BatchAttention decides for a whole batch of such rows at once."""
+    per head). run_path hands such a row to the fused kernel, and BatchAttention decides for a whole batch of such
+    rows at once."""
     path = PATHS[method]
     fixed = path.keywords if isinstance(path, partial) else {}
     return getattr(path, "func", path) in (qada, qada_cal), fixed.get("rule")
 
 
 # ---------------------------------------------------------------------------------------------------------
+# What is read: the window, and the full cache only for the KV heads some query head needs (the saving is
+# real). Plain torch, readable and tuned for the CPU.
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (H, D) over the local window of the cache k, v (Hkv, T, D): the output (H, D) and the log of
+    the window's attention mass, log A_local = log sum_{i in I} exp(s_i) (H,), in fp32.
+
+    The window is read in place as its two slices, sinks and recent tokens, each a view of the cache: only
+    the (H, W) scores are concatenated, never keys or values. Deciding costs a few eager ops per layer, each a
+    few microseconds on the CPU whatever its size, so the count matters: one log_softmax gives both the weights
+    (its exp) and the mass, since log A_local = s_0 - log p_0 for any window position, here the first sink."""
+    H, D = q.shape
+    Hkv = k.shape[0]
+    qg = q.view(Hkv, H // Hkv, D)  # (Hkv, G, D)
+    parts = window_slices(k.shape[1], n_sink, n_local)
+    # torch.bmm (not @, whose reshapes cost more than the product at these sizes) and the scale in place
+    scores = [torch.bmm(qg, k[:, s].transpose(1, 2)) for s in parts]  # (Hkv, G, W_part) each
+    scores = (torch.cat(scores, -1) if len(scores) > 1 else scores[0]).float().mul_(1 / math.sqrt(D))
+    log_p = scores.log_softmax(-1)  # (Hkv, G, W)
+    p = log_p.exp().to(v.dtype)
+    y, start = None, 0
+    for s in parts:
+        p_part, start = p[..., start:start + s.stop - s.start], start + s.stop - s.start
+        y = torch.bmm(p_part, v[:, s]) if y is None else y.baddbmm_(p_part, v[:, s])  # (Hkv, G, D)
+    log_local = scores[..., 0] - log_p[..., 0]  # (Hkv, G)
+    return y.view(H, D), log_local.view(H)
+
+
+def mixed_attention(q, k, v, labels, n_sink, n_local, y_window=None):
+    """Window attention for heads labelled local, full attention for the others; only the needed KV heads are read.
+
+    q (H, D), k/v (Hkv, T, D), labels (H,) bool; y_window (H, D), the window output if already computed.
+    A KV head is read in full when any query head of its group is long-context; consecutive such KV heads
+    share one SDPA call on a slice of the cache (a view, never a copy)."""
+    H, D = q.shape
+    Hkv, T, _ = k.shape
+    G = H // Hkv
+    if y_window is None:
+        y_window, _ = window_attention(q, k, v, n_sink, n_local)
+    if T <= n_local:
+        return y_window
+    flags = labels.tolist()  # the one host sync per layer: the labels decide what is read
+    runs = _runs([not all(flags[g * G:(g + 1) * G]) for g in range(Hkv)])
+    if not runs:
+        return y_window
+    y = y_window.clone()
+    qg, yg = q.view(Hkv, G, D), y.view(Hkv, G, D)  # (Hkv, G, D)
+    for a, b in runs:
+        yg[a:b] = full_attention(qg[a:b], k[a:b], v[a:b])
+    if any(any(flags[a * G:b * G]) for a, b in runs):
+        y = torch.where(labels[:, None], y_window, y)  # local heads of a group read in full keep the window
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The other torch helpers: full attention (a lone KV head's context split between CPU threads), every score (the
+# oracle's), the sampled estimate's bulk keys, and the explicit fp32 reference the tests hold the paths against
+
+
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of q (n, G, D) over n KV heads' whole caches k, v (n, T, D): (n, G, D).
+
+    The G query heads of a group are handed to SDPA as G query positions of one head, so each KV head is
+    read once (SDPA with enable_gqa reads it once per query head). k and v are views of the cache: SDPA
+    reads them in place, nothing is copied. No mask: the decoded token sees every cached position.
+    SDPA on the CPU shares its work out by heads, so a lone KV head would keep one thread busy and the
+    others idle; its context is split between the threads instead (split_context_attention)."""
+    threads = torch.get_num_threads()
+    if q.shape[0] == 1 and q.device.type == "cpu" and threads > 1 and k.shape[1] >= 2 * threads:
+        return split_context_attention(q, k, v, threads)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # (1, n, G, D) -> (n, G, D)
+
+
+def split_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int) -> torch.Tensor:
+    """One KV head's attention, q (1, G, D) over k, v (1, T, D), its context cut into `chunks` slices that SDPA's CPU
+    kernel attends side by side, one per thread (the split-KV of flash-decoding): (1, G, D).
+
+    Slice i holds positions [i s, i s + h), s = T // chunks, h = T - (chunks - 1) s: views of the cache, as SDPA's
+    "heads". When chunks does not divide T a slice shares h - s positions with the one before, masked out of it.
+    Each slice's output is normalised by its own mass; the kernel also returns its log-sum-exp, and a softmax over
+    those gives each slice's share of the total mass: the weights that merge the slices into exact attention.
+    Public SDPA returns no log-sum-exp, so this calls the CPU kernel that SDPA itself dispatches to."""
+    _, T, D = k.shape
+    G = q.shape[1]
+    s = T // chunks
+    h = T - (chunks - 1) * s
+
+    def slices(x):  # (1, chunks, h, D), a view
+        return x.as_strided((1, chunks, h, D), (0, s * x.stride(1), x.stride(1), x.stride(2)))
+
+    mask = None
+    if h > s:
+        mask = torch.zeros(1, chunks, 1, h, dtype=q.dtype, device=q.device)
+        mask[:, 1:, :, :h - s] = -math.inf  # the positions each slice shares with the one before
+    y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.expand(chunks, G, D)[None], slices(k), slices(v), attn_mask=mask)[:2]  # (1, chunks, G, D), (1, chunks, G)
+    share = lse[0].float().softmax(0)  # (chunks, G)
+    return (y[0].float() * share[..., None]).sum(0, keepdim=True).to(q.dtype)  # (1, G, D)
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive True flags: [T, T, F, T] -> [(0, 2), (3, 4)]."""
+    runs = []
+    for i, flag in enumerate(flags):
+        if flag and runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        elif flag:
+            runs.append((i, i + 1))
+    return runs
+
+
+def all_scores(q, k):
+    """Every score s = q K^T / sqrt(d) in fp32, (H, T): what the oracle (analysis only) needs. A group's query
+    heads share one product with their KV head (no per-head copy of the keys)."""
+    Hkv, T, D = k.shape
+    qg = q.float().view(Hkv, -1, D)  # (Hkv, G, D)
+    return torch.bmm(qg, k.float().transpose(1, 2)).view(-1, T) / math.sqrt(D)
+
+
+def bulk_sample(T: int, n_sink: int, n_local: int, m: int, layer: int, device=None) -> torch.Tensor:
+    """(m,) positions of the bulk [n_sink, T - (n_local - n_sink)), one in each of m strata of (nearly) equal size
+    (every position when the bulk has no more than m), placed within its stratum by a low-discrepancy offset fixed
+    per layer and stratum: no random state, so a rerun reads the same keys, and the layers sample other phases."""
+    lo, hi = n_sink, bulk_end(T, n_sink, n_local)
+    if hi - lo <= m:
+        return torch.arange(lo, hi, device=device)
+    edges = lo + torch.arange(m + 1, device=device) * (hi - lo) // m  # integer strata [edges[j], edges[j + 1])
+    j = torch.arange(m, device=device, dtype=torch.float64)
+    offset = torch.frac((j + 1) * 0.6180339887498949 + layer * 0.4142135623730951)  # golden and silver ratios
+    return edges[:-1] + (offset * (edges[1:] - edges[:-1])).long()
+
+
+def reference_attention(q, k, v, labels, n_sink, n_local):
+    """The same result computed plainly in fp32: every score, window heads masked to the window."""
+    H, D = q.shape
+    Hkv, T, _ = k.shape
+    in_window = window_mask(T, n_sink, n_local, q.device)
+    keep = in_window[None, :] | ~labels.to(q.device)[:, None]  # (H, T)
+    weights = all_scores(q, k).masked_fill(~keep, -math.inf).softmax(-1)  # (H, T)
+    return torch.bmm(weights.view(Hkv, H // Hkv, T), v.float()).view(H, D)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # What the model calls at each decode step
+
+
+def run_path(method: str, q, k, v, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's decode step through the path registered as `method`, given what it reads (path_inputs, layer
+    included). A qada path (qada_rule) with a bulk to decide on takes the fused kernel where kernels.fused says so:
+    the same labels and output, decided and skipped on the device with nothing read back to the host."""
+    is_qada, rule = qada_rule(method)
+    if is_qada and fused(q) and k.shape[1] > inputs["n_local"]:
+        layer, calibration = inputs["layer"], inputs.get("calibration")
+        A, b = inputs["moments"].quadratic_form(layer, k)  # (Hkv, D, D), (Hkv, D)
+        zero = torch.zeros(1, dtype=torch.int32, device=q.device)  # row 0 of the cache, from position 0
+        tau = torch.full((1,), inputs["tau"], dtype=torch.float64, device=q.device)
+        y, labels = fused_qada(q[None], k[None], v[None], zero, zero, inputs["n_sink"], inputs["n_local"],
+                               (A[None], b[None]), tau, rule, None if calibration is None else calibration.layer(layer))
+        return y[0], labels[0]
+    return PATHS[method](q, k, v, **inputs)
 
 
 @dataclass
@@ -218,7 +365,7 @@ class DecodeAttention:
             raise ValueError("DecodeAttention decodes one row; BatchAttention runs one per row of a batch")
         _, H, _, D = q.shape
         q1, k1, v1 = q.view(H, D), k.squeeze(0), v.squeeze(0)
-        y, labels = PATHS[self.method](q1, k1, v1, **self.inputs, **({"layer": layer} if self.with_layer else {}))
+        y, labels = run_path(self.method, q1, k1, v1, **self.inputs, **({"layer": layer} if self.with_layer else {}))
         oracle_local = log_masses = None
         if self.stats.track_oracle:  # analysis: every score, the true masses beside the Gaussian estimate
             oracle_local, log_masses = self.oracle_view(q1, k1, layer)
@@ -238,9 +385,9 @@ class DecodeAttention:
             # The same moments either way; the update costs O(d^2) per step where the direct form costs O(T d^2)
             exact = (self.exact.mean_cov(layer, k) if self.exact is not None
                      else mean_cov(k[:, self.n_sink:bulk_end(T, self.n_sink, self.n_local)]))  # bulk (Hkv, T - n_local, D)
-            log_exact = gaussian_log_bulk(q, *exact, T - self.n_local)
+            log_exact = gaussian_log_bulk(q, gaussian_form(*exact), T - self.n_local)
             if self.moments is not None:
-                log_gauss = gaussian_log_bulk(q, *self.moments.mean_cov(layer, k), T - self.n_local)
+                log_gauss = gaussian_log_bulk(q, self.moments.quadratic_form(layer, k), T - self.n_local)
         return labels, torch.stack([log_local, log_bulk, log_gauss, log_exact])
 
 
@@ -253,10 +400,10 @@ class BatchAttention:
     their outputs are zeros and their cache is not read.
 
     When every row runs the same `qada` or `qada_cal` path (qada_rule) with fixed moments (and one calibration), the
-    decision is taken for all rows at
-    once (qada_rows): one window pass and one Gaussian term for the batch instead of one per row, each row with its
-    own moments, context length and tau; each row's full heads are then read on its own. `batched=False` keeps the
-    row-by-row path, which the tests hold the batched one to."""
+    decision is taken for all rows at once (qada_rows): one window pass and one Gaussian term for the batch instead of
+    one per row, each row with its own moments, context length and tau; each row's full heads are then read on its
+    own (or every row in kernels.fused_qada). `batched=False` keeps the row-by-row path, which the tests hold the
+    batched one to."""
     rows: list[DecodeAttention]
     start: list[int] | None = None  # per row, the first filled position of the cache; None: every row from 0
     done: list[bool] = field(default_factory=list)
@@ -415,395 +562,3 @@ def summarize(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_lo
         out["agreement"] = {"TP": int((labels & oracle).sum()), "FP": int((labels & ~oracle).sum()),
                             "TN": int((~labels & ~oracle).sum()), "FN": int((~labels & oracle).sum())}
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The kernels in plain torch: readable, and tuned for the CPU (full_attention splits a lone KV head between threads)
-
-
-def all_scores(q, k):
-    """Every score s = q K^T / sqrt(d) in fp32, (H, T): what the oracle (analysis only) needs. A group's query
-    heads share one product with their KV head (no per-head copy of the keys)."""
-    Hkv, T, D = k.shape
-    qg = q.float().view(Hkv, -1, D)  # (Hkv, G, D)
-    return torch.bmm(qg, k.float().transpose(1, 2)).view(-1, T) / math.sqrt(D)
-
-
-def bulk_sample(T: int, n_sink: int, n_local: int, m: int, layer: int, device=None) -> torch.Tensor:
-    """(m,) positions of the bulk [n_sink, T - (n_local - n_sink)), one in each of m strata of (nearly) equal size
-    (every position when the bulk has no more than m), placed within its stratum by a low-discrepancy offset fixed
-    per layer and stratum: no random state, so a rerun reads the same keys, and the layers sample other phases."""
-    lo, hi = n_sink, bulk_end(T, n_sink, n_local)
-    if hi - lo <= m:
-        return torch.arange(lo, hi, device=device)
-    edges = lo + torch.arange(m + 1, device=device) * (hi - lo) // m  # integer strata [edges[j], edges[j + 1])
-    j = torch.arange(m, device=device, dtype=torch.float64)
-    offset = torch.frac((j + 1) * 0.6180339887498949 + layer * 0.4142135623730951)  # golden and silver ratios
-    return edges[:-1] + (offset * (edges[1:] - edges[:-1])).long()
-
-
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (H, D) over the local window of the cache k, v (Hkv, T, D): the output (H, D) and the log of
-    the window's attention mass, log A_local = log sum_{i in I} exp(s_i) (H,), in fp32.
-
-    The window is read in place as its two slices, sinks and recent tokens, each a view of the cache: only
-    the (H, W) scores are concatenated, never keys or values. Deciding costs a few eager ops per layer, each a
-    few microseconds on the CPU whatever its size, so the count matters: one log_softmax gives both the weights
-    (its exp) and the mass, since log A_local = s_0 - log p_0 for any window position, here the first sink."""
-    H, D = q.shape
-    Hkv = k.shape[0]
-    qg = q.view(Hkv, H // Hkv, D)  # (Hkv, G, D)
-    parts = window_slices(k.shape[1], n_sink, n_local)
-    # torch.bmm (not @, whose reshapes cost more than the product at these sizes) and the scale in place
-    scores = [torch.bmm(qg, k[:, s].transpose(1, 2)) for s in parts]  # (Hkv, G, W_part) each
-    scores = (torch.cat(scores, -1) if len(scores) > 1 else scores[0]).float().mul_(1 / math.sqrt(D))
-    log_p = scores.log_softmax(-1)  # (Hkv, G, W)
-    p = log_p.exp().to(v.dtype)
-    y, start = None, 0
-    for s in parts:
-        p_part, start = p[..., start:start + s.stop - s.start], start + s.stop - s.start
-        y = torch.bmm(p_part, v[:, s]) if y is None else y.baddbmm_(p_part, v[:, s])  # (Hkv, G, D)
-    log_local = scores[..., 0] - log_p[..., 0]  # (Hkv, G)
-    return y.view(H, D), log_local.view(H)
-
-
-def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of q (n, G, D) over n KV heads' whole caches k, v (n, T, D): (n, G, D).
-
-    The G query heads of a group are handed to SDPA as G query positions of one head, so each KV head is
-    read once (SDPA with enable_gqa reads it once per query head). k and v are views of the cache: SDPA
-    reads them in place, nothing is copied. No mask: the decoded token sees every cached position.
-    SDPA on the CPU shares its work out by heads, so a lone KV head would keep one thread busy and the
-    others idle; its context is split between the threads instead (split_context_attention)."""
-    threads = torch.get_num_threads()
-    if q.shape[0] == 1 and q.device.type == "cpu" and threads > 1 and k.shape[1] >= 2 * threads:
-        return split_context_attention(q, k, v, threads)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # (1, n, G, D) -> (n, G, D)
-
-
-def split_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int) -> torch.Tensor:
-    """One KV head's attention, q (1, G, D) over k, v (1, T, D), its context cut into `chunks` slices that SDPA's CPU
-    kernel attends side by side, one per thread (the split-KV of flash-decoding): (1, G, D).
-
-    Slice i holds positions [i s, i s + h), s = T // chunks, h = T - (chunks - 1) s: views of the cache, as SDPA's
-    "heads". When chunks does not divide T a slice shares h - s positions with the one before, masked out of it.
-    Each slice's output is normalised by its own mass; the kernel also returns its log-sum-exp, and a softmax over
-    those gives each slice's share of the total mass: the weights that merge the slices into exact attention.
-    Public SDPA returns no log-sum-exp, so this calls the CPU kernel that SDPA itself dispatches to."""
-    _, T, D = k.shape
-    G = q.shape[1]
-    s = T // chunks
-    h = T - (chunks - 1) * s
-
-    def slices(x):  # (1, chunks, h, D), a view
-        return x.as_strided((1, chunks, h, D), (0, s * x.stride(1), x.stride(1), x.stride(2)))
-
-    mask = None
-    if h > s:
-        mask = torch.zeros(1, chunks, 1, h, dtype=q.dtype, device=q.device)
-        mask[:, 1:, :, :h - s] = -math.inf  # the positions each slice shares with the one before
-    y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.expand(chunks, G, D)[None], slices(k), slices(v), attn_mask=mask)[:2]  # (1, chunks, G, D), (1, chunks, G)
-    share = lse[0].float().softmax(0)  # (chunks, G)
-    return (y[0].float() * share[..., None]).sum(0, keepdim=True).to(q.dtype)  # (1, G, D)
-
-
-def _runs(flags: list[bool]) -> list[tuple[int, int]]:
-    """[start, end) of each run of consecutive True flags: [T, T, F, T] -> [(0, 2), (3, 4)]."""
-    runs = []
-    for i, flag in enumerate(flags):
-        if flag and runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        elif flag:
-            runs.append((i, i + 1))
-    return runs
-
-
-def mixed_attention(q, k, v, labels, n_sink, n_local, y_window=None):
-    """Window attention for heads labelled local, full attention for the others; only the needed KV heads are read.
-
-    q (H, D), k/v (Hkv, T, D), labels (H,) bool; y_window (H, D), the window output if already computed.
-    A KV head is read in full when any query head of its group is long-context; consecutive such KV heads
-    share one SDPA call on a slice of the cache (a view, never a copy)."""
-    H, D = q.shape
-    Hkv, T, _ = k.shape
-    G = H // Hkv
-    if y_window is None:
-        y_window, _ = window_attention(q, k, v, n_sink, n_local)
-    if T <= n_local:
-        return y_window
-    flags = labels.tolist()  # the one host sync per layer: the labels decide what is read
-    runs = _runs([not all(flags[g * G:(g + 1) * G]) for g in range(Hkv)])
-    if not runs:
-        return y_window
-    y = y_window.clone()
-    qg, yg = q.view(Hkv, G, D), y.view(Hkv, G, D)  # (Hkv, G, D)
-    for a, b in runs:
-        yg[a:b] = full_attention(qg[a:b], k[a:b], v[a:b])
-    if any(any(flags[a * G:b * G]) for a, b in runs):
-        y = torch.where(labels[:, None], y_window, y)  # local heads of a group read in full keep the window
-    return y
-
-
-def reference_attention(q, k, v, labels, n_sink, n_local):
-    """The same result computed plainly in fp32: every score, window heads masked to the window."""
-    H, D = q.shape
-    Hkv, T, _ = k.shape
-    in_window = window_mask(T, n_sink, n_local, q.device)
-    keep = in_window[None, :] | ~labels.to(q.device)[:, None]  # (H, T)
-    weights = all_scores(q, k).masked_fill(~keep, -math.inf).softmax(-1)  # (H, T)
-    return torch.bmm(weights.view(Hkv, H // Hkv, T), v.float()).view(H, D)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The fused decode step (Triton): QAdA's decision and its skipping on the device, for a batch of rows, no host sync.
-# Three kernels per layer, each a fixed grid: (1) per (row, KV head) the window's attention and log mass for the G
-# query heads together, Eq. 6's Gaussian term, the correction, the threshold and the group's flag "read the cache";
-# (2) per (row, KV head, split of the context) flash-decoding's partial attention, a program returning at once when
-# its group is local; (3) per (row, KV head) the merge of the splits by their log-sum-exp, the window's output kept
-# for local heads. On CPU tensors it runs under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
-
-RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
-assert set(RULES) == {None, *GROUP_RULES}
-
-
-def fused(q: torch.Tensor) -> bool:
-    """Whether the qada paths take the fused kernel: QADA_KERNEL=triton forces it (on CPU tensors it needs Triton's
-    interpreter, TRITON_INTERPRET=1), QADA_KERNEL=torch forces the torch path, and auto (the default) takes the kernel
-    on CUDA tensors when triton is installed."""
-    choice = os.environ.get("QADA_KERNEL", "auto")
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"QADA_KERNEL takes auto, triton or torch; got {choice!r}")
-    if choice == "triton" and triton is None:
-        raise RuntimeError("QADA_KERNEL=triton, but triton is not installed (pip install triton)")
-    D = q.shape[-1]
-    kernel_dim = D >= 16 and D & (D - 1) == 0  # tl.dot's smallest tile and tl.arange's powers of two
-    if choice == "triton" and not kernel_dim and not INTERPRETED:
-        raise ValueError(f"QADA_KERNEL=triton: the kernel takes head dims that are powers of two from 16, not {D}")
-    return choice == "triton" or (choice == "auto" and q.is_cuda and triton is not None and kernel_dim)
-
-if triton is not None:
-
-    @triton.jit
-    def _window_decide_kernel(Q, K, V, ROWS, START, A, BV, TAU, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL, LABELS, READ, T, sm_scale,
-                              sqb, sqh, skb, skh, skt, svb, svh, svt, sab, sah, sbb, sbh,
-                              H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                              D: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, W_PAD: tl.constexpr,
-                              RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
-                              BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr):
-        b, g = tl.program_id(0), tl.program_id(1)
-        row = tl.load(ROWS + b)  # the cache row of this program's query
-        start = tl.load(START + b)
-        n_ctx = T - start
-        h = tl.arange(0, G_PAD)
-        h_ok = h < G
-        d = tl.arange(0, D)
-        q_rows = Q + b * sqb + (g * G + h)[:, None] * sqh
-        q = tl.load(q_rows + d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, D)
-        # The window, the first N_SINK and the last N_LOCAL - N_SINK positions (or the whole context if shorter), in
-        # blocks of BLOCK_W with a running softmax: small tiles keep the program in registers. Exact fp32 products
-        # (not TF32), so that the labels are the torch path's.
-        short = n_ctx <= N_LOCAL
-        m = tl.full((G_PAD,), float("-inf"), tl.float32)
-        l_sum = tl.zeros((G_PAD,), tl.float32)
-        acc = tl.zeros((G_PAD, D), tl.float32)
-        for w0 in range(0, W_PAD, BLOCK_W):  # block 0 holds position 0, so m is finite after it
-            w = w0 + tl.arange(0, BLOCK_W)
-            pos = tl.where(short | (w < N_SINK), start + w, T - N_LOCAL + w)
-            w_ok = tl.where(short, w < n_ctx, w < N_LOCAL)
-            kw = tl.load(K + row * skb + g * skh + pos[:, None] * skt + d[None, :], mask=w_ok[:, None], other=0.0)
-            vw = tl.load(V + row * svb + g * svh + pos[:, None] * svt + d[None, :], mask=w_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kw.to(tl.float32)), input_precision="ieee") * sm_scale  # (G_PAD, BLOCK_W)
-            s = tl.where(w_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, vw.to(tl.float32), input_precision="ieee")
-            m = m_new
-        y = acc / l_sum[:, None]  # (G_PAD, D)
-        log_local = m + tl.log(l_sum)
-        tl.store(Y_WIN + (b * H + g * G + h)[:, None] * D + d[None, :], y, mask=h_ok[:, None])
-        tl.store(LOG_LOCAL + b * H + g * G + h, log_local, mask=h_ok)
-        # Eq. 6: q A q^T + q b, with A read BLOCK_D columns at a time
-        quad = tl.zeros((G_PAD,), tl.float32)
-        for j0 in range(0, D, BLOCK_D):
-            j = j0 + tl.arange(0, BLOCK_D)
-            a_cols = tl.load(A + b * sab + g * sah + d[:, None] * D + j[None, :])  # (D, BLOCK_D) fp32
-            q_j = tl.load(q_rows + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, BLOCK_D)
-            quad += tl.sum(tl.dot(q, a_cols, input_precision="ieee") * q_j, 1)
-        if HAS_SCALE:  # the variance term (q A q^T: A is Sigma / 2D) scaled per KV head
-            quad = quad * tl.load(CS + g)
-        bv = tl.load(BV + b * sbb + g * sbh + d)
-        expo = quad + tl.sum(q * bv[None, :], 1)
-        # Eq. 7: log A_bulk = log T_bulk + the exponent, corrected, against the threshold
-        log_bulk = expo + tl.log(tl.maximum(n_ctx - N_LOCAL, 1).to(tl.float32))
-        if HAS_CAL:
-            ca = tl.load(CA + g * G + h, mask=h_ok, other=0.0)
-            cb = tl.load(CB + g * G + h, mask=h_ok, other=1.0)
-            log_bulk = log_local - (ca + cb * (log_local - log_bulk))
-        tau = tl.load(TAU + b)
-        r = log_local - log_bulk
-        local = r >= tl.load(TAU_LOGIT + b)  # criterion.tau_logit's, so both paths compare with the same fp32 number
-        if RULE == 1:  # "mean": the group's mean share, every head follows
-            share = tl.where(h_ok, 1.0 / (1.0 + tl.exp(-r)), 0.0)
-            local = (tl.zeros((G_PAD,), tl.int32) + (tl.sum(share, 0) / G >= tau).to(tl.int32)) != 0
-        if RULE == 2:  # "all": every head of the group, every head follows
-            n_long = tl.sum(tl.where(h_ok & ~local, 1, 0), 0)
-            local = (tl.zeros((G_PAD,), tl.int32) + n_long) == 0
-        local = local | (tl.zeros((G_PAD,), tl.int32) + short.to(tl.int32) != 0)  # no bulk: all exact on the window
-        tl.store(LABELS + b * H + g * G + h, local.to(tl.int8), mask=h_ok)
-        tl.store(READ + b * HKV + g, (tl.sum(tl.where(h_ok & ~local, 1, 0), 0) > 0).to(tl.int8))
-
-    @triton.jit
-    def _split_attention_kernel(Q, K, V, ROWS, START, READ, O_PART, M_PART, L_PART, T, N_SPLITS, sm_scale,
-                                sqb, sqh, skb, skh, skt, svb, svh, svt,
-                                H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                                D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, LOW: tl.constexpr):
-        b, g, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if tl.load(READ + b * HKV + g) == 0:  # a local group: its cache is not read
-            return
-        row = tl.load(ROWS + b)
-        h = tl.arange(0, G_PAD)
-        d = tl.arange(0, D)
-        part = ((b * HKV + g) * N_SPLITS + sp) * G_PAD + h  # (G_PAD,) rows of this split's partial results
-        lo = tl.load(START + b) + sp * SPLIT
-        hi = tl.minimum(lo + SPLIT, T)
-        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
-        l_i = tl.zeros((G_PAD,), tl.float32)
-        acc = tl.zeros((G_PAD, D), tl.float32)
-        if lo < hi:
-            q = tl.load(Q + b * sqb + (g * G + h)[:, None] * sqh + d[None, :], mask=(h < G)[:, None], other=0.0)
-            if not LOW:
-                q = q.to(tl.float32)
-            for i in range(SPLIT // BLOCK_N):  # a fixed trip count; the tail of the context is masked
-                offs = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
-                ok = offs < hi
-                kt = tl.load(K + row * skb + g * skh + offs[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
-                vt = tl.load(V + row * svb + g * svh + offs[:, None] * svt + d[None, :], mask=ok[:, None], other=0.0)
-                if LOW:  # bf16 / fp16 cache: tensor-core products of the stored values, fp32 sums (as flash attention)
-                    s = tl.dot(q, tl.trans(kt)) * sm_scale
-                else:  # exact fp32 products, not TF32
-                    s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee") * sm_scale
-                s = tl.where(ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if LOW:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-                m_i = m_new
-        tl.store(M_PART + part, m_i)
-        tl.store(L_PART + part, l_i)
-        tl.store(O_PART + part[:, None] * D + d[None, :], acc)
-
-    @triton.jit
-    def _merge_kernel(Y_WIN, LABELS, READ, O_PART, M_PART, L_PART, Y, ROWS, syb, syh,
-                      N_SPLITS, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                      D: tl.constexpr, BY_ROW: tl.constexpr):
-        b, g = tl.program_id(0), tl.program_id(1)
-        h = tl.arange(0, G_PAD)
-        h_ok = h < G
-        d = tl.arange(0, D)
-        rows = (b * H + g * G + h)[:, None] * D + d[None, :]
-        y = tl.load(Y_WIN + rows, mask=h_ok[:, None], other=0.0)
-        if tl.load(READ + b * HKV + g) != 0:
-            base = (b * HKV + g) * N_SPLITS * G_PAD
-            m = tl.full((G_PAD,), float("-inf"), tl.float32)
-            for sp in range(N_SPLITS):
-                m = tl.maximum(m, tl.load(M_PART + base + sp * G_PAD + h))
-            l_sum = tl.zeros((G_PAD,), tl.float32)
-            acc = tl.zeros((G_PAD, D), tl.float32)
-            for sp in range(N_SPLITS):
-                m_s = tl.load(M_PART + base + sp * G_PAD + h)
-                scale = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m))
-                l_sum += tl.load(L_PART + base + sp * G_PAD + h) * scale
-                acc += tl.load(O_PART + (base + sp * G_PAD + h)[:, None] * D + d[None, :]) * scale[:, None]
-            local = tl.load(LABELS + b * H + g * G + h, mask=h_ok, other=1) != 0
-            y = tl.where(local[:, None], y, acc / l_sum[:, None])
-        y_b = b
-        if BY_ROW:  # the output's row is the cache row's: the result lands in the caller's tensor
-            y_b = tl.load(ROWS + b)
-        out = Y + y_b * syb + (g * G + h)[:, None] * syh + d[None, :]
-        tl.store(out, y.to(Y.dtype.element_ty), mask=h_ok[:, None])  # in the output's dtype: no cast launched after
-
-
-def split_size(n_programs: int, T: int, device: torch.device, block_n: int = 64) -> int:
-    """Context positions per split program: enough splits that the long-context groups' programs fill the GPU
-    (four per multiprocessor if every (row, KV head) reads), at most 64 splits per group. A power of two from 256
-    (whole blocks of block_n): the split is a compile-time constant of the kernel, so a context growing from 8k to 128k
-    compiles a few variants, not one per step."""
-    slots = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8)
-    per_group = min(64, triton.cdiv(slots, n_programs))
-    return max(256, block_n, triton.next_power_of_2(triton.cdiv(T, per_group)))
-
-
-def kernel_thresholds(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """tau (n,) float64 -> the kernel's thresholds, tau and criterion.tau_logit(tau), both (n,) fp32: a caller that
-    decides every layer with the same taus makes them once instead of launching their arithmetic per layer."""
-    return tau.float(), tau_logit(tau.double())
-
-
-def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None, correction=None,
-               split: int | None = None, block_n: int = 64, count_reads: bool = False, out=None):
-    """QAdA for one layer and n rows in three Triton kernels: the same labels and output as the `qada` path of each
-    row, up to fp32 rounding. q (n, H, D), any strides but the last; k, v (B, Hkv, T, D), views of the cache (any
-    stride over T), of which row rows[i] is query i's (integers, (n,)); start (n,), each row's first filled position
-    (left padding); form: each row's (A (n, Hkv, D, D), b (n, Hkv, D)) fp32; tau (n,), float64 so that the threshold
-    is criterion.tau_logit's, or kernel_thresholds(tau); rule as criterion.local_labels; correction: one layer's
-    Calibration.layer() (a (H,), b (H,), s (Hkv,) or None). Returns y (n, H, D) in q's dtype and labels (n, H) bool,
-    on the device; with `out` (B, H, D), any strides but the last, query i's output is written to out[rows[i]] in
-    out's dtype instead and out is returned. With `count_reads` (for tests) also the splits of each (row, KV head)
-    that read the cache, (n, Hkv). `split`: context positions per program (default split_size's); the split count is
-    a runtime argument."""
-    if triton is None:
-        raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
-    B, H, D = q.shape
-    if q.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
-        raise ValueError("fused_qada reads q and writes its output with unit stride over the head dim")
-    Hkv, T = k.shape[1], k.shape[2]
-    G = H // Hkv
-    G_pad = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
-    split = split or split_size(B * Hkv, T, q.device, block_n)
-    if split % block_n:
-        raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
-    n_splits = triton.cdiv(T, split)
-    dev, f32 = q.device, torch.float32
-    A, bvec = (x.to(f32).contiguous() for x in form)
-    y_win = torch.empty(B, H, D, device=dev, dtype=f32)
-    log_local = torch.empty(B, H, device=dev, dtype=f32)
-    labels = torch.empty(B, H, device=dev, dtype=torch.int8)
-    read = torch.empty(B, Hkv, device=dev, dtype=torch.int8)
-    ca, cb, cs = correction if correction is not None else (None, None, None)
-    tau_f32, tau_lgt = tau if isinstance(tau, tuple) else kernel_thresholds(tau)
-    dummy = log_local  # never read: HAS_CAL / HAS_SCALE are off
-    sm_scale = 1 / math.sqrt(D)
-    w_pad = max(16, triton.next_power_of_2(n_local))
-    _window_decide_kernel[(B, Hkv)](
-        q, k, v, rows, start, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy, cb if cb is not None else dummy,
-        cs if cs is not None else dummy, y_win, log_local, labels, read, T, sm_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1),
-        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
-        W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None,
-        HAS_SCALE=cs is not None, BLOCK_W=min(32, w_pad), BLOCK_D=min(32, D))
-    o_part = torch.empty(B, Hkv, n_splits, G_pad, D, device=dev, dtype=f32)
-    m_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
-    if count_reads:
-        m_part.fill_(math.inf)  # what no split program writes: a max score is finite, -inf or NaN
-    l_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
-    _split_attention_kernel[(B, Hkv, n_splits)](
-        q, k, v, rows, start, read, o_part, m_part, l_part, T, n_splits, sm_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
-        LOW=k.dtype != torch.float32 and not INTERPRETED)  # the interpreter multiplies bf16 tiles wrongly
-    y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
-    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y, rows, y.stride(0), y.stride(1), n_splits,
-                            H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, BY_ROW=out is not None)
-    labels = labels.view(torch.bool)  # 0 / 1 bytes reinterpreted, no launch
-    if count_reads:  # a split that ran wrote its max score, -inf when its part of the context was empty
-        return y, labels, (m_part[..., 0] != math.inf).sum(-1)
-    return y, labels

@@ -25,6 +25,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -116,26 +117,18 @@ def gaussian_form(mean: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, 
     return cov.float() / (2 * D), mean.float() / math.sqrt(D)
 
 
-def gaussian_exponent(q: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """mu_s + sigma_s^2 / 2 = q A q^T + q b for queries q (..., H, D), with the bulk keys' `gaussian_form` per KV head,
-    A (..., Hkv, D, D) and b (..., Hkv, D), each shared by its G = H / Hkv query heads: (..., H) in fp32."""
+def gaussian_log_bulk(q: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor], n_bulk) -> torch.Tensor:
+    """Eqs. 5-7's Gaussian estimate of the bulk's log mass, the one place it is computed:
+        log A_bulk ~= log(T_bulk E[exp(s)]) = log T_bulk + mu_s + sigma_s^2 / 2 = log T_bulk + q A q^T + q b
+    for queries q (..., H, D) and the bulk keys' `gaussian_form` per KV head, A (..., Hkv, D, D) and b (..., Hkv, D),
+    each shared by its G = H / Hkv query heads: (..., H) in fp32. `n_bulk` is T_bulk, an int or a tensor that
+    broadcasts against (..., H) (one per row of a batch: (B, 1))."""
     A, b = form
     *lead, H, D = q.shape
     qg = q.float().reshape(-1, H // A.shape[-3], D)  # (N Hkv, G, D)
     qA_b = torch.baddbmm(b.reshape(-1, 1, D), qg, A.reshape(-1, D, D))  # (N Hkv, G, D): q A + b
-    return (qA_b * qg).sum(-1).view(*lead, H)
-
-
-def estimated_log_bulk(q: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor], n_bulk) -> torch.Tensor:
-    """Eqs. 5-6: log A_bulk estimated as log(T_bulk E[exp(s)]) = log T_bulk + mu_s + sigma_s^2 / 2, (..., H).
-    `n_bulk` is T_bulk, an int or a tensor that broadcasts against (..., H) (one per row of a batch: (B, 1))."""
     log_n = n_bulk.double().log().float() if isinstance(n_bulk, torch.Tensor) else math.log(n_bulk)
-    return gaussian_exponent(q, form) + log_n
-
-
-def gaussian_log_bulk(q: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, n_bulk: int) -> torch.Tensor:
-    """estimated_log_bulk from the moments themselves, mean (Hkv, D) and cov (Hkv, D, D): for analysis."""
-    return estimated_log_bulk(q, gaussian_form(mean, cov), n_bulk)
+    return (qA_b * qg).sum(-1).view(*lead, H) + log_n
 
 
 def sampled_log_bulk(scores: torch.Tensor, n_bulk, z: float = 0.0) -> torch.Tensor:
@@ -155,29 +148,33 @@ def sampled_log_bulk(scores: torch.Tensor, n_bulk, z: float = 0.0) -> torch.Tens
     return mean.log() + top.squeeze(-1) + log_n
 
 
+class Correction(NamedTuple):
+    """One layer's correction of Eq. 7 (ours: Calibration.layer): the variance term sigma_s^2 / 2 scaled by s per KV
+    head, then the estimated log ratio r = log A_local - log A_bulk mapped to a + b r per query head."""
+    a: torch.Tensor  # (H,)
+    b: torch.Tensor  # (H,)
+    s: torch.Tensor | None  # (Hkv,), or None: the variance term as it is
+
+
 def qada_labels(q: torch.Tensor, log_local: torch.Tensor, form: tuple[torch.Tensor, torch.Tensor], n_bulk, tau,
-                rule: str | None = None, correction: tuple | None = None) -> torch.Tensor:
+                rule: str | None = None, correction: Correction | None = None) -> torch.Tensor:
     """Eq. 7, the only place it is written: local_labels with the window's true log mass log_local (..., H) and the
     Gaussian estimate of the bulk's from the query q (..., H, D) and the bulk keys' `gaussian_form`: (..., H) bool.
-    Per query head (rule None, the paper's) or per KV group (rule "all" or "mean", ours). attention.fused_qada computes
-    the same in one Triton kernel, held to this by tests/test_kernel.py.
-
-    `correction` (ours): one layer's Calibration.layer(), (a (H,), b (H,), s (Hkv,) or None). The variance term
-    sigma_s^2 / 2 is scaled by s per KV head, then the estimated log ratio r = log A_local - log A_bulk becomes a + b r,
+    Per query head (rule None, the paper's) or per KV group (rule "all" or "mean", ours). kernels.fused_qada computes
+    the same in one Triton kernel, held to this by tests/test_kernel.py. `correction` (ours): calibrated QAdA's,
     fitted on calibration prompts where the true r is known."""
-    if correction is not None and correction[2] is not None:
-        form = (form[0] * correction[2][..., None, None], form[1])  # A = Sigma_K / 2d scaled per KV head
-    log_bulk = estimated_log_bulk(q, form, n_bulk)
+    if correction is not None and correction.s is not None:
+        form = (form[0] * correction.s[..., None, None], form[1])  # A = Sigma_K / 2d scaled per KV head
+    log_bulk = gaussian_log_bulk(q, form, n_bulk)
     if correction is not None:
         log_bulk = corrected_log_bulk(log_local, log_bulk, correction)
     return local_labels(log_local, log_bulk, tau, form[0].shape[-3], rule)
 
 
-def corrected_log_bulk(log_local: torch.Tensor, log_bulk: torch.Tensor, correction: tuple) -> torch.Tensor:
+def corrected_log_bulk(log_local: torch.Tensor, log_bulk: torch.Tensor, correction: Correction) -> torch.Tensor:
     """The calibrated estimate (ours): the estimated log ratio r = log A_local - log A_bulk (..., H) mapped to a + b r
-    by one layer's correction (a (H,), b (H,), ...), returned as the log bulk mass that gives that ratio."""
-    a, b = correction[0], correction[1]
-    return log_local - (a + b * (log_local - log_bulk))
+    by one layer's correction, returned as the log bulk mass that gives that ratio (its s is qada_labels' to apply)."""
+    return log_local - (correction.a + correction.b * (log_local - log_bulk))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,8 +201,8 @@ class Calibration:
     s: torch.Tensor | None  # (L, Hkv), or None: the variance term as it is
     settings: dict  # how it was fitted: kind, model, dtype, moments source, window, prompts
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return self.a[layer], self.b[layer], None if self.s is None else self.s[layer]
+    def layer(self, layer: int) -> Correction:
+        return Correction(self.a[layer], self.b[layer], None if self.s is None else self.s[layer])
 
     @property
     def estimate(self) -> str:

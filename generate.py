@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import attention
+import kernels
 from attention import ANALYSIS_ONLY, PATHS, BatchAttention, build_attention, bulk_estimate, path_inputs
 from criterion import TAU, check_calibration, check_tau, load_calibration, load_labels
 from model import KVCache
@@ -159,7 +159,7 @@ def pick_device(device: str | None) -> str:
 
 def triton_missing() -> str | None:
     """Why the fused kernel cannot run here, or None."""
-    if attention.triton is None:
+    if kernels.triton is None:
         return "--kernel triton: triton is not installed (pip install triton)"
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "--kernel triton: no CUDA; on the CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1)"

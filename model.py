@@ -207,6 +207,27 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+    """Dense attention of one decoded token per row, q (B, H, 1, D), over the filled cache k, v (B, Hkv, T, D) whose
+    row b starts at start[b] (left padding; None: every row at 0): (B, H, 1, D). One of two SDPA layouts, picked by
+    device, dtype and shape; each reads a KV head once for its G query heads."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and start is None
+            and B * Hkv < multiprocessors(q.device)):
+        # On a GPU with few (row, KV head) pairs: FlashAttention's decoding splits each head's context across thread
+        # blocks (flash-decoding); the packed layout below would give it only B * Hkv blocks to fill the GPU with.
+        # (16-bit only: in fp32 SDPA would fall back to a kernel that copies each KV head per query head.)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # (B, H, 1, D)
+    # Packed: a group's G query heads go to SDPA as G query positions of their KV head, so each KV head is read once
+    # (enable_gqa reads it once per query head on the CPU).
+    mask = None
+    if start is not None:  # left-padded rows: no row sees its padding
+        mask = (torch.arange(k.shape[2], device=q.device) >= start[:, None])[:, None, None]  # (B, 1, 1, T)
+    y = F.scaled_dot_product_attention(q.view(B, Hkv, -1, D), k, v, attn_mask=mask)  # (B, Hkv, G, D)
+    return y.reshape(B, H, 1, D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
@@ -226,23 +247,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         start = cache.length
         k, v = cache.write(self.layer, k, v)  # (B, Hkv, start + T, D)
-        if T == 1 and decode_attention is not None:
+        if T == 1 and decode_attention is not None:  # the pluggable decode-time path (attention.py)
             y = decode_attention(q, k, v, self.layer)  # (B, H, 1, D)
-        elif (T == 1 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and cache.start is None
-              and B * self.Hkv < multiprocessors(x.device)):
-            # Dense decoding on a GPU with few (row, KV head) pairs: FlashAttention's decoding splits each head's
-            # context across thread blocks (flash-decoding) and reads a KV head once for its G query heads; the
-            # packed layout below would give it only B * Hkv blocks to fill the GPU with. (16-bit only: in fp32
-            # SDPA would fall back to a kernel that copies each KV head per query head.)
-            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # (B, H, 1, D)
         elif T == 1:
-            # Plain dense decoding, packed: a group's G query heads go to SDPA as G query positions of their
-            # KV head, so each KV head is read once (enable_gqa reads it once per query head on the CPU).
-            mask = None
-            if cache.start is not None:  # left-padded rows: no row sees its padding
-                mask = (torch.arange(k.shape[2], device=x.device) >= cache.start[:, None])[:, None, None]  # (B, 1, 1, T)
-            y = F.scaled_dot_product_attention(q.view(B, self.Hkv, -1, self.D), k, v, attn_mask=mask)  # (B, Hkv, G, D)
-            y = y.reshape(B, self.H, 1, self.D)
+            y = dense_decode(q, k, v, cache.start)
         elif cache.start is not None:
             raise ValueError("a stacked (left-padded) cache decodes one token at a time; prefill each prompt alone")
         elif start == 0:

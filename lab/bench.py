@@ -75,6 +75,7 @@ from pathlib import Path
 import torch
 
 import attention
+import kernels
 from attention import BatchAttention, build_attention
 from criterion import TAU, check_calibration, load_calibration, qada_labels
 from generate import pick_device
@@ -185,12 +186,12 @@ class Stack:
         function of q, k, v alone (a dense baseline outside the registry)."""
         if callable(method):
             return [method(self.q[i], *self.kv[i])[0] for i in range(self.L)]
-        path, names = attention.PATHS[method], attention.path_inputs(method)
+        names = attention.path_inputs(method)
         given = dict(n_sink=N_SINK, n_local=N_LOCAL, tau=TAU, moments=moments)
         kw = {n: given[n] for n in names if n != "layer"}
         if "layer" in names:
-            return [path(self.q[i], *self.kv[i], layer=i, **kw)[0] for i in range(self.L)]
-        return [path(self.q[i], *self.kv[i], **kw)[0] for i in range(self.L)]
+            return [attention.run_path(method, self.q[i], *self.kv[i], layer=i, **kw)[0] for i in range(self.L)]
+        return [attention.run_path(method, self.q[i], *self.kv[i], **kw)[0] for i in range(self.L)]
 
     def criterion(self, moments):
         """What qada does before its full heads: window attention and its log mass, the Gaussian term, labels."""
@@ -219,7 +220,7 @@ def sdpa_gqa(q, k, v):
 
 @contextlib.contextmanager
 def qada_kernel(choice: str):
-    """The qada paths called inside take `choice` (attention.fused: "torch" or "triton"); restored on the way out."""
+    """The qada paths called inside take `choice` (kernels.fused: "torch" or "triton"); restored on the way out."""
     old = os.environ.get("QADA_KERNEL")
     os.environ["QADA_KERNEL"] = choice
     try:
@@ -239,7 +240,7 @@ def with_kernel(choice: str, fn):
 def bench_attention(lengths, repeats: int, device: torch.device, timer: Timer) -> list[dict]:
     """qada on the torch path, and on CUDA with triton also the fused kernel (column fused), against dense."""
     rows = []
-    kernel = device.type == "cuda" and attention.triton is not None
+    kernel = device.type == "cuda" and kernels.triton is not None
     for shape, dims in SHAPES.items():
         for T in lengths:
             stack = Stack(**dims, T=T, device=device)

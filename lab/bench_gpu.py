@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import attention
+import kernels
 from attention import BatchAttention, DecodeAttention, HeadStats
 from criterion import TAU, Calibration
 from generate import pick_device
@@ -361,7 +361,7 @@ def setup_line(device: torch.device) -> str:
                f"CUDA {torch.version.cuda}")
     else:
         gpu = f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
-    triton_version = attention.triton.__version__ if attention.triton is not None else "none"
+    triton_version = kernels.triton.__version__ if kernels.triton is not None else "none"
     return f"{gpu}; torch {torch.__version__}, triton {triton_version}, Python {platform.python_version()}"
 
 
@@ -448,7 +448,7 @@ def main(argv=None) -> int:
     lengths, batches = args.lengths, args.batches
     try:  # what this machine lacks: one line, exit 2
         device = torch.device(pick_device(args.device))
-        if attention.triton is None:
+        if kernels.triton is None:
             raise ValueError("the fused kernel needs triton (pip install triton)")
         if device.type != "cuda" and args.parts != "attention":
             raise ValueError("the end-to-end part times CUDA graphs and needs a GPU: no CUDA on this machine "

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from attention import N_SAMPLES, all_scores, build_attention, bulk_sample, dense
-from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_exponent, load_calibration, load_local_freq,
+from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_log_bulk, load_calibration, load_local_freq,
                        oracle_log_masses, sampled_log_bulk, save_calibration, save_labels)
 from generate import decode, pick_device
 from lab.cli import Parser, at_least, fail
@@ -213,8 +213,8 @@ class MassRecorder:
                 self.steps.append([]), self.n_bulk.append(T - self.n_local)
             log_local, log_bulk = oracle_log_masses(all_scores(q1, k1), self.n_sink, self.n_local)
             A, b = self.moments.quadratic_form(layer, k1)
-            mu = gaussian_exponent(q1, (torch.zeros_like(A), b))  # q mu_K / sqrt(d)
-            half_var = gaussian_exponent(q1, (A, torch.zeros_like(b)))  # q Sigma_K q^T / 2d
+            mu = gaussian_log_bulk(q1, (torch.zeros_like(A), b), 1)  # q mu_K / sqrt(d) (T_bulk 1: log 1 = 0)
+            half_var = gaussian_log_bulk(q1, (A, torch.zeros_like(b)), 1)  # q Sigma_K q^T / 2d
             idx = bulk_sample(T, self.n_sink, self.n_local, self.n_samples, layer, k1.device)
             sampled = sampled_log_bulk(all_scores(q1, k1[:, idx]), T - self.n_local)
             self.steps[-1].append(torch.stack([log_local, log_bulk, mu, half_var, sampled]).cpu())
@@ -252,7 +252,7 @@ def fit_calibration(masses: torch.Tensor, n_bulk: torch.Tensor, n_kv_heads: int,
             raise ValueError("these masses hold no sampled estimate (recorded before it existed): record them again")
         estimate = m[:, :, 4]
     else:
-        estimate = log_n + mu + half_var  # estimated_log_bulk, from its two terms
+        estimate = log_n + mu + half_var  # gaussian_log_bulk, from its two terms
     r, r_est = log_local - log_bulk, log_local - estimate
     N, L, H = r.shape
     ones, s = torch.ones(L, H, dtype=torch.float64, device=m.device), None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 # Without CUDA the fused kernel's tests run its Triton code on CPU tensors, through Triton's interpreter; it is chosen
-# when the kernels are defined, so before attention.py is imported.
+# when the kernels are defined, so before kernels.py is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

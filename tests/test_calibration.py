@@ -10,8 +10,8 @@ import torch
 
 import generate
 from attention import DecodeAttention, all_scores, bulk_sample
-from criterion import (CALIBRATION_KINDS, Calibration, check_calibration, gaussian_form, load_calibration,
-                       oracle_log_masses, qada_labels, save_calibration)
+from criterion import (CALIBRATION_KINDS, Calibration, Correction, check_calibration, gaussian_form,
+                       load_calibration, oracle_log_masses, qada_labels, save_calibration)
 from lab import calibrate, records, sweep
 from moments import FixedMoments
 from tests.test_generate import make_tiny_dir, write_prompt
@@ -49,7 +49,7 @@ def test_corrected_labels_equal_the_equation_in_float64():
         s = torch.rand(Hkv, generator=g) * 3
         for tau in (0.3, 0.6, 0.9):
             want = corrected_share_logit(q, log_local, mean, cov, n_bulk, a.double(), b.double(), s.double())
-            got = qada_labels(q, log_local, gaussian_form(mean, cov), n_bulk, tau, correction=(a, b, s))
+            got = qada_labels(q, log_local, gaussian_form(mean, cov), n_bulk, tau, correction=Correction(a, b, s))
             clear = (want - math.log(tau / (1 - tau))).abs() > 1e-4  # leave out heads within rounding of tau
             assert torch.equal(got[clear], (want >= math.log(tau / (1 - tau)))[clear])
             agree += int(clear.sum())
@@ -57,8 +57,8 @@ def test_corrected_labels_equal_the_equation_in_float64():
     # the identity correction is plain Eq. 7; s=None leaves the variance term alone
     ones, zeros = torch.ones(H), torch.zeros(H)
     plain = qada_labels(q, log_local, gaussian_form(mean, cov), n_bulk, 0.6)
-    assert torch.equal(qada_labels(q, log_local, gaussian_form(mean, cov), n_bulk, 0.6, correction=(zeros, ones, None)),
-                       plain)
+    identity = Correction(zeros, ones, None)
+    assert torch.equal(qada_labels(q, log_local, gaussian_form(mean, cov), n_bulk, 0.6, correction=identity), plain)
 
 
 def layer_caches(L=3, H=4, Hkv=2, D=8, T=200, seed=0):

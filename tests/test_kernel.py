@@ -1,4 +1,4 @@
-"""The fused Triton decode step (attention.fused_qada) against the torch paths, and every path's skipping: a KV group
+"""The fused Triton decode step (kernels.fused_qada) against the torch paths, and every path's skipping: a KV group
 labelled local must not be read. On a machine without CUDA the kernels run under Triton's interpreter
 (TRITON_INTERPRET=1, set by conftest.py), on CPU tensors."""
 
@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import attention
-from attention import BatchAttention, DecodeAttention, fused_qada, qada, reference_attention
-from criterion import Calibration, gaussian_form
+import kernels
+from attention import BatchAttention, DecodeAttention, qada, reference_attention
+from criterion import Calibration, Correction, gaussian_form
+from kernels import fused_qada
 from moments import FixedMoments
 from tests.test_qada import random_cov
 
@@ -44,7 +46,7 @@ def case(B, H, Hkv, D, T, seed=0, dtype=torch.float32):
 def tie_free(q, k, start, A, b, tau, margin=1e-3):
     """Heads whose estimated log ratio is not within `margin` of the threshold (fp32 rounding may flip those)."""
     from attention import window_attention
-    from criterion import estimated_log_bulk
+    from criterion import gaussian_log_bulk
     out = []
     for i in range(q.shape[0]):
         kk = k[i, :, int(start[i]):].float()
@@ -53,7 +55,7 @@ def tie_free(q, k, start, A, b, tau, margin=1e-3):
             out.append(torch.ones(q.shape[1], dtype=torch.bool))
             continue
         _, log_local = window_attention(q[i].float(), kk, kk, N_SINK, N_LOCAL)
-        r = log_local - estimated_log_bulk(q[i].float(), (A[i], b[i]), T - N_LOCAL)
+        r = log_local - gaussian_log_bulk(q[i].float(), (A[i], b[i]), T - N_LOCAL)
         out.append((r - math.log(tau[i] / (1 - tau[i]))).abs() > margin)
     return torch.stack(out)
 
@@ -89,14 +91,40 @@ def test_bf16_caches_and_a_correction(monkeypatch):
     ca, cb, cs = torch.linspace(-2, 2, H), torch.full((H,), 0.7), torch.tensor([0.5, 1.5])
     start = torch.zeros(B, dtype=torch.int32)
     y, labels = fused_qada(q, k, v, torch.arange(B, dtype=torch.int32), start, N_SINK, N_LOCAL, (A, b),
-                           torch.tensor([0.5, 0.5]), None, (ca, cb, cs), split=128, block_n=32)
+                           torch.tensor([0.5, 0.5]), None, Correction(ca, cb, cs), split=128, block_n=32)
     for i in range(B):
         want_y, want = qada(q[i], k[i], v[i], layer=0, n_sink=N_SINK, n_local=N_LOCAL, tau=0.5,
-                            moments=Form(A[i], b[i]), correction=(ca, cb, cs))
+                            moments=Form(A[i], b[i]), correction=Correction(ca, cb, cs))
         assert (labels[i] == want).float().mean() >= 5 / 6  # bf16 scores: a head may sit on the threshold
         ref = reference_attention(q[i], k[i], v[i], labels[i], N_SINK, N_LOCAL)
         torch.testing.assert_close(y[i].float(), ref, atol=3e-2, rtol=3e-2)
     assert y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("method", ["qada", "qada_kv", "qada_cal", "qada_kv_all_cal"])
+def test_run_path_dispatches_a_qada_path_to_the_kernel_and_the_path_itself_stays_torch(method, monkeypatch):
+    """The kernel dispatch lives in attention.run_path, outside `qada` (Listing 1): with QADA_KERNEL=triton run_path
+    calls kernels.fused_qada and gives the torch path's labels and output, while the registered path computes in
+    torch whatever is set; a context that fits the window never reaches the kernel."""
+    calls = []
+    real = attention.fused_qada
+    monkeypatch.setattr(attention, "fused_qada", lambda *a, **kw: calls.append(method) or real(*a, **kw))
+    q, k, v, A, b = case(1, 6, 2, 16, 300, seed=8)
+    cal = Calibration(torch.linspace(-1, 1, 6)[None], torch.full((1, 6), 0.8), torch.tensor([[0.5, 1.5]]), {})
+    given = dict(layer=0, n_sink=N_SINK, n_local=N_LOCAL, tau=0.7, moments=Form(A[0], b[0]), calibration=cal)
+    inputs = {name: given[name] for name in attention.path_inputs(method)}
+    q, k, v = q[0], k[0], v[0]
+    monkeypatch.setenv("QADA_KERNEL", "torch")
+    want_y, want = attention.run_path(method, q, k, v, **inputs)
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    y_path, labels_path = attention.PATHS[method](q, k, v, **inputs)
+    assert calls == [] and torch.equal(labels_path, want) and torch.equal(y_path, want_y)
+    attention.run_path(method, q, k[:, :N_LOCAL], v[:, :N_LOCAL], **inputs)
+    assert calls == []
+    y, labels = attention.run_path(method, q, k, v, **inputs)
+    assert calls == [method]
+    assert torch.equal(labels, want) and 0 < int(labels.sum()) < len(labels)  # some heads local, some not
+    torch.testing.assert_close(y, want_y, atol=2e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -201,7 +229,7 @@ def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     monkeypatch.setenv("QADA_KERNEL", "triton")
     launches = []
     for name in ("_window_decide_kernel", "_split_attention_kernel", "_merge_kernel"):
-        monkeypatch.setattr(attention, name, Launch(launches))
+        monkeypatch.setattr(kernels, name, Launch(launches))
     q, k, v, A, b = case(2, 6, 2, 16, 300)
     moments = FixedMoments(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16, 16), 1)
     rows = [DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.6, moments=moments)) for _ in range(2)]

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from attention import N_SAMPLES, all_scores, bulk_sample, full_attention, window_attention  # noqa: E402
-from criterion import (corrected_log_bulk, estimated_log_bulk, gaussian_form, local_labels,  # noqa: E402
+from criterion import (Correction, corrected_log_bulk, gaussian_form, gaussian_log_bulk, local_labels,  # noqa: E402
                        sampled_log_bulk)
 
 H, HKV, D, T, N_SINK, N_LOCAL, TAU, LAYER = 14, 2, 64, 8192, 16, 128, 0.2, 12
@@ -35,12 +35,12 @@ def main() -> None:
     k, v = (torch.randn(HKV, T, D, generator=g).bfloat16() for _ in range(2))
     keys = k[:, N_SINK: T - N_LOCAL + N_SINK].float()
     form = gaussian_form(keys.mean(1), torch.stack([torch.cov(x.T, correction=0) for x in keys]))
-    correction = (torch.randn(H, generator=g) * 0.1, 1 + torch.rand(H, generator=g) * 0.1, None)  # an affine map
+    correction = Correction(torch.randn(H, generator=g) * 0.1, 1 + torch.rand(H, generator=g) * 0.1, None)  # affine
     _, log_local = window_attention(q, k, v, N_SINK, N_LOCAL)
     n_bulk = T - N_LOCAL
 
     def gaussian():
-        log_bulk = corrected_log_bulk(log_local, estimated_log_bulk(q, form, n_bulk), correction)
+        log_bulk = corrected_log_bulk(log_local, gaussian_log_bulk(q, form, n_bulk), correction)
         return local_labels(log_local, log_bulk, TAU, HKV)
 
     def sampled():

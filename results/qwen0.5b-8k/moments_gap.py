@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from attention import all_scores  # noqa: E402
 from weights.checkpoints import load  # noqa: E402
 from weights.downloads import cache_dir  # noqa: E402
-from criterion import gaussian_log_bulk, oracle_log_masses  # noqa: E402
+from criterion import gaussian_form, gaussian_log_bulk, oracle_log_masses  # noqa: E402
 from moments import ReferenceKeys, bulk_end, mean_cov  # noqa: E402
 from lab.tasks import make_sample  # noqa: E402
 
@@ -58,8 +58,8 @@ def main(threads: int, tasks: list[str], samples: int, length: int) -> None:
                 qg = q.view(mu_p.shape[0], -1, D)  # (Hkv, G, D)
                 d_mean = (qg * (mu_r - mu_p)[:, None]).sum(-1).flatten() / math.sqrt(D)
                 d_var = torch.einsum("hgd,hde,hge->hg", qg, cov_r - cov_p, qg).flatten() / (2 * D)
-                rows.append(dict(layer=layer, err_rw=gaussian_log_bulk(q, mu_r, cov_r, T - N_LOCAL) - log_bulk,
-                                 err_exact=gaussian_log_bulk(q, mu_p, cov_p, T - N_LOCAL) - log_bulk,
+                rows.append(dict(layer=layer, err_rw=gaussian_log_bulk(q, gaussian_form(mu_r, cov_r), T - N_LOCAL) - log_bulk,
+                                 err_exact=gaussian_log_bulk(q, gaussian_form(mu_p, cov_p), T - N_LOCAL) - log_bulk,
                                  d_mean=d_mean, d_var=d_var, margin=log_local - log_bulk))
     third = (L - 1) / 3
     groups = [("layer 0", [0])] + [(f"layers {a}-{b - 1}", list(range(a, b))) for a, b in
