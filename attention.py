@@ -525,15 +525,22 @@ class HeadStats:
             self.log_masses[-1].append(log_masses)
 
     def label_tensor(self) -> torch.Tensor:
-        """(S, L, H) bool on the CPU."""
-        return torch.stack([torch.stack(step) for step in self.labels]).cpu()
+        """(S, L, H) bool on the CPU; S = 0 when no decode step ran (the first token ended the answer)."""
+        return stack_steps(self.labels)
 
     def oracle_tensor(self) -> torch.Tensor:
-        return torch.stack([torch.stack(step) for step in self.oracle]).cpu()
+        return stack_steps(self.oracle)
 
     def summary(self, n_kv_heads: int) -> dict:
         return summarize(self.label_tensor(), torch.tensor(self.lengths, device="cpu"), n_kv_heads, self.n_local,
                          self.oracle_tensor() if self.track_oracle and self.oracle else None, self.decision_read)
+
+
+def stack_steps(steps: list) -> torch.Tensor:
+    """Per step, per layer (H,) tensors -> (S, L, H) on the CPU, (0, 0, 0) bool for no step."""
+    if not steps:
+        return torch.zeros(0, 0, 0, dtype=torch.bool)
+    return torch.stack([torch.stack(step) for step in steps]).cpu()
 
 
 def kv_read_fraction(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int,

@@ -199,7 +199,17 @@ class Calibration:
     a: torch.Tensor  # (L, H)
     b: torch.Tensor  # (L, H)
     s: torch.Tensor | None  # (L, Hkv), or None: the variance term as it is
-    settings: dict  # how it was fitted: kind, model, dtype, moments source, window, prompts
+    settings: dict  # how it was fitted: kind, model, dtype, moments source, window, prompts; its operating points
+
+    def operating_tau(self, method: str) -> float | None:
+        """The tau at which the path `method` (an attention.PATHS name) was lossless with this correction on its
+        evaluation, stored in settings["operating_tau"] beside the evidence ("operating_evidence"); None if the file
+        states none for it. The CLIs run a calibrated path there unless --tau is given."""
+        return self.settings.get("operating_tau", {}).get(method)
+
+    def to(self, device) -> "Calibration":
+        return Calibration(self.a.to(device), self.b.to(device), None if self.s is None else self.s.to(device),
+                           self.settings)
 
     def layer(self, layer: int) -> Correction:
         return Correction(self.a[layer], self.b[layer], None if self.s is None else self.s[layer])
@@ -235,18 +245,25 @@ def load_calibration(path: str | Path, device=None) -> Calibration:
         raise ValueError(f"{path} is not a calibration file: {e}") from None
     if a.dim() != 2 or a.shape != b.shape or (s is not None and (s.dim() != 2 or s.shape[0] != a.shape[0])):
         raise ValueError(f"{path} is not a calibration file: a, b (L, H) and s (L, Hkv) do not match")
+    if not all(bool(x.isfinite().all()) for x in (a, b) + (() if s is None else (s,))):
+        # a NaN correction would label every head long-context (NaN >= threshold is False): nothing saved, silently
+        raise ValueError(f"{path} holds values that are not finite numbers (NaN or inf); refit it with "
+                         "python -m lab.calibrate --qada")
+    taus = settings.get("operating_tau", {})
+    if not isinstance(taus, dict) or not all(isinstance(t, (int, float)) and 0 < t <= 1 for t in taus.values()):
+        raise ValueError(f"{path}: its operating_tau must map method names to taus in (0, 1]")
     return Calibration(a, b, s, settings)
 
 
-def check_calibration(c: Calibration, name, L: int, H: int, Hkv: int, n_sink: int, n_local: int,
-                      moments_source: str | None = None, estimate: str | None = None) -> None:
+def check_calibration(c: Calibration, name, L: int | None, H: int | None, Hkv: int | None, n_sink: int | None,
+                      n_local: int | None, moments_source: str | None = None, estimate: str | None = None) -> None:
     """That the correction `c` (from file `name`) fits a model of (L, H) heads on Hkv KV heads, the window it is used
     with and, if given, the moments and the estimate (attention.bulk_estimate) it corrects; ValueError with one line
-    otherwise."""
-    if tuple(c.a.shape) != (L, H) or (c.s is not None and tuple(c.s.shape) != (L, Hkv)):
+    otherwise. What is None is not checked (a CLI checks the file before the model is loaded, the heads after)."""
+    if L is not None and (tuple(c.a.shape) != (L, H) or (c.s is not None and tuple(c.s.shape) != (L, Hkv))):
         raise ValueError(f"{name} corrects {tuple(c.a.shape)} heads; the model has ({L}, {H}) on {Hkv} KV heads")
     for key, value in (("n_sink", n_sink), ("n_local", n_local)):
-        if c.settings.get(key, value) != value:
+        if value is not None and c.settings.get(key, value) != value:
             raise ValueError(f"{name} was fitted with {key} {c.settings[key]}, not {value}")
     if estimate is not None and c.estimate != estimate:
         raise ValueError(f"{name} corrects the {c.estimate} estimate of the bulk mass, this method decides with the "

@@ -87,59 +87,111 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process peak
 
 
-def attention_sources(model, tokenizer, method: str, moments_source: str, static_labels: str | None,
-                      static_sparsity: float, calibration: str | None = None, max_context: int | None = None,
-                      progress: bool = True, n_sink: int = 16, n_local: int = 128) -> dict:
-    """What the path reads besides the prompt, made once for every prompt of a run: Option 2's reference keys (as
-    long as the context allowed), static labels and QAdA's correction from lab.calibrate files; as
-    build_attention's keywords."""
+def input_file(path: str, flag: str, default_name: str) -> Path:
+    """The file behind --calibration or --static-labels: the file itself, or `default_name` inside a folder that
+    lab.calibrate wrote (lab.sweep takes such folders; both CLIs take either)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / default_name).is_file():
+            raise ValueError(f"{flag} {p}: a folder, but it holds no {default_name} (give the file itself, or a "
+                             f"folder written by python -m lab.calibrate{' --qada' if flag == '--calibration' else ''})")
+        return p / default_name
+    if not p.exists():
+        raise FileNotFoundError(f"{flag} {p}: no such file or folder")
+    return p
+
+
+def read_sources(method: str, static_labels: str | None, static_sparsity: float, calibration: str | None,
+                 moments_source: str, n_sink: int, n_local: int) -> dict:
+    """The files the path reads besides the prompt, read and checked before any model is loaded: QAdA's correction
+    (lab.calibrate --qada) and static labels (lab.calibrate), as build_attention's keywords (on the CPU)."""
     inputs = path_inputs(method)
-    correction = None
+    correction = static_local = None
     if "calibration" in inputs:
-        correction = load_calibration(calibration, model.device)
-        cfg = model.cfg
-        check_calibration(correction, calibration, cfg.num_hidden_layers, cfg.num_attention_heads,
-                          cfg.num_key_value_heads, n_sink, n_local, moments_source, bulk_estimate(method))
-    words = reference_words(moments_source) if "moments" in inputs else None
-    reference = ReferenceKeys(model, tokenizer, words, n_max=max_context, root=cache_dir() / "moments",
-                              progress=progress) if words else None
-    static_local = None
+        name = "sampled.json" if bulk_estimate(method) == "sampled" else "affine.json"
+        calibration = input_file(calibration, "--calibration", name)
+        correction = load_calibration(calibration)
+        check_calibration(correction, calibration, None, None, None, n_sink, n_local, moments_source,
+                          bulk_estimate(method))
+        correction.settings["file"] = str(calibration)
     if "static_local" in inputs:
-        static_local, _ = load_labels(static_labels, static_sparsity)
-        L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
-        if tuple(static_local.shape) != (L, H):
-            raise ValueError(f"{static_labels} labels {tuple(static_local.shape)} heads; this model has ({L}, {H})")
-    return {"reference": reference, "static_local": static_local, "calibration": correction}
+        static_local, _ = load_labels(input_file(static_labels, "--static-labels", "ruler.json"), static_sparsity)
+    return {"static_local": static_local, "calibration": correction}
 
 
-def check_args(max_new_tokens: int, tau: float, n_sink: int, n_local: int, temperature: float, top_k: int | None,
-               static_sparsity: float, rope_theta: float | None, method: str, static_labels: str | None,
+def fit_sources(sources: dict, model, method: str, static_labels: str | None) -> dict:
+    """read_sources' tensors checked against the loaded model's heads and moved to its device."""
+    cfg = model.cfg
+    L, H, Hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+    out = dict(sources)
+    if sources["calibration"] is not None:
+        c = sources["calibration"]
+        check_calibration(c, c.settings["file"], L, H, Hkv, None, None)
+        out["calibration"] = c.to(model.device)
+    if sources["static_local"] is not None:
+        if tuple(sources["static_local"].shape) != (L, H):
+            raise ValueError(f"{static_labels} labels {tuple(sources['static_local'].shape)} heads; this model has "
+                             f"({L}, {H})")
+        out["static_local"] = sources["static_local"].to(model.device)
+    return out
+
+
+def default_tau(method: str, calibration) -> tuple[float | None, str]:
+    """The tau a path runs at when --tau is not given, and where it comes from: a calibrated path at the operating
+    point stored with its correction (where that correction was lossless on its evaluation), any other path that
+    reads tau at the paper's criterion.TAU."""
+    if "tau" not in path_inputs(method):
+        return None, ""
+    stored = calibration.operating_tau(method) if calibration is not None else None
+    if stored is not None:
+        return stored, "the calibration's operating point"
+    if calibration is not None:
+        return TAU, f"the paper's default; {Path(calibration.settings['file']).name} states no operating point"
+    return TAU, "the paper's default"
+
+
+def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int, temperature: float,
+               top_k: int | None, static_sparsity: float, rope_theta: float | None, max_context: int | None,
+               threads: int | None, method: str, moments_source: str | None, static_labels: str | None,
                calibration: str | None, inputs: dict, **_) -> None:
-    """Validate the numbers; ValueError carries one clear line."""
-    check_tau(tau)
+    """Validate the flags before anything is loaded; ValueError carries one clear line. `calibration` and `tau` are
+    what the user gave (None: not given)."""
+    if method not in PATHS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(PATHS)}")
+    reads = path_inputs(method)
+    if tau is not None:
+        if "tau" not in reads:
+            raise ValueError(f"--tau: the {method} path has no threshold (it reads {', '.join(reads) or 'nothing'})")
+        check_tau(tau)
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if not 0 <= n_sink < n_local:
         raise ValueError(f"need 0 <= --n-sink < --n-local, got {n_sink} and {n_local}")
-    if temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"--top-k must be >= 1, got {top_k}")
     if not 0 <= static_sparsity <= 1:
         raise ValueError(f"--static-sparsity must lie in [0, 1], got {static_sparsity}")
-    if rope_theta is not None and not rope_theta > 0:
-        raise ValueError(f"--rope-theta must be positive, got {rope_theta}")
-    if method not in PATHS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(PATHS)}")
-    if "calibration" in path_inputs(method) and calibration is None:
-        raise ValueError(f"--method {method} needs --calibration FILE (made by python -m lab.calibrate --qada); "
-                         "the named models that ship one use it by default")
-    if "static_local" in path_inputs(method) and static_labels is None:
+    if rope_theta is not None and not (math.isfinite(rope_theta) and rope_theta > 0):
+        raise ValueError(f"--rope-theta must be a positive number, got {rope_theta}")
+    if max_context is not None and max_context <= max_new_tokens:
+        raise ValueError(f"--max-context must exceed --max-new-tokens ({max_new_tokens}): it bounds prompt + "
+                         f"generation, got {max_context}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    if moments_source is not None and "moments" not in reads:
+        raise ValueError(f"--moments: the {method} path reads no key moments (the qada paths do)")
+    if calibration is not None and "calibration" not in reads:
+        raise ValueError(f"--calibration: the {method} path reads no calibration (the qada*_cal paths do)")
+    if static_labels is not None and "static_local" not in reads:
+        raise ValueError(f"--static-labels: the {method} path reads no static labels (--method static does)")
+    if "static_local" in reads and static_labels is None:
         raise ValueError(f"--method {method} needs --static-labels FILE (made by python -m lab.calibrate)")
-    unread = [name for name in inputs if name not in path_inputs(method)]
+    unread = [name for name in inputs if name not in reads]
     if unread:
         raise ValueError(f"--set {unread[0]}: the {method} path does not read it (it reads "
-                         f"{', '.join(path_inputs(method)) or 'nothing'})")
+                         f"{', '.join(reads) or 'nothing'})")
 
 
 def pick_device(device: str | None) -> str:
@@ -184,7 +236,7 @@ def parse_inputs(items: list[str], reserved: set[str] = frozenset()) -> dict:
 
 
 def read_prompts(files: list[str]) -> list[tuple[str, str]]:
-    """(name, text) of every prompt: a text file is one prompt; a .jsonl file holds one per line, each a JSON
+    """(name, text) of every prompt: a UTF-8 text file is one prompt; a .jsonl file holds one per line, each a JSON
     string or an object with a "prompt" field. FileNotFoundError/ValueError carry one clear line."""
     prompts = []
     for f in files:
@@ -193,7 +245,14 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
             raise FileNotFoundError(f"prompt file {path} not found")
         if not path.is_file():
             raise ValueError(f"prompt file {path} is not a regular file")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        data = path.read_bytes()
+        if b"\0" in data:
+            raise ValueError(f"prompt file {path} holds NUL bytes: a binary file, not text")
+        try:
+            text = data.decode("utf-8-sig")  # a byte-order mark, which some editors write, is not part of the prompt
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompt file {path} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
+                             "convert it, e.g. iconv -t UTF-8") from None
         if path.suffix != ".jsonl":
             prompts.append((str(path), text))
             continue
@@ -219,7 +278,7 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
 def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int = 64, chat: bool = True,
               device: str | None = None, dtype: str = "float32", rope_theta: float | None = None,
               max_context: int | None = None, seed: int = 0, temperature: float = 0.0, top_k: int | None = None,
-              method: str = "qada", tau: float = TAU, moments_source: str = "random-words", n_sink: int = 16,
+              method: str = "qada", tau: float | None = None, moments_source: str | None = None, n_sink: int = 16,
               n_local: int = 128, static_labels: str | None = None, static_sparsity: float = 0.5,
               calibration: str | None = None, threads: int | None = None, progress: bool = True,
               **inputs) -> list[dict]:
@@ -227,20 +286,38 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
 
     Each prompt is prefilled alone into its own cache and gets its own attention (labels, moments, statistics);
     then the caches are stacked left-padded (model.KVCache.stack) and every row decodes in lockstep. `inputs` are
-    more of what the path reads, by name (a new path's own; the CLI's --set NAME=VALUE)."""
-    calibration = calibration or shipped_calibration(model or DEFAULT)
+    more of what the path reads, by name (a new path's own; the CLI's --set NAME=VALUE). `tau` None: the method's
+    own operating point (default_tau); `moments_source` None: a correction's own, else random-words. Every flag and file is checked before the model is loaded."""
     check_args(**locals())
     named = read_prompts(prompts)
+    if "calibration" in path_inputs(method) and calibration is None:
+        calibration = shipped_calibration(model or DEFAULT)
+        if calibration is None:
+            raise ValueError(f"--method {method} needs --calibration FILE (made by python -m lab.calibrate --qada); "
+                             "the named models that ship one use it by default")
+    sources = read_sources(method, static_labels, static_sparsity, calibration, moments_source, n_sink, n_local)
+    if moments_source is None:  # a correction fixes the moments it corrects; else the paper's default, Option 2
+        c = sources["calibration"]
+        moments_source = c.settings.get("moments_source", "random-words") if c is not None else "random-words"
+    tau, tau_from = (tau, "given") if tau is not None else default_tau(method, sources["calibration"])
+    device = torch.device(pick_device(device))
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    device = torch.device(pick_device(device))
+    times = {}
     t0 = time.perf_counter()
     net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
-    load_s = time.perf_counter() - t0
+    times["load_s"] = time.perf_counter() - t0
     max_context = max_context or net.cfg.max_position_embeddings
-    sources = attention_sources(net, tok, method, moments_source, static_labels, static_sparsity, calibration,
-                                max_context, progress, n_sink, n_local)
+    if n_local >= max_context:
+        raise ValueError(f"--n-local {n_local} leaves no bulk in a context of at most {max_context} tokens "
+                         "(--max-context, default the model's)")
+    sources = fit_sources(sources, net, method, static_labels)
+    t0 = time.perf_counter()
+    words = reference_words(moments_source) if "moments" in path_inputs(method) else None
+    reference = ReferenceKeys(net, tok, words, n_max=max_context, root=cache_dir() / "moments",
+                              progress=progress) if words else None
+    times["moments_s"], times["prefill_s"] = time.perf_counter() - t0, 0.0
 
     rows, caches = [], []  # per prompt: (ids, last logits, prefill seconds, attention); its prefilled cache
     for name, text in named:
@@ -255,8 +332,11 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         t0 = time.perf_counter()
         logits = net.prefill(torch.tensor([ids], device=device), cache, progress=progress)
         prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()  # Option 2's reference pass runs here the first time a prompt needs it
         att = build_attention(method, cache, n_sink=n_sink, n_local=n_local, moments_source=moments_source, tau=tau,
-                              **sources, **inputs)
+                              reference=reference, **sources, **inputs)
+        times["moments_s"] += time.perf_counter() - t0
+        times["prefill_s"] += prefill_s
         rows.append((ids, logits, prefill_s, att))
         caches.append(cache)
 
@@ -271,7 +351,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     t0 = time.perf_counter()
     new = decode_batch(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator,
                        progress)
-    decode_s = time.perf_counter() - t0
+    times["decode_s"] = time.perf_counter() - t0
     steps = max(len(n) for n in new)  # batch decode steps: the rows share each one
 
     reports = []
@@ -279,13 +359,17 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         stats = att.stats.summary(net.cfg.num_key_value_heads)
         reports.append({
             "prompt": name, "text": tok.decode(out), "method": method, "tau": att.tau,
+            "tau_from": tau_from if att.tau is not None else None,
             "moments": moments_source if att.moments is not None else None,
-            "calibration": str(calibration) if "calibration" in att.inputs else None,
-            "model": str(net.model_dir), "device": str(device), "dtype": dtype, "load_s": round(load_s, 2),
-            "batch": len(rows), "prompt_tokens": len(ids), "prefill_s": round(prefill_s, 2), "new_tokens": len(out),
-            "decode_tok_s": round(len(out) / decode_s, 2), "decode_ms_per_token": round(1000 * decode_s / steps, 1),
+            "calibration": sources["calibration"].settings["file"] if "calibration" in att.inputs else None,
+            "model": str(net.model_dir), "device": str(device), "dtype": dtype, "load_s": round(times["load_s"], 2),
+            "moments_s": round(times["moments_s"], 2), "batch": len(rows), "prompt_tokens": len(ids),
+            "prefill_s": round(prefill_s, 2), "batch_prefill_s": round(times["prefill_s"], 2),
+            "decode_s": round(times["decode_s"], 2), "new_tokens": len(out),
+            "decode_tok_s": round(len(out) / times["decode_s"], 2) if times["decode_s"] > 0 else None,
+            "decode_ms_per_token": round(1000 * times["decode_s"] / steps, 1),
             "peak_memory_mb": round(peak_memory_mb(device)), "sparsity": stats["sparsity"], "kv_read": stats["kv_read"],
-            "layer_sparsity": stats.get("layer_sparsity"), "new_token_ids": out,
+            "decode_steps": stats["steps"], "layer_sparsity": stats.get("layer_sparsity"), "new_token_ids": out,
         })
     return reports
 
@@ -302,57 +386,74 @@ def print_report(r: dict) -> None:
     print("-" * 72)
     sparsity = "n/a" if r["sparsity"] is None else f"{r['sparsity']:.3f}"
     kv = "n/a" if r["kv_read"] is None else f"{r['kv_read']:.3f}"
-    print(f"method {r['method']}" + (f" (tau {r['tau']})" if r["tau"] is not None else "")
+    print(f"method {r['method']}" + (f" at tau {r['tau']} ({r['tau_from']})" if r["tau"] is not None else "")
           + (f", {r['moments']} moments" if r["moments"] else "")
           + (f", calibration {Path(r['calibration']).name}" if r.get("calibration") else "")
-          + f" | {r['device']} {r['dtype']} | load {r['load_s']:.1f} s")
-    print(f"prompt {r['prompt_tokens']} tokens, prefill {r['prefill_s']:.1f} s | decode {r['new_tokens']} tokens, "
-          f"{r['decode_tok_s']:.1f} tok/s ({r['decode_ms_per_token']:.0f} ms/token) | peak memory {r['peak_memory_mb']} MB")
+          + f" | {r['device']} {r['dtype']} | peak memory {r['peak_memory_mb']} MB")
+    speed = "n/a" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}"
+    print(f"prompt {r['prompt_tokens']} tokens | {r['new_tokens']} new tokens, {speed} tok/s "
+          f"({r['decode_ms_per_token']:.0f} ms/token)")
+    prefill = r["batch_prefill_s"] if r["batch"] > 1 else r["prefill_s"]
+    total = r["load_s"] + r["moments_s"] + prefill + r["decode_s"]
+    print(f"time {total:.1f} s: load {r['load_s']:.1f} s | reference moments {r['moments_s']:.1f} s | prefill "
+          f"{prefill:.1f} s{' (all prompts)' if r['batch'] > 1 else ''} | decode {r['decode_s']:.1f} s")
     implied = " (implied by the labels; the oracle path itself reads every entry)" if r["method"] in ANALYSIS_ONLY else ""
-    print(f"heads labelled local (sparsity) {sparsity} | KV entries read {kv}{implied}")
+    if r["decode_steps"]:
+        print(f"heads labelled local (sparsity) {sparsity} | KV entries read {kv}{implied}")
+    else:
+        print("no decode step ran (the first token ended the answer): no heads labelled")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt", required=True, nargs="+", metavar="FILE",
-                   help="text file holding the prompt (the user turn when chatting); several files, or a .jsonl file "
-                        "of prompts (one JSON string or {\"prompt\": ...} per line), decode as one batch with a report each")
+                   help="UTF-8 text file holding the prompt (the user turn when chatting); several files, or a .jsonl "
+                        "file of prompts (one JSON string or {\"prompt\": ...} per line), decode as one batch with a "
+                        "report each")
     p.add_argument("--model", default=None, help=f"a named offline model ({', '.join(MODELS)}; default {DEFAULT}), "
                    "a Hugging Face model folder or a hub id")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="send the raw text, without the chat template")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype (default: %(default)s)")
     p.add_argument("--rope-theta", type=float, default=None, help="override the RoPE base (the paper uses 2e6 for 32k)")
-    p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation allowed (default: the model's)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation allowed (default: the "
+                   "model's)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (the default)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--method", default="qada", choices=list(PATHS), help="decode-time attention path")
-    p.add_argument("--tau", type=float, default=TAU, help="local-mass threshold in (0, 1] for qada and oracle")
-    p.add_argument("--moments", dest="moments_source", default="random-words", choices=SOURCES,
-                   help="qada key moments: random-words (Option 2, the paper's default), prompt (Option 1: the "
-                        "prompt's own, fixed after prefill), prompt-online (Option 1 updated every step; ours), "
-                        "one-word, random-words-full (ablations); see moments.py")
-    p.add_argument("--n-sink", type=int, default=16, help="sink tokens at the start of the window")
-    p.add_argument("--n-local", type=int, default=128, help="the window's size (the paper's T_local), sinks included")
-    p.add_argument("--static-labels", default=None, help="oracle statistics file for --method static "
-                   "(python -m lab.calibrate)")
-    p.add_argument("--static-sparsity", type=float, default=0.5, help="fraction of heads made local by --method static")
-    p.add_argument("--calibration", default=None, metavar="FILE", help="QAdA's correction for the qada_cal paths "
-                   "(python -m lab.calibrate --qada); default: the one a named model ships with")
+    p.add_argument("--method", default="qada", choices=list(PATHS), help="decode-time attention path (default: "
+                   "%(default)s, the paper's; qada_cal is the recommended one, see README)")
+    p.add_argument("--tau", type=float, default=None, help="local-mass threshold in (0, 1] of the paths that read one "
+                   f"(default: the method's own: a calibrated path's stored operating point, else the paper's {TAU})")
+    p.add_argument("--moments", dest="moments_source", default=None, choices=SOURCES,
+                   help="the key moments of the paths that read them: random-words (Option 2, the paper's), prompt "
+                        "(Option 1: the prompt's own, fixed after prefill), prompt-online (Option 1 updated every "
+                        "step; ours), one-word, random-words-full (ablations); see moments.py (default: the ones a "
+                        "calibrated path's correction was fitted with, else random-words)")
+    p.add_argument("--n-sink", type=int, default=16, help="sink tokens at the start of the window (default: "
+                   "%(default)s)")
+    p.add_argument("--n-local", type=int, default=128, help="the window's size (the paper's T_local), sinks included "
+                   "(default: %(default)s)")
+    p.add_argument("--static-labels", default=None, metavar="FILE_OR_DIR", help="oracle statistics for --method "
+                   "static: a file, or a folder of python -m lab.calibrate (its ruler.json)")
+    p.add_argument("--static-sparsity", type=float, default=0.5, help="fraction of heads made local by --method static "
+                   "(default: %(default)s)")
+    p.add_argument("--calibration", default=None, metavar="FILE_OR_DIR", help="QAdA's correction for the qada*_cal "
+                   "paths: a file, or a folder of python -m lab.calibrate --qada (its affine.json; sampled.json for "
+                   "the sampled paths); default: the one a named model ships with")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="an input the path reads by NAME that has no flag of its own (a new path's; repeatable)")
     p.add_argument("--kernel", default=None, choices=("auto", "triton", "torch"), help="the qada paths' decode step: "
                    "the fused Triton kernel (auto: on CUDA when triton is installed) or the torch path; sets "
                    "QADA_KERNEL (default: as set there, else auto)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text and report")
     args = vars(p.parse_args(argv))
     as_json = args.pop("json")
     kernel = args.pop("kernel")
     if kernel:
-        os.environ["QADA_KERNEL"] = kernel  # read by attention.fused at every step
+        os.environ["QADA_KERNEL"] = kernel  # read by kernels.fused at every step
     if os.environ.get("QADA_KERNEL") == "triton" and triton_missing():
         print(f"error: {triton_missing()}", file=sys.stderr)
         return 2
@@ -362,6 +463,9 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:  # bad input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     for r in reports:  # --json: one object per line (JSONL when several prompts)
         if as_json:
             print(json.dumps(r))

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from attention import BatchAttention, DecodeAttention, reference_attention
+from attention import BatchAttention, DecodeAttention, path_inputs, reference_attention
 from criterion import Calibration
 import generate
 from model import load_model
@@ -132,8 +132,10 @@ def test_generate_decodes_several_prompts_as_one_batch_each_as_alone(tiny_dir_ba
     labels_file = tmp_path / "labels.json"
     from criterion import save_labels
     save_labels(labels_file, torch.linspace(0, 1, 8).view(2, 4), {"test": True})
-    kw = dict(model=str(tiny_dir_batch), max_new_tokens=12, method=method, moments_source="prompt", n_sink=4, n_local=16,
-              tau=0.2, static_labels=str(labels_file), progress=False)
+    reads = path_inputs(method)
+    kw = dict(model=str(tiny_dir_batch), max_new_tokens=12, method=method, n_sink=4, n_local=16, progress=False,
+              moments_source="prompt" if "moments" in reads else None, tau=0.2 if "tau" in reads else None,
+              static_labels=str(labels_file) if "static_local" in reads else None)  # what the path reads, only
     batched = generate.run_batch(files, **kw)
     assert [r["batch"] for r in batched] == [3, 3, 3] and [r["prompt"] for r in batched] == files
     for f, r in zip(files, batched):

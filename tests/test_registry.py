@@ -124,3 +124,21 @@ def test_a_path_with_a_new_input_runs_through_generate_the_sweep_and_the_report(
     assert sweep.main(["--out", str(tmp_path / "other"), "--methods", "dense", "--set", "share=0.5",
                        "--model", str(tiny_dir)]) == 2
     assert "--set share: no path of --methods reads it" in capsys.readouterr().err
+
+
+def test_the_readmes_snippet_runs_as_written(tiny_dir, tmp_path, capsys, monkeypatch):
+    """README's "Adding a method" code, executed where it says to put it (attention.py's namespace), registers a path
+    that generate.py then runs; its labels are what the snippet says."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Adding a method", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.setattr(attention, "PATHS", dict(attention.PATHS))  # the registration is this test's only
+    monkeypatch.setattr(generate, "PATHS", attention.PATHS)
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    exec(code, vars(attention))
+    name = re.search(r'PATHS\["(\w+)"\]', code).group(1)
+    assert generate.main(["--prompt", str(write_prompt(tmp_path, 300)), "--model", str(tiny_dir), "--method", name,
+                          "--max-new-tokens", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sparsity"] == 0.5  # half the query heads local at every step

