@@ -1,14 +1,18 @@
 """Decode-time attention paths: dense, local, oracle, static and QAdA (paper sections 2-3, Listing 1); QAdA and the
 oracle decided per KV group, QAdA with a calibrated estimate and QAdA with the bulk mass estimated from sampled keys
-(ours: criterion.local_labels' group rules, criterion.Calibration, criterion.sampled_log_bulk).
+(ours: criterion.local_labels' group rules, criterion.Calibration, criterion.sampled_log_bulk); token-level page
+selection, Quest (Tang et al. 2024) alone and inside calibrated QAdA's long-context groups (ours), over pages.py.
 
 Reading order: `qada` (Listing 1) -> criterion.qada_labels (Eq. 7) -> moments.KeyMoments.quadratic_form (Eq. 6) ->
 `window_attention` and `mixed_attention` (what is read). kernels.py is the same decode step fused in Triton.
 
 A path is one function `path(q, k, v, **inputs) -> (y, labels)` for one layer and one decoded token of one row:
 q (H, D) is the rotated query, k and v (Hkv, T, D) are the layer's filled KV cache, y (H, D) is the attention
-output and labels (H,) bool say which heads attended to their local window only (True = local). Its keyword-only
-parameters without a default name what else it reads; the ones used here:
+output and labels (H,) bool say which heads attended to their local window only (True = local). The KV read is then
+implied by the labels (kv_read_fraction: a KV head reads its window when all its query heads are local, else all T).
+A path that reads something else (pages) returns a third value, `read` (Hkv,): the KV entries it read per KV head
+(a key and its value one entry, a key alone half), which HeadStats counts instead. Its keyword-only parameters
+without a default name what else it reads; the ones used here:
 
     layer          the layer index
     n_sink         sink tokens at the start of the window
@@ -18,6 +22,9 @@ parameters without a default name what else it reads; the ones used here:
     static_local   (L, H) bool labels fixed for every query (static)
     calibration    criterion.Calibration: a correction of Eq. 7 per layer and head (qada_cal)
     n_samples      bulk keys sampled per KV head to estimate the bulk mass (qada_sampled; its entries fix 64)
+    pages          pages.PageIndex: each page's min and max keys (quest, qada_pages; build_attention makes it)
+    budget         tokens a page path reads beyond the window, as budget // P whole pages (quest, qada_pages, ...)
+    budget_frac    the same as a fraction of the context T (the *_frac entries, which fix budget to None)
 
 A new path may read a new input: it is one more keyword, which DecodeAttention passes through by name (the CLIs
 set it with `--set NAME=VALUE`). A keyword with a default is a setting its PATHS entry fixes (functools.partial).
@@ -40,6 +47,7 @@ from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussi
                        oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
 from kernels import fused, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
+from pages import PAGE_SIZE, PageIndex, candidates, page_count, page_positions, upper_bounds
 
 # ---------------------------------------------------------------------------------------------------------
 # The paths
@@ -117,6 +125,79 @@ def qada_sampled_cal(q, k, v, *, layer, n_sink, n_local, tau, n_samples, calibra
                         correction=calibration.layer(layer))
 
 
+# Token-level page selection (issue 30). A page path returns a third value, the KV entries it read per KV head (Hkv,):
+# its window, the bulk tokens of the pages read, and the page statistics read to choose them (a page's min and max,
+# 2 key-sized vectors, half an entry each: 1 entry per page scored). HeadStats counts that instead of the labels' read.
+
+
+def quest(q, k, v, *, layer, n_sink, n_local, pages, budget, budget_frac, page_size=PAGE_SIZE):
+    """Quest (Tang et al. 2024, arXiv 2406.10774, section 3), on our window: each query head reads its window plus the
+    page_count pages (budget // P: `budget` tokens, or a fraction `budget_frac` of T) of highest upper bound
+    sum_d max(q_d min_d, q_d max_d) (pages.upper_bounds, from the PageIndex `pages`). Quest ranks pages per head; under
+    GQA a KV head holds one cache for its G query heads, so it reads the union of their pages (up to G budgets) and
+    each head attends to its own pages only. No head is window-only: labels all False."""
+    y_window, log_local = window_attention(q, k, v, n_sink, n_local)
+    H, T = q.shape[0], k.shape[1]
+    m = candidates(T, n_sink, n_local, page_size)
+    chosen, scored = top_pages(lambda: upper_bounds(q, *index_bounds(pages, page_size, layer, k, m)), m,
+                               page_count(T, page_size, budget, budget_frac), H, q.device)  # (H, m)
+    y, page_read = paged_attention(q, k, v, chosen, y_window, log_local, n_sink, n_local, page_size)
+    read = min(T, n_local) + page_read + scored * chosen.shape[1]  # (Hkv,): window, pages, every candidate's bound
+    return y, torch.zeros(H, dtype=torch.bool, device=q.device), read
+
+
+def qada_pages(q, k, v, *, layer, n_sink, n_local, tau, moments, calibration, pages, budget, budget_frac,
+               combine="max", page_size=PAGE_SIZE):
+    """Calibrated QAdA with Quest's pages inside its long-context groups (ours). The group decides as qada_kv_cal does
+    (mean share rule, Eq. 7 corrected); a local group reads its window only; a long-context group reads its window
+    plus the page_count pages of highest group bound, shared by its G query heads (its cache is read once for all).
+
+    `combine` says how the heads' bounds make the group's: "max" (the default) ranks a page by the head that bounds it
+    highest, so a page that one head of the group needs (a retrieval head beside heads that look elsewhere) is kept:
+    a head's mass on a page grows as exp(bound), so the group's total mass on it is dominated by its largest bound.
+    "sum" adds the bounds (logits): it multiplies the heads' exp(bound), ranking pages that every head likes, and can
+    outvote one head's needle; it is the other registry entry (qada_pages_sum)."""
+    y_window, log_local = window_attention(q, k, v, n_sink, n_local)
+    H, D = q.shape
+    Hkv, T, _ = k.shape
+    if T <= n_local:  # no bulk: the window is the whole context, every head exact and local
+        return y_window, torch.ones(H, dtype=torch.bool, device=q.device), torch.full((Hkv,), T, device=q.device)
+    labels = qada_labels(q, log_local, moments.quadratic_form(layer, k), T - n_local, tau, "mean",
+                         calibration.layer(layer))  # (H,): one decision per group, as qada_kv_cal
+    long = ~labels.view(Hkv, -1)[:, 0]  # (Hkv,)
+    n_long = int(long.sum())  # the one host sync: which groups read pages (mixed_attention syncs as much)
+    m = candidates(T, n_sink, n_local, page_size)
+    chosen = torch.zeros(Hkv, m, dtype=torch.bool, device=q.device)
+    scored = False
+    if n_long:  # the long groups' bounds only: a local group reads no page statistics
+
+        def group_bounds():  # (n_long, m): the heads' bounds combined per group
+            lo, hi = index_bounds(pages, page_size, layer, k, m)
+            b = upper_bounds(q.view(Hkv, -1, D)[long].reshape(-1, D), lo[long], hi[long]).view(n_long, -1, m)
+            return b.amax(1) if combine == "max" else b.sum(1)
+
+        chosen[long], scored = top_pages(group_bounds, m, page_count(T, page_size, budget, budget_frac), n_long,
+                                         q.device)
+    chosen = chosen.repeat_interleave(H // Hkv, 0)  # (H, m): each head of a group reads the group's pages
+    y, page_read = paged_attention(q, k, v, chosen, y_window, log_local, n_sink, n_local, page_size)
+    read = min(T, n_local) + page_read + (scored * m) * long  # (Hkv,): statistics for the long groups only
+    return y, labels, read
+
+
+def page_oracle(q, k, v, *, n_sink, n_local, budget, budget_frac, page_size=PAGE_SIZE):
+    """Analysis only: each query head reads its window plus the page_count pages of largest true attention mass (the
+    log-sum-exp of each page's bulk scores), which needs every score: the best page selection there is for a head at
+    that budget, so the room Quest's bound leaves. Under GQA, as quest: a KV head reads the union of its heads'
+    pages."""
+    y_window, log_local = window_attention(q, k, v, n_sink, n_local)
+    H, T = q.shape[0], k.shape[1]
+    m = candidates(T, n_sink, n_local, page_size)
+    chosen, _ = top_pages(lambda: page_masses(all_scores(q, k), n_sink, n_local, page_size), m,
+                          page_count(T, page_size, budget, budget_frac), H, q.device)
+    y, page_read = paged_attention(q, k, v, chosen, y_window, log_local, n_sink, n_local, page_size)
+    return y, torch.zeros(H, dtype=torch.bool, device=q.device), min(T, n_local) + page_read  # read implied
+
+
 N_SAMPLES = 64  # bulk keys the sampled estimate reads per KV head: at head dim 64, the Gaussian's q A q^T cost
 PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qada": qada,
          "oracle_kv": partial(oracle, rule="mean"), "qada_kv": partial(qada, rule="mean"),
@@ -126,9 +207,16 @@ PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qa
          "qada_kv_sampled": partial(qada_sampled, n_samples=N_SAMPLES, rule="mean"),
          "qada_sampled_upper": partial(qada_sampled, n_samples=N_SAMPLES, z=2.0),
          "qada_sampled_cal": partial(qada_sampled_cal, n_samples=N_SAMPLES),
-         "qada_kv_sampled_cal": partial(qada_sampled_cal, n_samples=N_SAMPLES, rule="mean")}
+         "qada_kv_sampled_cal": partial(qada_sampled_cal, n_samples=N_SAMPLES, rule="mean"),
+         # page paths: the entry fixes the budget's unit (tokens or a fraction of T) and P; the amount is an input
+         "quest": partial(quest, budget_frac=None), "quest_frac": partial(quest, budget=None),
+         "qada_pages": partial(qada_pages, budget_frac=None), "qada_pages_frac": partial(qada_pages, budget=None),
+         "qada_pages_sum": partial(qada_pages, budget_frac=None, combine="sum"),
+         "page_oracle": partial(page_oracle, budget_frac=None)}
+PATHS |= {f"{name}_p{P}": partial(PATHS[name], page_size=P)  # the page sizes measured beside Quest's 16
+          for name in ("quest", "qada_pages", "page_oracle") for P in (32, 64)}
 # Paths that compute every score to find their labels: the KV-read fraction of those labels is implied, not saved.
-ANALYSIS_ONLY = ("oracle", "oracle_kv")
+ANALYSIS_ONLY = ("oracle", "oracle_kv", "page_oracle", "page_oracle_p32", "page_oracle_p64")
 
 
 def path_inputs(method: str) -> tuple[str, ...]:
@@ -143,6 +231,13 @@ def decision_read(method: str) -> float:
     """KV entries a local group of the path registered as `method` reads beyond its window to decide, counted in
     entries of key and value: a sampled estimate reads n_samples keys (half an entry each), the Gaussian none."""
     return getattr(PATHS[method], "keywords", {}).get("n_samples", 0) / 2
+
+
+def page_size(method: str) -> int | None:
+    """The page size P of the path registered as `method` (the setting its entry fixes, else its default), None for a
+    path without pages: build_attention makes its PageIndex at this P."""
+    p = inspect.signature(PATHS[method]).parameters.get("page_size")
+    return None if p is None else p.default
 
 
 def bulk_estimate(method: str) -> str:
@@ -217,6 +312,69 @@ def mixed_attention(q, k, v, labels, n_sink, n_local, y_window=None):
     return y
 
 
+def top_pages(bounds, m: int, n_read: int, rows: int, device=None) -> tuple[torch.Tensor, bool]:
+    """Which of the m candidate pages each of `rows` rows (query heads, or groups) reads: the n_read of highest
+    bounds() (rows, m), called only when it decides something; (rows, m) bool, and whether the bounds were computed
+    (and so their statistics read). With n_read >= m every page is read and none scored: the path is then dense."""
+    if n_read <= 0 or m == 0:
+        return torch.zeros(rows, m, dtype=torch.bool, device=device), False
+    if n_read >= m:
+        return torch.ones(rows, m, dtype=torch.bool, device=device), False
+    scores = bounds()  # (rows, m)
+    chosen = torch.zeros(rows, m, dtype=torch.bool, device=device)
+    return chosen.scatter_(1, scores.topk(n_read, dim=1).indices, True), True
+
+
+def paged_attention(q, k, v, chosen, y_window, log_local, n_sink, n_local, page_size):
+    """Attention of q (H, D) over its window and the bulk positions of its chosen pages (H, m) bool, given the window's
+    output y_window (H, D) and log mass log_local (H,) (window_attention's): y (H, D), and the bulk tokens read per KV
+    head (Hkv,), the union of its query heads' pages (pages.page_positions: a page's positions in the window's recent
+    part are the window's, not read again).
+
+    Only the KV heads with a page chosen are read: each gathers its union's keys and values, padded to the longest
+    union (U pages), and each query head attends to its own pages among them (a mask). The pages' output and log mass
+    then merge with the window's by their masses: y = s y_window + (1 - s) y_pages, s = A_local / (A_local + A_pages),
+    which is softmax attention over window and pages together."""
+    H, D = q.shape
+    Hkv, T, _ = k.shape
+    G = H // Hkv
+    chosen = chosen.to(q.device).view(Hkv, G, -1)  # (Hkv, G, m)
+    union = chosen.any(1)  # (Hkv, m): the pages each KV head reads
+    read = torch.zeros(Hkv, dtype=torch.long, device=q.device)
+    active = union.any(1).nonzero().flatten()  # KV heads with a page to read: the one host sync
+    if active.numel() == 0:
+        return y_window, read
+    n_pages = union[active].sum(1)  # (a,)
+    U = int(n_pages.max())
+    ids = union[active].to(torch.uint8).sort(dim=1, descending=True, stable=True).indices[:, :U]  # (a, U) page numbers
+    pos, in_bulk = page_positions(ids, T, n_sink, n_local, page_size)  # (a, U P)
+    in_bulk &= (torch.arange(U, device=q.device) < n_pages[:, None]).repeat_interleave(page_size, 1)  # not padding
+    idx = pos[..., None].expand(-1, -1, D)
+    k_pages, v_pages = k[active].gather(1, idx), v[active].gather(1, idx)  # (a, U P, D): what is read
+    mine = chosen[active].gather(2, ids[:, None].expand(-1, G, -1)).repeat_interleave(page_size, 2)  # (a, G, U P)
+    keep = mine & in_bulk[:, None]
+    qa = q.view(Hkv, G, D)[active]  # (a, G, D)
+    scores = torch.bmm(qa, k_pages.transpose(1, 2)).float().mul_(1 / math.sqrt(D)).masked_fill_(~keep, -math.inf)
+    log_pages = scores.logsumexp(-1)  # (a, G): -inf for a head of the group with no page of its own
+    p = torch.where(keep, (scores - log_pages[..., None]).exp(), 0.0)
+    y_pages = torch.bmm(p.to(v.dtype), v_pages).float()  # (a, G, D)
+    s = torch.sigmoid(log_local.view(Hkv, G)[active] - log_pages)[..., None]  # (a, G, 1): 1 with no page
+    y = y_window.clone()
+    y.view(Hkv, G, D)[active] = (s * y_window.view(Hkv, G, D)[active].float() + (1 - s) * y_pages).to(y.dtype)
+    read[active] = in_bulk.sum(1)
+    return y, read
+
+
+def index_bounds(pages: PageIndex, page_size: int, layer: int, k: torch.Tensor, m: int):
+    """The min and max (Hkv, m, D) of the m candidate pages, from the PageIndex a path reads (brought up to date with
+    its cache k), which must hold pages of the path's own size."""
+    if pages.page_size != page_size:
+        raise ValueError(f"the page index holds pages of {pages.page_size} tokens; this path reads pages of "
+                         f"{page_size}")
+    lo, hi = pages.bounds(layer, k)
+    return lo[:, :m], hi[:, :m]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The other torch helpers: full attention (a lone KV head's context split between CPU threads), every score (the
 # oracle's), the sampled estimate's bulk keys, and the explicit fp32 reference the tests hold the paths against
@@ -282,6 +440,16 @@ def all_scores(q, k):
     return torch.bmm(qg, k.float().transpose(1, 2)).view(-1, T) / math.sqrt(D)
 
 
+def page_masses(scores: torch.Tensor, n_sink: int, n_local: int, page_size: int) -> torch.Tensor:
+    """The true log attention mass of each candidate page's bulk positions, from every score (H, T): (H, m) (analysis
+    only: page_oracle's ranking)."""
+    H, T = scores.shape
+    m = candidates(T, n_sink, n_local, page_size)
+    bulk = scores[:, n_sink:bulk_end(T, n_sink, n_local)]  # (H, T_bulk)
+    padded = F.pad(bulk, (0, m * page_size - bulk.shape[1]), value=-math.inf)  # the last page's window part left out
+    return padded.view(H, m, page_size).logsumexp(-1)
+
+
 def bulk_sample(T: int, n_sink: int, n_local: int, m: int, layer: int, device=None) -> torch.Tensor:
     """(m,) positions of the bulk [n_sink, T - (n_local - n_sink)), one in each of m strata of (nearly) equal size
     (every position when the bulk has no more than m), placed within its stratum by a low-discrepancy offset fixed
@@ -309,10 +477,11 @@ def reference_attention(q, k, v, labels, n_sink, n_local):
 # What the model calls at each decode step
 
 
-def run_path(method: str, q, k, v, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+def run_path(method: str, q, k, v, **inputs) -> tuple[torch.Tensor, ...]:
     """One row's decode step through the path registered as `method`, given what it reads (path_inputs, layer
-    included). A qada path (qada_rule) with a bulk to decide on takes the fused kernel where kernels.fused says so:
-    the same labels and output, decided and skipped on the device with nothing read back to the host."""
+    included): (y, labels), or (y, labels, read) from a path that reports its read. A qada path (qada_rule) with a
+    bulk to decide on takes the fused kernel where kernels.fused says so: the same labels and output, decided and
+    skipped on the device with nothing read back to the host."""
     is_qada, rule = qada_rule(method)
     if is_qada and fused(q) and k.shape[1] > inputs["n_local"]:
         layer, calibration = inputs["layer"], inputs.get("calibration")
@@ -365,11 +534,12 @@ class DecodeAttention:
             raise ValueError("DecodeAttention decodes one row; BatchAttention runs one per row of a batch")
         _, H, _, D = q.shape
         q1, k1, v1 = q.view(H, D), k.squeeze(0), v.squeeze(0)
-        y, labels = run_path(self.method, q1, k1, v1, **self.inputs, **({"layer": layer} if self.with_layer else {}))
+        y, labels, *read = run_path(self.method, q1, k1, v1, **self.inputs,
+                                    **({"layer": layer} if self.with_layer else {}))  # read: a page path's (Hkv,)
         oracle_local = log_masses = None
         if self.stats.track_oracle:  # analysis: every score, the true masses beside the Gaussian estimate
             oracle_local, log_masses = self.oracle_view(q1, k1, layer)
-        self.stats.record(layer, k1.shape[1], labels, oracle_local, log_masses)
+        self.stats.record(layer, k1.shape[1], labels, oracle_local, log_masses, *read)
         return y.reshape(1, H, 1, D)
 
     def oracle_view(self, q, k, layer: int):
@@ -492,10 +662,13 @@ def build_attention(method: str, cache, *, n_sink: int = 16, n_local: int = 128,
     """The decode-time attention of `method` for the prompt prefilled in `cache` (row 0). `inputs` are what the path
     reads by keyword (tau, static_local, a new path's own); what it does not read is dropped. A path that reads
     `moments` gets them from `moments_source` (moments.SOURCES; Option 2 reads `reference`, the reference prompt's
-    keys) unless `inputs` hands it a KeyMoments. `track_oracle` records the oracle's labels and masses beside."""
+    keys) unless `inputs` hands it a KeyMoments; a path that reads `pages` gets a pages.PageIndex of the prompt's keys.
+    `track_oracle` records the oracle's labels and masses beside."""
     reads = path_inputs(method)
     if "moments" in reads and "moments" not in inputs:
         inputs["moments"] = make_moments(moments_source, cache, reference, n_sink, n_local)
+    if "pages" in reads and "pages" not in inputs:  # the prefilled keys' pages, at the path's own page size
+        inputs["pages"] = PageIndex(cache, page_size(method), n_sink)
     exact = OnlineMoments(cache, n_sink, n_local) if track_oracle else None
     return DecodeAttention(method, n_sink, n_local, {k: v for k, v in inputs.items() if k in reads},
                            HeadStats(n_local, track_oracle, decision_read(method)), exact)
@@ -507,7 +680,8 @@ def build_attention(method: str, cache, *, n_sink: int = 16, n_local: int = 128,
 
 @dataclass
 class HeadStats:
-    """Labels of every (decode step, layer, query head), and on request the oracle's beside them."""
+    """Labels of every (decode step, layer, query head), and on request the oracle's beside them; the entries read
+    per KV head when the path reports them (a page path's third value)."""
     n_local: int = 128
     track_oracle: bool = False
     decision_read: float = 0.0  # KV entries a local group reads beyond its window to decide (attention.decision_read)
@@ -515,14 +689,18 @@ class HeadStats:
     oracle: list = field(default_factory=list)
     log_masses: list = field(default_factory=list)  # per step: list over layers of (4, H): oracle_view's
     lengths: list = field(default_factory=list)  # T per step
+    reads: list = field(default_factory=list)  # per step: list over layers of (Hkv,) entries read, if reported
 
-    def record(self, layer: int, T: int, labels, oracle_labels=None, log_masses=None):
+    def record(self, layer: int, T: int, labels, oracle_labels=None, log_masses=None, read=None):
         if layer == 0:
             self.labels.append([]), self.oracle.append([]), self.log_masses.append([]), self.lengths.append(T)
+            self.reads.append([])
         self.labels[-1].append(labels)
         if oracle_labels is not None:
             self.oracle[-1].append(oracle_labels)
             self.log_masses[-1].append(log_masses)
+        if read is not None:
+            self.reads[-1].append(read)
 
     def label_tensor(self) -> torch.Tensor:
         """(S, L, H) bool on the CPU; S = 0 when no decode step ran (the first token ended the answer)."""
@@ -531,9 +709,16 @@ class HeadStats:
     def oracle_tensor(self) -> torch.Tensor:
         return stack_steps(self.oracle)
 
+    def read_tensor(self) -> torch.Tensor | None:
+        """(S, L, Hkv) entries read, float64 on the CPU, when the path reported them at every step; else None."""
+        if not self.reads or not all(self.reads):
+            return None
+        return stack_steps(self.reads).double()
+
     def summary(self, n_kv_heads: int) -> dict:
         return summarize(self.label_tensor(), torch.tensor(self.lengths, device="cpu"), n_kv_heads, self.n_local,
-                         self.oracle_tensor() if self.track_oracle and self.oracle else None, self.decision_read)
+                         self.oracle_tensor() if self.track_oracle and self.oracle else None, self.decision_read,
+                         self.read_tensor())
 
 
 def stack_steps(steps: list) -> torch.Tensor:
@@ -557,13 +742,23 @@ def kv_read_fraction(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: in
     return float(read.sum() / (T * torch.ones_like(read)).sum())
 
 
+def reported_read_fraction(reads: torch.Tensor, lengths: torch.Tensor) -> float:
+    """Fraction of KV entries read from what the path reported, reads (S, L, Hkv) entries, over the S steps' T (S,)
+    entries per KV head held."""
+    T = lengths.to(reads.device).double()[:, None, None]
+    return float(reads.double().sum() / (T * torch.ones_like(reads, dtype=torch.float64)).sum())
+
+
 def summarize(labels: torch.Tensor, lengths: torch.Tensor, n_kv_heads: int, n_local: int,
-              oracle: torch.Tensor | None = None, decision_read: float = 0.0) -> dict:
-    """Query-head sparsity, KV-read fraction and per-layer sparsity; agreement counts with the oracle if given."""
+              oracle: torch.Tensor | None = None, decision_read: float = 0.0, reads: torch.Tensor | None = None
+              ) -> dict:
+    """Query-head sparsity, KV-read fraction and per-layer sparsity; agreement counts with the oracle if given. The
+    KV read is the paths' own report `reads` (S, L, Hkv) when given, else implied by the labels (kv_read_fraction)."""
     if labels.numel() == 0:
         return {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
-    out = {"steps": labels.shape[0], "sparsity": float(labels.double().mean()),
-           "kv_read": kv_read_fraction(labels, lengths, n_kv_heads, n_local, decision_read),
+    kv_read = (kv_read_fraction(labels, lengths, n_kv_heads, n_local, decision_read) if reads is None
+               else reported_read_fraction(reads, lengths))
+    out = {"steps": labels.shape[0], "sparsity": float(labels.double().mean()), "kv_read": kv_read,
            "layer_sparsity": labels.float().mean((0, 2)).tolist()}
     if oracle is not None:  # positive = local, as in the paper's appendix C
         out["agreement"] = {"TP": int((labels & oracle).sum()), "FP": int((labels & ~oracle).sum()),

@@ -231,7 +231,8 @@ def head_stats(stats, n_kv_heads: int, n_local: int) -> dict:
         return {"steps": 0, "sparsity": None, "kv_read": None}
     labels = stats.label_tensor()  # (S, L, H)
     oracle = stats.oracle_tensor() if stats.track_oracle else None
-    s = summarize(labels, torch.tensor(stats.lengths, device="cpu"), n_kv_heads, n_local, oracle, stats.decision_read)
+    s = summarize(labels, torch.tensor(stats.lengths, device="cpu"), n_kv_heads, n_local, oracle, stats.decision_read,
+                  stats.read_tensor())
     r4 = lambda t: [[round(x, 4) for x in row] for row in t.tolist()]  # noqa: E731
     out = {"steps": s["steps"], "sparsity": s["sparsity"], "kv_read": s["kv_read"],
            "layer_sparsity": [round(x, 4) for x in s["layer_sparsity"]],

@@ -12,6 +12,7 @@ from criterion import (Calibration, check_tau, gaussian_form, gaussian_log_bulk,
                        static_labels)
 from moments import (FixedMoments, OnlineMoments, ReferenceKeys, make_moments, mean_cov, prompt_moments,
                      reference_end)
+from pages import PageIndex
 
 N_SINK, N_LOCAL = 16, 128
 
@@ -126,8 +127,10 @@ def make_attention(method, tau=0.6, static_local=None, L=1, T=None):
     if static_local is None:
         static_local = torch.zeros(L, H, dtype=torch.bool)
     identity = Calibration(torch.zeros(L, H), torch.ones(L, H), None, {})  # qada_cal as qada
+    pages = PageIndex(None, attention.page_size(method) or 16, N_SINK)  # the page paths' (tests/test_pages.py)
     return DecodeAttention(method, N_SINK, N_LOCAL, dict(tau=tau, moments=moments, static_local=static_local,
-                                                         calibration=identity))
+                                                         calibration=identity, pages=pages, budget=64,
+                                                         budget_frac=0.1))
 
 
 def call(attn, q, k, v, layer=0):

@@ -1,0 +1,140 @@
+"""Page statistics of the keys: per layer, KV head and page of P tokens, the element-wise min and max of its keys, from
+which Quest bounds every score in the page (Tang et al. 2024, Quest, arXiv 2406.10774, section 3):
+
+    q . k  <=  sum_d max(q_d min_d, q_d max_d)  =  q+ . max + q- . min        for every key k of the page
+                                                 (q+ = max(q, 0), q- = min(q, 0), element-wise)
+
+What the pages cover. Pages tile the positions after the window's sinks, page j = [n_sink + j P, n_sink + (j + 1) P):
+the sinks are never in a page, and a page is never cut by them. The index holds every page up to the newest key, the
+one being filled included; which pages a path may choose is `candidates`' business: the pages that start in the bulk
+[n_sink, T - (n_local - n_sink)). The last of them may reach into the window's recent part (the window moves one
+position per decoded token); its bound is over all its keys, a superset of its bulk keys, so still an upper bound, and
+when chosen it is read, and counted, for its bulk positions only (`page_positions`): no position is read twice.
+
+Memory: 2 vectors of D per page of P keys per KV head, 2/P of the keys (1/8 at P = 16; 1/P of keys and values), in
+the cache's dtype (a min and a max are exact in any dtype). Upkeep: `bounds` folds in the keys appended since its last
+call, a page at a time; decoding appends one key per step, which updates the page being filled in place, O(D).
+
+`PageIndex` is an input of the page paths (attention.quest, attention.qada_pages), as moments.KeyMoments is of qada:
+built from the prefilled cache, then following the cache from the `k` (Hkv, T, D) it is handed each step.
+"""
+
+import math
+
+import torch
+
+from moments import bulk_end
+
+PAGE_SIZE = 16  # Quest's page of 16 tokens
+
+
+class PageIndex:
+    """Element-wise min and max of the keys of every page of `page_size` positions after the first `n_sink`, per layer
+    and KV head; row 0 of `cache` (a prefilled model.KVCache) folded in at once when given, else on the first call."""
+
+    def __init__(self, cache=None, page_size: int = PAGE_SIZE, n_sink: int = 16):
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}")
+        self.page_size, self.n_sink = page_size, n_sink
+        self.lo, self.hi = {}, {}  # per layer: (Hkv, capacity in pages, D), the first `count` positions folded in
+        self.count = {}  # per layer: positions [n_sink, count) folded in
+        self.capacity = None if cache is None else self.n_pages(cache.max_len)
+        if cache is not None:
+            for layer in range(cache.k.shape[0]):
+                self.update(layer, cache.k[layer, 0, :, :cache.length])  # (Hkv, T, D)
+
+    def n_pages(self, T: int) -> int:
+        """Pages that hold the positions [n_sink, T): the last one may be part-filled."""
+        return math.ceil(max(T - self.n_sink, 0) / self.page_size)
+
+    def update(self, layer: int, k: torch.Tensor) -> None:
+        """Fold in the keys of k (Hkv, T, D) at the positions not yet folded in: first those of the part-filled page,
+        in place, then whole pages, then a new part-filled page."""
+        P, T = self.page_size, k.shape[1]
+        have = self.count.get(layer, self.n_sink)
+        if T < have and have > self.n_sink:
+            raise ValueError(f"the KV cache holds {T} positions, fewer than the {have} this page index folded in "
+                             "(rolled back?); make a new PageIndex")
+        if T <= have:
+            return
+        self._reserve(layer, k, self.n_pages(T))
+        lo, hi = self.lo[layer], self.hi[layer]
+        pos = have
+        if (pos - self.n_sink) % P:  # the page being filled: its min and max updated in place, O(D) per key
+            j = (pos - self.n_sink) // P
+            end = min(T, self.n_sink + (j + 1) * P)
+            lo[:, j] = torch.minimum(lo[:, j], k[:, pos:end].amin(1))
+            hi[:, j] = torch.maximum(hi[:, j], k[:, pos:end].amax(1))
+            pos = end
+        if pos < T:  # whole pages at once (prefill), then what is left starts a new page
+            j, n_full = (pos - self.n_sink) // P, (T - pos) // P
+            if n_full:
+                pages = k[:, pos:pos + n_full * P].unflatten(1, (n_full, P))  # (Hkv, n_full, P, D)
+                lo[:, j:j + n_full], hi[:, j:j + n_full] = pages.amin(2), pages.amax(2)
+                pos, j = pos + n_full * P, j + n_full
+            if pos < T:
+                lo[:, j], hi[:, j] = k[:, pos:T].amin(1), k[:, pos:T].amax(1)
+        self.count[layer] = T
+
+    def _reserve(self, layer: int, k: torch.Tensor, n: int) -> None:
+        """Room for n pages in layer's tensors: allocated for the cache's length when known, doubled when outgrown."""
+        held = self.lo[layer].shape[1] if layer in self.lo else 0
+        if n <= held:
+            return
+        size = max(n, self.capacity or 0, 2 * held)
+        Hkv, _, D = k.shape
+        lo = torch.full((Hkv, size, D), math.inf, dtype=k.dtype, device=k.device)
+        hi = torch.full((Hkv, size, D), -math.inf, dtype=k.dtype, device=k.device)
+        if held:
+            lo[:, :held], hi[:, :held] = self.lo[layer], self.hi[layer]
+        self.lo[layer], self.hi[layer] = lo, hi
+
+    def bounds(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The min and max (Hkv, n_pages(T), D) of every page of the layer's cache k (Hkv, T, D), brought up to date."""
+        self.update(layer, k)
+        if layer not in self.lo:  # no page yet: the context ends within the sinks
+            empty = k.new_zeros(k.shape[0], 0, k.shape[2])
+            return empty, empty
+        n = self.n_pages(k.shape[1])
+        return self.lo[layer][:, :n], self.hi[layer][:, :n]
+
+
+def upper_bounds(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Quest's bound on every score of each page, sum_d max(q_d lo_d, q_d hi_d), for queries q (H, D) and the pages'
+    min and max (Hkv, n, D) shared by the G = H / Hkv query heads of a KV head: (H, n) in fp32, unscaled (the bound on
+    q . k, not on q . k / sqrt(D): the ranking is the same). Written as two products, q+ . max + q- . min, so each
+    page's statistics are read once for the group, with no (G, n, D) temporary."""
+    Hkv, n, D = lo.shape
+    qg = q.float().view(Hkv, -1, D)  # (Hkv, G, D)
+    out = torch.bmm(qg.clamp(min=0), hi.float().transpose(1, 2))  # (Hkv, G, n)
+    return out.baddbmm_(qg.clamp(max=0), lo.float().transpose(1, 2)).view(-1, n)
+
+
+def candidates(T: int, n_sink: int, n_local: int, page_size: int) -> int:
+    """How many pages a path may choose from in a context of T: those that start in the bulk (0 when there is none)."""
+    return math.ceil(max(bulk_end(T, n_sink, n_local) - n_sink, 0) / page_size)
+
+
+def page_count(T: int, page_size: int, budget: float | None, budget_frac: float | None) -> int:
+    """Pages a head (or a long-context group) reads beyond its window: budget // P, the budget given in tokens
+    (`budget`) or as a fraction of the context (`budget_frac`: floor(budget_frac T) tokens). Exactly one is given."""
+    if (budget is None) == (budget_frac is None):
+        raise ValueError("give a page budget in tokens (budget) or as a fraction of the context (budget_frac), "
+                         f"one of them; got budget={budget}, budget_frac={budget_frac}")
+    if budget is not None:
+        if not (float(budget).is_integer() and budget >= 0):
+            raise ValueError(f"budget is a number of tokens >= 0, got {budget}")
+        return int(budget) // page_size
+    if not 0 <= budget_frac <= 1:
+        raise ValueError(f"budget_frac is a fraction of the context in [0, 1], got {budget_frac}")
+    return math.floor(budget_frac * T) // page_size
+
+
+def page_positions(pages: torch.Tensor, T: int, n_sink: int, n_local: int, page_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache positions of pages (..., m) (page numbers) and which of them to read (..., m P) bool: a page's
+    positions in the bulk, so none of the window's recent part (the last candidate may reach into it) is read twice.
+    Positions not to read are clamped into the cache (they are masked out, not read)."""
+    offset = torch.arange(page_size, device=pages.device)
+    pos = (n_sink + pages[..., None] * page_size + offset).flatten(-2)  # (..., m P)
+    return pos.clamp(max=T - 1), pos < bulk_end(T, n_sink, n_local)
