@@ -28,7 +28,8 @@ one threshold, "method@threshold". The paper's comparison (section 4.1) names th
     qada_word           ablation (Fig. 5e-f): moments of one repeated word
     qada_long           ablation (Fig. 5g): random-words moments over the model's whole context
 
-Thresholds: tau for a path that reads tau, the fraction of heads made local for one that reads static labels.
+Thresholds: tau for a path that reads tau, the fraction of heads made local for one that reads static labels, the
+page budget for a page path (--budgets in tokens, --budget-fracs for the *_frac paths; threshold_kind).
 The ablations run on the first --ablation-samples samples of every task. A context-independent task
 (`ctxfree`: a qa_2 context with the question "Can you describe LLMs in a few sentences?", paper section 5)
 is decoded under oracle and qada_rw to show that sparsity rises when the answer needs no context (Fig. 6c, 7b).
@@ -82,7 +83,7 @@ from criterion import TAU, check_calibration, load_calibration, static_labels
 from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
-from lab.cli import Parser, at_least, fail, fractions
+from lab.cli import Parser, at_least, fail, fractions, ints
 from lab.records import DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records
 from lab.report import report
 from lab.tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
@@ -134,17 +135,22 @@ def path_and_source(name: str) -> tuple[str, str | None]:
     return name, DEFAULT_SOURCE[reads[0]] if reads else None
 
 
+THRESHOLD_KINDS = (("sparsity", "static_local"), ("budget", "budget"), ("budget_frac", "budget_frac"), ("tau", "tau"))
+
+
 def threshold_kind(name: str) -> str | None:
-    """What a method's threshold is: "tau" (adaptive paths), "sparsity" (static labels) or None."""
-    path, _ = path_and_source(name)
-    inputs = path_inputs(path)
-    return "sparsity" if "static_local" in inputs else "tau" if "tau" in inputs else None
+    """What a method's threshold is, from what its path reads (the first that applies): "sparsity" (static labels),
+    "budget" (a page path's tokens beyond the window), "budget_frac" (the same as a fraction of T), "tau" (adaptive
+    paths), or None. A page path that also reads tau (qada_pages) runs at criterion.TAU, qada_kv_cal's operating point
+    with the shipped correction, and its grid is the budget."""
+    inputs = path_inputs(path_and_source(name)[0])
+    return next((kind for kind, reads in THRESHOLD_KINDS if reads in inputs), None)
 
 
 @dataclass(frozen=True)
 class Config:
     method: str  # a name of METHODS or of attention.PATHS
-    threshold: float | None = None  # tau or sparsity (threshold_kind); None when the path has neither
+    threshold: float | None = None  # tau, sparsity or page budget (threshold_kind); None when the path has none
 
     @property
     def key(self) -> str:
@@ -156,18 +162,21 @@ def parse_grid(text: str) -> list[float]:
 
 
 def build_configs(methods: list[str], taus: list[float], sparsities: list[float],
-                  grids: dict[str, list[float]] | None = None) -> list[Config]:
-    """Every (method, threshold): a method's own grid if given, else the tau or sparsity grid of its kind."""
+                  grids: dict[str, list[float]] | None = None, budgets: list[float] = (),
+                  budget_fracs: list[float] = ()) -> list[Config]:
+    """Every (method, threshold): a method's own grid if given, else the grid of its kind (tau, sparsity, budget or
+    budget_frac)."""
     out = []
     for m in methods:
         kind = threshold_kind(m)
-        grid = (grids or {}).get(m) or {"tau": taus, "sparsity": sparsities}.get(kind)
+        grid = (grids or {}).get(m) or {"tau": taus, "sparsity": sparsities, "budget": budgets,
+                                        "budget_frac": budget_fracs}.get(kind)
         out += [Config(m)] if kind is None else [Config(m, t) for t in grid]
     return out
 
 
 def parse_grids(items: list[str]) -> dict[str, list[float]]:
-    """--grid NAME=v1,v2 (repeatable) -> {NAME: [v1, v2]}, each value in [0, 1]."""
+    """--grid NAME=v1,v2 (repeatable) -> {NAME: [v1, v2]}, each value in [0, 1] (a budget in tokens: integers >= 1)."""
     grids = {}
     for item in items or []:
         name, sep, values = item.partition("=")
@@ -175,17 +184,18 @@ def parse_grids(items: list[str]) -> dict[str, list[float]]:
             raise ValueError(f"--grid takes NAME=v1,v2,...; got {item!r}")
         try:
             path_and_source(name)  # an unknown name is an error here, not a silently ignored grid
-            grids[name] = parse_grid(fractions(values))
+            grids[name] = parse_grid(ints(values) if threshold_kind(name) == "budget" else fractions(values))
         except Exception as e:  # ValueError or argparse.ArgumentTypeError: one line naming the flag
             raise ValueError(f"--grid {item}: {e}") from None
     return grids
 
 
 def methods_configs(flag: str, methods: str, taus: list[float], sparsities: list[float],
-                    grids: dict | None = None) -> list[Config]:
+                    grids: dict | None = None, budgets: list[float] = (), budget_fracs: list[float] = ()
+                    ) -> list[Config]:
     """build_configs of a comma-separated --methods-like flag, an unknown name refused with the flag's name."""
     try:
-        return build_configs([m for m in methods.split(",") if m], taus, sparsities, grids)
+        return build_configs([m for m in methods.split(",") if m], taus, sparsities, grids, budgets, budget_fracs)
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
 
@@ -290,7 +300,8 @@ def config_attention(cfg: Config, model, sample, cache, resources: dict, track: 
     return build_attention(path, cache, n_sink=n_sink, n_local=n_local, moments_source=moments or "random-words",
                            reference=resources["reference"][words] if words else None, track_oracle=track,
                            tau=cfg.threshold if kind == "tau" else TAU, static_local=labels, calibration=calibration,
-                           **resources.get("inputs", {}))
+                           budget=cfg.threshold if kind == "budget" else None,
+                           budget_frac=cfg.threshold if kind == "budget_frac" else None, **resources.get("inputs", {}))
 
 
 LIST_MARKER = re.compile(r"^\s*(\d+[.)]|[-*•])\s*")
@@ -629,6 +640,7 @@ def folder_lock(out: Path, shard: int | None = None):
         yield
 
 
+BUDGETS, BUDGET_FRACS = "128,256,512,1024,2048", "0.02,0.05,0.1"  # the page paths' grids (issue 30's budgets)
 QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, taus="0.6,0.9", grid=["oracle=0.6", "qada_prompt=0.6"],
              sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1, calib_samples=1)
 
@@ -639,7 +651,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, dtype: str,
         threads: int | None, quick: bool = False, shard: str = "0/1", batch: int = 32, report_at_end: bool = True,
         progress: bool = True, device: str | None = None, inputs: list[str] = (), calibration: str | None = None,
-        calibration_transfer: str | None = None, skip_damaged: bool = False) -> Path:
+        calibration_transfer: str | None = None, skip_damaged: bool = False, budgets: str = BUDGETS,
+        budget_fracs: str = BUDGET_FRACS) -> Path:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if world > 1 and shard != "0/1":
         raise ValueError("--shard splits a sweep by hand; under torchrun the ranks split it, so leave --shard out")
@@ -659,12 +672,13 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     if not task_list and not ctxfree_samples:
         raise ValueError("nothing to decode: no --tasks and --ctxfree-samples 0")
     grids = parse_grids(grid)
-    configs = methods_configs("--methods", methods, parse_grid(taus), parse_grid(sparsities), grids)
+    configs = methods_configs("--methods", methods, parse_grid(taus), parse_grid(sparsities), grids,
+                              parse_grid(budgets), parse_grid(budget_fracs))
     abl = methods_configs("--ablations", ablations, parse_grid(ablation_taus), [])
     ctxfree = [Config("oracle", TAU)] + build_configs(["qada_rw"], parse_grid(taus), [], grids)  # Fig. 6c, 7b
     methods_configs("--track", track, [], [])  # a misspelt method is refused, not silently untracked
     extra_inputs = parse_inputs(inputs, reserved={"layer", "n_sink", "n_local", "tau", "moments", "static_local",
-                                                  "calibration", "reference"})
+                                                  "calibration", "reference", "budget", "budget_frac"})
     for name in extra_inputs:
         if not any(name in path_inputs(path_and_source(c.method)[0]) for c in configs + abl):
             raise ValueError(f"--set {name}: no path of --methods reads it")
@@ -782,8 +796,13 @@ def main(argv=None) -> int:
     p.add_argument("--taus", type=fractions, default="0.4,0.6,0.8,0.9", help="tau grid of every configuration with a tau")
     p.add_argument("--sparsities", type=fractions, default="0.5,0.8",
                    help="sparsity grid of every static-label configuration")
+    p.add_argument("--budgets", type=ints, default=BUDGETS, help="token budget grid of every page path that reads "
+                   "one (quest, qada_pages, page_oracle, ...: tokens read beyond the window, budget // P pages)")
+    p.add_argument("--budget-fracs", type=fractions, default=BUDGET_FRACS, help="budget grid, as fractions of the "
+                   "context, of the page paths that read one (the *_frac paths)")
     p.add_argument("--grid", action="append", default=[], metavar="NAME=v1,v2",
-                   help="a configuration's own grid instead of --taus/--sparsities (repeatable), e.g. oracle=0.6,0.9")
+                   help="a configuration's own grid instead of --taus/--sparsities/--budgets (repeatable), e.g. "
+                        "oracle=0.6,0.9 or quest=256,1024")
     p.add_argument("--ablations", default="qada_word,qada_long", help="moments ablations, on the first samples only")
     p.add_argument("--ablation-taus", type=fractions, default="0.6,0.9", help="tau grid of the ablations")
     p.add_argument("--ablation-samples", type=at_least(0), default=5, help="samples per task that also run the ablations")

@@ -1,6 +1,6 @@
 """Token-level page selection (issue 30): the page statistics against brute force, each page path against an fp32
 softmax over exactly the positions it should choose (chosen here again, from the keys themselves), a planted needle,
-dense when the budget covers everything, the KV read by hand, and generate.py's report."""
+dense when the budget covers everything, the KV read by hand, and the CLIs (generate.py, a tiny lab.sweep)."""
 
 import json
 import math
@@ -13,6 +13,7 @@ import attention
 import generate
 from attention import PATHS, DecodeAttention, dense
 from criterion import Calibration, save_calibration, window_mask
+from lab import records, report, sweep
 from model import KVCache
 from moments import FixedMoments, bulk_end
 from pages import PageIndex, candidates, page_count, page_positions, upper_bounds
@@ -377,3 +378,26 @@ def test_generate_runs_quest_and_prints_the_kv_read_it_reported(tiny_dir, tmp_pa
                for x in layer)  # the window, the union of 2 query heads' 2 pages, the statistics
     assert generate.main(argv) == 2 and "the quest path reads budget" in capsys.readouterr().err  # one line
 
+
+def test_a_tiny_sweep_runs_quest_and_qada_pages_on_a_budget_grid(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    calibration = tmp_path / "affine.json"
+    save_calibration(calibration, Calibration(torch.zeros(2, 4), torch.ones(2, 4), None,
+                                              {"kind": "affine", "moments_source": "random-words"}))
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "1", "--methods",
+            "dense,quest,qada_pages,page_oracle", "--budgets", "32,64", "--grid", "page_oracle=32", "--calibration",
+            str(calibration), "--ablations", "", "--ctxfree-samples", "0", "--track", "", "--model", str(tiny_dir),
+            "--no-report"]
+    assert sweep.main(argv) == 0
+    found = {r["config"]: r for r in records.read_records(out)}
+    assert set(found) == {"dense", "quest@32", "quest@64", "qada_pages@32", "qada_pages@64", "page_oracle@32"}
+    for key in ("quest@32", "quest@64", "qada_pages@32"):
+        assert found[key]["threshold_kind"] == "budget" and found[key]["kv_read"] < 1
+    assert found["quest@32"]["kv_read"] < found["quest@64"]["kv_read"] and found["quest@32"]["sparsity"] == 0
+    assert found["page_oracle@32"]["kv_read_implied"]
+    report.report(out)
+    summary = (out / "summary.md").read_text()
+    row = next(line for line in summary.splitlines() if line.startswith("| quest@32 |"))
+    assert f"{found['quest@32']['kv_read']:.3f}" in row  # the KV read column
+    assert sweep.main(argv[:2] + ["--grid", "quest=0.5"] + argv[2:]) == 2  # a budget grid takes tokens
