@@ -349,8 +349,8 @@ def paged_attention(q, k, v, chosen, y_window, log_local, n_sink, n_local, page_
     ids = union[active].to(torch.uint8).sort(dim=1, descending=True, stable=True).indices[:, :U]  # (a, U) page numbers
     pos, in_bulk = page_positions(ids, T, n_sink, n_local, page_size)  # (a, U P)
     in_bulk &= (torch.arange(U, device=q.device) < n_pages[:, None]).repeat_interleave(page_size, 1)  # not padding
-    idx = pos[..., None].expand(-1, -1, D)
-    k_pages, v_pages = k[active].gather(1, idx), v[active].gather(1, idx)  # (a, U P, D): what is read
+    rows = active[:, None]  # indexing by (KV head, position) reads those positions only, not a copy of the cache
+    k_pages, v_pages = k[rows, pos], v[rows, pos]  # (a, U P, D): what is read
     mine = chosen[active].gather(2, ids[:, None].expand(-1, G, -1)).repeat_interleave(page_size, 2)  # (a, G, U P)
     keep = mine & in_bulk[:, None]
     qa = q.view(Hkv, G, D)[active]  # (a, G, D)
