@@ -140,7 +140,10 @@ def random_words_text(n_words: int, seed: int) -> str:
 
 
 def model_identity(model) -> dict:
-    """What makes the keys of `model` what they are: weights files (names, sizes, first bytes), config, dtype."""
+    """What makes the keys of `model` what they are: weights files (names, sizes, first bytes), config, dtype. A model
+    not read from a folder of ours states its own (`model.identity`: a transformers model through the adapter)."""
+    if hasattr(model, "identity"):
+        return model.identity
     model_dir = Path(model.model_dir)
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for p in sorted(model_dir.glob("*.safetensors")):

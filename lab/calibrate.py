@@ -3,6 +3,7 @@ the correction of QAdA's Gaussian estimate that calibrated QAdA reads (ours: cri
 
     python -m lab.calibrate --tasks niah_single_1,fwe --length 4096 --samples 4 --out results/static_labels
     python -m lab.calibrate --qada --tasks fwe,vt --length 8192 --samples 3 --dtype bfloat16 --out CAL_DIR
+    python -m lab.calibrate --qada --tasks fwe,vt --hf MODEL_OR_FOLDER --out CAL_DIR   # run by transformers
 
 Per calibration prompt: a dense prefill, then greedy decoding under the adaptive oracle (Eq. 2, tau 0.6, as the
 paper's appendix A does for RULER), counting per (layer, head) the fraction of decode steps labelled local.
@@ -368,6 +369,8 @@ def main(argv=None) -> int:
                    "dense with --qada)")
     p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a hub id "
                    f"(default: {DEFAULT})")
+    p.add_argument("--hf", default=None, metavar="MODEL_OR_FOLDER", help="instead of --model: the model (named, a "
+                   "folder or a hub id) run by transformers, its attention through integrations/transformers.py")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
@@ -386,9 +389,12 @@ def main(argv=None) -> int:
     try:
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file; give a folder")
+        if a.hf is not None and a.model is not None:
+            raise ValueError("give --model or --hf, not both")
         device = pick_device(a.device)
         # What --out holds is checked before the model loads (the model's folder where it is known by then).
-        known = {k: v for k, v in dict(model=planned_model(a.model)).items() if v is not None}
+        planned = planned_model(a.hf or a.model)
+        known = {} if planned is None else {"model": f"transformers:{planned}" if a.hf else planned}
         if a.qada:
             settings = dict(tasks=a.tasks, length=a.length, samples=a.samples, seed=a.seed,
                             max_new_tokens=a.max_new_tokens, moments_source=a.moments_source, n_sink=16, n_local=128,
@@ -401,7 +407,14 @@ def main(argv=None) -> int:
                                                      **known), a.force)
         if a.threads:
             torch.set_num_threads(a.threads)
-        net, tok = load(a.model, device=device, dtype=DTYPES[a.dtype])
+        if a.hf is not None:  # transformers is an extra: imported only when asked for
+            try:
+                from integrations.transformers import load as load_hf
+            except ImportError as e:
+                raise ValueError(f"--hf runs the model with transformers: {e}") from None
+            net, tok = load_hf(a.hf, device=device, dtype=DTYPES[a.dtype])
+        else:
+            net, tok = load(a.model, device=device, dtype=DTYPES[a.dtype])
         if a.qada:
             fits = calibrate_qada(net, tok, a.tasks, out, a.length, a.samples, a.seed, a.max_new_tokens,
                                   a.moments_source, eps=a.eps, force=a.force)

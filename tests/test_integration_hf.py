@@ -1,0 +1,281 @@
+"""integrations/transformers.py: greedy generation through transformers' `generate` with the adapter against our own
+model on the same weights (the same tokens, the same labels at every step, layer and head), Option 2's reference keys
+through the adapter against moments.ReferenceKeys', transformers models our loader never read, left-padded batches
+against each row alone, the refusals, and lab.calibrate --hf against --model."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+
+from attention import build_attention, path_inputs  # noqa: E402
+from criterion import Calibration, load_calibration, save_calibration  # noqa: E402
+from generate import decode, default_tau  # noqa: E402
+from integrations.transformers import HFAttention, disable, enable  # noqa: E402
+from lab import calibrate  # noqa: E402
+from model import load_model  # noqa: E402
+from moments import ReferenceKeys  # noqa: E402
+from tests.test_generate import make_tiny_dir  # noqa: E402
+from tests.test_model import TINY  # noqa: E402
+from weights.tokenizer import Tokenizer  # noqa: E402
+
+PROMPT, NEW, TAU = 300, 10, 0.4  # past the 128-token window; at tau 0.4 this model's heads are mixed (checked below)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_root(tmp_path_factory):
+    """Option 2's reference keys go to a fresh cache of this module."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("QADA_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def sharp_dir(tmp_path_factory):
+    """The tiny random Llama of test_generate (2 layers, 4 query heads, 2 KV heads) with its q and k weights scaled by
+    4: a random model at init attends almost uniformly, so every head's window share would be ~128/T and every label
+    the same; sharper scores make the labels differ between heads, layers and steps."""
+    path = make_tiny_dir(tmp_path_factory.mktemp("sharp"))
+    state = load_file(path / "model.safetensors")
+    state = {k: v * 4 if "q_proj" in k or "k_proj" in k else v for k, v in state.items()}
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def hf_model(folder_or_config, cls=None):
+    """A transformers causal LM (from a folder, or random from a config) in eval mode, greedy to the last token: no
+    EOS (our decode is given none either)."""
+    if cls is None:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder_or_config, dtype=torch.float32)
+    else:
+        torch.manual_seed(0)
+        hf = cls(folder_or_config)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def prompt_ids(n: int = PROMPT, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def generate_hf(hf, ids, mask=None, new: int = NEW) -> list[list[int]]:
+    """transformers' greedy generate: the new tokens of each row."""
+    mask = torch.ones_like(ids) if mask is None else mask
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def generate_ours(ours, tok, ids, method, moments_source, tau, calibration, new: int = NEW, **inputs):
+    """generate.py's decoding on our model: the new tokens and the attention (its labels in stats)."""
+    cache = ours.new_cache(ids.shape[1] + new)
+    logits = ours.prefill(ids, cache)
+    reference = ReferenceKeys(ours, tok, "random", progress=False)
+    att = build_attention(method, cache, moments_source=moments_source, reference=reference, tau=tau,
+                          calibration=calibration, **inputs)
+    return decode(ours, cache, logits, new, att), att
+
+
+def random_calibration(L=2, H=4, Hkv=2, seed=0, taus=None) -> Calibration:
+    g = torch.Generator().manual_seed(seed)
+    return Calibration(torch.randn(L, H, generator=g) * 0.3, torch.rand(L, H, generator=g) + 0.5,
+                       torch.rand(L, Hkv, generator=g) + 0.5,
+                       {"moments_source": "random-words", "operating_tau": taus or {}})
+
+
+CASES = [("dense", "random-words", False), ("qada", "random-words", False), ("qada", "prompt", False),
+         ("qada_kv_all", "prompt-online", False), ("qada_cal", "random-words", True),
+         ("qada_kv_all_cal", "random-words", True), ("quest", "random-words", False),
+         ("qada_pages", "random-words", True)]
+
+
+@pytest.mark.parametrize("method,moments_source,calibrated", CASES)
+def test_greedy_generation_equals_ours_token_and_label(sharp_dir, tmp_path, method, moments_source, calibrated):
+    """The adapter inside transformers' generate against generate.py's decoding on our model, same weights and
+    prompt: the same tokens, the same (step, layer, head) labels and, for a page path (a budget of 64 tokens), the
+    same entries read. A calibrated path runs at the operating point stored with its correction (tau not given),
+    read from a file."""
+    ours, tok, hf = load_model(sharp_dir), Tokenizer.from_dir(sharp_dir), hf_model(sharp_dir)
+    ids = prompt_ids()
+    calibration = None
+    if calibrated:
+        calibration = tmp_path / "affine.json"
+        save_calibration(calibration, random_calibration(taus={method: TAU}))
+    c = load_calibration(calibration) if calibrated else None
+    tau = default_tau(method, c)[0] if calibrated else (TAU if "tau" in path_inputs(method) else None)
+    pages = {"budget": 64} if "pages" in path_inputs(method) else {}
+    attention = enable(hf, method, tau=None if calibrated else tau, calibration=calibration, moments=moments_source,
+                       tokenizer=tok, **pages)
+    got = generate_hf(hf, ids)[0]
+    want, att = generate_ours(ours, tok, ids, method, moments_source, tau, c, **pages)
+    assert attention.tau == tau and (attention.tau_from == "the calibration's operating point") == calibrated
+    assert got == want
+    labels, ours_labels = attention.rows[0].stats.label_tensor(), att.stats.label_tensor()
+    assert labels.shape == (NEW - 1, 2, 4) and torch.equal(labels, ours_labels)
+    assert attention.rows[0].stats.lengths == att.stats.lengths == list(range(PROMPT + 1, PROMPT + NEW))
+    if pages:
+        assert torch.equal(torch.stack([torch.stack(s) for s in attention.rows[0].stats.reads]),
+                           torch.stack([torch.stack(s) for s in att.stats.reads]))
+    if method not in ("dense", "quest"):  # labels that differ between heads and layers: a layer off by one shows
+        assert 0 < labels.float().mean() < 1 and not torch.equal(labels[:, 0], labels[:, 1])
+    report = attention.report()
+    assert f"method {method}" in report and f"{NEW - 1} decode steps" in report
+    summary = attention.summary()
+    assert summary["sparsity"] == pytest.approx(labels.double().mean().item())
+    assert summary["kv_read"] == pytest.approx(att.stats.summary(2)["kv_read"])
+    disable(hf)
+
+
+def test_reference_keys_through_the_adapter_equal_ours(sharp_dir):
+    """Option 2's keys, taken by the adapter's attention function from a transformers forward pass, against
+    moments.ReferenceKeys on our model; kept on disk under the transformers model's own identity."""
+    ours, tok, hf = load_model(sharp_dir), Tokenizer.from_dir(sharp_dir), hf_model(sharp_dir)
+    attention = enable(hf, "qada", tau=TAU, tokenizer=tok)
+    got = attention.reference.ensure(PROMPT)
+    want = ReferenceKeys(ours, tok, "random", progress=False).ensure(PROMPT)
+    assert got.shape == want.shape == (2, 2, PROMPT, 16)  # (L, Hkv, N, D)
+    assert attention.reference.length == 512  # the pass ran as far as ReferenceKeys rounds: the context of 512
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    mine, theirs = attention.reference.for_prompt(PROMPT), ReferenceKeys(ours, tok, "random").for_prompt(PROMPT)
+    for layer in range(2):
+        for a, b in zip(mine.mean_cov(layer, None), theirs.mean_cov(layer, None)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert attention.reference.path.is_file() and attention.reference.settings["model"]["runner"] == "transformers"
+    disable(hf)
+    again = enable(hf, "qada", tau=TAU, tokenizer=tok)  # a second enable reads the keys from disk
+    assert again.reference.length == 512 and again.reference.passes == 0
+    disable(hf)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_a_random_transformers_model_runs_through_enable_and_generate(sharp_dir, name):
+    """A model our loader never read: a random LlamaForCausalLM or Qwen2ForCausalLM (biases, one KV head) built from
+    a config. Dense through the adapter gives transformers' own tokens; the default method runs with a correction."""
+    cls, cfg = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**TINY)),
+                "qwen2": (transformers.Qwen2ForCausalLM,
+                          transformers.Qwen2Config(**dict(TINY, num_key_value_heads=1)))}[name]
+    hf, tok, ids = hf_model(cfg, cls), Tokenizer.from_dir(sharp_dir), prompt_ids(200)
+    plain = generate_hf(hf, ids, new=8)
+    enable(hf, "dense")
+    assert generate_hf(hf, ids, new=8) == plain
+    disable(hf)
+    Hkv = cfg.num_key_value_heads
+    attention = enable(hf, calibration=random_calibration(Hkv=Hkv, taus={"qada_kv_all_cal": 0.3}), tokenizer=tok)
+    assert attention.method == "qada_kv_all_cal" and attention.tau == 0.3
+    generate_hf(hf, ids, new=8)
+    assert attention.summary()["steps"] == 7 and attention.rows[0].stats.label_tensor().shape == (7, 2, 4)
+    assert "heads labelled local (sparsity)" in attention.report()
+    disable(hf)
+    assert hf.config._attn_implementation == "sdpa" and generate_hf(hf, ids, new=8) == plain
+
+
+def test_left_padded_rows_decode_as_each_alone(sharp_dir):
+    """Two prompts of different lengths, left-padded into one batch: each row's tokens and labels are its own run's.
+    Right padding is refused with one line."""
+    tok, hf = Tokenizer.from_dir(sharp_dir), hf_model(sharp_dir)
+    long, short = prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 40, 2)
+    attention = enable(hf, "qada", tau=TAU, tokenizer=tok)
+    alone = []
+    for ids in (long, short):
+        tokens = generate_hf(hf, ids)[0]
+        alone.append((tokens, attention.rows[0].stats.label_tensor()))
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    batch = generate_hf(hf, ids, mask)
+    for b, (tokens, labels) in enumerate(alone):
+        assert batch[b] == tokens
+        assert torch.equal(attention.rows[b].stats.label_tensor(), labels)
+    assert 0 < alone[1][1].float().mean() < 1
+    right = torch.cat([short, torch.zeros(1, 40, dtype=torch.long)], 1)
+    with pytest.raises(ValueError, match="padded on the left") as e:
+        generate_hf(hf, torch.cat([long, right]), torch.cat([torch.ones_like(long), mask[1:].flip(1)]))
+    assert "\n" not in str(e.value)
+    disable(hf)
+
+
+def test_gpt2_is_refused_with_one_line():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
+    before = gpt2.config._attn_implementation
+    with pytest.raises(ValueError) as e:
+        enable(gpt2, "qada", tau=0.6, moments="prompt")
+    assert str(e.value).startswith("GPT2LMHeadModel (model_type 'gpt2') is not a Llama-family decoder")
+    assert "\n" not in str(e.value) and gpt2.config._attn_implementation == before
+
+
+def test_what_enable_and_disable_refuse(sharp_dir):
+    hf, tok = hf_model(sharp_dir), Tokenizer.from_dir(sharp_dir)
+    for kwargs, message in [(dict(method="qada_cal", tokenizer=tok), "reads a calibration"),
+                            (dict(method="dense", tau=0.5), "tau: the dense path does not read it"),
+                            (dict(method="nope"), "unknown method 'nope'"),
+                            (dict(method="qada"), "give enable\\(model, tokenizer=...\\)"),
+                            (dict(method="qada", tau=1.5, moments="prompt"), "tau"),
+                            (dict(method="qada", moments="other"), "unknown moments source"),
+                            (dict(method="qada_cal", tokenizer=tok, calibration=random_calibration(L=3)),
+                             "the model has \\(2, 4\\)")]:
+        with pytest.raises(ValueError, match=message):
+            enable(hf, **kwargs)
+        assert hf.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="not enabled"):
+        disable(hf)
+    attention = enable(hf, "dense")
+    assert isinstance(attention, HFAttention) and hf.config._attn_implementation == attention.name
+    with pytest.raises(ValueError, match="already enabled"):
+        enable(hf, "dense")
+    disable(hf)
+
+
+def test_calibrate_through_the_adapter_equals_ours(sharp_dir, tmp_path):
+    """python -m lab.calibrate --qada --hf FOLDER records, through the adapter, the masses --model FOLDER records
+    through our model, and fits the same correction; the two runs' files name their runner."""
+    args = ["--qada", "--tasks", "fwe", "--length", "400", "--samples", "1", "--max-new-tokens", "4"]
+    assert calibrate.main(args + ["--model", str(sharp_dir), "--out", str(tmp_path / "ours")]) == 0
+    assert calibrate.main(args + ["--hf", str(sharp_dir), "--out", str(tmp_path / "hf")]) == 0
+    ours = torch.load(tmp_path / "ours" / "masses.pt", weights_only=True)
+    hf = torch.load(tmp_path / "hf" / "masses.pt", weights_only=True)
+    assert hf["settings"]["model"] == f"transformers:{sharp_dir}" and ours["settings"]["model"] == str(sharp_dir)
+    (m1, n1), (m2, n2) = ours["prompts"]["fwe#0"], hf["prompts"]["fwe#0"]
+    assert m1.shape == m2.shape and m1.shape[0] >= 1 and torch.equal(n1, n2)
+    torch.testing.assert_close(m2, m1, atol=1e-4, rtol=1e-4)
+    a, b = load_calibration(tmp_path / "ours" / "affine.json"), load_calibration(tmp_path / "hf" / "affine.json")
+    torch.testing.assert_close(b.a, a.a, atol=1e-3, rtol=1e-3)
+    assert calibrate.main(args + ["--model", str(sharp_dir), "--hf", str(sharp_dir), "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.slow
+def test_the_embedded_model_through_transformers_gguf_loader_equals_ours(embedded_dir, hf_gguf_model):
+    """SmolLM2-135M as transformers' GGUF loader reads it and as our converter does: the shipped needle prompt's start
+    decoded greedily through the adapter and through our model, with QAdA at the paper's tau: the same tokens and
+    labels."""
+    from pathlib import Path
+    hf, ours, tok = hf_gguf_model, load_model(embedded_dir), Tokenizer.from_dir(embedded_dir)
+    text = (Path(__file__).resolve().parent.parent / "examples" / "needle.txt").read_text()
+    ids = torch.tensor([tok.encode(text, add_special_tokens=True)[:1200]])  # its first 1,200 tokens: a shorter run
+    eos = hf.generation_config.eos_token_id
+    hf.generation_config.eos_token_id = None
+    try:
+        attention = enable(hf, "qada", tau=0.6, tokenizer=tok)
+        got = generate_hf(hf, ids, new=12)[0]
+        want, att = generate_ours(ours, tok, ids, "qada", "random-words", 0.6, None, new=12)
+        assert got == want
+        labels = attention.rows[0].stats.label_tensor()
+        assert torch.equal(labels, att.stats.label_tensor()) and 0 < labels.float().mean() < 1
+    finally:
+        hf.generation_config.eos_token_id = eos
+        if isinstance(transformers.AttentionInterface().get(hf.config._attn_implementation), HFAttention):
+            disable(hf)
+
+
+def test_the_core_imports_neither_transformers_nor_the_adapter():
+    """transformers is an extra: no top-level file imports it or integrations/, and requirements.txt does not list it."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] in ("transformers", "integrations") for n in names), path.name
+    assert "transformers" not in (root / "requirements.txt").read_text()
