@@ -288,3 +288,137 @@ def test_batched_rows_with_their_own_tau_at_the_first_step_past_the_window(rule,
         BatchAttention(rows)(q[:, :, None], k, v, 0)
         for i, tau in enumerate(taus):
             assert rows[i].stats.labels[-1][0].tolist() == (shares[i] >= tau).reshape(H).tolist(), (T, tau)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The step a CUDA graph captures (issue 32): T read from a device tensor, views running to the cache's capacity.
+
+
+class Recorded:
+    """A Triton kernel whose launches are recorded, then run: the grid and every Python value it is given (integers,
+    floats, constexprs) as they are, a tensor by name when it is one of `named` (the caller's buffers, by address),
+    else by dtype, shape and strides (a temporary the step allocates)."""
+
+    def __init__(self, kernel, launches, named):
+        self.kernel, self.launches, self.named = kernel, launches, named
+
+    def describe(self, x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        return self.named.get(x.data_ptr()) or (x.dtype, tuple(x.shape), x.stride())
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, [self.describe(a) for a in args],
+                                  {name: self.describe(a) for name, a in kwargs.items()}))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def record_launches(monkeypatch, **named):
+    launches = []
+    names = {x.data_ptr(): name for name, x in named.items()}
+    for name in ("_window_decide_kernel", "_split_attention_kernel", "_merge_kernel"):
+        monkeypatch.setattr(kernels, name, Recorded(getattr(kernels, name), launches, names))
+    return launches
+
+
+@pytest.mark.parametrize("length_shape", [(), (1,)])
+def test_a_step_over_the_capacity_launches_the_same_whatever_T(length_shape, monkeypatch):
+    """fused_qada at T and at T + 1, the filled length in a device tensor changed in place in between, the views
+    running to the capacity: the three launches get the same grids, the same Python values and the same buffers, so
+    one captured step can be replayed as the cache fills. The split size comes from the capacity: the default split
+    here gives several splits, of which the filled length uses fewer than the grid holds."""
+    B, H, Hkv, D, T_max = 2, 6, 2, 16, 2100
+    q, k, v, A, b = case(B, H, Hkv, D, T_max, seed=2)
+    rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
+    length = torch.full(length_shape, 1000, dtype=torch.int32)
+    tau = kernels.kernel_thresholds(torch.tensor([0.6, 0.4], dtype=torch.float64))
+    y = torch.empty(B, H, D)
+    launches = record_launches(monkeypatch, q=q, k=k, v=v, rows=rows, start=start, length=length, A=A, b=b,
+                               tau=tau[0], tau_logit=tau[1], y=y)
+    outputs = []
+    for T in (1000, 1001):
+        length.fill_(T)
+        _, labels = fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, "mean", length=length, out=y)
+        outputs.append((y.clone(), labels.clone()))
+    assert len(launches) == 6 and launches[:3] == launches[3:]
+    split = kernels.split_size(B * Hkv, T_max, q.device)
+    assert launches[1][0] == (B, Hkv, math.ceil(T_max / split)) and math.ceil(1001 / split) < math.ceil(T_max / split)
+    monkeypatch.undo()
+    for i, T in enumerate((1000, 1001)):  # what T it read: the sliced views' output and labels, bit for bit
+        y_cut, labels_cut = fused_qada(q, k[:, :, :T], v[:, :, :T], rows, start, N_SINK, N_LOCAL, (A, b), tau, "mean",
+                                       split=split)
+        assert torch.equal(outputs[i][0], y_cut) and torch.equal(outputs[i][1], labels_cut)
+    assert not torch.equal(outputs[0][0], outputs[1][0])
+
+
+@pytest.mark.parametrize("rule", [None, "all"])
+def test_views_to_the_capacity_give_the_sliced_views_result_per_row_lengths_included(rule):
+    """Per-row lengths (n,): each query's row read to its own T, bit for bit what that row gives alone on its
+    cache sliced to T; the splits past T never ran (count_reads), though the grid covers the capacity."""
+    B, H, Hkv, D, T_max = 3, 8, 2, 16, 450
+    q, k, v, A, b = case(B, H, Hkv, D, T_max, seed=4)
+    rows, start = torch.tensor([2, 0, 1], dtype=torch.int32), torch.tensor([0, 20, 3], dtype=torch.int32)
+    lengths = torch.tensor([T_max, 200, 33 + N_LOCAL], dtype=torch.int32)  # T past a split boundary, at one, short
+    tau = torch.tensor([0.5, 0.7, 0.3], dtype=torch.float64)
+    y, labels, reads = fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, rule, length=lengths, split=64,
+                                  block_n=16, count_reads=True)
+    for i in range(B):
+        T, r = int(lengths[i]), int(rows[i])
+        y_i, labels_i, reads_i = fused_qada(q[i:i + 1], k[r:r + 1, :, :T], v[r:r + 1, :, :T],
+                                            torch.zeros(1, dtype=torch.int32), start[i:i + 1], N_SINK, N_LOCAL,
+                                            (A[i:i + 1], b[i:i + 1]), tau[i:i + 1], rule, split=64, block_n=16,
+                                            count_reads=True)
+        assert torch.equal(y[i], y_i[0]) and torch.equal(labels[i], labels_i[0]) and torch.equal(reads[i], reads_i[0])
+        long = ~labels_i[0].view(Hkv, -1).all(-1)
+        assert reads[i].tolist() == (long * math.ceil((T - int(start[i])) / 64)).tolist()
+    assert 0 < int(labels.sum()) < labels.numel()
+
+
+def test_decoding_through_fixed_buffers_matches_the_eager_steps(monkeypatch):
+    """N decode steps two ways, each step's query depending on the last step's output. Eagerly: the new key and value
+    written at position T from the host, fused_qada on the cache sliced to T + 1. Through fixed buffers, as a captured
+    graph replays them: the new entry written at a device position, the length advanced in place, fused_qada on the
+    cache's whole capacity. Every step's labels and output are the same bit for bit, and every step of the buffered
+    loop launches the same kernels with the same Python values and buffers."""
+    B, H, Hkv, D, T_max, T0, steps = 2, 6, 2, 16, 512, 250, 8  # crosses the split boundary at 256
+    q0, k, v, A, b = case(B, H, Hkv, D, T_max, seed=6)
+    g = torch.Generator().manual_seed(7)
+    new_q, new_k, new_v = (torch.randn(steps, B, n, D, generator=g) for n in (H, Hkv, Hkv))
+    rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([0, 11], dtype=torch.int32)
+    tau = kernels.kernel_thresholds(torch.tensor([0.6, 0.5], dtype=torch.float64))
+
+    def query(t, y):  # the next step's query follows this step's output, so any difference would carry on
+        return q0 + new_q[t] + 0.5 * y
+
+    k_eager, v_eager = k.clone(), v.clone()
+    y, eager = torch.zeros(B, H, D), []
+    for t in range(steps):
+        T = T0 + t
+        k_eager[:, :, T], v_eager[:, :, T] = new_k[t], new_v[t]
+        y, labels = fused_qada(query(t, y), k_eager[:, :, :T + 1], v_eager[:, :, :T + 1], rows, start, N_SINK,
+                               N_LOCAL, (A, b), tau, "mean", split=64, block_n=16)
+        eager.append((y, labels))
+
+    k_buf, v_buf = k.clone(), v.clone()
+    length = torch.tensor([T0], dtype=torch.int32)
+    q_buf, k_new, v_new, y_buf = torch.zeros(B, H, D), torch.empty(B, Hkv, D), torch.empty(B, Hkv, D), torch.zeros(B, H, D)
+    launches = record_launches(monkeypatch, q=q_buf, k=k_buf, v=v_buf, rows=rows, start=start, length=length, A=A,
+                               b=b, tau=tau[0], tau_logit=tau[1], y=y_buf)
+
+    def step():  # reads device tensors only: what a CUDA graph would capture once
+        k_buf.index_copy_(2, length.long(), k_new[:, :, None])  # (B, Hkv, 1, D) at position T
+        v_buf.index_copy_(2, length.long(), v_new[:, :, None])
+        length.add_(1)
+        return fused_qada(q_buf, k_buf, v_buf, rows, start, N_SINK, N_LOCAL, (A, b), tau, "mean", length=length,
+                          split=64, block_n=16, out=y_buf)[1]
+
+    for t in range(steps):
+        q_buf.copy_(query(t, y_buf)), k_new.copy_(new_k[t]), v_new.copy_(new_v[t])
+        labels = step()
+        assert torch.equal(y_buf, eager[t][0]) and torch.equal(labels, eager[t][1]), t
+    assert int(length) == T0 + steps
+    assert all(launches[i] == launches[i % 3] for i in range(len(launches))) and len(launches) == 3 * steps
+    every = torch.stack([labels for _, labels in eager])
+    assert 0 < int(every.sum()) < every.numel()  # some groups read the cache, some not
