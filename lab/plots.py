@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.records import ABLATIONS, LOSSLESS, MAIN_TAU, PEER_PATHS, config_sort_key, curves, group, is_tau, label, mean
+from lab.records import (ABLATIONS, LOSSLESS, MAIN_TAU, PEER_PATHS, config_sort_key, curves, group, is_tau, label, mean,
+                         page_methods)
 from lab.tasks import CTXFREE
 
 # Each configuration of records.ORDER in its colour and marker; any other method gets a colour picked by its name.
@@ -18,10 +19,15 @@ COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "ta
          "expected_attention": "teal", "expected_attention_ctx": "turquoise", "knorm": "goldenrod",
          "streaming_llm": "dimgray", "hf_dense": "black", "qada_cal": "sienna", "qada_cal_transfer": "chocolate",
          "qada_kv_cal": "darkgoldenrod", "qada_kv_all_cal": "darkred", "qada_kv_cal_transfer": "olivedrab",
-         "qada_kv_all_cal_transfer": "darkslategray"}
+         "qada_kv_all_cal_transfer": "darkslategray", "quest": "royalblue", "quest_p32": "cornflowerblue",
+         "quest_p64": "lightsteelblue", "quest_frac": "steelblue", "qada_pages": "red", "qada_pages_p32": "orangered",
+         "qada_pages_p64": "lightsalmon", "qada_pages_sum": "darkviolet", "qada_pages_frac": "firebrick",
+         "page_oracle": "limegreen", "page_oracle_p32": "yellowgreen", "page_oracle_p64": "palegreen"}
 MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_oracle": "x", "oracle": "o", "qada_rw": "D",
           "qada_prompt": "P", "qada_prompt_online": "X", "static_kv": "<", "static_oracle_kv": "+", "oracle_kv": "h",
-          "qada_kv": "*", "qada_kv_all": "d"}
+          "qada_kv": "*", "qada_kv_all": "d", "quest": "s", "quest_p32": "s", "quest_p64": "s", "quest_frac": "s",
+          "qada_pages": "*", "qada_pages_p32": "*", "qada_pages_p64": "*", "qada_pages_sum": "X", "qada_pages_frac": "*",
+          "page_oracle": "o", "page_oracle_p32": "o", "page_oracle_p64": "o"}
 
 
 def color(method: str) -> str:
@@ -30,16 +36,19 @@ def color(method: str) -> str:
     return COLOR.get(method) or spare[sum(map(ord, method)) % len(spare)]
 
 
-def figure_scores(out: Path, tasks, methods, points, peers=()):
+def figure_scores(out: Path, tasks, methods, points, peers=(), pages=()):
     """Fig. 4 with intervals: normalised score (95 % paired-bootstrap interval) against head sparsity and against
-    the fraction of KV entries read, a marker per measured configuration; and, when the KV-group paths ran, the
-    same for them beside their per-query-head counterparts (figKV), with the peers' presses (kvpress, dash-dotted;
-    KV read only: a press has no head sparsity) where their records joined the report."""
+    the fraction of KV entries read, a marker per measured configuration; and, when the KV-group or page paths ran,
+    the same for them beside their per-query-head counterparts (figKV), with the page paths (Quest, QAdA + pages, the
+    page oracle: a curve over their page budget, on the KV-read panel only) and the peers' presses (kvpress,
+    dash-dotted; KV read only: a press has no head sparsity) where their records joined the report."""
     import matplotlib.pyplot as plt
     configs = {m: [c for c in points if c.split("@")[0] == m] for m in methods}  # points come in config order
 
     def panel(ax, ms, x):
         for m in ms:
+            if x == "sparsity" and m in pages:  # a page budget moves the KV read, not the head sparsity
+                continue
             pts = sorted((p[x], p["norm"], p["lo"], p["hi"]) for p in (points[c] for c in configs[m]) if p and p[x] is not None)
             if not pts:
                 continue
@@ -53,13 +62,14 @@ def figure_scores(out: Path, tasks, methods, points, peers=()):
         ax.grid(alpha=0.3)
 
     n = max((p["n"] for p in points.values() if p), default=0)
-    paper = [m for m in methods if "_kv" not in m and m not in peers]  # per query head
-    kv = [m for m in methods if "_kv" in m and m not in peers]  # per KV group, calibrated ones included
+    paper = [m for m in methods if "_kv" not in m and m not in peers and m not in pages]  # per query head
+    kv = [m for m in methods if "_kv" in m and m not in peers and m not in pages]  # per KV group, calibrated included
     figs = [("fig4_score_vs_sparsity.png", paper, "Score vs sparsity and KV read")]
-    if kv or peers:  # the KV-group variants beside the per-query-head methods they refine, and the presses
+    if kv or peers or pages:  # the KV-group variants beside the per-query-head methods they refine, pages, presses
         per_head = [m for m in ("static_oracle", "oracle", "qada_rw", "qada_cal") if m in methods]
-        figs.append(("figKV_score_vs_kv_read.png", per_head + kv
-                     + list(peers), "KV-group criteria vs per-query-head ones" + (" and kvpress's presses" if peers else "")))
+        figs.append(("figKV_score_vs_kv_read.png", per_head + kv + list(pages) + list(peers),
+                     "KV-group criteria vs per-query-head ones" + (", page selection" if pages else "")
+                     + (" and kvpress's presses" if peers else "")))
     for name, ms, title in figs:
         fig, axes = plt.subplots(1, 2, figsize=(13, 5))
         for ax, x in zip(axes, ("sparsity", "kv_read")):
@@ -67,7 +77,7 @@ def figure_scores(out: Path, tasks, methods, points, peers=()):
         axes[1].invert_xaxis()  # left to right: more saved in both panels
         if axes[0].get_legend_handles_labels()[0]:  # no finished pair with dense yet: nothing to label
             axes[0].legend(fontsize=7, loc="lower left")
-        if any(m in peers for m in ms) and axes[1].get_legend_handles_labels()[0]:  # the presses are only here
+        if any(m in peers or m in pages for m in ms) and axes[1].get_legend_handles_labels()[0]:  # only here
             axes[1].legend(fontsize=7, loc="lower left")
         fig.suptitle(f"{title} ({len(tasks)} tasks, up to {n} samples per point; dotted: {LOSSLESS} of dense)")
         fig.tight_layout()
@@ -84,7 +94,9 @@ def plots(out: Path, rows, tasks, cur, rr, points):
     methods = sorted({c.split("@")[0] for c in cur} - set(ABLATIONS), key=config_sort_key)
 
     peers = [m for m in methods if any(r["method"] == m and r.get("path") in PEER_PATHS for r in rows)]
-    figure_scores(out, tasks, methods, points, peers)
+    budgeted = page_methods(rows)
+    pages = [m for m in methods if m in budgeted]
+    figure_scores(out, tasks, methods, points, peers, pages)
 
     # Fig. 6b: sparsity vs tau with spread across tasks; Fig. 6c: per task + context-independent
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))

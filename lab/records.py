@@ -23,7 +23,9 @@ ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_
          "qada_cal", "qada_cal_transfer", "qada_cal_offset", "qada_cal_scale", "qada_cal_quantile", "qada_kv_cal",
          "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer", "qada_sampled", "qada_kv_sampled",
          "qada_sampled_upper", "qada_sampled_cal", "qada_sampled_cal_transfer", "qada_kv_sampled_cal",
-         "qada_kv_sampled_cal_transfer", "hf_dense", "snapkv", "expected_attention", "knorm", "streaming_llm", "snapkv_ctx",
+         "qada_kv_sampled_cal_transfer", "quest", "quest_p32", "quest_p64", "quest_frac", "qada_pages", "qada_pages_p32",
+         "qada_pages_p64", "qada_pages_sum", "qada_pages_frac", "page_oracle", "page_oracle_p32", "page_oracle_p64",
+         "hf_dense", "snapkv", "expected_attention", "knorm", "streaming_llm", "snapkv_ctx",
          "expected_attention_ctx", "knorm_ctx", "streaming_llm_ctx")
 LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
          "static_oracle": "static oracle", "oracle": "adaptive oracle", "qada_rw": "QAdA (random words)",
@@ -46,11 +48,22 @@ LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads
          "qada_sampled_cal_transfer": "QAdA, 64 sampled keys, calibrated on other tasks (affine)",
          "qada_kv_sampled_cal": "QAdA per KV group, 64 sampled keys, calibrated (mean share)",
          "qada_kv_sampled_cal_transfer": "QAdA per KV group, 64 sampled keys, calibrated on other tasks (mean share)",
+         "quest": "Quest (pages of 16 by key bounds, every head)", "quest_p32": "Quest, pages of 32",
+         "quest_p64": "Quest, pages of 64", "quest_frac": "Quest, budget a fraction of T",
+         "qada_pages": "QAdA per KV group + pages of 16 (group bound max; ours)",
+         "qada_pages_p32": "QAdA per KV group + pages of 32 (max; ours)",
+         "qada_pages_p64": "QAdA per KV group + pages of 64 (max; ours)",
+         "qada_pages_sum": "QAdA per KV group + pages of 16 (group bound sum; ours)",
+         "qada_pages_frac": "QAdA per KV group + pages, budget a fraction of T (max; ours)",
+         "page_oracle": "page oracle, pages of 16 (true masses; analysis only)",
+         "page_oracle_p32": "page oracle, pages of 32 (analysis only)",
+         "page_oracle_p64": "page oracle, pages of 64 (analysis only)",
          "hf_dense": "dense through transformers (the peers' control)", "snapkv": "kvpress SnapKV (question in the press)",
          "expected_attention": "kvpress ExpectedAttention (question in the press)",
          "knorm": "kvpress Knorm (question in the press)", "streaming_llm": "kvpress StreamingLLM",
          "snapkv_ctx": "kvpress SnapKV (context only)", "expected_attention_ctx": "kvpress ExpectedAttention (context only)",
          "knorm_ctx": "kvpress Knorm (context only)", "streaming_llm_ctx": "kvpress StreamingLLM (context only)"}
+PAGE_KINDS = ("budget", "budget_frac")  # the threshold kinds of the page paths (quest, qada_pages, page_oracle, ...)
 PEER_PATHS = ("kvpress", "transformers")  # lab.peers' records: presses that drop entries at prefill, and its dense
 ABLATIONS = ("qada_word", "qada_long")
 MAIN_TAU = TAU  # the paper's tau: the head maps, agreement and log-error tables read the runs at it
@@ -183,6 +196,12 @@ def label(method: str) -> str:
 def is_tau(rows, method: str) -> bool:
     """Whether `method`'s threshold is a tau (its records say so)."""
     return any(r.get("threshold_kind") == "tau" for r in rows if r["method"] == method)
+
+
+def page_methods(rows) -> set[str]:
+    """The methods whose threshold is a page budget (their records' threshold_kind): a curve over their budgets, on
+    the KV-read axis only (Quest's head sparsity is 0 at every budget, qada_pages' that of its fixed tau)."""
+    return {r["method"] for r in rows if r.get("threshold_kind") in PAGE_KINDS}
 
 
 def mean(xs):
@@ -356,15 +375,17 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
     return out
 
 
-def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed: int = 0, worst: bool = False
-                   ) -> list[dict]:
+def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed: int = 0, worst: bool = False,
+                   methods=None) -> list[dict]:
     """Per method: its lossless sparsity and a paired-bootstrap 95 % interval over samples (resampled within each
     task, the same draw for dense and every configuration of the method, each draw placing the configurations at the
     sparsity or KV read of its samples), with the mean KV-read fraction there.
     axis "kv_read": the lowest lossless KV-read fraction instead (the saving 1 - kv_read in place of sparsity), what
-    sets decode time under grouped-query attention."""
+    sets decode time under grouped-query attention. `methods`: only these (default every method)."""
     out = []
     for m, cs in method_configs(rows, tasks).items():
+        if methods is not None and m not in methods:
+            continue
         res = lossless_draws(rows, tasks, {m: cs}, axis, n_boot, seed, worst)  # each on all the samples it finished
         if not res or m not in res:
             continue
@@ -439,16 +460,18 @@ def matched_draws(rows, tasks, configs: dict[str, list[str]], axis: str, targets
     return out
 
 
-def matched_table(rows, tasks, axis: str, targets=None, against: str | None = None, n_boot: int = 2000, seed: int = 0
-                  ) -> list[dict]:
-    """Per method (dense and local aside): score / dense at each target of `axis` with its 95 % interval, and with
-    `against` (a method) the paired difference from it at the same target."""
+def matched_table(rows, tasks, axis: str, targets=None, against: str | None = None, n_boot: int = 2000, seed: int = 0,
+                  methods=None) -> list[dict]:
+    """Per method (dense and local aside; with `methods`, only those): score / dense at each target of `axis` with its
+    95 % interval, and with `against` (a method) the paired difference from it at the same target."""
     targets = targets or MATCHED[axis]
     configs = method_configs(rows, tasks)
     measured = {r["config"] for r in rows if r.get(axis) is not None}
     configs = {m: cs for m, cs in configs.items() if set(cs) <= measured}  # a press has no head sparsity
     out = []
     for m, cs in configs.items():
+        if methods is not None and m not in methods:
+            continue
         pair = {m: cs} if against is None or against == m or against not in configs else {m: cs, against: configs[against]}
         res = matched_draws(rows, tasks, pair, axis, targets, n_boot, seed)  # each method on the samples it finished
         if not res:

@@ -11,8 +11,8 @@ into OUT:
                       with intervals, QAdA against the oracle per layer,
                       agreement with the oracle by head decile and recall of long-context heads (App. C),
                       the Gaussian log-mass error (Table 2), the context-independent question (Fig. 6c),
-                      the moments ablations (Fig. 5e-g)
-    fig4_score_vs_sparsity.png, figKV_score_vs_kv_read.png (when the KV-group paths ran),
+                      the moments ablations (Fig. 5e-g); when page paths ran, QAdA + pages against Quest alone
+    fig4_score_vs_sparsity.png, figKV_score_vs_kv_read.png (when the KV-group, page or peers' paths ran),
     fig5efg_moments_ablation.png (when the ablations ran), fig6a_sparsity_along_answer.png,
     fig6bc_sparsity_vs_tau.png, fig7_long_context_heads.png, figC_recall_long_context_heads.png
 Averages over tasks use only the samples every compared config has finished, so a partial run compares like
@@ -33,7 +33,7 @@ from lab.plots import plots
 from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, DamagedRecord, common_indices, config_sort_key,
                         confusion, curves, drawn_mean, group, head_counts, is_run_folder, label, lossless_draws,
                         lossless_table, matched_table, mean, mean_draws, measured_points, method_configs, normalised,
-                        paired_scores, paired_values, read_records, read_run, recall_rows, run_recall,
+                        page_methods, paired_scores, paired_values, read_records, read_run, recall_rows, run_recall,
                         static_oracle_freq, summary_rows)
 from lab.tasks import CTXFREE, TASKS as TASK_ORDER
 
@@ -111,16 +111,21 @@ def write_summary(out: Path, rows, tasks, damaged: list[str] = ()):
 
 
 def write_lossless(out: Path, rows, tasks) -> list[str]:
-    table = lossless_table(rows, tasks)
+    pages = page_methods(rows)  # curves over a page budget: on the KV-read axis only
+    heads = [m for m in method_configs(rows, tasks) if m not in pages] if pages else None
+    table = lossless_table(rows, tasks, methods=heads)
     lines = ["## Lossless sparsity (mean normalised score >= 0.95 of dense), paired bootstrap 95 % interval", "",
              "The highest measured sparsity up to which every point of the method keeps >= 0.95 of dense (mean over "
              "tasks of score / dense score, on the samples that dense and every configuration of the method finished). "
              "Interval: 2,000 bootstrap draws of the samples within each task, the same draw for dense and each "
              "configuration of the method (paired), each draw placing the configurations at the sparsity and KV read "
              "of its samples. Only measured points count: "
-             "a method whose highest point is still lossless may go further.", "",
-             "| method | lossless sparsity | 95 % interval | KV read there | points | highest measured | samples |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+             "a method whose highest point is still lossless may go further.", ""]
+    if pages:
+        lines += ["The page paths (Quest, QAdA + pages, the page oracle) are curves over their page budget at a fixed "
+                  "head sparsity: they are in the KV-read tables only.", ""]
+    lines += ["| method | lossless sparsity | 95 % interval | KV read there | points | highest measured | samples |",
+              "|---|---:|---|---:|---:|---:|---:|"]
     for r in table:
         lines.append(f"| {label(r['method'])} | {r['lossless']:.2f} | [{r['lo']:.2f}, {r['hi']:.2f}] | "
                      f"{fmt(r['kv_read'], 1, 2)} | {r['points']} | {r['max_sparsity']:.2f} | {r['n']} |")
@@ -138,8 +143,8 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
               "draws).", "", "| method | lossless sparsity | 95 % interval | lossless KV read | 95 % interval | samples |",
               "|---|---:|---|---:|---|---:|"]
     worst_kv = {r["method"]: r for r in lossless_table(rows, tasks, "kv_read", n_boot=1000, worst=True)}
-    worst_sp = {r["method"]: r for r in lossless_table(rows, tasks, n_boot=1000, worst=True)}
-    for m in list(worst_sp) + [m for m in worst_kv if m not in worst_sp]:  # the peers have a KV read only
+    worst_sp = {r["method"]: r for r in lossless_table(rows, tasks, n_boot=1000, worst=True, methods=heads)}
+    for m in list(worst_sp) + [m for m in worst_kv if m not in worst_sp]:  # the peers and page paths: KV read only
         r, k = worst_sp.get(m), worst_kv.get(m)
         lines.append(f"| {label(m)} | " + (f"{r['lossless']:.2f} | [{r['lo']:.2f}, {r['hi']:.2f}]" if r else " | ")
                      + " | " + (f"{k['lossless']:.2f} | [{k['lo']:.2f}, {k['hi']:.2f}]" if k else " | ")
@@ -172,9 +177,11 @@ def matched_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
     within each task, the configurations' sparsity and KV read redrawn with their scores), and the paired difference
     from static heads (RULER calibration) at the same target. Blank: the target lies outside the method's measured
     range."""
+    pages = page_methods(rows)  # held against Quest alone in page_tables instead
+    heads = [m for m in method_configs(rows, tasks) if m not in pages] if pages else None
     lines = []
     for axis, name in (("sparsity", "head sparsity"), ("kv_read", "KV read")):
-        table = matched_table(rows, tasks, axis, against="static", n_boot=n_boot)
+        table = matched_table(rows, tasks, axis, against="static", n_boot=n_boot, methods=heads)
         if not table:
             continue
         targets = MATCHED[axis]
@@ -242,12 +249,12 @@ KV_COMPARISONS = (("qada_kv_all", "qada_rw"), ("qada_kv", "qada_rw"), ("qada_kv_
                   ("qada_kv", "static_oracle_kv"), ("oracle_kv", "oracle"), ("qada_kv_all", "qada_kv"))
 
 
-def kv_read_differences(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
+def kv_read_differences(rows, tasks, n_boot: int = 2000, seed: int = 0, pairs=KV_COMPARISONS) -> list[str]:
     """Each pair's lossless KV-read fractions on the samples both methods (and dense) finished, and the difference
     (first minus second: below 0, the first reads less at no loss) with a 95 % interval from the same bootstrap
     draws for both (paired)."""
     cfgs, lines = method_configs(rows, tasks), []
-    for a, b in KV_COMPARISONS:
+    for a, b in pairs:
         if a not in cfgs or b not in cfgs:
             continue
         res = lossless_draws(rows, tasks, {a: cfgs[a], b: cfgs[b]}, axis="kv_read", n_boot=n_boot, seed=seed)
@@ -285,6 +292,81 @@ def config_differences(rows, tasks, pairs, header: str, n_boot: int = 2000, seed
         sa, sb = normalised(scores, everyone, a), normalised(scores, everyone, b)
         lines.append(f"| {a} ({where(a)}) | {b} ({where(b)}) | {sa:.2f} | {sb:.2f} | {sa - sb:+.2f} | "
                      f"[{lo:+.2f}, {hi:+.2f}] | {n} |")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Page selection: QAdA + pages against Quest alone
+
+
+PAGE_TARGETS = (0.2, 0.1, 0.05)  # KV-read fractions the page paths reach, compared at beside MATCHED's
+PAGE_COMPARISONS = (("qada_pages", "quest"), ("qada_pages_p32", "quest_p32"), ("qada_pages_p64", "quest_p64"),
+                    ("qada_pages_frac", "quest_frac"), ("qada_pages_sum", "quest"), ("qada_pages_sum", "qada_pages"),
+                    ("qada_pages", "qada_kv_cal"), ("quest", "page_oracle"), ("quest_p32", "page_oracle_p32"),
+                    ("quest_p64", "page_oracle_p64"))  # (first, second): the combination against each part of it
+NEAREST = PAGE_COMPARISONS[:5]  # the combinations and Quest alone, at their configurations nearest in KV read
+
+
+def quest_for(method: str, present) -> str | None:
+    """Quest alone at the page size (or budget unit) of `method`, among the methods `present`, else Quest at
+    pages of 16; None without Quest."""
+    for suffix in ("_p32", "_p64", "_frac"):
+        if method.endswith(suffix) and "quest" + suffix in present:
+            return "quest" + suffix
+    return "quest" if "quest" in present else None
+
+
+def page_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
+    """Quest alone (every head reads its window and its top pages), calibrated QAdA per KV group with pages in its
+    long-context groups (ours), the page oracle (analysis only: its read is implied by pages chosen from every score)
+    and calibrated QAdA per KV group alone, each a curve over its page budget (QAdA alone: over tau). First score /
+    dense at matched KV read (interpolated between a method's two measured configurations around the target, as
+    above) and the paired difference from Quest alone at the same page size and read; then the lossless KV reads
+    compared in pairs; then each combination's configuration and Quest's nearest to it in KV read, compared directly,
+    for when their measured ranges of KV read do not meet. Paired-bootstrap 95 % intervals throughout (the same draws
+    of the samples within each task for both methods and dense); blank: the target lies outside a method's range."""
+    pages = page_methods(rows)
+    cfgs = method_configs(rows, tasks)
+    if not pages & set(cfgs):
+        return []
+    alone = next((m for m in PEER_AGAINST if m in cfgs and m not in pages), None)  # calibrated QAdA per KV group
+    shown = [m for m in cfgs if m in pages or m == alone]
+    targets = MATCHED["kv_read"] + PAGE_TARGETS
+    table = []
+    for q in dict.fromkeys(quest_for(m, cfgs) for m in shown):  # each Quest once, with the methods held against it
+        group_ = [m for m in shown if quest_for(m, cfgs) == q]
+        table += [dict(r, against=q) for r in matched_table(rows, tasks, "kv_read", targets, against=q, n_boot=n_boot,
+                                                            methods=group_)]
+    cell = lambda v: "" if v is None else f"{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]"  # noqa: E731
+    diff = lambda v: "" if v is None else f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]"  # noqa: E731
+    lines = ["**At KV read** " + ", ".join(f"{t:g}" for t in targets) + " (score / dense; then minus Quest alone at "
+             "the same page size)", "",
+             "| method | " + " | ".join(f"@{t:g}" for t in targets) + " | Quest alone | "
+             + " | ".join(f"minus Quest @{t:g}" for t in targets) + " | samples |",
+             "|---|" + "---:|" * len(targets) + "---|" + "---:|" * (len(targets) + 1)]
+    for r in sorted(table, key=lambda r: config_sort_key(r["method"])):
+        lines.append(f"| {label(r['method'])} | " + " | ".join(cell(r[t]) for t in targets)
+                     + f" | {r['against'] or '–'} | " + " | ".join(diff(r.get(f"vs {t}")) for t in targets)
+                     + f" | {r['n']} |")
+    diffs = kv_read_differences(rows, tasks, pairs=PAGE_COMPARISONS)
+    if diffs:
+        lines += ["", "**Lossless KV read, paired** (first minus second: below 0, the first reads less at no loss; "
+                  "mean-over-tasks rule)", "",
+                  "| method | lossless KV read | against | its lossless KV read | difference | 95 % interval | samples |",
+                  "|---|---:|---|---:|---:|---|---:|"] + diffs
+    near = []
+    for a, b in NEAREST:
+        if a in cfgs and b in cfgs:
+            kv = {c: mean([r["kv_read"] for r in rows if r["config"] == c and r["task"] in tasks])
+                  for c in cfgs[a] + cfgs[b]}
+            ca, cb = min(((x, y) for x in cfgs[a] for y in cfgs[b]), key=lambda p: (abs(kv[p[0]] - kv[p[1]]), p))
+            if paired_scores(rows, tasks, [ca, cb]):
+                near += config_differences(rows, tasks, [(ca, cb)], "", n_boot=2 * n_boot)[2:]
+    if near:
+        lines += ["", "**Nearest in KV read** (each combination's configuration and Quest's closest to it in mean KV "
+                  "read; head sparsity / KV read in brackets; first minus second)", "",
+                  "| combination | Quest alone | score / dense | Quest's | difference | 95 % interval | samples |",
+                  "|---|---|---:|---:|---:|---|---:|"] + near
     return lines
 
 
@@ -445,6 +527,10 @@ def write_analysis(out: Path, rows, tasks, cur, points, damaged: list[str] = ())
               score_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + score_table(points) + [""]
     lines += ["## Score / dense at matched head sparsity and KV read, paired bootstrap 95 % interval", "",
               matched_tables.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + matched_tables(rows, tasks)
+    pages = page_tables(rows, tasks)
+    if pages:
+        lines += ["## Page selection: QAdA + pages against Quest alone, paired", "",
+                  page_tables.__doc__.replace("\n    ", " "), ""] + pages + [""]
     peers = peer_tables(rows, tasks)
     if peers:
         lines += ["## Peers: kvpress's presses at matched KV read, on their common samples", "",
