@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Token-level page selection at 8k on the research model: Quest alone, calibrated QAdA per KV group with its
 # long-context groups reading only their top pages (qada_pages, bounds combined by max; qada_pages_sum by sum), and the
-# page oracle, at budgets of 128-2048 tokens beyond the window and pages of 16, 32 and 64 tokens. The same six tasks,
+# page oracle, at budgets of 32-4096 tokens beyond the window and pages of 16, 32 and 64 tokens (the first samples ran
+# 128-2048 only: at 8k Quest read 0.13-0.59 there and QAdA + pages 0.04-0.13, so the grid was widened at both ends for
+# their reads to overlap; a resume decodes the new budgets on the finished samples too). The same six tasks,
 # samples and seeds as results/qwen0.5b-8k-cal (its records are the paired baseline, calibrated QAdA per KV group
 # alone among them), with the same in-family correction:
 #   python -m lab.report results/qwen0.5b-8k-pages --with results/qwen0.5b-8k-cal --with results/qwen0.5b-8k-peers
@@ -14,5 +16,5 @@ exec torchrun --nproc-per-node 2 -m lab.sweep --model qwen2.5-coder-0.5b --dtype
   --tasks niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
   --length 8192 --samples "${SAMPLES:-30}" --stop eos --batch 48 \
   --methods dense,qada_kv_cal,quest,quest_p32,quest_p64,qada_pages,qada_pages_p32,qada_pages_p64,qada_pages_sum,page_oracle \
-  --grid qada_kv_cal=0.6 --budgets 128,256,512,1024,2048 --calibration results/calibration/qwen0.5b-8k-niah \
+  --grid qada_kv_cal=0.6 --budgets 32,64,128,256,512,1024,2048,4096 --calibration results/calibration/qwen0.5b-8k-niah \
   --calib-samples 2 --ablations "" --ctxfree-samples 0 --track "" --no-report --out results/qwen0.5b-8k-pages
