@@ -22,6 +22,7 @@ summary.md and analysis.md.
 """
 
 import csv
+import math
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -287,9 +288,13 @@ def config_differences(rows, tasks, pairs, header: str, n_boot: int = 2000, seed
 
     lines = [header, "|---|---|---:|---:|---:|---|---:|"]
     for a, b in pairs:
-        diff = [normalised(scores, d, a) - normalised(scores, d, b) for d in draws]
-        lo, hi = np.percentile(diff, [2.5, 97.5])  # as lab.records' intervals
         sa, sb = normalised(scores, everyone, a), normalised(scores, everyone, b)
+        if sa is None or sb is None:  # dense scores 0 on every task: no ratio to compare
+            lines.append(f"| {a} ({where(a)}) | {b} ({where(b)}) | – | – | – | | {n} |")
+            continue
+        pairs_drawn = [(normalised(scores, d, a), normalised(scores, d, b)) for d in draws]
+        diff = [x - y for x, y in pairs_drawn if x is not None and y is not None]  # draws where dense scored
+        lo, hi = np.percentile(diff, [2.5, 97.5]) if diff else (math.nan, math.nan)  # as lab.records' intervals
         lines.append(f"| {a} ({where(a)}) | {b} ({where(b)}) | {sa:.2f} | {sb:.2f} | {sa - sb:+.2f} | "
                      f"[{lo:+.2f}, {hi:+.2f}] | {n} |")
     return lines
