@@ -125,7 +125,7 @@ def qada_sampled_cal(q, k, v, *, layer, n_sink, n_local, tau, n_samples, calibra
                         correction=calibration.layer(layer))
 
 
-# Token-level page selection (issue 30). A page path returns a third value, the KV entries it read per KV head (Hkv,):
+# Token-level page selection. A page path returns a third value, the KV entries it read per KV head (Hkv,):
 # its window, the bulk tokens of the pages read, and the page statistics read to choose them (a page's min and max,
 # 2 key-sized vectors, half an entry each: 1 entry per page scored). HeadStats counts that instead of the labels' read.
 

@@ -640,7 +640,7 @@ def folder_lock(out: Path, shard: int | None = None):
         yield
 
 
-BUDGETS, BUDGET_FRACS = "128,256,512,1024,2048", "0.02,0.05,0.1"  # the page paths' grids (issue 30's budgets)
+BUDGETS, BUDGET_FRACS = "128,256,512,1024,2048", "0.02,0.05,0.1"  # the page paths' grids
 QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, taus="0.6,0.9", grid=["oracle=0.6", "qada_prompt=0.6"],
              sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1, calib_samples=1)
 

@@ -1,4 +1,4 @@
-"""The research harness's command lines on bad input and on what they would overwrite (issue 29): a bad argument is one
+"""The research harness's command lines on bad input and on what they would overwrite: a bad argument is one
 line on stderr and exit 2, found before a model loads; nothing written is replaced unless asked (--force, or a fresh
 default folder); a sweep folder is locked while a sweep writes it; a damaged record stops lab.report and a sweep's
 resume with its file and line, unless --skip-damaged, which leaves it out and counts it."""

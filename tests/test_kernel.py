@@ -291,7 +291,7 @@ def test_batched_rows_with_their_own_tau_at_the_first_step_past_the_window(rule,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The step a CUDA graph captures (issue 32): T read from a device tensor, views running to the cache's capacity.
+# The step a CUDA graph captures: T read from a device tensor, views running to the cache's capacity.
 
 
 class Recorded:

@@ -1,4 +1,4 @@
-"""Token-level page selection (issue 30): the page statistics against brute force, each page path against an fp32
+"""Token-level page selection: the page statistics against brute force, each page path against an fp32
 softmax over exactly the positions it should choose (chosen here again, from the keys themselves), a planted needle,
 dense when the budget covers everything, the KV read by hand, and the CLIs (generate.py, a tiny lab.sweep)."""
 

@@ -1,4 +1,4 @@
-"""lab.report on the page paths (issue 30), from hand-built records (no model): the combination (qada_pages) against
+"""lab.report on the page paths, from hand-built records (no model): the combination (qada_pages) against
 Quest alone at matched KV read with a paired interval, their rows and names in the lossless tables, figKV, and an
 analysis without page paths left as it was."""
 

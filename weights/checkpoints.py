@@ -110,15 +110,22 @@ def check_cached(path: Path, spec: Offline, verify: bool) -> None:
     """That a GGUF already in the cache is still the expected file: its size always (a copy cut short), its sha256 when
     `verify` (before a conversion reads it); ValueError naming the file to delete otherwise."""
     size = path.stat().st_size
-    if size == spec.size and not verify:
+    if size != spec.size:
+        found = f"{size:,} bytes, expected {spec.size:,}"
+    elif verify and file_sha256(path) != spec.sha256:
+        found = "its sha256 is not the expected one"
+    else:
         return
+    raise ValueError(f"the cached {path} is damaged ({found}); delete it and run again to rebuild it")
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in 1 MB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while size == spec.size and (chunk := f.read(1 << 20)):
+        while chunk := f.read(1 << 20):
             h.update(chunk)
-    if size != spec.size or h.hexdigest() != spec.sha256:
-        found = f"{size:,} bytes, expected {spec.size:,}" if size != spec.size else "its sha256 is not the expected one"
-        raise ValueError(f"the cached {path} is damaged ({found}); delete it and run again to rebuild it")
+    return h.hexdigest()
 
 
 def ensure_gguf(name: str, progress: bool = False, verify: bool = False) -> Path:
