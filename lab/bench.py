@@ -3,6 +3,7 @@
     python -m lab.bench                                  # both parts, the README's figures (2 CPU cores)
     python -m lab.bench --parts attention --quick        # a smoke run
     python -m lab.bench --parts e2e --e2e-methods qada@0.2,qada_kv@0.6 --dtype bfloat16   # the KV-group paths too
+    python -m lab.bench --parts e2e --e2e-methods qada_pages@0.6:1024,quest:1024 --dtype bfloat16   # page paths
     python -m lab.bench --device cuda                    # on a GPU: synchronised timings, GPU time in profiles
 
 The report states device, dtype, threads and the load average. Methods are timed interleaved (A, B, A, B, ...
@@ -42,11 +43,11 @@ depth, the question, the chat template), a different needle per prompt. Each pro
 (dense, reported separately); batch B decodes the first B prompts side by side in one left-padded cache
 (model.KVCache.stack, attention.BatchAttention). Compared per (length, batch): packed dense (the model's own
 decode, the best dense here), the all-local window (the floor: no long-context head at all) and each sparse
-path of --e2e-methods (PATH@TAU; random-words moments, sink 16, window 128). Each first writes its greedy
-answers (32 tokens, untimed) to count the needles found; then they are timed in interleaved rounds, every run
-rolling the cache back to the prompts and decoding the same 8 tokens per row; ms per step (one token of every
-row) is the median over the rounds. Sparsity and KV-read fraction are the method's over those tokens, averaged
-over rows. The bound is the speedup if the full heads cost their KV-read share of dense attention and
+path of --e2e-methods (PATH@TAU, a page path PATH:BUDGET or PATH@TAU:BUDGET; random-words moments, sink 16,
+window 128). Each first writes its greedy answers (32 tokens, untimed) to count the needles found; then they are
+timed in interleaved rounds, every run rolling the cache back to the prompts and decoding the same 8 tokens per
+row; ms per step (one token of every row) is the median over the rounds. Sparsity and KV-read fraction are the
+method's over those tokens, averaged over rows (a page path's read counts its pages and the page bounds scored). The bound is the speedup if the full heads cost their KV-read share of dense attention and
 deciding were free: dense / (window-only + KV read * (dense - window-only)), from the measured non-attention
 time (the window-only run) and the measured KV read. Lengths above the model's context use a RoPE theta
 override (--rope-theta) and moments from a random-words prompt of that length (computed once, then cached in
@@ -384,20 +385,41 @@ def decode_timed(model, cache, n_prompt: int, logits, n_new: int, attn) -> tuple
     return seconds, outs
 
 
-def parse_methods(text: str) -> list[tuple[str, float]]:
-    """"qada@0.6,qada_kv@0.4" -> [("qada", 0.6), ("qada_kv", 0.4)]: the sparse paths timed end to end."""
+def parse_methods(text: str) -> list[tuple[str, str, dict]]:
+    """"qada@0.6,qada_pages@0.6:1024,quest:1024,quest_frac:0.05" -> [(label, path, inputs), ...]: the sparse paths
+    timed end to end, each PATH@TAU for a path that reads tau, PATH:BUDGET for a page path (tokens beyond the
+    window, or for a *_frac path a fraction of T), both for a path that reads both."""
     out = []
     for item in text.split(","):
-        name, _, tau = item.strip().partition("@")
-        if name not in attention.PATHS or "tau" not in attention.path_inputs(name) or not tau:
-            raise ValueError(f"--e2e-methods takes PATH@TAU items of a path that reads tau, got {item!r}")
-        try:
-            value = float(tau)
-        except ValueError:
-            value = math.nan
-        if not 0 <= value <= 1:  # NaN fails too
-            raise ValueError(f"--e2e-methods {item!r}: TAU takes a number in [0, 1]")
-        out.append((name, value))
+        label = item.strip()
+        rest, _, budget = label.partition(":")
+        name, _, tau = rest.partition("@")
+        reads = attention.path_inputs(name) if name in attention.PATHS else ()
+        unit = next((b for b in ("budget", "budget_frac") if b in reads), None)
+        if (not ("tau" in reads or unit) or bool(tau) != ("tau" in reads) or bool(budget) != bool(unit)
+                or "page_oracle" in name):  # the page oracle reads every score: analysis only, nothing to time
+            raise ValueError(f"--e2e-methods takes PATH@TAU items of a path that reads tau, PATH:BUDGET of a page "
+                             f"path, PATH@TAU:BUDGET of one that reads both; got {item!r}")
+        inputs = {}
+        if tau:
+            try:
+                inputs["tau"] = float(tau)
+            except ValueError:
+                inputs["tau"] = math.nan
+            if not 0 <= inputs["tau"] <= 1:  # NaN fails too
+                raise ValueError(f"--e2e-methods {item!r}: TAU takes a number in [0, 1]")
+        if unit == "budget":
+            if not budget.isdigit():
+                raise ValueError(f"--e2e-methods {item!r}: BUDGET takes a whole number of tokens")
+            inputs["budget"] = int(budget)
+        elif unit:
+            try:
+                inputs["budget_frac"] = float(budget)
+            except ValueError:
+                inputs["budget_frac"] = math.nan
+            if not 0 < inputs["budget_frac"] <= 1:
+                raise ValueError(f"--e2e-methods {item!r}: BUDGET of a *_frac path takes a fraction of T in (0, 1]")
+        out.append((label, name, inputs))
     return out
 
 
@@ -446,12 +468,12 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
     prefills may then run beside other work, the timed run alone later)."""
     rows, models, profile = [], {}, ""
     correction = None
-    if any("calibration" in attention.path_inputs(m) for m, _ in methods):
+    if any("calibration" in attention.path_inputs(m) for _, m, _ in methods):
         calibration = calibration or shipped_calibration(model_name)
         if calibration is None:
             raise ValueError(f"{model_name} ships no calibration: give --calibration FILE for the qada_cal methods")
         correction = load_calibration(calibration, device)
-        estimates = {attention.bulk_estimate(m) for m, _ in methods if "calibration" in attention.path_inputs(m)}
+        estimates = {attention.bulk_estimate(m) for _, m, _ in methods if "calibration" in attention.path_inputs(m)}
         if len(estimates) > 1:
             raise ValueError("one calibration file corrects one estimate: bench the sampled and the Gaussian "
                              "calibrated methods apart")
@@ -491,13 +513,13 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
                 cache = KVCache.stack(caches[:B], NEEDLE_TOKENS + 1)
             logits, n = torch.cat(firsts[:B]), cache.length
 
-            def build(method, tau):  # through the one builder, one attention per prompt on its own cache
-                atts = [build_attention(method, c, tau=tau, reference=reference, n_sink=N_SINK, n_local=N_LOCAL,
-                                        calibration=correction) for c in caches[:B]]
+            def build(method, inputs):  # through the one builder, one attention per prompt on its own cache
+                atts = [build_attention(method, c, reference=reference, n_sink=N_SINK, n_local=N_LOCAL,
+                                        calibration=correction, **inputs) for c in caches[:B]]
                 return atts[0] if B == 1 else BatchAttention(atts, start=cache.start.tolist())
 
-            make = {"dense": lambda: None, "local": lambda: build("local", 1.0)}  # None: the model's packed dense
-            make |= {f"{m}@{tau:g}": (lambda m=m, tau=tau: build(m, tau)) for m, tau in methods}
+            make = {"dense": lambda: None, "local": lambda: build("local", {})}  # None: the model's packed dense
+            make |= {label: (lambda m=m, inputs=inputs: build(m, inputs)) for label, m, inputs in methods}
             # The answers, untimed (and a warm-up): how many rows still find their needle?
             found = {}
             for name in make:
@@ -513,8 +535,7 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
                         stats[name] = (statistics.mean(x["sparsity"] for x in per_row),
                                        statistics.mean(x["kv_read"] for x in per_row))
             ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-            for m, tau in methods:
-                name = f"{m}@{tau:g}"
+            for name, _, _ in methods:
                 sparsity, kv_read = stats[name]
                 # If the full heads cost exactly their share of dense attention and deciding were free:
                 bound = ms["dense"] / (ms["local"] + kv_read * (ms["dense"] - ms["local"]))
@@ -738,7 +759,7 @@ def calibration_for(methods: list[tuple[str, float]], calibration: str | None) -
     """The calibration file the end-to-end methods read, from --calibration: a file as given, or in a folder of
     lab.calibrate --qada the file of the estimate they correct (affine.json, sampled.json); None leaves the default
     (the model's shipped one) to bench_end_to_end. One-line errors, before anything runs."""
-    readers = [m for m, _ in methods if "calibration" in attention.path_inputs(m)]
+    readers = [m for _, m, _ in methods if "calibration" in attention.path_inputs(m)]
     if calibration is not None and not readers:
         raise ValueError(f"--calibration {calibration}: no method of --e2e-methods reads a calibration (qada_cal ... "
                          "do)")
@@ -776,7 +797,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=DEFAULT, help=f"end-to-end model: a name, folder or hub id (default: {DEFAULT})")
     p.add_argument("--batches", type=ints, default="1,8", help="end-to-end batch sizes, each row a different prompt (default: 1,8)")
     p.add_argument("--e2e-methods", default="qada@0.6", help="sparse paths timed end to end, PATH@TAU,... (e.g. "
-                   "qada@0.2,qada_kv@0.6: each at the tau where it keeps the score; default: qada@0.6)")
+                   "qada@0.2,qada_kv@0.6: each at the tau where it keeps the score; a page path with its budget, "
+                   "quest:1024, qada_pages@0.6:1024, quest_frac:0.05; default: qada@0.6)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="end-to-end weights and KV cache (default: float32)")
     p.add_argument("--compile", dest="compile_decision", action="store_true", help="profile also qada's decision under torch.compile (inductor: "
                    "needs a C++ compiler on the CPU, ~20 s per shape to compile)")

@@ -186,6 +186,33 @@ def test_end_to_end_takes_a_calibration_and_reads_prefills_back(tmp_path, monkey
     assert rows[0]["sparsity"] == 1.0 and plain[0][0] < 1.0
 
 
+def test_end_to_end_times_the_page_paths(tmp_path, monkeypatch):
+    """Quest alone and QAdA + pages run end to end from their PATH[@TAU]:BUDGET items: each reads what its budget
+    allows (a bigger budget reads more), the budget reaches the path (a budget covering the context reads as much
+    as dense would), and malformed items are one-line errors naming the syntax."""
+    from criterion import Calibration, save_calibration
+    from tests.test_generate import make_tiny_dir
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    folder = make_tiny_dir(tmp_path / "tiny")
+    always_long = tmp_path / "long.json"  # every group long-context: the pages decide what is read
+    save_calibration(always_long, Calibration(torch.full((2, 4), -40.0), torch.ones(2, 4), None, {}))
+    methods = bench.parse_methods("quest:16,quest:512,qada_pages@0.6:16,quest_frac:0.25")
+    assert methods[2] == ("qada_pages@0.6:16", "qada_pages", {"tau": 0.6, "budget": 16})
+    assert methods[3] == ("quest_frac:0.25", "quest_frac", {"budget_frac": 0.25})
+    rows, _ = bench.bench_end_to_end(str(folder), [300], [1, 2], methods, repeats=1, n_new=2,
+                                     device=torch.device("cpu"), dtype=torch.float32, rope_theta=4e5,
+                                     calibration=str(always_long))
+    read = {(r["batch"], r["method"]): r["kv_read"] for r in rows}
+    assert len(read) == 8
+    for B in (1, 2):
+        assert read[B, "quest:16"] < read[B, "quest_frac:0.25"] < read[B, "quest:512"]
+        assert read[B, "qada_pages@0.6:16"] < 1 and read[B, "quest:512"] > 0.99  # 512 covers the 268-token bulk
+    for bad in ("quest", "quest@0.5:16", "qada_pages:16", "qada_pages@0.6", "quest:-1", "quest_frac:2",
+                "page_oracle:16", "qada@0.6:16"):
+        with pytest.raises(ValueError, match="--e2e-methods"):
+            bench.parse_methods(bad)
+
+
 def test_a_prefill_read_back_is_the_prefill(tmp_path):
     """`prefilled` from its file: the same keys, values, length and first logits as the prefill that wrote it."""
     from model import load_model
