@@ -47,10 +47,10 @@ path of --e2e-methods (PATH@TAU, a page path PATH:BUDGET or PATH@TAU:BUDGET; ran
 window 128). Each first writes its greedy answers (32 tokens, untimed) to count the needles found; then they are
 timed in interleaved rounds, every run rolling the cache back to the prompts and decoding the same 8 tokens per
 row; ms per step (one token of every row) is the median over the rounds. Sparsity and KV-read fraction are the
-method's over those tokens, averaged over rows (a page path's read counts its pages and the page bounds scored). The bound is the speedup if the full heads cost their KV-read share of dense attention and
-deciding were free: dense / (window-only + KV read * (dense - window-only)), from the measured non-attention
-time (the window-only run) and the measured KV read. Lengths above the model's context use a RoPE theta
-override (--rope-theta) and moments from a random-words prompt of that length (computed once, then cached in
+method's over those tokens, averaged over rows (a page path's read counts its pages and the page bounds scored).
+The bound is the speedup if the full heads cost their KV-read share of dense attention and deciding were free:
+dense / (window-only + KV read * (dense - window-only)), from the measured non-attention time (the window-only run)
+and the measured KV read. Lengths above the model's context use a RoPE theta override (--rope-theta) and moments from a random-words prompt of that length (computed once, then cached in
 ~/.cache/qada/moments).
 
 Outputs in --out (default: a new folder runs/bench/<time>, so that no run overwrites another's; results/bench/
