@@ -50,8 +50,8 @@ row; ms per step (one token of every row) is the median over the rounds. Sparsit
 method's over those tokens, averaged over rows (a page path's read counts its pages and the page bounds scored).
 The bound is the speedup if the full heads cost their KV-read share of dense attention and deciding were free:
 dense / (window-only + KV read * (dense - window-only)), from the measured non-attention time (the window-only run)
-and the measured KV read. Lengths above the model's context use a RoPE theta override (--rope-theta) and moments from a random-words prompt of that length (computed once, then cached in
-~/.cache/qada/moments).
+and the measured KV read. Lengths above the model's context use a RoPE theta override (--rope-theta) and moments
+from a random-words prompt of that length (computed once, then cached in ~/.cache/qada/moments).
 
 Outputs in --out (default: a new folder runs/bench/<time>, so that no run overwrites another's; results/bench/
 holds the committed ones): per part its table (attention.md, end_to_end.md), where the time goes
