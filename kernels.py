@@ -23,6 +23,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 
 try:  # the fused kernel's compiler: optional, CUDA builds of torch bring it; the torch paths need nothing of it
     import triton
@@ -32,6 +33,7 @@ except ImportError:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels (the tests)
 
 from criterion import GROUP_RULES, Correction, tau_logit
+from pages import candidates, page_count
 
 RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
 assert set(RULES) == {None, *GROUP_RULES}
@@ -61,7 +63,8 @@ if triton is not None:
                               H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                               D: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, W_PAD: tl.constexpr,
                               RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
-                              BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr):
+                              BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr,
+                              DECIDE: tl.constexpr):
         b, g = tl.program_id(0), tl.program_id(1)
         row = tl.load(ROWS + b)  # the cache row of this program's query
         start = tl.load(START + b)
@@ -97,73 +100,113 @@ if triton is not None:
         log_local = m + tl.log(l_sum)
         tl.store(Y_WIN + (b * H + g * G + h)[:, None] * D + d[None, :], y, mask=h_ok[:, None])
         tl.store(LOG_LOCAL + b * H + g * G + h, log_local, mask=h_ok)
-        # Eq. 6: q A q^T + q b, with A read BLOCK_D columns at a time
-        quad = tl.zeros((G_PAD,), tl.float32)
-        for j0 in range(0, D, BLOCK_D):
-            j = j0 + tl.arange(0, BLOCK_D)
-            a_cols = tl.load(A + b * sab + g * sah + d[:, None] * D + j[None, :])  # (D, BLOCK_D) fp32
-            q_j = tl.load(q_rows + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, BLOCK_D)
-            quad += tl.sum(tl.dot(q, a_cols, input_precision="ieee") * q_j, 1)
-        if HAS_SCALE:  # the variance term (q A q^T: A is Sigma / 2D) scaled per KV head
-            quad = quad * tl.load(CS + g)
-        bv = tl.load(BV + b * sbb + g * sbh + d)
-        expo = quad + tl.sum(q * bv[None, :], 1)
-        # Eq. 7: log A_bulk = log T_bulk + the exponent, corrected, against the threshold
-        log_bulk = expo + tl.log(tl.maximum(n_ctx - N_LOCAL, 1).to(tl.float32))
-        if HAS_CAL:
-            ca = tl.load(CA + g * G + h, mask=h_ok, other=0.0)
-            cb = tl.load(CB + g * G + h, mask=h_ok, other=1.0)
-            log_bulk = log_local - (ca + cb * (log_local - log_bulk))
-        tau = tl.load(TAU + b)
-        r = log_local - log_bulk
-        local = r >= tl.load(TAU_LOGIT + b)  # criterion.tau_logit's, so both paths compare with the same fp32 number
-        if RULE == 1:  # "mean": the group's mean share, every head follows
-            share = tl.where(h_ok, 1.0 / (1.0 + tl.exp(-r)), 0.0)
-            local = (tl.zeros((G_PAD,), tl.int32) + (tl.sum(share, 0) / G >= tau).to(tl.int32)) != 0
-        if RULE == 2:  # "all": every head of the group, every head follows
-            n_long = tl.sum(tl.where(h_ok & ~local, 1, 0), 0)
-            local = (tl.zeros((G_PAD,), tl.int32) + n_long) == 0
-        local = local | (tl.zeros((G_PAD,), tl.int32) + short.to(tl.int32) != 0)  # no bulk: all exact on the window
-        tl.store(LABELS + b * H + g * G + h, local.to(tl.int8), mask=h_ok)
-        tl.store(READ + b * HKV + g, (tl.sum(tl.where(h_ok & ~local, 1, 0), 0) > 0).to(tl.int8))
+        if not DECIDE:  # Quest alone: no decision, every head long-context; the cache read past a short window
+            tl.store(LABELS + b * H + g * G + h, tl.zeros((G_PAD,), tl.int8), mask=h_ok)
+            tl.store(READ + b * HKV + g, (n_ctx > N_LOCAL).to(tl.int8))
+        else:
+            # Eq. 6: q A q^T + q b, with A read BLOCK_D columns at a time
+            quad = tl.zeros((G_PAD,), tl.float32)
+            for j0 in range(0, D, BLOCK_D):
+                j = j0 + tl.arange(0, BLOCK_D)
+                a_cols = tl.load(A + b * sab + g * sah + d[:, None] * D + j[None, :])  # (D, BLOCK_D) fp32
+                q_j = tl.load(q_rows + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, BLOCK_D)
+                quad += tl.sum(tl.dot(q, a_cols, input_precision="ieee") * q_j, 1)
+            if HAS_SCALE:  # the variance term (q A q^T: A is Sigma / 2D) scaled per KV head
+                quad = quad * tl.load(CS + g)
+            bv = tl.load(BV + b * sbb + g * sbh + d)
+            expo = quad + tl.sum(q * bv[None, :], 1)
+            # Eq. 7: log A_bulk = log T_bulk + the exponent, corrected, against the threshold
+            log_bulk = expo + tl.log(tl.maximum(n_ctx - N_LOCAL, 1).to(tl.float32))
+            if HAS_CAL:
+                ca = tl.load(CA + g * G + h, mask=h_ok, other=0.0)
+                cb = tl.load(CB + g * G + h, mask=h_ok, other=1.0)
+                log_bulk = log_local - (ca + cb * (log_local - log_bulk))
+            tau = tl.load(TAU + b)
+            r = log_local - log_bulk
+            local = r >= tl.load(TAU_LOGIT + b)  # criterion.tau_logit's: both paths compare with the same fp32 number
+            if RULE == 1:  # "mean": the group's mean share, every head follows
+                share = tl.where(h_ok, 1.0 / (1.0 + tl.exp(-r)), 0.0)
+                local = (tl.zeros((G_PAD,), tl.int32) + (tl.sum(share, 0) / G >= tau).to(tl.int32)) != 0
+            if RULE == 2:  # "all": every head of the group, every head follows
+                n_long = tl.sum(tl.where(h_ok & ~local, 1, 0), 0)
+                local = (tl.zeros((G_PAD,), tl.int32) + n_long) == 0
+            local = local | (tl.zeros((G_PAD,), tl.int32) + short.to(tl.int32) != 0)  # no bulk: all exact on the window
+            tl.store(LABELS + b * H + g * G + h, local.to(tl.int8), mask=h_ok)
+            tl.store(READ + b * HKV + g, (tl.sum(tl.where(h_ok & ~local, 1, 0), 0) > 0).to(tl.int8))
 
     @triton.jit
     def _split_attention_kernel(Q, K, V, ROWS, START, LENGTH, READ, O_PART, M_PART, L_PART, N_SPLITS, sm_scale,
-                                sqb, sqh, skb, skh, skt, svb, svh, svt,
+                                sqb, sqh, skb, skh, skt, svb, svh, svt, PAGE_IDS, PAGE_HEADS, N_VALID, COUNTS, spb, sph,
                                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                                 D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, LOW: tl.constexpr,
-                                LEN_PER_ROW: tl.constexpr):
+                                LEN_PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+                                N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, PER_HEAD: tl.constexpr,
+                                COUNT: tl.constexpr):
+        # Two ways to walk the context. A contiguous range (fused_qada): SPLIT positions from the row's start. A list
+        # of pages (fused_pages, PAGED): SPLIT entries of the (row, KV head)'s list of chosen pages, BLOCK_N // PAGE
+        # pages per tile, each page's bulk positions only; with PER_HEAD each entry carries the bits of the query
+        # heads that chose it (Quest: a head attends to its own pages of the union its KV head reads).
         b, g, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         T = tl.load(LENGTH + b * LEN_PER_ROW)
-        lo = tl.load(START + b) + sp * SPLIT
-        if lo >= T:  # a split past the filled length (the grid covers the capacity): nothing to read or write
-            return
-        if tl.load(READ + b * HKV + g) == 0:  # a local group: its cache is not read
-            return
+        start = tl.load(START + b)
+        if PAGED:
+            n_valid = tl.load(N_VALID + b * HKV + g)  # the list's chosen entries (none for a local group)
+            e0 = sp * SPLIT
+            if e0 >= n_valid:  # past the chosen pages: nothing to read or write
+                return
+            n_tiles = tl.cdiv(tl.minimum(n_valid - e0, SPLIT), BLOCK_N // PAGE)
+            bulk_end = tl.maximum(T - start - (N_LOCAL - N_SINK), N_SINK)  # moments.bulk_end in the row's positions
+        else:
+            lo = start + sp * SPLIT
+            if lo >= T:  # a split past the filled length (the grid covers the capacity): nothing to read or write
+                return
+            if tl.load(READ + b * HKV + g) == 0:  # a local group: its cache is not read
+                return
+            hi = tl.minimum(lo + SPLIT, T)
+            n_tiles = SPLIT // BLOCK_N  # a fixed trip count; the tail of the context is masked
         row = tl.load(ROWS + b)
         h = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         part = ((b * HKV + g) * N_SPLITS + sp) * G_PAD + h  # (G_PAD,) rows of this split's partial results
-        hi = tl.minimum(lo + SPLIT, T)
         m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
+        n_read = 0
         q = tl.load(Q + b * sqb + (g * G + h)[:, None] * sqh + d[None, :], mask=(h < G)[:, None], other=0.0)
         if not LOW:
             q = q.to(tl.float32)
-        for i in range(SPLIT // BLOCK_N):  # a fixed trip count; the tail of the context is masked
-            offs = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            ok = offs < hi
+        for i in range(n_tiles):
+            if PAGED:
+                t = tl.arange(0, BLOCK_N)
+                e = e0 + i * (BLOCK_N // PAGE) + t // PAGE  # (BLOCK_N,) each position's entry in the list
+                e_ok = e < tl.minimum(n_valid, e0 + SPLIT)
+                page = tl.load(PAGE_IDS + b * spb + g * sph + e, mask=e_ok, other=0)
+                ctx = N_SINK + page * PAGE + t % PAGE  # the position in the row's context (pages.page_positions)
+                ok = e_ok & (ctx < bulk_end)  # the last candidate's part in the window is the window's, not read again
+                offs = start + ctx
+                keep = ok[None, :]  # (1 or G_PAD, BLOCK_N): which (head, position) scores count
+                if PER_HEAD:
+                    bits = tl.load(PAGE_HEADS + b * spb + g * sph + e, mask=e_ok, other=0)
+                    keep = keep & (((bits[None, :] >> h[:, None]) & 1) != 0)
+            else:
+                offs = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
+                ok = offs < hi
+                keep = ok[None, :]
             kt = tl.load(K + row * skb + g * skh + offs[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
             vt = tl.load(V + row * svb + g * svh + offs[:, None] * svt + d[None, :], mask=ok[:, None], other=0.0)
+            if COUNT:  # (tests) the positions this program loaded
+                n_read += tl.sum(ok.to(tl.int32), 0)
             if LOW:  # bf16 / fp16 cache: tensor-core products of the stored values, fp32 sums (as flash attention)
                 s = tl.dot(q, tl.trans(kt)) * sm_scale
             else:  # exact fp32 products, not TF32
                 s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee") * sm_scale
-            s = tl.where(ok[None, :], s, float("-inf"))
+            s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
+            m_use = m_new
+            if PAGED:  # a head may have no position of its own yet: exponents against 0, not -inf - -inf = NaN
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if LOW:
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
@@ -173,11 +216,14 @@ if triton is not None:
         tl.store(M_PART + part, m_i)
         tl.store(L_PART + part, l_i)
         tl.store(O_PART + part[:, None] * D + d[None, :], acc)
+        if COUNT:
+            tl.store(COUNTS + (b * HKV + g) * N_SPLITS + sp, n_read)
 
     @triton.jit
-    def _merge_kernel(Y_WIN, LABELS, READ, O_PART, M_PART, L_PART, Y, ROWS, START, LENGTH, syb, syh,
-                      N_SPLITS, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                      D: tl.constexpr, SPLIT: tl.constexpr, BY_ROW: tl.constexpr, LEN_PER_ROW: tl.constexpr):
+    def _merge_kernel(Y_WIN, LABELS, READ, O_PART, M_PART, L_PART, Y, ROWS, START, LENGTH, LOG_LOCAL, N_VALID, syb,
+                      syh, N_SPLITS, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                      D: tl.constexpr, SPLIT: tl.constexpr, BY_ROW: tl.constexpr, LEN_PER_ROW: tl.constexpr,
+                      PAGED: tl.constexpr):
         b, g = tl.program_id(0), tl.program_id(1)
         h = tl.arange(0, G_PAD)
         h_ok = h < G
@@ -186,13 +232,21 @@ if triton is not None:
         y = tl.load(Y_WIN + rows, mask=h_ok[:, None], other=0.0)
         if tl.load(READ + b * HKV + g) != 0:
             base = (b * HKV + g) * N_SPLITS * G_PAD
-            # the splits that hold filled positions, the ones that ran (a split past them adds exactly nothing)
-            n_used = (tl.load(LENGTH + b * LEN_PER_ROW) - tl.load(START + b) + SPLIT - 1) // SPLIT
-            m = tl.full((G_PAD,), float("-inf"), tl.float32)
+            if PAGED:  # the splits that walked chosen pages, and the window as one more part of mass exp(log_local)
+                n_used = tl.cdiv(tl.load(N_VALID + b * HKV + g), SPLIT)
+                log_local = tl.load(LOG_LOCAL + b * H + g * G + h, mask=h_ok, other=0.0)
+                m = log_local
+            else:  # the splits that hold filled positions, the ones that ran (a split past them adds exactly nothing)
+                n_used = (tl.load(LENGTH + b * LEN_PER_ROW) - tl.load(START + b) + SPLIT - 1) // SPLIT
+                m = tl.full((G_PAD,), float("-inf"), tl.float32)
             for sp in range(0, n_used):
                 m = tl.maximum(m, tl.load(M_PART + base + sp * G_PAD + h))
-            l_sum = tl.zeros((G_PAD,), tl.float32)
-            acc = tl.zeros((G_PAD, D), tl.float32)
+            if PAGED:
+                l_sum = tl.exp(log_local - m)
+                acc = y * l_sum[:, None]
+            else:
+                l_sum = tl.zeros((G_PAD,), tl.float32)
+                acc = tl.zeros((G_PAD, D), tl.float32)
             for sp in range(0, n_used):
                 m_s = tl.load(M_PART + base + sp * G_PAD + h)
                 scale = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m))
@@ -206,6 +260,47 @@ if triton is not None:
         out = Y + y_b * syb + (g * G + h)[:, None] * syh + d[None, :]
         tl.store(out, y.to(Y.dtype.element_ty), mask=h_ok[:, None])  # in the output's dtype: no cast launched after
 
+    @triton.jit
+    def _page_bound_kernel(Q, LO, HI, START, LENGTH, READ, N_READ, SCORES, sqb, sqh, slb, slh, slp, shb, shh, shp,
+                           ssb, ssr, W, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                           D: tl.constexpr, PAGE: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
+                           BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, COMBINE: tl.constexpr,
+                           LEN_PER_ROW: tl.constexpr):
+        # Quest's bound of BLOCK_P candidate pages for the G heads of a (row, KV head): sum_d max(q_d min_d, q_d max_d)
+        # = q+ . max + q- . min (pages.upper_bounds), unscaled, in exact fp32 products as the torch path ranks them.
+        # A page that is no candidate (past the row's bulk, a local group, no budget) scores -inf; when the budget
+        # covers every candidate, each scores 0 and no statistic is read (attention.top_pages reads none then).
+        b, g, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_ctx = tl.load(LENGTH + b * LEN_PER_ROW) - tl.load(START + b)
+        m = tl.cdiv(tl.maximum(n_ctx - (N_LOCAL - N_SINK), N_SINK) - N_SINK, PAGE)  # pages.candidates
+        n_read = tl.load(N_READ + b)
+        h = tl.arange(0, G_PAD)
+        h_ok = h < G
+        p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        n_cand = tl.where((n_read > 0) & (tl.load(READ + b * HKV + g) != 0), m, 0)  # none for a local group
+        cand = p < n_cand  # (BLOCK_P,)
+        need = p < tl.where(n_read < m, n_cand, 0)  # the statistics decide something: read them
+        score = tl.zeros((G_PAD, BLOCK_P), tl.float32)
+        if tl.sum(need.to(tl.int32), 0) > 0:
+            d = tl.arange(0, D)
+            q = tl.load(Q + b * sqb + (g * G + h)[:, None] * sqh + d[None, :], mask=h_ok[:, None], other=0.0)
+            q = q.to(tl.float32)  # (G_PAD, D)
+            lo = tl.load(LO + b * slb + g * slh + p[:, None] * slp + d[None, :], mask=need[:, None], other=0.0)
+            hi = tl.load(HI + b * shb + g * shh + p[:, None] * shp + d[None, :], mask=need[:, None], other=0.0)
+            bound = tl.dot(tl.maximum(q, 0.0), tl.trans(hi.to(tl.float32)), input_precision="ieee")
+            bound += tl.dot(tl.minimum(q, 0.0), tl.trans(lo.to(tl.float32)), input_precision="ieee")  # (G_PAD, BLOCK_P)
+            score = tl.where(need[None, :], bound, 0.0)
+        score = tl.where(cand[None, :], score, float("-inf"))
+        if PER_HEAD:  # Quest: each query head ranks its own pages
+            tl.store(SCORES + b * ssb + (g * G + h)[:, None] * ssr + p[None, :], score,
+                     mask=h_ok[:, None] & (p < W)[None, :])
+        else:  # one ranking per group: its heads' bounds combined, by max (COMBINE 0) or sum (1)
+            if COMBINE == 0:
+                group = tl.max(tl.where(h_ok[:, None], score, float("-inf")), 0)
+            else:
+                group = tl.sum(tl.where(h_ok[:, None], score, 0.0), 0)
+            tl.store(SCORES + b * ssb + g * ssr + p, group, mask=p < W)
+
 
 def split_size(n_programs: int, T_max: int, device: torch.device, block_n: int = 64) -> int:
     """Context positions per split program, for a context of up to T_max positions (the views fused_qada is given:
@@ -216,6 +311,17 @@ def split_size(n_programs: int, T_max: int, device: torch.device, block_n: int =
     slots = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8)
     per_group = min(64, triton.cdiv(slots, n_programs))
     return max(256, block_n, triton.next_power_of_2(triton.cdiv(T_max, per_group)))
+
+
+def filled_length(length: torch.Tensor | None, B: int, T_max: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The kernels' LENGTH, checked: `length` as given (int32, 1 or B elements on the device), or T_max in a device
+    tensor when the views end at the filled length; and LEN_PER_ROW, a constexpr: row b reads LENGTH[b * it]."""
+    if length is None:
+        length = torch.full((1,), T_max, dtype=torch.int32, device=device)
+    if length.dtype != torch.int32 or length.device != device or length.numel() not in (1, B):
+        raise ValueError(f"length: an int32 tensor of 1 or {B} elements on {device}, got {length.dtype} "
+                         f"{tuple(length.shape)} on {length.device}")
+    return length, int(length.numel() == B > 1)
 
 
 def kernel_thresholds(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,12 +356,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     G = H // Hkv
     G_pad = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
     dev, f32 = q.device, torch.float32
-    if length is None:  # the views end at the filled length
-        length = torch.full((1,), T_max, dtype=torch.int32, device=dev)
-    if length.dtype != torch.int32 or length.device != dev or length.numel() not in (1, B):
-        raise ValueError(f"length: an int32 tensor of 1 or {B} elements on {dev}, got {length.dtype} "
-                         f"{tuple(length.shape)} on {length.device}")
-    len_per_row = int(length.numel() == B > 1)  # a constexpr: row b reads LENGTH[b * len_per_row]
+    length, len_per_row = filled_length(length, B, T_max, dev)
     # The grid and the split size come from the capacity T_max, not from T: the split is a compile-time constant (the
     # inner loop's trip count) and a captured graph replays one grid, so neither may follow T from step to step.
     # Programs past the filled length load two integers and return at once: up to 64 idle programs per (row, KV
@@ -283,7 +384,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
         A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
         W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None,
-        HAS_SCALE=cs is not None, BLOCK_W=min(32, w_pad), BLOCK_D=min(32, D), LEN_PER_ROW=len_per_row)
+        HAS_SCALE=cs is not None, BLOCK_W=min(32, w_pad), BLOCK_D=min(32, D), LEN_PER_ROW=len_per_row, DECIDE=True)
     o_part = torch.empty(B, Hkv, n_splits, G_pad, D, device=dev, dtype=f32)
     m_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
     if count_reads:
@@ -292,14 +393,195 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     _split_attention_kernel[(B, Hkv, n_splits)](
         q, k, v, rows, start, length, read, o_part, m_part, l_part, n_splits, sm_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
+        dummy, dummy, dummy, dummy, 0, 0, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=k.dtype != torch.float32 and not INTERPRETED,  # the interpreter multiplies bf16 tiles wrongly
-        LEN_PER_ROW=len_per_row)
+        LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1, N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=False, COUNT=False)
     y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
-    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y, rows, start, length, y.stride(0),
-                            y.stride(1), n_splits, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split,
-                            BY_ROW=out is not None, LEN_PER_ROW=len_per_row)
+    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y, rows, start, length, dummy, dummy,
+                            y.stride(0), y.stride(1), n_splits, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split,
+                            BY_ROW=out is not None, LEN_PER_ROW=len_per_row, PAGED=False)
     labels = labels.view(torch.bool)  # 0 / 1 bytes reinterpreted, no launch
     if count_reads:  # a split that read the cache wrote its max score
         return y, labels, (m_part[..., 0] != math.inf).sum(-1)
     return y, labels
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Page selection on the device: the long-context groups read their window and their chosen pages only
+
+
+def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_size: int, budget: int | None = None,
+                budget_frac: float | None = None, form=None, tau=None, correction: Correction | None = None,
+                combine: str = "max", length: torch.Tensor | None = None, split: int | None = None,
+                block_n: int | None = None, inspect: bool = False, out=None):
+    """Token-level page selection for one layer and n rows, on the device with nothing read back to the host: the same
+    labels and output as attention.qada_pages (given `form` and `tau`) or attention.quest (`form` None) of each row, up
+    to fp32 rounding. q, k, v, rows, start, length and out as fused_qada's; `bounds` = (lo, hi), each (n, Hkv, NP, D):
+    query i's row's pages.PageIndex min and max keys, page j the positions [start_i + n_sink + j P, ... + P) of the
+    cache (PageIndex.bounds of the row's own view), NP at least the candidates of a context of T_max (pages.candidates);
+    page_size P a power of two dividing block_n; `budget` tokens or `budget_frac` of each row's T, one of them
+    (pages.page_count). Four steps, each a fixed grid:
+
+      1. per (row, KV head), `_window_decide_kernel`: the window, and QAdA's decision as qada_kv_cal takes it (rule
+         "mean", `correction`: Calibration.layer()); for Quest no decision, every group long-context;
+      2. per (row, KV head, block of pages), `_page_bound_kernel`: the long groups' candidate pages scored by Quest's
+         bound, per query head (Quest) or per group, its heads' bounds combined by `combine` ("max" or "sum");
+      3. `choose_pages`, a few torch ops: the top budget // P pages of each ranking; a KV head's list of the pages it
+         reads, each once (Quest: the union of its heads', each page with the heads that chose it);
+      4. per (row, KV head, split of that list), `_split_attention_kernel` walking page numbers instead of a range,
+         so a long group reads its chosen pages' bulk positions and no others; then `_merge_kernel`, the window's
+         output as one more part.
+
+    Why the ranking is torch's topk and not a Triton kernel: top-k under a budget is a selection over the candidates'
+    scores (W floats per ranking, 1/(P D) of the keys), for which topk is the library's tuned and graph-capturable
+    primitive (its k is the budget's, fixed); the scoring is Triton because torch could score the long groups' pages
+    up to T only after reading the labels and T back to the host, or else score every group's pages up to the capacity.
+
+    The grids and every launch's values depend on T_max, the budget and P only (a budget_frac's on T_max's pages): with
+    `length`, one step captured in a CUDA graph is replayed as the cache fills. Returns y (n, H, D) (or `out`) and
+    labels (n, H) bool; with `inspect` (for tests) also the pages each query head attends to (n, H, W) bool (W the
+    candidates at T_max) and the bulk positions each (row, KV head) read (n, Hkv). `split`: list entries (pages) per
+    program, a multiple of block_n // P (default: enough programs to fill the GPU, as split_size)."""
+    if triton is None:
+        raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
+    B, H, D = q.shape
+    if q.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+        raise ValueError("fused_pages reads q and writes its output with unit stride over the head dim")
+    Hkv, T_max = k.shape[1], k.shape[2]
+    G, P = H // Hkv, page_size
+    block_n = block_n or max(64, P)
+    if P & (P - 1) or block_n % P:
+        raise ValueError(f"page_size {P} must be a power of two dividing block_n {block_n}")
+    quest = form is None
+    if quest and G > 31:
+        raise ValueError(f"Quest in the kernel marks a page's heads in an int32: at most 31 heads per group, got {G}")
+    if combine not in ("max", "sum"):
+        raise ValueError(f"combine takes max or sum, got {combine!r}")
+    G_pad = max(16, triton.next_power_of_2(G))
+    dev, f32 = q.device, torch.float32
+    length, len_per_row = filled_length(length, B, T_max, dev)
+    lo, hi = bounds
+    W = candidates(T_max, n_sink, n_local, P)  # the pages a context of the capacity may choose from
+    if lo.shape[2] < W or hi.shape != lo.shape:
+        raise ValueError(f"bounds: (n, Hkv, NP, D) min and max keys with NP >= {W} pages, got {tuple(lo.shape)} and "
+                         f"{tuple(hi.shape)}")
+    # pages each group (Quest: each head) reads: budget // P, or floor(budget_frac T) // P of each row's own T
+    if budget_frac is None:
+        n_max = page_count(T_max, P, budget, None)
+        n_read = torch.full((B,), n_max, dtype=torch.int32, device=dev)
+    else:
+        n_max = page_count(T_max, P, None, budget_frac)
+        n_ctx = length.view(-1).long() - start.long()  # (n,)
+        n_read = (torch.floor(budget_frac * n_ctx.double()).long() // P).int()
+    n_sel = min(n_max, W)
+
+    # 1. the window, and which groups read pages
+    y_win = torch.empty(B, H, D, device=dev, dtype=f32)
+    log_local = torch.empty(B, H, device=dev, dtype=f32)
+    labels = torch.empty(B, H, device=dev, dtype=torch.int8)
+    read = torch.empty(B, Hkv, device=dev, dtype=torch.int8)
+    dummy = log_local  # never read where a constexpr turns it off
+    if quest:
+        A = bvec = tau_f32 = tau_lgt = dummy
+        ca = cb = cs = None
+    else:
+        A, bvec = (x.to(f32).contiguous() for x in form)
+        tau_f32, tau_lgt = tau if isinstance(tau, tuple) else kernel_thresholds(tau)
+        ca, cb, cs = (correction.a, correction.b, correction.s) if correction is not None else (None, None, None)
+    sm_scale = 1 / math.sqrt(D)
+    w_pad = max(16, triton.next_power_of_2(n_local))
+    _window_decide_kernel[(B, Hkv)](
+        q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
+        cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, sm_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        A.stride(0) if not quest else 0, A.stride(1) if not quest else 0,
+        bvec.stride(0) if not quest else 0, bvec.stride(1) if not quest else 0,
+        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local, W_PAD=w_pad,
+        RULE=RULES["mean"], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, BLOCK_W=min(32, w_pad),
+        BLOCK_D=min(32, D), LEN_PER_ROW=len_per_row, DECIDE=not quest)
+
+    # 2. and 3. the long groups' candidate pages scored, the top ones chosen
+    if n_sel > 0:
+        scores = torch.empty(B, H if quest else Hkv, W, device=dev, dtype=f32)
+        block_p = min(64, max(16, triton.next_power_of_2(W)))
+        _page_bound_kernel[(B, Hkv, triton.cdiv(W, block_p))](
+            q, lo, hi, start, length, read, n_read, scores, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1),
+            lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2), scores.stride(0), scores.stride(1), W,
+            H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, PAGE=P, N_SINK=n_sink, N_LOCAL=n_local, BLOCK_P=block_p,
+            PER_HEAD=quest, COMBINE=("max", "sum").index(combine), LEN_PER_ROW=len_per_row)
+        ids, heads, n_valid = choose_pages(scores, n_read, n_sel, Hkv)
+    else:  # less than a page of budget, or no bulk at the capacity: the window only
+        ids = torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev)
+        heads, n_valid = None, torch.zeros(B, Hkv, dtype=torch.int32, device=dev)
+
+    # 4. the chosen pages read in splits of the list, merged with the window
+    tile_pages = block_n // P
+    split = split or page_split(B * Hkv, ids.shape[2], tile_pages, dev)
+    if split % tile_pages:
+        raise ValueError(f"split {split} (pages) must be a multiple of block_n // page_size = {tile_pages}")
+    n_splits = triton.cdiv(ids.shape[2], split)
+    o_part = torch.empty(B, Hkv, n_splits, G_pad, D, device=dev, dtype=f32)
+    m_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
+    l_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
+    counts = torch.zeros(B, Hkv, n_splits, device=dev, dtype=torch.int32) if inspect else dummy
+    _split_attention_kernel[(B, Hkv, n_splits)](
+        q, k, v, rows, start, length, read, o_part, m_part, l_part, n_splits, sm_scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        ids, heads if heads is not None else ids, n_valid, counts, ids.stride(0), ids.stride(1),
+        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
+        LOW=k.dtype != torch.float32 and not INTERPRETED, LEN_PER_ROW=len_per_row, PAGED=True, PAGE=P,
+        N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=inspect)
+    y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
+    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y, rows, start, length, log_local, n_valid,
+                            y.stride(0), y.stride(1), n_splits, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split,
+                            BY_ROW=out is not None, LEN_PER_ROW=len_per_row, PAGED=True)
+    labels = labels.view(torch.bool)
+    if inspect:
+        return y, labels, chosen_mask(ids, heads, n_valid, G, W), counts.sum(-1)
+    return y, labels
+
+
+def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: int):
+    """The pages each (row, KV head) reads, from the candidates' scores (n, R, W) (-inf: not a candidate): the n_read
+    (n,) highest of each ranking, R = Hkv rankings (one per group) or H (one per query head: Quest), n_sel >= n_read
+    the budget's pages at the capacity. Returns page numbers ids (n, Hkv, U), of which the first n_valid (n, Hkv) are
+    read, each once, and per entry the bits of the query heads that chose it (n, Hkv, U) int32, or None when a
+    group's heads all read its pages. Fixed shapes throughout (topk's k is n_sel): nothing is read back to the host."""
+    n, R, W = scores.shape
+    top, ids = scores.topk(n_sel, dim=-1)  # (n, R, n_sel), highest first
+    rank = torch.arange(n_sel, device=scores.device)
+    valid = (top > -math.inf) & (rank < n_read.view(n, 1, 1))  # a prefix of each ranking
+    if R == Hkv:
+        return ids, None, valid.sum(-1, dtype=torch.int32)
+    # Quest: a KV head reads the union of its G heads' pages, each page once, with the bits of the heads that chose it
+    G = R // Hkv
+    bit = 1 << (torch.arange(R, device=scores.device) % G)  # (H,)
+    bits = torch.where(valid, bit[:, None], 0).int().view(n, Hkv, G * n_sel)
+    ids = ids.view(n, Hkv, G * n_sel)
+    heads = torch.zeros(n, Hkv, W + 1, dtype=torch.int32, device=scores.device)
+    heads.scatter_add_(2, ids, bits)  # a page's heads: a sum of distinct bits (a head picks a page once) is their OR
+    union = torch.where(bits != 0, ids, W).sort(-1).values  # W: no page, sorted last
+    first = (union != F.pad(union, (1, 0), value=-1)[..., :-1]) & (union < W)  # each page's first entry
+    ids = torch.where(first, union, W).sort(-1).values  # the pages read, then W
+    ids = ids[..., :min(G * n_sel, W)].contiguous()  # (heads.gather's strides: the kernel reads both alike)
+    return ids, heads.gather(2, ids), first.sum(-1, dtype=torch.int32)
+
+
+def chosen_mask(ids: torch.Tensor, heads: torch.Tensor | None, n_valid: torch.Tensor, G: int, W: int) -> torch.Tensor:
+    """choose_pages' lists as the pages each query head attends to, (n, H, W) bool (for tests and reports)."""
+    n, Hkv, U = ids.shape
+    valid = torch.arange(U, device=ids.device) < n_valid[..., None]  # (n, Hkv, U)
+    bits = heads if heads is not None else torch.full_like(ids, (1 << G) - 1)
+    mine = (bits[:, :, None] >> torch.arange(G, device=ids.device)[:, None]) & 1  # (n, Hkv, G, U)
+    mine = mine * valid[:, :, None]
+    mask = torch.zeros(n, Hkv, G, W + 1, dtype=torch.long, device=ids.device)
+    mask.scatter_add_(3, ids.clamp(max=W)[:, :, None].expand(-1, -1, G, -1), mine.long())
+    return (mask[..., :W] > 0).view(n, Hkv * G, W)
+
+
+def page_split(n_programs: int, U: int, tile_pages: int, device: torch.device) -> int:
+    """Pages per split program for lists of up to U pages: as split_size, enough programs that the long groups fill
+    the GPU (at most 64 per group), a power of two of whole tiles (tile_pages pages each)."""
+    slots = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8)
+    per_group = min(64, triton.cdiv(slots, n_programs))
+    return max(tile_pages, triton.next_power_of_2(triton.cdiv(U, per_group)))
