@@ -392,7 +392,9 @@ def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed
         r = res[m]
         lo, hi = float(np.percentile(r["boot"], 2.5)), float(np.percentile(r["boot"], 97.5))
         at = r["at"][0] if r["at"] else None
-        row = {"method": m, "lossless": r["point"], "lo": lo, "hi": hi, "kv_read": r["kv_read"][at] if at else None,
+        # found: some measured point is lossless (else the point is the no-saving end, which no configuration measured)
+        row = {"method": m, "found": at is not None, "lossless": r["point"], "lo": lo, "hi": hi,
+               "kv_read": r["kv_read"][at] if at else None,
                "sparsity": r["sparsity"][at] if at else None, "points": len(cs),
                "max_sparsity": max(r["sparsity"].values(), key=lambda v: -1 if v is None else v),
                "min_kv_read": min(r["kv_read"].values()), "n": r["n"]}

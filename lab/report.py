@@ -111,6 +111,16 @@ def write_summary(out: Path, rows, tasks, damaged: list[str] = ()):
 # Lossless sparsity with a paired bootstrap (records.lossless_table)
 
 
+NONE = "none measured"  # no configuration of the method kept >= 0.95 of dense: no lossless point to state
+
+
+def lossless_cells(r: dict) -> str:
+    """'point | [lo, hi]' of a lossless_table row; the point "none measured" when no measured configuration was
+    lossless on every sample (the interval stays: some draws of the samples may find one)."""
+    point = f"{r['lossless']:.2f}" if r["found"] else NONE
+    return f"{point} | [{r['lo']:.2f}, {r['hi']:.2f}]"
+
+
 def write_lossless(out: Path, rows, tasks) -> list[str]:
     pages = page_methods(rows)  # curves over a page budget: on the KV-read axis only
     heads = [m for m in method_configs(rows, tasks) if m not in pages] if pages else None
@@ -128,7 +138,7 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
     lines += ["| method | lossless sparsity | 95 % interval | KV read there | points | highest measured | samples |",
               "|---|---:|---|---:|---:|---:|---:|"]
     for r in table:
-        lines.append(f"| {label(r['method'])} | {r['lossless']:.2f} | [{r['lo']:.2f}, {r['hi']:.2f}] | "
+        lines.append(f"| {label(r['method'])} | {lossless_cells(r)} | "
                      f"{fmt(r['kv_read'], 1, 2)} | {r['points']} | {r['max_sparsity']:.2f} | {r['n']} |")
     lines += ["", "## Lossless KV-read fraction (grouped-query attention), paired bootstrap 95 % interval", "",
               "The same rule on the fraction of KV entries read (lower is better): the lowest measured read fraction "
@@ -137,7 +147,7 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
               "| method | lossless KV read | 95 % interval | head sparsity there | points | lowest measured | samples |",
               "|---|---:|---|---:|---:|---:|---:|"]
     for r in lossless_table(rows, tasks, axis="kv_read"):
-        lines.append(f"| {label(r['method'])} | {r['lossless']:.2f} | [{r['lo']:.2f}, {r['hi']:.2f}] | "
+        lines.append(f"| {label(r['method'])} | {lossless_cells(r)} | "
                      f"{fmt(r['sparsity'], 1, 2)} | {r['points']} | {r['min_kv_read']:.2f} | {r['n']} |")
     lines += ["", "## The same with the worst-task rule", "",
               "A point is lossless when its worst task keeps >= 0.95 of dense, instead of the mean over tasks (1,000 "
@@ -147,8 +157,8 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
     worst_sp = {r["method"]: r for r in lossless_table(rows, tasks, n_boot=1000, worst=True, methods=heads)}
     for m in list(worst_sp) + [m for m in worst_kv if m not in worst_sp]:  # the peers and page paths: KV read only
         r, k = worst_sp.get(m), worst_kv.get(m)
-        lines.append(f"| {label(m)} | " + (f"{r['lossless']:.2f} | [{r['lo']:.2f}, {r['hi']:.2f}]" if r else " | ")
-                     + " | " + (f"{k['lossless']:.2f} | [{k['lo']:.2f}, {k['hi']:.2f}]" if k else " | ")
+        lines.append(f"| {label(m)} | " + (lossless_cells(r) if r else " | ")
+                     + " | " + (lossless_cells(k) if k else " | ")
                      + f" | {(r or k)['n']} |")
     diffs = kv_read_differences(rows, tasks)
     if diffs:
@@ -262,6 +272,10 @@ def kv_read_differences(rows, tasks, n_boot: int = 2000, seed: int = 0, pairs=KV
         if not res or a not in res or b not in res:
             continue
         read_a, read_b = 1 - res[a]["point"], 1 - res[b]["point"]  # the draws hold 1 - the lossless read
+        if not res[a]["at"] or not res[b]["at"]:  # a method with no lossless point: no difference to state
+            shown = {m: f"{1 - res[m]['point']:.2f}" if res[m]["at"] else NONE for m in (a, b)}
+            lines.append(f"| {label(a)} | {shown[a]} | {label(b)} | {shown[b]} | – | – | {res[a]['n']} |")
+            continue
         diff = res[b]["boot"] - res[a]["boot"]
         lo, hi = float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))
         lines.append(f"| {label(a)} | {read_a:.2f} | {label(b)} | {read_b:.2f} | {read_a - read_b:+.2f} | "

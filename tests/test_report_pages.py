@@ -185,3 +185,24 @@ def test_without_page_paths_the_analysis_is_as_before(tmp_path):
     rest = iter(after.split("\n"))
     missing = [line for line in before.split("\n") if not any(line == other for other in rest)]
     assert missing == []
+
+
+def test_a_method_with_no_lossless_point_says_so():
+    """A method none of whose configurations keeps 0.95 of dense has no lossless point: the tables say "none
+    measured" where they would state a read (the no-saving end, 1.00, was never measured; the interval stays), and the paired lossless
+    comparison states no difference; a method with one keeps its number."""
+    rows = dominated("qada_pages", "quest")  # quest: 0.3-0.7 of dense at every read, never lossless
+    for task in TASKS:  # qada_pages lossless at its top budget: 0.7 + margin >= 0.95 is not enough; lift it
+        for r in rows:
+            if r["config"] == "qada_pages@2048":
+                r["score"] = 1.0
+    kv = {r["method"]: r for r in records.lossless_table(rows, TASKS, axis="kv_read", n_boot=50)}
+    assert not kv["quest"]["found"] and kv["qada_pages"]["found"] and kv["qada_pages"]["lossless"] == pytest.approx(0.2)
+    lines = report.write_lossless(Path("unused"), rows, TASKS)
+    quest, ours = (f"| {records.label(m)} | " for m in ("quest", "qada_pages"))
+    quest_rows, our_rows = ([line for line in lines if line.startswith(m)] for m in (quest, ours))
+    assert len(quest_rows) == len(our_rows) == 2  # the KV-read table and the worst-task table
+    assert all("| none measured | [1.00, 1.00] |" in line for line in quest_rows)  # no draw finds one either
+    assert all("| 0.20 | [0.20, 0.20] |" in line for line in our_rows)
+    (paired,) = [line for line in report.kv_read_differences(rows, TASKS, n_boot=50, pairs=[("qada_pages", "quest")])]
+    assert "none measured" in paired and "| – | – |" in paired and "0.20" in paired
