@@ -466,11 +466,10 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         raise ValueError(f"bounds: (n, Hkv, NP, D) min and max keys with NP >= {W} pages, got {tuple(lo.shape)} and "
                          f"{tuple(hi.shape)}")
     # pages each group (Quest: each head) reads: budget // P, or floor(budget_frac T) // P of each row's own T
+    n_max = page_count(T_max, P, budget, budget_frac)  # at the capacity: the most any row reads
     if budget_frac is None:
-        n_max = page_count(T_max, P, budget, None)
         n_read = torch.full((B,), n_max, dtype=torch.int32, device=dev)
     else:
-        n_max = page_count(T_max, P, None, budget_frac)
         n_ctx = length.view(-1).long() - start.long()  # (n,)
         n_read = (torch.floor(budget_frac * n_ctx.double()).long() // P).int()
     n_sel = min(n_max, W)

@@ -1,0 +1,302 @@
+"""Page selection on the device (kernels.fused_pages) against the torch page paths, attention.qada_pages and
+attention.quest: for a batch of left-padded rows of different lengths, the same labels, the same chosen pages (held
+against Quest's bound recomputed by its definition in float64) and the same output; the split programs read the
+chosen pages' bulk positions and nothing else (counted, and a cache poisoned with NaN everywhere else); a planted
+needle's page is chosen; and one step over the cache's capacity launches the same whatever T. On a machine without
+CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py), on CPU tensors."""
+
+import math
+
+import pytest
+import torch
+
+import attention
+import kernels
+from kernels import fused_pages
+from moments import bulk_end
+from pages import PageIndex, candidates, page_count
+from tests.test_kernel import Launch, Recorded
+from tests.test_pages import brute_pages, calibrations, moments_of, split, top
+
+triton = pytest.importorskip("triton")
+
+H, HKV, D = 6, 2, 16
+G = H // HKV
+N_SINK, N_LOCAL = 4, 32
+KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_split_attention_kernel", "_merge_kernel")
+# Rows of a batch, (first position, context length): a long context not a multiple of any page, one just past the
+# window (a single candidate page, reaching into the window), one in between, and one within the window.
+ROWS = [(0, 301), (9, N_LOCAL + 1), (20, 150), (3, 20)]
+T_MAX = 330  # the views run past every row's filled length: T comes from the device tensor `length`
+
+
+def batch(seed=0, rows=ROWS, T_max=T_MAX, dtype=torch.float32):
+    """q (n, H, D) and a cache (n, Hkv, T_max, D); each row's first position, filled length (int32) and context."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(rows)
+    q = torch.randn(n, H, D, generator=g) * 1.5
+    k, v = torch.randn(n, HKV, T_max, D, generator=g), torch.randn(n, HKV, T_max, D, generator=g)
+    start = torch.tensor([s for s, _ in rows], dtype=torch.int32)
+    length = torch.tensor([s + t for s, t in rows], dtype=torch.int32)
+    return q.to(dtype), k.to(dtype), v.to(dtype), start, length
+
+
+def row_view(x, i, start, length):
+    """Row i's filled context (Hkv, T, D), the view a torch path is given."""
+    return x[i, :, int(start[i]):int(length[i])]
+
+
+def page_bounds(k, start, length, P):
+    """Each row's pages.PageIndex min and max keys, (n, Hkv, NP, D), padded past the row's pages (never candidates)
+    to the pages of the cache's capacity."""
+    NP = math.ceil((k.shape[2] - N_SINK) / P)
+    lo, hi = torch.zeros(k.shape[0], HKV, NP, D, dtype=k.dtype), torch.zeros(k.shape[0], HKV, NP, D, dtype=k.dtype)
+    for i in range(k.shape[0]):
+        row_lo, row_hi = PageIndex(None, P, N_SINK).bounds(0, row_view(k, i, start, length))
+        lo[i, :, :row_lo.shape[1]], hi[i, :, :row_hi.shape[1]] = row_lo, row_hi
+    return lo, hi
+
+
+def run_kernel(method, q, k, v, start, length, P, budget, calibration=None, tau=0.3, budget_frac=None, **kw):
+    """fused_pages as `method` (an attention.PATHS page entry) runs it: Quest alone, or calibrated QAdA + pages."""
+    n = q.shape[0]
+    rows = torch.arange(n, dtype=torch.int32)
+    common = dict(length=length, budget=budget, budget_frac=budget_frac, block_n=max(32, P), **kw)
+    if method.startswith("quest"):
+        return fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, page_bounds(k, start, length, P), P, **common)
+    forms = [moments_of(row_view(k, i, start, length)).quadratic_form(0, None) for i in range(n)]
+    A, b = torch.stack([f[0] for f in forms]), torch.stack([f[1] for f in forms])
+    return fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, page_bounds(k, start, length, P), P, form=(A, b),
+                       tau=torch.full((n,), tau, dtype=torch.float64), correction=calibration.layer(0),
+                       combine="sum" if "sum" in method else "max", **common)
+
+
+def run_torch(method, q, k, v, P, budget, calibration=None, tau=0.3, budget_frac=None):
+    """The torch path on one row's views: (y, labels, read)."""
+    inputs = dict(layer=0, n_sink=N_SINK, n_local=N_LOCAL, pages=PageIndex(None, P, N_SINK), budget=budget,
+                  budget_frac=budget_frac, page_size=P)
+    if method.startswith("quest"):
+        return attention.quest(q, k, v, **inputs)
+    return attention.qada_pages(q, k, v, **inputs, tau=tau, moments=moments_of(k), calibration=calibration,
+                                combine="sum" if "sum" in method else "max")
+
+
+def pages_by_hand(method, q, k, P, n_read, labels):
+    """(H, m) bool: the pages each query head attends to, from Quest's bound by its definition in float64 on the
+    keys themselves: each head's own top n_read (Quest), or its group's, heads' bounds combined, for a long group."""
+    T = k.shape[1]
+    m = candidates(T, N_SINK, N_LOCAL, P)
+    lo, hi = brute_pages(k.double(), N_SINK, P)
+    qd = q.double().view(HKV, G, 1, D)
+    bound = torch.maximum(qd * lo[:, None, :m], qd * hi[:, None, :m]).sum(-1)  # (Hkv, G, m)
+    if n_read <= 0 or m == 0:
+        return torch.zeros(H, m, dtype=torch.bool)
+    if method.startswith("quest"):
+        return top(bound.view(H, m), n_read)
+    group = bound.sum(1) if "sum" in method else bound.amax(1)  # (Hkv, m)
+    long = ~labels.view(HKV, G)[:, 0]
+    return (top(group, n_read) & long[:, None]).repeat_interleave(G, 0)
+
+
+def bulk_read_by_hand(chosen, T, P):
+    """Bulk positions each KV head reads: those of the union of its heads' chosen pages (H, m), up to the bulk's end."""
+    end = bulk_end(T, N_SINK, N_LOCAL)
+    size = torch.tensor([min(P, end - (N_SINK + j * P)) for j in range(chosen.shape[1])], dtype=torch.long)
+    return (chosen.view(HKV, G, -1).any(1).long() * size).sum(1)  # (Hkv,)
+
+
+def check_against_torch(method, P, budget, calibration=None, budget_frac=None, seed=0, rows=ROWS):
+    """The batch through the kernel, each row through the torch path: labels, chosen pages, output and read."""
+    q, k, v, start, length = batch(seed, rows)
+    y, labels, chosen, reads = run_kernel(method, q, k, v, start, length, P, budget, calibration,
+                                          budget_frac=budget_frac, inspect=True)
+    W = candidates(T_MAX, N_SINK, N_LOCAL, P)
+    assert chosen.shape == (len(rows), H, W)
+    for i in range(len(rows)):
+        kk, vv = row_view(k, i, start, length), row_view(v, i, start, length)
+        T = kk.shape[1]
+        want_y, want_labels, _ = run_torch(method, q[i], kk, vv, P, budget, calibration, budget_frac=budget_frac)
+        assert torch.equal(labels[i], want_labels), i
+        n_read = page_count(T, P, budget, budget_frac)
+        want = pages_by_hand(method, q[i], kk, P, n_read, want_labels)
+        m = want.shape[1]
+        assert torch.equal(chosen[i, :, :m], want) and not chosen[i, :, m:].any(), i
+        assert torch.equal(reads[i], bulk_read_by_hand(want, T, P)), i
+        torch.testing.assert_close(y[i], want_y, atol=2e-5, rtol=1e-4)
+    return labels, chosen
+
+
+# --- the kernel against the torch paths ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("P", [16, 32, 64])
+@pytest.mark.parametrize("budget", [0, 1, 3, 1000], ids=["none", "a-page", "three-pages", "everything"])
+@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_sum"])
+def test_a_batch_of_rows_equals_the_torch_path(method, P, budget):
+    """Budgets in pages: none (the window only), one page, three, and more than any row holds (dense). QAdA + pages
+    with a correction that makes group 0 local and group 1 long-context in every row: a local group reads no page."""
+    labels, chosen = check_against_torch(method, P, budget * P if budget < 1000 else 10_000, split(True))
+    n_long = sum(1 for s, t in ROWS if t > N_LOCAL)
+    if method == "quest":  # every row past its window reads pages, none labelled local
+        assert not labels.any() and int(chosen.any(-1).sum()) == (H * n_long if budget else 0)
+    else:  # group 0 local in every row; group 1 long-context where the row has a bulk
+        assert int(labels.sum()) == G * n_long + H * (len(ROWS) - n_long)
+
+
+@pytest.mark.parametrize("method", ["qada_pages", "qada_pages_sum"])
+@pytest.mark.parametrize("which", [0, 2], ids=["as-qada", "mean-and-all-disagree"])
+def test_qada_pages_decides_as_the_torch_path_with_other_corrections(method, which):
+    """Eq. 7 uncorrected (the data decide) and a correction whose mean share rule disagrees with the all-local one."""
+    check_against_torch(method, 16, 48, calibrations()[which], seed=3)
+
+
+@pytest.mark.parametrize("method", ["quest", "qada_pages"])
+@pytest.mark.parametrize("frac", [0.1, 0.5])
+def test_a_budget_as_a_fraction_of_each_rows_context(method, frac):
+    """budget_frac: each row reads floor(frac T) // P pages of its own T, the grid set by the capacity's."""
+    check_against_torch(method, 16, None, split(True), budget_frac=frac, seed=4)
+
+
+@pytest.mark.parametrize("method", ["quest", "qada_pages"])
+def test_a_budget_that_covers_everything_is_dense(method):
+    """Every group long-context (tau 1) and every page read: attention over the whole context, the read every bulk
+    position."""
+    q, k, v, start, length = batch(5)
+    y, labels, chosen, reads = run_kernel(method, q, k, v, start, length, 32, 10_000, calibrations()[0], tau=1.0,
+                                          inspect=True)
+    for i, (s, t) in enumerate(ROWS):
+        kk, vv = row_view(k, i, start, length), row_view(v, i, start, length)
+        torch.testing.assert_close(y[i], attention.dense(q[i], kk, vv)[0], atol=2e-5, rtol=1e-4)
+        if t > N_LOCAL:
+            assert not labels[i].any() and reads[i].tolist() == [bulk_end(t, N_SINK, N_LOCAL) - N_SINK] * HKV
+
+
+@pytest.mark.parametrize("method", ["quest", "qada_pages"])
+@pytest.mark.parametrize("P", [16, 64])
+def test_a_planted_needle_s_page_is_chosen(method, P):
+    """One bulk key far along head 0's query, one page of budget: the needle's page is read, and head 0's output is
+    then its value, which the window alone misses."""
+    rows = [(0, 400), (7, 300)]
+    q, k, v, start, length = batch(13, rows, T_max=410)
+    needles = [150, 90]  # positions in each row's context
+    for i, pos in enumerate(needles):
+        k[i, 0, int(start[i]) + pos] = 4 * math.sqrt(D) * q[i, 0] / q[i, 0].norm()
+    y, labels, chosen, _ = run_kernel(method, q, k, v, start, length, P, P, split(False), tau=0.5, inspect=True)
+    for i, pos in enumerate(needles):
+        assert chosen[i, 0, (pos - N_SINK) // P] and int(chosen[i, 0].sum()) == 1
+        kk, vv = row_view(k, i, start, length), row_view(v, i, start, length)
+        assert (y[i, 0] - vv[0, pos]).abs().max() < 0.05
+        y_local, _ = attention.local(q[i], kk, vv, n_sink=N_SINK, n_local=N_LOCAL)
+        assert (y_local[0] - vv[0, pos]).abs().max() > 0.3
+
+
+# --- what is read ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["quest", "qada_pages"])
+def test_nothing_but_the_window_and_the_chosen_pages_is_read(method):
+    """Every cache position that is neither in a row's window nor in a page its KV head chose (a local group's whole
+    bulk, the pages not chosen, the padding and the positions past T) is NaN, which any read would carry into the
+    output: the output is finite and the clean cache's."""
+    P = 16
+    q, k, v, start, length = batch(7)
+    y, labels, chosen, _ = run_kernel(method, q, k, v, start, length, P, 4 * P, split(True), inspect=True)
+    k_bad, v_bad = torch.full_like(k, math.nan), torch.full_like(v, math.nan)
+    for i, (s, t) in enumerate(ROWS):
+        window = attention.window_mask(t, N_SINK, N_LOCAL)
+        union = chosen[i].view(HKV, G, -1).any(1)  # (Hkv, W)
+        for h in range(HKV):
+            keep = window.clone()
+            for pos in range(N_SINK, bulk_end(t, N_SINK, N_LOCAL)):
+                keep[pos] |= bool(union[h, (pos - N_SINK) // P])
+            k_bad[i, h, s:s + t][keep], v_bad[i, h, s:s + t][keep] = k[i, h, s:s + t][keep], v[i, h, s:s + t][keep]
+    pages = page_bounds(k, start, length, P)  # the statistics of the clean keys, as the index holds them
+    y_bad, labels_bad = fused_pages(q, k_bad, v_bad, torch.arange(len(ROWS), dtype=torch.int32), start, N_SINK,
+                                    N_LOCAL, pages, P, budget=4 * P, length=length, block_n=32,
+                                    **({} if method == "quest" else qada_inputs(k, start, length, split(True))))
+    assert torch.isfinite(y_bad).all() and torch.equal(labels_bad, labels)
+    assert torch.equal(y_bad, y)  # masked loads: what is not read adds exactly nothing
+
+
+def qada_inputs(k, start, length, calibration, tau=0.3):
+    forms = [moments_of(row_view(k, i, start, length)).quadratic_form(0, None) for i in range(k.shape[0])]
+    return dict(form=(torch.stack([f[0] for f in forms]), torch.stack([f[1] for f in forms])),
+                tau=torch.full((k.shape[0],), tau, dtype=torch.float64), correction=calibration.layer(0))
+
+
+def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
+    """With the kernels stubbed out, every Tensor method that reads a value back to the host raises, and both modes
+    still go through: the choice of pages (topk, the union) stays on the device."""
+    q, k, v, start, length = batch(1)
+    pages = page_bounds(k, start, length, 16)
+    inputs = qada_inputs(k, start, length, split(True))
+    launches = []
+    for name in KERNELS:
+        monkeypatch.setattr(kernels, name, Launch(launches))
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("a value was read back to the host")
+    for method in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, method, no_sync)
+    rows = torch.arange(len(ROWS), dtype=torch.int32)
+    for extra in ({}, inputs):
+        for budget in (dict(budget=48), dict(budget_frac=0.2)):
+            fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, length=length, **budget, **extra)
+    assert len(launches) == 16
+
+
+@pytest.mark.parametrize("method", ["quest", "qada_pages"])
+@pytest.mark.parametrize("budget", [dict(budget=48), dict(budget_frac=0.3)], ids=["tokens", "fraction"])
+def test_a_step_over_the_capacity_launches_the_same_whatever_T(method, budget, monkeypatch):
+    """The filled lengths in a device tensor, advanced in place by one: the four kernels get the same grids, Python
+    values and buffers (temporaries by dtype, shape and strides), so one captured step replays as the cache fills; and
+    each step's output is what the rows' views sliced to T give."""
+    q, k, v, start, length = batch(9)
+    P = 16
+    pages = page_bounds(k, start, length + 1, P)  # the index after the next key, as a step finds it
+    extra = {} if method == "quest" else qada_inputs(k, start, length, split(True))
+    rows = torch.arange(len(ROWS), dtype=torch.int32)
+    launches = []
+    named = {x.data_ptr(): name for name, x in dict(q=q, k=k, v=v, rows=rows, start=start, length=length,
+                                                       lo=pages[0], hi=pages[1]).items()}
+    for name in KERNELS:
+        monkeypatch.setattr(kernels, name, Recorded(getattr(kernels, name), launches, named))
+    outputs = []
+    for step in range(2):
+        y, labels = fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, P, length=length, block_n=32, **budget,
+                                **extra)
+        outputs.append((y.clone(), labels.clone(), length.clone()))
+        length.add_(1)
+    assert len(launches) == 8 and launches[:4] == launches[4:]
+    monkeypatch.undo()
+    for y, labels, lengths in outputs:
+        for i in range(len(ROWS)):
+            end = int(lengths[i])
+            sliced = fused_pages(q[i:i + 1], k[i:i + 1, :, :end], v[i:i + 1, :, :end], rows[:1] * 0,
+                                 start[i:i + 1], N_SINK, N_LOCAL, tuple(x[i:i + 1] for x in pages), P, block_n=32,
+                                 **budget, **one_row(extra, i))
+            torch.testing.assert_close(y[i], sliced[0][0], atol=2e-6, rtol=1e-5)
+            assert torch.equal(labels[i], sliced[1][0])
+    assert not torch.equal(outputs[0][0], outputs[1][0])
+
+
+def one_row(qada, i):
+    """qada_inputs' of row i alone (empty for Quest)."""
+    if not qada:
+        return {}
+    A, b = qada["form"]
+    return dict(form=(A[i:i + 1], b[i:i + 1]), tau=qada["tau"][i:i + 1], correction=qada["correction"])
+
+
+def test_bad_arguments_are_refused():
+    q, k, v, start, length = batch(0)
+    rows = torch.arange(len(ROWS), dtype=torch.int32)
+    pages = page_bounds(k, start, length, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 24, budget=48)
+    with pytest.raises(ValueError, match="NP >="):
+        fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, (pages[0][:, :, :3], pages[1][:, :, :3]), 16, budget=48)
+    with pytest.raises(ValueError, match="one of them"):
+        fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, budget=48, budget_frac=0.1)
+    with pytest.raises(ValueError, match="combine"):
+        fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, budget=48, combine="mean")
