@@ -675,6 +675,94 @@ def build_attention(method: str, cache, *, n_sink: int = 16, n_local: int = 128,
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The decode step a CUDA graph captures: every input in fixed-size device buffers
+
+
+def static_refusal(rows: list[DecodeAttention]) -> str | None:
+    """Why the rows' attention cannot run from fixed device buffers (StaticAttention), or None when it can: dense, and
+    one fused qada path (qada_rule) with fixed moments for every row, nothing tracked beside."""
+    first = rows[0]
+    if first.method != "dense" and not qada_rule(first.method)[0]:
+        return f"the {first.method} path decides on the host (dense and the fused qada paths run from fixed buffers)"
+    for a in rows:
+        if (a.method, a.n_sink, a.n_local, a.inputs.get("calibration")) != (
+                first.method, first.n_sink, first.n_local, first.inputs.get("calibration")):
+            return "the rows run different paths"
+        if a.stats.track_oracle:
+            return "the oracle's statistics are tracked beside (they read every score on the host)"
+        if a.moments is not None and not isinstance(a.moments, FixedMoments):
+            return f"the moments change every step ({type(a.moments).__name__})"
+    return None
+
+
+@dataclass
+class StaticAttention:
+    """The decode-time attention of B rows with everything a step reads in fixed-size device buffers, so that the
+    step reads no host value that changes and one CUDA graph, captured once, replays every step (gpt-fast's
+    decode_one_token, with QAdA inside): each row's quadratic forms, its tau's thresholds, the correction's layers,
+    each row's first position, the cache's filled length (model.KVCache's static mode `filled`, advanced by the
+    model), and a labels buffer that each step writes at a device step index instead of appending to Python lists.
+
+    The qada paths run kernels.fused_qada on views that reach past the filled length (the cache's `view`), T read
+    from `length`: a local group's cache is still not read. Dense is not called here: the model's own dense decoding
+    over the same views (every group read), its labels all False. BatchAttention's rows keep their statistics:
+    `stats` hands each row its live steps once decoding is over."""
+    method: str
+    n_sink: int
+    n_local: int
+    rule: str | None
+    forms: list  # per layer: (A (B, Hkv, D, D), b (B, Hkv, D)) fp32, each row's Eq. 6 form
+    thresholds: tuple  # kernels.kernel_thresholds of the rows' taus, (B,) each
+    corrections: list  # per layer: criterion.Correction, or None
+    rows: torch.Tensor  # (B,) int32: query b reads cache row b
+    start: torch.Tensor  # (B,) int32: each row's first filled position
+    length: torch.Tensor  # (1,) int32: the filled length T, the cache's `filled`
+    labels: torch.Tensor  # (S, L, B, H) bool: every step's labels, zeros until written
+    step: torch.Tensor  # (1,) long: the step being decoded, advanced after the last layer
+
+    @classmethod
+    def of(cls, rows: list[DecodeAttention], start: list[int] | None, length: torch.Tensor, steps: int,
+           n_layers: int, n_heads: int) -> "StaticAttention":
+        """The buffers of B rows (static_refusal must say None), for up to `steps` decode steps."""
+        why = static_refusal(rows)
+        if why:
+            raise ValueError(f"no static decode step: {why}")
+        first, dev, B = rows[0], length.device, len(rows)
+        forms, thresholds, corrections, rule = [], (), [], None
+        if first.method != "dense":
+            rule = qada_rule(first.method)[1]
+            for layer in range(n_layers):  # one stack per layer, made once: a step only indexes the list
+                A, b = zip(*(a.moments.quadratic_form(layer, None) for a in rows))
+                forms.append((torch.stack(A).float().to(dev), torch.stack(b).float().to(dev)))
+            thresholds = kernel_thresholds(torch.tensor([a.tau for a in rows], dtype=torch.float64, device=dev))
+            calibration = first.inputs.get("calibration")
+            corrections = [None if calibration is None else calibration.layer(layer) for layer in range(n_layers)]
+        return cls(first.method, first.n_sink, first.n_local, rule, forms, thresholds, corrections,
+                   torch.arange(B, dtype=torch.int32, device=dev),
+                   torch.tensor(start or [0] * B, dtype=torch.int32, device=dev), length,
+                   torch.zeros(steps, n_layers, B, n_heads, dtype=torch.bool, device=dev),
+                   torch.zeros(1, dtype=torch.long, device=dev))
+
+    def __call__(self, q, k, v, layer: int) -> torch.Tensor:
+        """q (B, H, 1, D), k/v (B, Hkv, view, D), views of the static cache past its filled length -> (B, H, 1, D)."""
+        y = torch.empty_like(q)
+        _, labels = fused_qada(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local, self.forms[layer],
+                               self.thresholds, self.rule, self.corrections[layer], length=self.length,
+                               out=y[:, :, 0])  # (B, H): written into y in place
+        self.labels[:, layer].index_copy_(0, self.step, labels[None])  # at the device step index
+        if layer == len(self.forms) - 1:
+            self.step.add_(1)
+        return y
+
+    def stats(self, rows: list[DecodeAttention], steps: list[int], lengths: list[list[int]]) -> None:
+        """Hand row b its first steps[b] steps' labels, at the context lengths lengths[b] (one read of the buffer):
+        the steps it decoded before it ended; what it decoded after (into a discarded slot) is dropped."""
+        labels = self.labels[:max(steps, default=0)].cpu()  # (S, L, B, H)
+        for b, (a, n) in enumerate(zip(rows, steps)):
+            a.stats.extend(labels[:n, :, b], lengths[b][:n])
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Statistics
 
 
@@ -701,6 +789,13 @@ class HeadStats:
             self.log_masses[-1].append(log_masses)
         if read is not None:
             self.reads[-1].append(read)
+
+    def extend(self, labels: torch.Tensor, lengths: list[int]) -> None:
+        """Steps recorded elsewhere (StaticAttention's buffer), as record would have kept them: labels (S, L, H), and T
+        of each step."""
+        for step, T in zip(labels, lengths):
+            self.labels.append(list(step.unbind(0))), self.oracle.append([]), self.log_masses.append([])
+            self.reads.append([]), self.lengths.append(T)
 
     def label_tensor(self) -> torch.Tensor:
         """(S, L, H) bool on the CPU; S = 0 when no decode step ran (the first token ended the answer)."""

@@ -22,12 +22,16 @@ import torch
 from tqdm import tqdm
 
 import kernels
-from attention import ANALYSIS_ONLY, PATHS, BatchAttention, build_attention, bulk_estimate, path_inputs
+from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, StaticAttention, build_attention, bulk_estimate,
+                       path_inputs, static_refusal)
 from criterion import TAU, check_calibration, check_tau, load_calibration, load_labels
 from model import KVCache
 from moments import SOURCES, ReferenceKeys, reference_words
 from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, shipped_calibration
 from weights.downloads import cache_dir
+
+
+GRAPH_CHOICES = ("auto", "off")  # --cuda-graphs
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
@@ -72,6 +76,99 @@ def decode_batch(model, cache, logits, max_new_tokens: int, attention=None, eos_
                 done = [False] * len(keep)
         logits = model.decode_step(tokens, cache, attention)
     return outs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The same loop with the step replayed from CUDA graphs (gpt-fast's decode loop: a static cache, the position a device
+# tensor, one step captured and replayed)
+
+
+def graph_view(T: int, capacity: int) -> int:
+    """How far a static step's views reach at context T (the filled length during the step): T rounded up to a
+    multiple of an eighth of the power of two at or above it (at least 256), at most the capacity. One graph is
+    captured per view, a few per generation, and a view reaches less than a quarter or 256 positions past T: dense
+    reads it whole (masked past T), the kernel's split programs past T return at once."""
+    grain = max(256, (1 << max(T - 1, 1).bit_length()) // 8)
+    return min(capacity, -(-T // grain) * grain)
+
+
+@torch.inference_mode()
+def decode_static(model, cache, logits, max_new_tokens: int, rows: list, eos_ids=(), temperature: float = 0.0,
+                  top_k: int | None = None, generator=None, progress: bool = False, finished=None,
+                  capture: bool = False) -> list[list[int]]:
+    """decode_batch's loop, each step from fixed device buffers: the cache in static mode (model.KVCache.fix), the
+    rows' DecodeAttentions (`rows`, each row's statistics kept in them) as one attention.StaticAttention, the token a
+    device buffer. With `capture` (CUDA), the first step at each view (graph_view) runs as warm-up on a side stream
+    and is captured as a CUDA graph; every later step at that view is one replay. Without, the same step runs
+    eagerly (what the tests hold against decode_batch on the CPU).
+
+    Rows that end keep decoding into a discarded slot (their tokens and statistics dropped): a graph's shapes are
+    fixed, so the batch is not compacted as decode_batch's is (with temperature > 0 the random draws then differ
+    from decode_batch's once it compacts). The host reads each step's tokens, as decode_batch does, to end rows."""
+    B = logits.shape[0]
+    outs, done = [[] for _ in range(B)], [False] * B
+    start = None if cache.start is None else cache.start.tolist()
+    T0 = cache.length
+    cache.fix()
+    cfg = model.cfg
+    static = StaticAttention.of(rows, start, cache.filled, max(max_new_tokens - 1, 1), cfg.num_hidden_layers,
+                                cfg.num_attention_heads)
+    hook = None if static.method == "dense" else static  # dense: the model's own, every group read
+    token = torch.zeros(B, dtype=torch.long, device=logits.device)  # (B,): the step's input
+    graphs = {}  # view -> (replay, the logits it writes)
+
+    def step():  # reads the buffers above only: what a graph captures
+        return model.decode_step(token, cache, hook)
+
+    def rewind():  # undoes a step's advances; running it again rewrites the same entries
+        cache.filled.sub_(1)
+        if hook is not None:
+            static.step.sub_(1)
+
+    n = 0  # decode steps run
+    try:
+        for _ in tqdm(range(max_new_tokens), desc="decode", unit="tok", leave=False, disable=not progress):
+            tokens = sample(logits, temperature, top_k, generator)  # (B,)
+            for j, t in enumerate(tokens.tolist()):
+                if not done[j]:
+                    outs[j].append(t)
+                    done[j] = t in eos_ids or len(outs[j]) == max_new_tokens or bool(finished and finished(outs[j]))
+            if all(done):
+                break
+            token.copy_(tokens)
+            cache.view = graph_view(T0 + n + 1, cache.max_len)  # host bookkeeping: which graph, not read by the step
+            if not capture:
+                logits = step()
+            elif cache.view in graphs:
+                graphs[cache.view][0]()
+                logits = graphs[cache.view][1]
+            else:
+                graphs[cache.view] = captured(step, rewind, logits.device)
+                logits = graphs[cache.view][1]
+            n += 1
+    finally:
+        cache.release()
+    lengths = [[T0 + 1 + s - (start[b] if start else 0) for s in range(n)] for b in range(B)]  # T per step, per row
+    static.stats(rows, [max(len(out) - 1, 0) for out in outs], lengths)
+    return outs
+
+
+def captured(step, rewind, device: torch.device):
+    """step() captured as one CUDA graph: (replay, its output). Warm-up first, on a side stream (torch's recipe): the
+    step runs, is rewound and runs again, which leaves its effects as one real step's; the capture itself runs
+    nothing."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step()
+        rewind()
+        out = step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    static_out.copy_(out)  # the warm-up's logits, where the graph will write
+    return graph.replay, static_out
 
 
 def decode(model, cache, logits, max_new_tokens: int, attention=None, eos_ids=(), temperature: float = 0.0,
@@ -153,7 +250,7 @@ def default_tau(method: str, calibration) -> tuple[float | None, str]:
 def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int, temperature: float,
                top_k: int | None, static_sparsity: float, rope_theta: float | None, max_context: int | None,
                threads: int | None, method: str, moments_source: str | None, static_labels: str | None,
-               calibration: str | None, inputs: dict, **_) -> None:
+               calibration: str | None, inputs: dict, cuda_graphs: str = "auto", **_) -> None:
     """Validate the flags before anything is loaded; ValueError carries one clear line. `calibration` and `tau` are
     what the user gave (None: not given)."""
     if method not in PATHS:
@@ -180,6 +277,8 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
                          f"generation, got {max_context}")
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be at least 1, got {threads}")
+    if cuda_graphs not in GRAPH_CHOICES:
+        raise ValueError(f"--cuda-graphs takes {' or '.join(GRAPH_CHOICES)}, got {cuda_graphs!r}")
     if moments_source is not None and "moments" not in reads:
         raise ValueError(f"--moments: the {method} path reads no key moments (the qada paths do)")
     if calibration is not None and "calibration" not in reads:
@@ -192,6 +291,27 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
     if unread:
         raise ValueError(f"--set {unread[0]}: the {method} path does not read it (it reads "
                          f"{', '.join(reads) or 'nothing'})")
+
+
+def graph_refusal(cuda_graphs: str, device: torch.device, rows: list, prompt_lengths: list[int], model) -> str | None:
+    """Why the decode loop does not run through CUDA graphs (one line for the report), or None when it does: with
+    --cuda-graphs auto, on CUDA, for dense and for the qada paths on the fused kernel with fixed moments (the paths
+    that decide on the device; attention.static_refusal says why not the others)."""
+    if cuda_graphs == "off":
+        return "--cuda-graphs off"
+    if device.type != "cuda":
+        return f"no CUDA device ({device.type}); the eager loop runs"
+    why = static_refusal(rows)
+    if why:
+        return why
+    if rows[0].method != "dense":
+        probe = torch.empty(1, model.cfg.head_dim, device=device)
+        if not kernels.fused(probe):
+            return ("the qada paths take the torch path here (QADA_KERNEL=torch, no triton, or a head dim that is not "
+                    "a power of two from 16)")
+        if min(prompt_lengths) <= rows[0].n_local:
+            return f"a prompt fits in the window ({rows[0].n_local} tokens): its first steps take the torch path"
+    return None
 
 
 def pick_device(device: str | None) -> str:
@@ -281,13 +401,15 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
               method: str = "qada", tau: float | None = None, moments_source: str | None = None, n_sink: int = 16,
               n_local: int = 128, static_labels: str | None = None, static_sparsity: float = 0.5,
               calibration: str | None = None, threads: int | None = None, progress: bool = True,
-              **inputs) -> list[dict]:
+              cuda_graphs: str = "auto", **inputs) -> list[dict]:
     """Everything the CLI does for the prompt files `prompts`, decoded as one batch: a report per prompt.
 
     Each prompt is prefilled alone into its own cache and gets its own attention (labels, moments, statistics);
     then the caches are stacked left-padded (model.KVCache.stack) and every row decodes in lockstep. `inputs` are
     more of what the path reads, by name (a new path's own; the CLI's --set NAME=VALUE). `tau` None: the method's
-    own operating point (default_tau); `moments_source` None: a correction's own, else random-words. Every flag and file is checked before the model is loaded."""
+    own operating point (default_tau); `moments_source` None: a correction's own, else random-words. `cuda_graphs`
+    "auto": on CUDA, decode_static replays the step from CUDA graphs where graph_refusal finds nothing against it.
+    Every flag and file is checked before the model is loaded."""
     check_args(**locals())
     named = read_prompts(prompts)
     if "calibration" in path_inputs(method) and calibration is None:
@@ -348,9 +470,14 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         attention = BatchAttention([r[3] for r in rows], start=cache.start.tolist())
     del caches  # the stack holds the prompts now (the attentions keep moments, not caches)
     generator = torch.Generator(device).manual_seed(seed)
+    refusal = graph_refusal(cuda_graphs, device, [r[3] for r in rows], [len(r[0]) for r in rows], net)
     t0 = time.perf_counter()
-    new = decode_batch(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator,
-                       progress)
+    if refusal is None:  # the first step at each view includes its capture
+        new = decode_static(net, cache, logits, max_new_tokens, [r[3] for r in rows], tok.eos_ids, temperature, top_k,
+                            generator, progress, capture=device.type == "cuda")
+    else:
+        new = decode_batch(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator,
+                           progress)
     times["decode_s"] = time.perf_counter() - t0
     steps = max(len(n) for n in new)  # batch decode steps: the rows share each one
 
@@ -370,6 +497,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
             "decode_ms_per_token": round(1000 * times["decode_s"] / steps, 1),
             "peak_memory_mb": round(peak_memory_mb(device)), "sparsity": stats["sparsity"], "kv_read": stats["kv_read"],
             "decode_steps": stats["steps"], "layer_sparsity": stats.get("layer_sparsity"), "new_token_ids": out,
+            "cuda_graphs": "on: one graph per view (graph_view)" if refusal is None else f"off: {refusal}",
         })
     return reports
 
@@ -395,6 +523,7 @@ def print_report(r: dict) -> None:
           f"({r['decode_ms_per_token']:.0f} ms/token)")
     prefill = r["batch_prefill_s"] if r["batch"] > 1 else r["prefill_s"]
     total = r["load_s"] + r["moments_s"] + prefill + r["decode_s"]
+    print(f"decode loop: CUDA graphs {r['cuda_graphs']}")
     print(f"time {total:.1f} s: load {r['load_s']:.1f} s | reference moments {r['moments_s']:.1f} s | prefill "
           f"{prefill:.1f} s{' (all prompts)' if r['batch'] > 1 else ''} | decode {r['decode_s']:.1f} s")
     implied = " (implied by the labels; the oracle path itself reads every entry)" if r["method"] in ANALYSIS_ONLY else ""
@@ -447,6 +576,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", default=None, choices=("auto", "triton", "torch"), help="the qada paths' decode step: "
                    "the fused Triton kernel (auto: on CUDA when triton is installed) or the torch path; sets "
                    "QADA_KERNEL (default: as set there, else auto)")
+    p.add_argument("--cuda-graphs", default="auto", metavar="{auto,off}", help="auto: on CUDA, decode through CUDA "
+                   "graphs (one step captured per bucket of lengths, replayed) for dense and the qada paths on the "
+                   "fused kernel; the report says when it is off and why (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text and report")
     args = vars(p.parse_args(argv))

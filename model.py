@@ -136,6 +136,10 @@ class KVCache:
 
     Prompts of different lengths share one cache left-padded (`stack`): row b's prompt fills positions
     start[b] .. length - 1, it counts its RoPE positions from start[b], and nothing attends to its padding.
+
+    Static mode (`fix`, gpt-fast's static cache): the filled length is a device tensor that each decode step advances
+    in place, the new entry is written at a device position and the views have a fixed length, so that a step reads
+    no host value that changes and one captured CUDA graph can be replayed for every step.
     """
 
     def __init__(self, cfg: LlamaConfig, max_len: int, batch: int = 1, device=None, dtype=torch.float32):
@@ -146,6 +150,11 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
         self.start = None  # (B,) long: each row's first filled position when left-padded (stack); None: all 0
+        # Static mode (fix): the filled length lives on the device, so that one decode step captured in a CUDA graph
+        # can be replayed as the cache fills; the views then run to `view` positions, a fixed number, not to T.
+        self.filled = None  # (1,) int32: the filled length T, advanced in place by each step
+        self.position = None  # (1,) long: where the step writes (T before it), for index_copy_
+        self.view = None
 
     @classmethod
     def stack(cls, caches: list["KVCache"], extra: int) -> "KVCache":
@@ -160,8 +169,34 @@ class KVCache:
         out.length = n
         out.start = torch.tensor([n - c.length for c in caches], device=first.k.device)
         return out
+    def fix(self, view: int | None = None) -> None:
+        """Static mode from the current length on: the filled length becomes the device tensor `filled`, a decode step
+        writes at the device position and hands out views of `view` positions (default: the capacity), whatever T is.
+        `view` may be changed between steps (one captured graph per view); `release` goes back to host lengths."""
+        self.filled = torch.tensor([self.length], dtype=torch.int32, device=self.k.device)
+        self.position = torch.zeros(1, dtype=torch.long, device=self.k.device)
+        self.view = view or self.max_len
+
+    def release(self) -> None:
+        """Back from static mode: the host length is the device's (one read)."""
+        self.length = int(self.filled)
+        self.filled = self.position = self.view = None
+
+    def advance(self) -> torch.Tensor:
+        """Static mode: one more position filled, in place; the position it is written at, (1,) long on the device."""
+        self.position.copy_(self.filled)
+        self.filled.add_(1)
+        return self.position
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, Hkv, T, D) at positions [length, length + T); return views of all filled keys/values."""
+        """Store k, v (B, Hkv, T, D) at positions [length, length + T); return views of all filled keys/values.
+        In static mode one token at `position`, and views of `view` positions (past T: not yet filled)."""
+        if self.filled is not None:
+            if k.shape[2] != 1:
+                raise ValueError("a cache in static mode decodes one token at a time")
+            self.k[layer].index_copy_(2, self.position, k)  # (B, Hkv, 1, D) at the device position
+            self.v[layer].index_copy_(2, self.position, v)
+            return self.k[layer, :, :, :self.view], self.v[layer, :, :, :self.view]  # (B, Hkv, view, D)
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
@@ -207,13 +242,15 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor | None,
+                 filled: torch.Tensor | None = None) -> torch.Tensor:
     """Dense attention of one decoded token per row, q (B, H, 1, D), over the filled cache k, v (B, Hkv, T, D) whose
     row b starts at start[b] (left padding; None: every row at 0): (B, H, 1, D). One of two SDPA layouts, picked by
-    device, dtype and shape; each reads a KV head once for its G query heads."""
+    device, dtype and shape; each reads a KV head once for its G query heads. `filled` (a static cache's device
+    length): the views run past it, and the positions from it on are masked too."""
     B, H, _, D = q.shape
     Hkv = k.shape[1]
-    if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and start is None
+    if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and start is None and filled is None
             and B * Hkv < multiprocessors(q.device)):
         # On a GPU with few (row, KV head) pairs: FlashAttention's decoding splits each head's context across thread
         # blocks (flash-decoding); the packed layout below would give it only B * Hkv blocks to fill the GPU with.
@@ -222,8 +259,12 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch
     # Packed: a group's G query heads go to SDPA as G query positions of their KV head, so each KV head is read once
     # (enable_gqa reads it once per query head on the CPU).
     mask = None
+    pos = torch.arange(k.shape[2], device=q.device)
     if start is not None:  # left-padded rows: no row sees its padding
-        mask = (torch.arange(k.shape[2], device=q.device) >= start[:, None])[:, None, None]  # (B, 1, 1, T)
+        mask = (pos >= start[:, None])[:, None, None]  # (B, 1, 1, T)
+    if filled is not None:  # nor what lies past the filled length
+        filled_part = (pos < filled)[None, None, None]  # (1, 1, 1, T)
+        mask = filled_part if mask is None else mask & filled_part  # (1 or B, 1, 1, T)
     y = F.scaled_dot_product_attention(q.view(B, Hkv, -1, D), k, v, attn_mask=mask)  # (B, Hkv, G, D)
     return y.reshape(B, H, 1, D)
 
@@ -250,7 +291,7 @@ class Attention(nn.Module):
         if T == 1 and decode_attention is not None:  # the pluggable decode-time path (attention.py)
             y = decode_attention(q, k, v, self.layer)  # (B, H, 1, D)
         elif T == 1:
-            y = dense_decode(q, k, v, cache.start)
+            y = dense_decode(q, k, v, cache.start, cache.filled)
         elif cache.start is not None:
             raise ValueError("a stacked (left-padded) cache decodes one token at a time; prefill each prompt alone")
         elif start == 0:
@@ -320,14 +361,18 @@ class Llama(nn.Module):
         """
         B, T = ids.shape
         cache = cache if cache is not None else self.new_cache(T, B)
-        positions = torch.arange(cache.length, cache.length + T, device=ids.device)  # (T,)
+        if cache.filled is not None:  # static: the position is a device tensor, so the step can be replayed
+            positions = cache.advance()  # (1,)
+        else:
+            positions = torch.arange(cache.length, cache.length + T, device=ids.device)  # (T,)
         if cache.start is not None:  # left-padded rows count their positions from their own first token
             positions = positions[None] - cache.start[:, None]  # (B, T)
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         x = self.model.embed_tokens(ids)  # (B, T, C)
         for block in self.model.layers:
             x = block(x, cos, sin, cache, decode_attention)
-        cache.length += T
+        if cache.filled is None:
+            cache.length += T
         if last_only:
             x = x[:, -1]
         return self.lm_head(self.model.norm(x)).float()

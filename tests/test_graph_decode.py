@@ -1,0 +1,347 @@
+"""The decode step that generate.py replays from CUDA graphs (generate.decode_static): the cache in static mode, the
+attention's inputs in fixed device buffers (attention.StaticAttention). On the CPU the step runs eagerly (the fused
+kernel under Triton's interpreter) and is held against the eager loop, generate.decode_batch: the same tokens,
+labels, sparsity and KV read; and it reads no host value that changes from step to step, so that what a graph
+captured once is what every step needs. On a GPU (QADA_TEST_DEVICE=cuda) the graphs themselves are held against the
+eager loop."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import generate
+import kernels
+from attention import BatchAttention, StaticAttention, build_attention, static_refusal
+from criterion import Calibration
+from model import KVCache, load_model
+from tests.test_generate import make_tiny_dir, write_prompt
+
+pytest.importorskip("triton")
+N_SINK, N_LOCAL = 4, 16
+# the fused kernel on CPU tensors needs Triton's interpreter (conftest sets it where there is no CUDA)
+needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() or kernels.INTERPRETED),
+                                  reason="the fused kernel needs CUDA or TRITON_INTERPRET=1")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_dir(tmp_path_factory.mktemp("tiny_graph"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(str(tiny_dir))
+
+
+def calibration(device=None):
+    """A correction that spreads the heads' estimated log ratios (the tiny random model's are all alike), so that
+    each step labels some heads local and some not."""
+    a = torch.linspace(-1.5, 1.5, 4, device=device).repeat(2, 1)  # (L, H)
+    return Calibration(a, torch.ones(2, 4, device=device), torch.tensor([[0.8, 1.2], [1.1, 0.9]], device=device), {})
+
+
+# The prompts of a batch: the longest ends 4 positions before the view boundary at 256, so decoding crosses it (two
+# views, two graphs on a GPU); the 200-token row is stopped early.
+LENGTHS = {1: (240,), 3: (240, 200, 252)}
+N_NEW = 7
+
+
+def tau(method, n):
+    """A tau at which the row's heads part: the tiny random model's window shares are all near 16.2 / T, and fall
+    as T grows, so qada's tau sits there; the correction spreads the calibrated paths' shares around 0.064."""
+    return 16.2 / (n + 3.5) if method == "qada" else 0.064
+
+
+def prefilled(model, method, batch):
+    """Each prompt prefilled alone, its attention built (Option 1 moments), then stacked as generate.run_batch does:
+    (cache, last logits, the rows' DecodeAttentions)."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 100, (1, n), generator=g).to(model.device) for n in LENGTHS[batch]]
+    caches = [model.new_cache(p.shape[1] + N_NEW) for p in prompts]
+    logits = torch.cat([model.prefill(p, c) for p, c in zip(prompts, caches)])
+    inputs = dict(calibration=calibration(model.device)) if method != "dense" else {}
+    rows = [build_attention(method, c, n_sink=N_SINK, n_local=N_LOCAL, moments_source="prompt", **inputs,
+                            **({} if method == "dense" else {"tau": tau(method, c.length)})) for c in caches]
+    cache = caches[0] if batch == 1 else KVCache.stack(caches, N_NEW)
+    return cache, logits, rows
+
+
+def stop_early(model, method):
+    """A stop rule that ends the second row of the batch after 3 tokens: the row whose first token (from its prefill)
+    is the second row's, which no other row's is."""
+    firsts = prefilled(model, method, 3)[1].argmax(-1).tolist()
+    assert firsts.count(firsts[1]) == 1
+    return lambda ids: len(ids) == 3 and ids[0] == firsts[1]
+
+
+def eager_and_static(model, method, batch, capture=False):
+    """The eager loop (decode_batch: a DecodeAttention alone, a BatchAttention for a batch) and the static loop, from
+    the same prefill: (tokens, rows) of each."""
+    finished = None if batch == 1 else stop_early(model, method)
+    cache, logits, rows = prefilled(model, method, batch)
+    attention = rows[0] if batch == 1 else BatchAttention(rows, start=cache.start.tolist())
+    eager = generate.decode_batch(model, cache, logits, N_NEW, attention, finished=finished), rows
+    cache, logits, rows = prefilled(model, method, batch)
+    static = generate.decode_static(model, cache, logits, N_NEW, rows, finished=finished, capture=capture), rows
+    return eager, static
+
+
+def assert_same(eager, static, method, batch):
+    (tokens, rows), (tokens_static, rows_static) = eager, static
+    assert tokens_static == tokens
+    for a, b in zip(rows, rows_static):
+        assert b.stats.lengths == a.stats.lengths  # T of each step the row decoded, its padding left out
+        assert torch.equal(b.stats.label_tensor(), a.stats.label_tensor())
+        assert b.stats.summary(2) == a.stats.summary(2)  # sparsity, KV read, per-layer sparsity
+    if batch > 1:
+        assert [len(t) for t in tokens] == [N_NEW, 3, N_NEW]  # the second row ended early, the others did not
+    labels = torch.cat([a.stats.label_tensor().flatten() for a in rows])
+    assert not labels.any() if method == "dense" else 0 < labels.float().mean() < 1  # the labels decide something
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("method", ["dense", "qada", "qada_cal", "qada_kv_cal"])
+def test_the_static_step_decodes_as_the_eager_loop(tiny, method, batch, monkeypatch):
+    """decode_static's step run eagerly against decode_batch, both on the fused kernel for the qada paths: the same
+    tokens, labels (bit for bit: the kernel reads T from the device and gives what it gives on the sliced cache),
+    context lengths, sparsity and KV read, for one prompt and for a left-padded batch whose second row ends early."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    eager, static = eager_and_static(tiny, method, batch)
+    assert_same(eager, static, method, batch)
+
+
+class NoSync(TorchDispatchMode):
+    """Fails on every operation that reads a tensor's value back to the host (item, int, bool, a data-dependent shape)
+    and keeps the rest as the step's trace: each operation with its Python arguments, a tensor by dtype, shape and
+    strides, or by name when it is one of the step's buffers (`named`, by address)."""
+
+    HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal",
+                  "aten.masked_select", "aten.unique")
+
+    def __init__(self, named):
+        super().__init__()
+        self.named, self.trace = named, []
+
+    def describe(self, x):
+        if isinstance(x, torch.Tensor):
+            return self.named.get(x.data_ptr()) or (x.dtype, tuple(x.shape), x.stride())
+        if isinstance(x, (list, tuple)):
+            return type(x)(self.describe(a) for a in x)
+        if isinstance(x, dict):
+            return {k: self.describe(a) for k, a in x.items()}
+        return x
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in self.HOST_READS or name.removeprefix("aten.") in ("item", "_local_scalar_dense"):
+            raise AssertionError(f"the step read a value back to the host: {func}")
+        self.trace.append((str(func), self.describe(args), self.describe(kwargs or {})))
+        return func(*args, **(kwargs or {}))
+
+
+class Launches:
+    """The fused kernels' launches, recorded (grid, and every argument: a tensor by dtype, shape and strides or by
+    name, a Python value as it is) and then run outside the NoSync mode: Triton's interpreter moves the tensors' data
+    through torch storages, host work a GPU launch does not do; the launch's own Python values are what a graph
+    fixes."""
+
+    def __init__(self, monkeypatch):
+        self.records, self.mode = [], None
+        for name in ("_window_decide_kernel", "_split_attention_kernel", "_merge_kernel"):
+            monkeypatch.setattr(kernels, name, self.wrap(getattr(kernels, name)))
+
+    def wrap(self, kernel):
+        launches = self
+
+        class Wrapped:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    describe = launches.mode.describe if launches.mode else (lambda x: x)
+                    launches.records.append((grid, describe(args), describe(kwargs)))
+                    with torch.utils._python_dispatch._disable_current_modes():
+                        return kernel[grid](*args, **kwargs)
+                return launch
+        return Wrapped()
+
+
+def no_tolist(monkeypatch):
+    """Tensor.tolist and .numpy read CPU tensors without dispatching: fail on them too."""
+    def host_read(*args, **kwargs):
+        raise AssertionError("the step read a value back to the host")
+    for method in ("tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, method, host_read)
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["qada_cal", "dense"])
+def test_the_step_reads_no_host_value_that_changes(tiny, method, monkeypatch):
+    """Every decode step of the static loop (a batch of three, the second row ending early) is called with the same
+    Python objects, sees the same host values on them (the cache's and the attention's attributes), makes no host
+    read, and at one view does the same operations on the same buffers with the same Python arguments, kernel
+    launches included (grids, constexprs): what one graph captures is what every step at that view needs. Only the
+    view changes, once, where graph_view moves to the next bucket."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    finished = stop_early(tiny, method)
+    cache, logits, rows = prefilled(tiny, method, 3)
+    steps, real = [], tiny.decode_step
+    launches = Launches(monkeypatch)  # every fused_qada launch, with its Python values
+    made = StaticAttention.of
+
+    def spy(token, c, attention):
+        # the host state the step can see: every attribute of the cache and of the attention, a tensor by identity
+        def state(obj):
+            return {k: id(v) if isinstance(v, (torch.Tensor, list, tuple)) else v for k, v in vars(obj).items()}
+        static = made_static[0]
+        named = {x.data_ptr(): name for name, x in (("k", c.k), ("v", c.v), ("filled", c.filled),
+                                                    ("position", c.position), ("token", token),
+                                                    ("labels", static.labels), ("step", static.step),
+                                                    ("start", static.start), ("rows", static.rows))}
+        before = len(launches.records)
+        with contextlib.ExitStack() as stack:
+            launches.mode = stack.enter_context(NoSync(named))
+            patch = stack.enter_context(pytest.MonkeyPatch.context())
+            no_tolist(patch)
+            out = real(token, c, attention)
+        steps.append(dict(args=(id(token), id(c), id(attention)), cache=state(c), static=state(static),
+                          trace=launches.mode.trace, launches=launches.records[before:], view=c.view))
+        return out
+
+    made_static = []
+    monkeypatch.setattr(StaticAttention, "of", classmethod(
+        lambda cls, *a, **kw: made_static.append(made(*a, **kw)) or made_static[-1]))
+    monkeypatch.setattr(tiny, "decode_step", spy)
+    generate.decode_static(tiny, cache, logits, N_NEW, rows, finished=finished)
+    monkeypatch.undo()
+    assert len(steps) == N_NEW - 1
+    views = [s["view"] for s in steps]
+    T = [252 + 1 + i for i in range(N_NEW - 1)]  # the filled length during each step
+    assert views == [generate.graph_view(t, cache.max_len) for t in T] == [256] * 4 + [252 + N_NEW] * 2
+    for s in steps[1:]:
+        first = steps[0] if s["view"] == 256 else steps[4]
+        assert s["args"] == first["args"] and s["static"] == first["static"]
+        assert {k: v for k, v in s["cache"].items() if k != "view"} == {
+            k: v for k, v in first["cache"].items() if k != "view"}
+        assert s["trace"] == first["trace"] and s["launches"] == first["launches"]
+    assert (len(steps[0]["launches"]) == 0) == (method == "dense")
+    assert cache.length == T[-1] and cache.filled is None  # released: the host length is the device's again
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["dense", "qada_kv_cal"])
+def test_generate_reports_the_same_through_the_static_loop(tiny_dir, tmp_path, method, monkeypatch):
+    """run_batch with the static loop (graph_refusal made to find nothing: on the CPU the step runs eagerly) gives
+    the eager loop's report for every prompt of a batch: tokens, text, sparsity, KV read, steps; and says which loop
+    ran."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    files = [str(write_prompt(tmp_path, n)) for n in (60, 150, 97)]
+    cal = tmp_path / "cal.json"
+    from criterion import save_calibration
+    c = calibration()
+    save_calibration(cal, Calibration(c.a, c.b, c.s, {"moments_source": "prompt"}))
+    kw = dict(model=str(tiny_dir), max_new_tokens=6, method=method, n_sink=N_SINK, n_local=N_LOCAL, progress=False)
+    if method != "dense":
+        kw.update(moments_source="prompt", tau=0.25, calibration=str(cal))
+    eager = generate.run_batch(files, **kw)
+    assert all(r["cuda_graphs"].startswith("off: no CUDA device") for r in eager)
+    monkeypatch.setattr(generate, "graph_refusal", lambda *args: None)
+    static = generate.run_batch(files, **kw)
+    same = ("new_token_ids", "text", "sparsity", "kv_read", "layer_sparsity", "decode_steps", "new_tokens")
+    for a, b in zip(eager, static):
+        assert {k: b[k] for k in same} == {k: a[k] for k in same}
+        assert b["cuda_graphs"].startswith("on")
+    if method != "dense":
+        assert 0 < static[0]["sparsity"] < 1
+
+
+def test_cuda_graphs_auto_on_the_cpu_says_it_is_off_and_why(tiny_dir, tmp_path, capsys):
+    argv = ["--prompt", str(write_prompt(tmp_path, 40)), "--model", str(tiny_dir), "--max-new-tokens", "2",
+            "--method", "dense", "--device", "cpu"]
+    assert generate.main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "CUDA graphs" in line]
+    assert lines == ["decode loop: CUDA graphs off: no CUDA device (cpu); the eager loop runs"]
+    assert generate.main(argv + ["--cuda-graphs", "off", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cuda_graphs"] == "off: --cuda-graphs off"
+
+
+def test_a_bad_cuda_graphs_value_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert generate.main(["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir), "--cuda-graphs",
+                          "on"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --cuda-graphs takes auto or off, got 'on'"
+
+
+def test_what_cannot_run_from_fixed_buffers_says_why(tiny):
+    """graph_refusal on a CUDA device (no CUDA needed to ask): the paths that decide on the host, moments that change
+    every step, the oracle's statistics tracked beside, and the flag itself."""
+    cache = tiny.new_cache(300)
+    tiny.prefill(torch.randint(0, 100, (1, 200), generator=torch.Generator().manual_seed(0)).to(tiny.device), cache)
+    cuda = torch.device("cuda")
+
+    def why(method, **kw):
+        att = build_attention(method, cache, n_sink=N_SINK, n_local=N_LOCAL, **kw)
+        return generate.graph_refusal("auto", cuda, [att], [200], tiny)
+
+    assert "the oracle path decides on the host" in why("oracle", tau=0.5)
+    assert "the quest path decides on the host" in why("quest", budget=32)
+    assert "the static path decides on the host" in why("static", static_local=torch.zeros(2, 4, dtype=torch.bool))
+    assert "the moments change every step (OnlineMoments)" in why("qada", tau=0.5, moments_source="prompt-online")
+    assert "oracle's statistics" in why("qada", tau=0.5, moments_source="prompt", track_oracle=True)
+    dense = build_attention("dense", cache)
+    assert static_refusal([dense]) is None
+    assert generate.graph_refusal("off", cuda, [dense], [200], tiny) == "--cuda-graphs off"
+    assert generate.graph_refusal("auto", torch.device("cpu"), [dense], [200], tiny).startswith("no CUDA device")
+    with pytest.raises(ValueError, match="decides on the host"):
+        StaticAttention.of([build_attention("local", cache)], None, torch.zeros(1, dtype=torch.int32), 4, 2, 4)
+
+
+def test_graph_views_reach_past_T_by_at_most_a_quarter():
+    """graph_view: at least T, at most the capacity, less than a quarter or 256 positions past T, and it moves rarely:
+    few graphs per generation."""
+    for capacity in (300, 5000, 40000, 131072):
+        views = [generate.graph_view(T, capacity) for T in range(1, capacity + 1)]
+        for T, view in zip(range(1, capacity + 1), views):
+            assert T <= view <= capacity and view - T < max(T / 4, 256)
+        assert len(set(views)) <= 8 * (capacity.bit_length() - 7)  # 8 per power of two above 256
+    assert generate.graph_view(32768, 40000) == 32768 and generate.graph_view(32769, 40000) == 40000
+
+
+# ---------------------------------------------------------------------------------------------------------
+# On a GPU: the graphs themselves
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("method", ["dense", "qada", "qada_cal", "qada_kv_cal"])
+def test_graph_replays_decode_as_the_eager_loop(tiny_dir, method, batch):
+    """decode_static capturing and replaying CUDA graphs (two views: two graphs for the batch) against decode_batch
+    on the same GPU: equal tokens, labels and statistics."""
+    model = load_model(str(tiny_dir), device="cuda")
+    eager, static = eager_and_static(model, method, batch, capture=True)
+    assert_same(eager, static, method, batch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("method", ["dense", "qada_kv_cal"])
+def test_generate_on_cuda_decodes_through_graphs_as_eager(tiny_dir, tmp_path, method, capsys):
+    """The CLI on CUDA: auto captures (and says so), and gives --cuda-graphs off's tokens and statistics."""
+    files = [str(write_prompt(tmp_path, n)) for n in (60, 150, 97)]
+    cal = tmp_path / "cal.json"
+    from criterion import save_calibration
+    c = calibration()
+    save_calibration(cal, Calibration(c.a, c.b, c.s, {"moments_source": "prompt"}))
+    argv = ["--prompt", *files, "--model", str(tiny_dir), "--max-new-tokens", "6", "--method", method, "--n-sink",
+            str(N_SINK), "--n-local", str(N_LOCAL), "--device", "cuda", "--json"]
+    if method != "dense":
+        argv += ["--moments", "prompt", "--tau", "0.25", "--calibration", str(cal)]
+    reports = {}
+    for mode in ("auto", "off"):
+        assert generate.main(argv + ["--cuda-graphs", mode]) == 0
+        reports[mode] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(r["cuda_graphs"].startswith("on") for r in reports["auto"])
+    same = ("new_token_ids", "sparsity", "kv_read", "decode_steps")
+    assert [{k: r[k] for k in same} for r in reports["auto"]] == [{k: r[k] for k in same} for r in reports["off"]]
