@@ -79,19 +79,32 @@ def stop_early(model, method):
 
 def eager_and_static(model, method, batch, capture=False):
     """The eager loop (decode_batch: a DecodeAttention alone, a BatchAttention for a batch) and the static loop, from
-    the same prefill: (tokens, rows) of each."""
+    the same prefill: (tokens, rows, the logits of every step) of each."""
     finished = None if batch == 1 else stop_early(model, method)
-    cache, logits, rows = prefilled(model, method, batch)
-    attention = rows[0] if batch == 1 else BatchAttention(rows, start=cache.start.tolist())
-    eager = generate.decode_batch(model, cache, logits, N_NEW, attention, finished=finished), rows
-    cache, logits, rows = prefilled(model, method, batch)
-    static = generate.decode_static(model, cache, logits, N_NEW, rows, finished=finished, capture=capture), rows
-    return eager, static
+    out = []
+    for loop in ("eager", "static"):
+        cache, logits, rows = prefilled(model, method, batch)
+        seen, sample = [], generate.sample
+        with pytest.MonkeyPatch.context() as patch:  # every step's logits, as the loop samples from them
+            patch.setattr(generate, "sample", lambda logits, *a: seen.append(logits.clone()) or sample(logits, *a))
+            if loop == "eager":
+                attention = rows[0] if batch == 1 else BatchAttention(rows, start=cache.start.tolist())
+                tokens = generate.decode_batch(model, cache, logits, N_NEW, attention, finished=finished)
+            else:
+                tokens = generate.decode_static(model, cache, logits, N_NEW, rows, finished=finished, capture=capture)
+        out.append((tokens, rows, seen))
+    return out
 
 
 def assert_same(eager, static, method, batch):
-    (tokens, rows), (tokens_static, rows_static) = eager, static
+    (tokens, rows, logits), (tokens_static, rows_static, logits_static) = eager, static
     assert tokens_static == tokens
+    for b, row in enumerate(tokens):  # each row's logits while it decoded (an ended row's are discarded)
+        got, want = (torch.stack([step[b] for step in x[:len(row)]]) for x in (logits_static, logits))
+        if method == "dense":  # SDPA over the view, masked past T, against SDPA over the filled part
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        else:  # the same kernel reading the same T: bit for bit
+            assert torch.equal(got, want)
     for a, b in zip(rows, rows_static):
         assert b.stats.lengths == a.stats.lengths  # T of each step the row decoded, its padding left out
         assert torch.equal(b.stats.label_tensor(), a.stats.label_tensor())
