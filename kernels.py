@@ -9,14 +9,19 @@ Three kernels, each a fixed grid:
   3. per (row, KV head), `_merge_kernel`: the splits merged by their log-sum-exp, the window's output kept for the
      local heads.
 
+`fused_pages` is token-level page selection (attention.quest, attention.qada_pages) in the same kernels: QAdA's
+long-context groups, or every group for Quest alone, read their window and their chosen pages only. A fourth kernel,
+`_page_bound_kernel`, scores the candidate pages by Quest's bound from the page statistics (pages.PageIndex); torch's
+topk picks the top ones under the budget; the split programs then walk a list of page numbers instead of a range.
+
 The kernels read the filled length T and each row's first position from device memory, and their grids and
-compile-time constants depend on the cache's capacity only (fused_qada's `length`): one step captured in a CUDA graph
-can be replayed as the cache fills, with T a device tensor advanced in place.
+compile-time constants depend on the cache's capacity only (fused_qada's `length`), and the page budget: one step
+captured in a CUDA graph can be replayed as the cache fills, with T a device tensor advanced in place.
 
 `fused` says when the qada paths take it (attention.run_path, attention.BatchAttention). Triton is optional: CUDA
 builds of torch bring it, and the torch paths need nothing of it. On CPU tensors the kernels run under Triton's
 interpreter (TRITON_INTERPRET=1, read when they are defined), which is how the tests run them
-(tests/test_kernel.py).
+(tests/test_kernel.py, tests/test_kernel_pages.py).
 """
 
 import math

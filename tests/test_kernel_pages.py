@@ -5,6 +5,7 @@ chosen pages' bulk positions and nothing else (counted, and a cache poisoned wit
 needle's page is chosen; and one step over the cache's capacity launches the same whatever T. On a machine without
 CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py), on CPU tensors."""
 
+import json
 import math
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import attention
 import kernels
 from kernels import fused_pages
+from lab import bench_pages_gpu
 from moments import bulk_end
 from pages import PageIndex, candidates, page_count
 from tests.test_kernel import Launch, Recorded
@@ -300,3 +302,20 @@ def test_bad_arguments_are_refused():
         fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, budget=48, budget_frac=0.1)
     with pytest.raises(ValueError, match="combine"):
         fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, budget=48, combine="mean")
+
+
+# --- the GPU benchmark's script ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not kernels.INTERPRETED, reason="the smoke run is the interpreter's")
+def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, capsys):
+    """lab.bench_pages_gpu --interpret-smoke: its self-check against the torch paths passes and its table is written,
+    so the script a GPU session runs has run before; without CUDA and without the flag it stops in one line."""
+    assert bench_pages_gpu.main(["--interpret-smoke", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "pages.md").read_text()
+    assert "self-check quest float32" in table and table.count("| tiny | 600 |") == 2
+    assert len(json.loads((tmp_path / "pages.json").read_text())) == 2
+    if not torch.cuda.is_available():
+        capsys.readouterr()
+        assert bench_pages_gpu.main(["--quick", "--out", str(tmp_path / "gpu")]) == 2
+        assert capsys.readouterr().err == "no CUDA\n" and not (tmp_path / "gpu").exists()
