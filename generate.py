@@ -85,10 +85,11 @@ def decode_batch(model, cache, logits, max_new_tokens: int, attention=None, eos_
 
 def graph_view(T: int, capacity: int) -> int:
     """How far a static step's views reach at context T (the filled length during the step): T rounded up to a
-    multiple of an eighth of the power of two at or above it (at least 256), at most the capacity. One graph is
-    captured per view, a few per generation, and a view reaches less than a quarter or 256 positions past T: dense
-    reads it whole (masked past T), the kernel's split programs past T return at once."""
-    grain = max(256, (1 << max(T - 1, 1).bit_length()) // 8)
+    multiple of a sixteenth of the power of two at or above it (at least 256), at most the capacity. One graph is
+    captured per view, a few per generation (a generation of 1,000 tokens from 32k crosses one boundary), and a view
+    reaches less than an eighth or 256 positions past T: dense reads it whole (masked past T), the kernel's split
+    programs past T return at once."""
+    grain = max(256, (1 << max(T - 1, 1).bit_length()) // 16)
     return min(capacity, -(-T // grain) * grain)
 
 
@@ -142,8 +143,9 @@ def decode_static(model, cache, logits, max_new_tokens: int, rows: list, eos_ids
             elif cache.view in graphs:
                 graphs[cache.view][0]()
                 logits = graphs[cache.view][1]
-            else:
-                graphs[cache.view] = captured(step, rewind, logits.device)
+            else:  # the graphs share one memory pool: they never run at once, and a view is never left for an earlier
+                pool = next(iter(graphs.values()))[2] if graphs else None
+                graphs[cache.view] = captured(step, rewind, logits.device, pool)
                 logits = graphs[cache.view][1]
             n += 1
     finally:
@@ -153,10 +155,10 @@ def decode_static(model, cache, logits, max_new_tokens: int, rows: list, eos_ids
     return outs
 
 
-def captured(step, rewind, device: torch.device):
-    """step() captured as one CUDA graph: (replay, its output). Warm-up first, on a side stream (torch's recipe): the
-    step runs, is rewound and runs again, which leaves its effects as one real step's; the capture itself runs
-    nothing."""
+def captured(step, rewind, device: torch.device, pool=None):
+    """step() captured as one CUDA graph (in memory pool `pool`, None: its own): (replay, its output, its pool).
+    Warm-up first, on a side stream (torch's recipe): the step runs, is rewound and runs again, which leaves its
+    effects as one real step's; the capture itself runs nothing."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -165,10 +167,10 @@ def captured(step, rewind, device: torch.device):
         out = step()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         static_out = step()
     static_out.copy_(out)  # the warm-up's logits, where the graph will write
-    return graph.replay, static_out
+    return graph.replay, static_out, graph.pool()
 
 
 def decode(model, cache, logits, max_new_tokens: int, attention=None, eos_ids=(), temperature: float = 0.0,

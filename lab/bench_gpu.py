@@ -24,22 +24,27 @@ against packed dense. The bound is the speedup over the best dense if only the c
 1 / (f + (1 - f) * 128 / T); speedup and % of bound are the fused graph's. "decision" is the fused graph at f = 0
 (window, decision, merge and the grid of split programs that return at once) over the best dense.
 
-Part 2, end to end: a decoder with random weights at Llama-3-8B's shapes (32 layers, 128k vocabulary), bf16, its
-KV cache filled with random keys and values to T = 32k (no prefill: decode time does not depend on the values),
-batch 8, and batch 32 with 8 of the 32 layers (a 32-layer batch-32 cache needs 137 GB). ms per step (one token of
-every row), eager and replayed as one CUDA graph (captured at position T; each replay decodes at T again). Methods:
-  dense      the model's own dense decode (FlashAttention's decoding while batch x KV heads is below the SM count,
-             else packed SDPA);
+Part 2, end to end: generate.py's own decode loops, imported and called as run_batch calls them, on a decoder with
+random weights at Llama-3-8B's shapes (32 layers, 128k vocabulary), bf16, its KV cache filled with random keys and
+values to T = 32k (no prefill: decode time does not depend on the values), batch 8, and batch 32 with 8 of the 32
+layers (a 32-layer batch-32 cache needs 137 GB). ms per decode step (one token of every row): "eager" is
+generate.decode_batch, "graph" generate.decode_static, which replays one CUDA graph per view (generate.graph_view),
+as --cuda-graphs auto does; each from two runs of 2 and 2 + --steps tokens, so that the capture and the first step
+drop out. --capacity sets the cache's T_max (default just enough): the steps at T = T_max / 2 or T_max / 8 replay a
+graph whose view is graph_view's, not the capacity. Methods:
+  dense      generate's dense: eager, DecodeAttention("dense") per row (one prompt: SDPA on the filled cache);
+             graph, the model's dense decoding over the graph's view, masked past T;
   kv F       qada_cal on the fused kernel with a correction that fixes the labels (b = 0, a = +-50), so that a
              share F of the (layer, KV head) pairs is long-context for every row: the decision is computed as always,
-             the labels are those of a static choice at the KV read QAdA reaches on the research model;
+             the labels are those of a static choice at the KV read QAdA reaches on the research model (kv 1.0: every
+             group read, the fused kernel's dense);
   qada       QAdA's own decision (Option 1: the random cache's own bulk moments), whatever KV read it reaches.
 The bound is dense / (floor + f * (dense - floor)) with floor the all-local step (kv 0), as lab.bench has it.
-Each kernel method's eager step runs once under torch.cuda.set_sync_debug_mode("error"): "host syncs" says whether
-one was met.
+The step decode_static captures runs once eagerly under torch.cuda.set_sync_debug_mode("error"): "host syncs" says
+whether one was met.
 
 Outputs in --out (results/bench-gpu/): attention.md and end_to_end_<T>k.md (the tables with the device, driver and
-torch versions and the command), their rows as JSON, and speedup.png.
+torch versions and the command; end_to_end_<T>k_of_<T_max>k.md with --capacity), their rows as JSON, and speedup.png.
 """
 
 import argparse
@@ -56,9 +61,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from attention import BatchAttention, DecodeAttention, HeadStats
+from attention import BatchAttention, DecodeAttention, HeadStats, StaticAttention
 from criterion import TAU, Calibration
-from generate import pick_device
+from generate import decode_batch, decode_static, graph_view, pick_device
 from lab.bench import full_pattern, ideal_speedup, pattern_moments, qada_kernel
 from lab.cli import Parser, at_least, fail, fresh_folder, ints
 from model import KVCache, Llama, LlamaConfig
@@ -218,20 +223,19 @@ def bulk_moments(cache: KVCache, T: int) -> FixedMoments:
     return FixedMoments(torch.stack(mean), torch.stack(cov), end - N_SINK)
 
 
-def step_ms(step, reset, device: torch.device, n: int) -> float:
-    """ms per call of step(), each decoding at the same position (reset() rolls the cache back)."""
-    for _ in range(2):
+def step_ms(decode, reset, device: torch.device, n: int) -> float:
+    """ms per decode step of decode(k), a generate.py loop decoding k new tokens (k - 1 steps) of every row, from two
+    runs: k = 2 + n less k = 2, so that what a run pays once (a graph's warm-up and capture, a kernel's compile) drops
+    out. reset() rolls the cache back to T before each run."""
+    times = []
+    for k in (2, 2 + n):
         reset()
-        step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(device)
-    start.record()
-    for _ in range(n):
-        reset()
-        step()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / n
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        decode(k)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * (times[1] - times[0]) / n
 
 
 def graphed(step, reset, device: torch.device):
@@ -263,53 +267,77 @@ def sync_free(step, reset) -> str:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def bench_end_to_end(T: int, setups, device: torch.device, n: int) -> list[dict]:
+def bench_end_to_end(T: int, setups, device: torch.device, n: int, capacity: int | None = None) -> list[dict]:
     rows = []
     for B, L in setups:
         with qada_kernel("triton"):
-            rows += bench_setup(T, B, L, device, n)
+            rows += bench_setup(T, B, L, device, n, capacity)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the setup's model and cache are gone: up to 50 GB
     return rows
 
 
-def bench_setup(T: int, B: int, L: int, device: torch.device, n: int) -> list[dict]:
-    """Every method of one setup (batch B, L layers of Llama-3-8B) at context T: a table row each."""
+def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: int | None = None) -> list[dict]:
+    """Every method of one setup (batch B, L layers of Llama-3-8B) decoding from context T, its cache holding
+    `capacity` positions (default: just enough), through generate.py's own loops: decode_batch (eager) and
+    decode_static (replayed from CUDA graphs, one per view). A table row each."""
     cfg = LlamaConfig(**{**LLAMA3_8B.__dict__, "num_hidden_layers": L})
     model = random_llama(cfg, device)
-    cache = KVCache(cfg, T + 16, B, device=device, dtype=torch.bfloat16)
+    capacity = max(capacity or 0, T + n + 8)
+    cache = KVCache(cfg, capacity, B, device=device, dtype=torch.bfloat16)
     cache.k.normal_(), cache.v.normal_()
     cache.length = T
     moments = bulk_moments(cache, T)
-    token = torch.randint(cfg.vocab_size, (B,), device=device)
+    first = torch.randn(B, cfg.vocab_size, device=device)  # a prefill's last logits: any will do
 
     def reset():
         cache.length = T
 
-    def attention_of(method: str, f: float | None) -> BatchAttention | None:
-        if method == "dense":
-            return None  # the model's own dense decoding
-        inputs = dict(tau=TAU, moments=moments)
+    def attentions(method: str, f: float | None) -> list[DecodeAttention]:
+        inputs = {} if method == "dense" else dict(tau=TAU, moments=moments)
         if method == "qada_cal":
             inputs["calibration"] = fixed_labels(cfg, f, device)
-        return BatchAttention([DecodeAttention(method, N_SINK, N_LOCAL, dict(inputs)) for _ in range(B)])
+        return [DecodeAttention(method, N_SINK, N_LOCAL, dict(inputs)) for _ in range(B)]
+
+    def loop(method: str, f: float | None, graphs: bool, made: list):
+        def decode(k: int = 2):  # generate.py's loop, as run_batch calls it (made: the rows, for their statistics)
+            rows = attentions(method, f)
+            made[:] = rows
+            if graphs:
+                return decode_static(model, cache, first, k, rows, capture=device.type == "cuda")
+            return decode_batch(model, cache, first, k, rows[0] if B == 1 else BatchAttention(rows))
+        return decode
+
+    def one_step(method: str, f: float | None):  # the step decode_static captures, eagerly (for the sync check)
+        rows = attentions(method, f)
+
+        def step():
+            cache.fix()
+            try:
+                static = StaticAttention.of(rows, None, cache.filled, 1, L, cfg.num_attention_heads)
+                return model.decode_step(torch.zeros(B, dtype=torch.long, device=device), cache,
+                                         None if method == "dense" else static)
+            finally:
+                cache.release()
+        return step
 
     methods = [("dense", "dense", None), *((f"kv {f}", "qada_cal", f) for f in E2E_FRACTIONS), ("qada", "qada", None)]
     out = {}
     for name, method, f in methods:
-        batch = attention_of(method, f)
-        step = lambda batch=batch: model.decode_step(token, cache, batch)  # noqa: E731
+        made = []
         reset()
-        logits = step()
-        kv_read = 1.0 if batch is None else batch.rows[0].stats.summary(cfg.num_key_value_heads)["kv_read"]
-        eager = step_ms(step, reset, device, n)
-        syncs = "" if batch is None else sync_free(step, reset)
+        loop(method, f, True, made)()  # one step at T + 1: its labels give the KV read (and kernels are compiled)
+        kv_read = made[0].stats.summary(cfg.num_key_value_heads)["kv_read"]
+        eager = step_ms(loop(method, f, False, made), reset, device, n)
+        reset()
+        logits_ok = bool(torch.isfinite(one_step(method, f)()).all())
+        syncs = sync_free(one_step(method, f), reset) if device.type == "cuda" else ""
         try:
-            graph = step_ms(graphed(step, reset, device), lambda: None, device, n)
+            graph = step_ms(loop(method, f, True, made), reset, device, n)
         except RuntimeError as e:  # a capture that fails is a finding, not a crash of the whole table
             graph, syncs = math.nan, (syncs + "; capture: " + str(e).splitlines()[0])[:120]
-        out[name] = dict(B=B, L=L, T=T, method=name, kv_read=kv_read, eager_ms=eager, graph_ms=graph,
-                         host_syncs=syncs, logits_ok=bool(torch.isfinite(logits).all()))
+        out[name] = dict(B=B, L=L, T=T, capacity=capacity, view=graph_view(T + 1, capacity), method=name,
+                         kv_read=kv_read, eager_ms=eager, graph_ms=graph, host_syncs=syncs, logits_ok=logits_ok)
     for mode in ("eager", "graph"):
         dense, floor = out["dense"][f"{mode}_ms"], out["kv 0.0"][f"{mode}_ms"]
         for r in out.values():
@@ -332,7 +360,8 @@ ATTENTION_COLUMNS = [("shape", "shape", "{}"), ("T", "T", "{}"), ("B", "B", "{}"
                      ("speedup", "fused speedup", "{:.2f}x"), ("ideal", "bound", "{:.2f}x"),
                      ("of_bound", "fused % of bound", "{:.0%}"), ("eager_of_bound", "eager % of bound", "{:.0%}"),
                      ("torch_of_bound", "torch % of bound", "{:.0%}"), ("decision", "decision / dense", "{:.1%}")]
-E2E_COLUMNS = [("B", "B", "{}"), ("L", "layers", "{}"), ("T", "T", "{}"), ("method", "method", "{}"),
+E2E_COLUMNS = [("B", "B", "{}"), ("L", "layers", "{}"), ("T", "T", "{}"), ("capacity", "capacity", "{}"),
+               ("view", "graph view", "{}"), ("method", "method", "{}"),
                ("kv_read", "KV read", "{:.2f}"), ("eager_ms", "eager ms", "{:.2f}"),
                ("eager_speedup", "eager speedup", "{:.2f}x"), ("eager_of_bound", "eager % of bound", "{:.0%}"),
                ("graph_ms", "graph ms", "{:.2f}"), ("graph_speedup", "graph speedup", "{:.2f}x"),
@@ -437,6 +466,9 @@ def main(argv=None) -> int:
                    "(default: 32768)")
     p.add_argument("--e2e", type=setups, default="8x32,32x8", help="end to end: BATCHxLAYERS setups (default: "
                    "8x32,32x8)")
+    p.add_argument("--capacity", type=at_least(N_LOCAL + 2), default=None, help="end to end: the KV cache's capacity "
+                   "in positions, T_max (default: T + steps + 8, just enough); --e2e-length 16384 --capacity 32768 "
+                   "times the steps at T_max / 2")
     p.add_argument("--steps", type=at_least(1), default=10, help="end to end: timed steps per method and mode "
                    "(default: 10)")
     p.add_argument("--quick", action="store_true", help="fewer timed calls")
@@ -474,8 +506,9 @@ def main(argv=None) -> int:
         print(table(E2E_COLUMNS, []), flush=True)
         rows = []
         for one in args.e2e:  # written after each setup: a later one that fails keeps the earlier rows
-            rows += bench_end_to_end(args.e2e_length, [one], device, args.steps)
-            write(out, f"end_to_end_{args.e2e_length // 1024}k", setup, E2E_COLUMNS, rows, command)
+            rows += bench_end_to_end(args.e2e_length, [one], device, args.steps, args.capacity)
+            name = f"end_to_end_{args.e2e_length // 1024}k" + (f"_of_{args.capacity // 1024}k" if args.capacity else "")
+            write(out, name, setup, E2E_COLUMNS, rows, command)
     print(f"wrote {out}/", flush=True)
     return 0
 
