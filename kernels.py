@@ -418,7 +418,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
 def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_size: int, budget: int | None = None,
                 budget_frac: float | None = None, form=None, tau=None, correction: Correction | None = None,
                 combine: str = "max", length: torch.Tensor | None = None, split: int | None = None,
-                block_n: int | None = None, inspect: bool = False, out=None):
+                block_n: int | None = None, with_read: bool = False, inspect: bool = False, out=None):
     """Token-level page selection for one layer and n rows, on the device with nothing read back to the host: the same
     labels and output as attention.qada_pages (given `form` and `tau`) or attention.quest (`form` None) of each row, up
     to fp32 rounding. q, k, v, rows, start, length and out as fused_qada's; `bounds` = (lo, hi), each (n, Hkv, NP, D):
@@ -444,9 +444,11 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
 
     The grids and every launch's values depend on T_max, the budget and P only (a budget_frac's on T_max's pages): with
     `length`, one step captured in a CUDA graph is replayed as the cache fills. Returns y (n, H, D) (or `out`) and
-    labels (n, H) bool; with `inspect` (for tests) also the pages each query head attends to (n, H, W) bool (W the
-    candidates at T_max) and the bulk positions each (row, KV head) read (n, Hkv). `split`: list entries (pages) per
-    program, a multiple of block_n // P (default: enough programs to fill the GPU, as split_size)."""
+    labels (n, H) bool; with `with_read` also the KV entries each (row, KV head) read (n, Hkv), the torch paths'
+    third value (entries_read); with `inspect` (for tests) also the pages each query head attends to (n, H, W) bool
+    (W the candidates at T_max) and the bulk positions the split programs loaded per (row, KV head) (n, Hkv), counted
+    in the kernel. `split`: list entries (pages) per program, a multiple of block_n // P (default: enough programs to
+    fill the GPU, as split_size)."""
     if triton is None:
         raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
     B, H, D = q.shape
@@ -539,10 +541,13 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y, rows, start, length, log_local, n_valid,
                             y.stride(0), y.stride(1), n_splits, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split,
                             BY_ROW=out is not None, LEN_PER_ROW=len_per_row, PAGED=True)
-    labels = labels.view(torch.bool)
+    result = (y, labels.view(torch.bool))
+    if with_read:
+        n_ctx = length.view(-1).long() - start.long()  # (n,)
+        result += (entries_read(ids, n_valid, read, n_ctx, n_read, n_sink, n_local, P),)
     if inspect:
-        return y, labels, chosen_mask(ids, heads, n_valid, G, W), counts.sum(-1)
-    return y, labels
+        result += (chosen_mask(ids, heads, n_valid, G, W), counts.sum(-1))
+    return result
 
 
 def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: int):
@@ -569,6 +574,20 @@ def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: in
     ids = torch.where(first, union, W).sort(-1).values  # the pages read, then W
     ids = ids[..., :min(G * n_sel, W)].contiguous()  # (heads.gather's strides: the kernel reads both alike)
     return ids, heads.gather(2, ids), first.sum(-1, dtype=torch.int32)
+
+
+def entries_read(ids: torch.Tensor, n_valid: torch.Tensor, group_read: torch.Tensor, n_ctx: torch.Tensor,
+                 n_read: torch.Tensor, n_sink: int, n_local: int, P: int) -> torch.Tensor:
+    """The KV entries each (row, KV head) read, (n, Hkv) int64, counted as attention's page paths count them: its
+    window, the bulk positions of the pages it read (choose_pages' first n_valid of ids (n, Hkv, U); a page's part in
+    the window is the window's), and one entry per candidate page when their statistics were scored (0 < n_read < m,
+    for a group that reads: group_read (n, Hkv)). n_ctx, n_read (n,): each row's context length and page budget."""
+    bulk_end = (n_ctx - (n_local - n_sink)).clamp(min=n_sink)  # (n,): moments.bulk_end
+    m = (bulk_end - n_sink + P - 1) // P  # pages.candidates
+    size = (bulk_end[:, None, None] - (n_sink + ids * P)).clamp(0, P)  # (n, Hkv, U): each page's bulk positions
+    size = size * (torch.arange(ids.shape[2], device=ids.device) < n_valid[..., None])
+    scored = ((n_read > 0) & (n_read < m)) * m  # (n,)
+    return n_ctx.clamp(max=n_local)[:, None] + size.sum(-1) + scored[:, None] * (group_read != 0)
 
 
 def chosen_mask(ids: torch.Tensor, heads: torch.Tensor | None, n_valid: torch.Tensor, G: int, W: int) -> torch.Tensor:

@@ -110,15 +110,17 @@ def bulk_read_by_hand(chosen, T, P):
 def check_against_torch(method, P, budget, calibration=None, budget_frac=None, seed=0, rows=ROWS):
     """The batch through the kernel, each row through the torch path: labels, chosen pages, output and read."""
     q, k, v, start, length = batch(seed, rows)
-    y, labels, chosen, reads = run_kernel(method, q, k, v, start, length, P, budget, calibration,
-                                          budget_frac=budget_frac, inspect=True)
+    y, labels, read, chosen, reads = run_kernel(method, q, k, v, start, length, P, budget, calibration,
+                                                budget_frac=budget_frac, with_read=True, inspect=True)
     W = candidates(T_MAX, N_SINK, N_LOCAL, P)
     assert chosen.shape == (len(rows), H, W)
     for i in range(len(rows)):
         kk, vv = row_view(k, i, start, length), row_view(v, i, start, length)
         T = kk.shape[1]
-        want_y, want_labels, _ = run_torch(method, q[i], kk, vv, P, budget, calibration, budget_frac=budget_frac)
+        want_y, want_labels, want_read = run_torch(method, q[i], kk, vv, P, budget, calibration,
+                                                   budget_frac=budget_frac)
         assert torch.equal(labels[i], want_labels), i
+        assert read[i].tolist() == want_read.tolist(), i  # what HeadStats counts, as the torch path reports it
         n_read = page_count(T, P, budget, budget_frac)
         want = pages_by_hand(method, q[i], kk, P, n_read, want_labels)
         m = want.shape[1]
@@ -228,7 +230,7 @@ def qada_inputs(k, start, length, calibration, tau=0.3):
 
 def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     """With the kernels stubbed out, every Tensor method that reads a value back to the host raises, and both modes
-    still go through: the choice of pages (topk, the union) stays on the device."""
+    still go through: the choice of pages (topk, the union) and the count of what was read stay on the device."""
     q, k, v, start, length = batch(1)
     pages = page_bounds(k, start, length, 16)
     inputs = qada_inputs(k, start, length, split(True))
@@ -243,7 +245,8 @@ def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     rows = torch.arange(len(ROWS), dtype=torch.int32)
     for extra in ({}, inputs):
         for budget in (dict(budget=48), dict(budget_frac=0.2)):
-            fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, length=length, **budget, **extra)
+            fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, length=length, with_read=True, **budget,
+                        **extra)
     assert len(launches) == 16
 
 
