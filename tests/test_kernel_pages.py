@@ -293,6 +293,27 @@ def one_row(qada, i):
     return dict(form=(A[i:i + 1], b[i:i + 1]), tau=qada["tau"][i:i + 1], correction=qada["correction"])
 
 
+@pytest.mark.parametrize("method", ["quest", "qada_pages"])
+def test_queries_in_another_order_than_the_cache_rows_write_their_rows_of_out(method):
+    """rows maps query i to cache row rows[i] (BatchAttention's live rows); with `out` its result lands in
+    out[rows[i]]: the same as the rows in order, bit for bit."""
+    q, k, v, start, length = batch(11)
+    P, n = 16, len(ROWS)
+    pages = page_bounds(k, start, length, P)
+    extra = {} if method == "quest" else qada_inputs(k, start, length, split(True))
+    rows = torch.arange(n, dtype=torch.int32)
+    y, labels = fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, P, budget=48, length=length, block_n=32,
+                            **extra)
+    order = torch.tensor([2, 0, 3, 1])
+    out = torch.full_like(q, math.nan)
+    picked = {} if method == "quest" else dict(form=tuple(x[order] for x in extra["form"]), tau=extra["tau"][order],
+                                                 correction=extra["correction"])
+    got, labels_got = fused_pages(q[order], k, v, order.int(), start[order], N_SINK, N_LOCAL,
+                                  tuple(x[order] for x in pages), P, budget=48, length=length[order], block_n=32,
+                                  out=out, **picked)
+    assert got is out and torch.equal(out, y) and torch.equal(labels_got, labels[order])
+
+
 def test_bad_arguments_are_refused():
     q, k, v, start, length = batch(0)
     rows = torch.arange(len(ROWS), dtype=torch.int32)
