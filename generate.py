@@ -166,6 +166,7 @@ def captured(step, rewind, device: torch.device, pool=None):
         rewind()
         out = step()
     torch.cuda.current_stream(device).wait_stream(side)
+    out.record_stream(torch.cuda.current_stream(device))  # read there below: not to be reused by the side stream first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         static_out = step()

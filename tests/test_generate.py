@@ -369,6 +369,7 @@ BEFORE_LOAD = [
     (["--method", "qada_cal", "--calibration", "{tmp}/missing.json"], "no such file or folder"),
     (["--method", "static", "--static-labels", "{tmp}"], "a folder, but it holds no ruler.json"),
     (["--method", "qada_cal"], "needs --calibration FILE"),
+    (["--cuda-graphs", "on"], "--cuda-graphs takes auto or off, got 'on'"),
 ]
 
 

@@ -101,8 +101,9 @@ def assert_same(eager, static, method, batch):
     assert tokens_static == tokens
     for b, row in enumerate(tokens):  # each row's logits while it decoded (an ended row's are discarded)
         got, want = (torch.stack([step[b] for step in x[:len(row)]]) for x in (logits_static, logits))
-        if method == "dense":  # SDPA over the view, masked past T, against SDPA over the filled part
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        if method == "dense":  # SDPA over the view, masked past T, against SDPA over the filled part (on CUDA
+            # another SDPA kernel for each: the masked one)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4 if got.is_cuda else 1e-5)
         else:  # the same kernel reading the same T: bit for bit
             assert torch.equal(got, want)
     for a, b in zip(rows, rows_static):
