@@ -259,11 +259,10 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch
     # Packed: a group's G query heads go to SDPA as G query positions of their KV head, so each KV head is read once
     # (enable_gqa reads it once per query head on the CPU).
     mask = None
-    pos = torch.arange(k.shape[2], device=q.device)
     if start is not None:  # left-padded rows: no row sees its padding
-        mask = (pos >= start[:, None])[:, None, None]  # (B, 1, 1, T)
+        mask = (torch.arange(k.shape[2], device=q.device) >= start[:, None])[:, None, None]  # (B, 1, 1, T)
     if filled is not None:  # nor what lies past the filled length
-        filled_part = (pos < filled)[None, None, None]  # (1, 1, 1, T)
+        filled_part = (torch.arange(k.shape[2], device=q.device) < filled)[None, None, None]  # (1, 1, 1, T)
         mask = filled_part if mask is None else mask & filled_part  # (1 or B, 1, 1, T)
     y = F.scaled_dot_product_attention(q.view(B, Hkv, -1, D), k, v, attn_mask=mask)  # (B, Hkv, G, D)
     return y.reshape(B, H, 1, D)

@@ -216,3 +216,35 @@ def test_rows_that_end_leave_the_batch_and_the_rest_decode_as_alone(tiny, monkey
     if method is not None:
         for a, b in zip(atts, alone_atts):
             assert a.stats.lengths == b.stats.lengths and torch.equal(a.stats.label_tensor(), b.stats.label_tensor())
+
+
+def test_a_static_cache_decodes_as_the_growing_one(tiny):
+    """model.KVCache's static mode (the filled length a device tensor, writes at a device position, views of a fixed
+    length): the model's dense decoding of a left-padded stack gives the logits and cache entries of the usual cache,
+    whose views grow with T, at every step; the host length stays put until release, then is the device's."""
+    lengths, steps = [37, 90, 64], 6
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 100, (1, n), generator=g) for n in lengths]
+
+    def stacked():
+        caches = [tiny.new_cache(ids.shape[1] + steps) for ids in prompts]
+        firsts = torch.cat([tiny.prefill(ids, c) for ids, c in zip(prompts, caches)])
+        return type(caches[0]).stack(caches, steps + 20), firsts  # room past the last step: views run into it
+
+    growing, logits = stacked()
+    static, _ = stacked()
+    static.fix()
+    tokens = logits.argmax(-1)
+    for i in range(steps):
+        want = tiny.decode_step(tokens, growing)
+        got = tiny.decode_step(tokens, static)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert static.length == 90 and int(static.filled) == 90 + i + 1
+        tokens = want.argmax(-1)
+    static.release()
+    assert static.length == growing.length == 90 + steps and static.filled is None
+    torch.testing.assert_close(static.k[:, :, :, :static.length], growing.k[:, :, :, :growing.length], rtol=0,
+                               atol=1e-5)  # the entries each step wrote, at the positions it wrote them
+    with pytest.raises(ValueError, match="one token at a time"):
+        static.fix()
+        tiny(torch.zeros(3, 2, dtype=torch.long), static)
