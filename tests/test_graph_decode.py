@@ -244,6 +244,85 @@ def test_the_step_reads_no_host_value_that_changes(tiny, method, monkeypatch):
     assert cache.length == T[-1] and cache.filled is None  # released: the host length is the device's again
 
 
+class Tape(TorchDispatchMode):
+    """A CUDA graph emulated on the CPU: what one call of a step runs is recorded, every tensor operation with the
+    tensors it was given and the tensors it made, every kernel launch with its grid and arguments; `replay` runs the
+    same again on the same tensors, each operation's result copied into the tensor it made when recorded. As a
+    captured graph, a replay sees nothing of the Python that made the step: a host value read at recording is what
+    every replay uses."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.entries, self.recording = [], False
+        for name in ("_window_decide_kernel", "_split_attention_kernel", "_merge_kernel"):
+            monkeypatch.setattr(kernels, name, self.launcher(getattr(kernels, name)))
+
+    def launcher(self, kernel):
+        tape = self
+
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    if tape.recording:
+                        tape.entries.append(("launch", kernel, grid, args, kwargs))
+                    with torch.utils._python_dispatch._disable_current_modes():  # the interpreter's own work
+                        return kernel[grid](*args, **kwargs)
+                return launch
+        return Launcher()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.entries.append(("op", func, args, kwargs or {}, out))
+        return out
+
+    def record(self, step):
+        self.entries, self.recording = [], True
+        try:
+            with self:
+                return step()
+        finally:
+            self.recording = False
+
+    def replay(self):
+        for kind, fn, *rest in self.entries:
+            if kind == "launch":
+                grid, args, kwargs = rest
+                fn[grid](*args, **kwargs)
+                continue
+            args, kwargs, made = rest
+            result = fn(*args, **kwargs)
+            for new, old in zip(*(x if isinstance(x, (tuple, list)) else (x,) for x in (result, made))):
+                if isinstance(old, torch.Tensor) and new is not old and (
+                        new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()):  # not a view of it
+                    old.copy_(new)
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("method", ["dense", "qada_cal"])
+def test_an_emulated_graph_decodes_as_the_eager_loop(tiny, method, batch, monkeypatch):
+    """decode_static with capture on, its graphs emulated on the CPU (Tape: warm-up, rewind, then one recorded step,
+    replayed for every later step at that view): the eager loop's tokens, labels and logits. A step that read a host
+    value which changes would replay the recorded one."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    tapes = []
+
+    def captured(step, rewind, device, pool=None):  # generate.captured's contract, with a Tape for the graph
+        tape = Tape(monkeypatch)
+        step(), rewind()
+        out = step()
+        rewind()
+        static_out = tape.record(step)  # runs the step once more: its effects are the warm-up's again
+        assert torch.equal(static_out, out)
+        tapes.append(tape)
+        return tape.replay, static_out, None
+
+    monkeypatch.setattr(generate, "captured", captured)
+    eager, static = eager_and_static(tiny, method, batch, capture=True)
+    assert_same(eager, static, method, batch)
+    assert len(tapes) == (1 if batch == 1 else 2)  # one graph per view: the batch crosses into a second view
+
+
 @needs_kernel
 @pytest.mark.parametrize("method", ["dense", "qada_kv_cal"])
 def test_generate_reports_the_same_through_the_static_loop(tiny_dir, tmp_path, method, monkeypatch):
