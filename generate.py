@@ -5,7 +5,9 @@
 
 Prefill is always dense; the chosen method labels every (layer, head) for every decoded token. The report
 gives load time, prompt tokens, prefill time, decode speed, peak memory, the fraction of heads labelled
-local (sparsity) and the fraction of KV entries actually read.
+local (sparsity) and the fraction of KV entries actually read. On CUDA, dense and the qada paths on the fused
+kernel decode from fixed device buffers, one step captured as a CUDA graph per bucket of lengths and replayed
+(decode_static; --cuda-graphs off: the eager loop, decode_batch, which the CPU always runs).
 """
 
 import argparse
@@ -500,7 +502,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
             "decode_ms_per_token": round(1000 * times["decode_s"] / steps, 1),
             "peak_memory_mb": round(peak_memory_mb(device)), "sparsity": stats["sparsity"], "kv_read": stats["kv_read"],
             "decode_steps": stats["steps"], "layer_sparsity": stats.get("layer_sparsity"), "new_token_ids": out,
-            "cuda_graphs": "on: one graph per view (graph_view)" if refusal is None else f"off: {refusal}",
+            "cuda_graphs": "on: one graph per bucket of lengths" if refusal is None else f"off: {refusal}",
         })
     return reports
 
