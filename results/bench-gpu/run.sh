@@ -29,7 +29,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda,
       'triton', triton.__version__, 'transformers', t.__version__)"
 
 echo "== the tests of the fused step and the graph-replayed loop, CUDA as torch's default device"
-QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -p no:cacheprovider --tb=short -rfEs \
+QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
   tests/test_kernel.py tests/test_batch.py tests/test_graph_decode.py tests/test_integration_hf.py \
   > "$FILES/tests-cuda.txt" 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$FILES/tests-cuda.txt" | cut -c1-220 | tail -40
