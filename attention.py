@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussian_log_bulk, local_labels,
                        oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
-from kernels import fused, fused_qada, kernel_thresholds
+from kernels import fused, fused_pages, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 from pages import PAGE_SIZE, PageIndex, candidates, page_count, page_positions, upper_bounds
 
@@ -482,7 +482,8 @@ def run_path(method: str, q, k, v, **inputs) -> tuple[torch.Tensor, ...]:
     """One row's decode step through the path registered as `method`, given what it reads (path_inputs, layer
     included): (y, labels), or (y, labels, read) from a path that reports its read. A qada path (qada_rule) with a
     bulk to decide on takes the fused kernel where kernels.fused says so: the same labels and output, decided and
-    skipped on the device with nothing read back to the host."""
+    skipped on the device with nothing read back to the host; so does a page path (page_kind), its pages chosen and
+    gathered there (kernels.fused_pages)."""
     is_qada, rule = qada_rule(method)
     if is_qada and fused(q) and k.shape[1] > inputs["n_local"]:
         layer, calibration = inputs["layer"], inputs.get("calibration")
@@ -492,7 +493,33 @@ def run_path(method: str, q, k, v, **inputs) -> tuple[torch.Tensor, ...]:
         y, labels = fused_qada(q[None], k[None], v[None], zero, zero, inputs["n_sink"], inputs["n_local"],
                                (A[None], b[None]), tau, rule, None if calibration is None else calibration.layer(layer))
         return y[0], labels[0]
+    if page_kind(method) and fused(q) and k.shape[1] > inputs["n_local"]:
+        return fused_page_step(method, q, k, v, **inputs)
     return PATHS[method](q, k, v, **inputs)
+
+
+def page_kind(method: str):
+    """quest or qada_pages when the path registered as `method` is one of them (any page size, budget unit or
+    combination of bounds), the page paths kernels.fused_pages runs; else None."""
+    path = getattr(PATHS[method], "func", PATHS[method])  # a registry entry is the function or a partial of it
+    return path if path in (quest, qada_pages) else None
+
+
+def fused_page_step(method: str, q, k, v, *, layer, n_sink, n_local, pages, budget=None, budget_frac=None, tau=None,
+                    moments=None, calibration=None):
+    """One row's step of a page path (Quest alone, or QAdA + pages) in kernels.fused_pages: the same labels, pages and
+    read as the torch path, the choice and the gather on the device. (y, labels, read) as the path returns them."""
+    P = page_size(method)
+    lo, hi = index_bounds(pages, P, layer, k, candidates(k.shape[1], n_sink, n_local, P))  # (Hkv, m, D) each
+    zero = torch.zeros(1, dtype=torch.int32, device=q.device)  # row 0 of the cache, from position 0
+    decide = {}
+    if page_kind(method) is qada_pages:  # QAdA's group decision, as qada_kv_cal takes it
+        A, b = moments.quadratic_form(layer, k)
+        decide = dict(form=(A[None], b[None]), tau=torch.full((1,), tau, dtype=torch.float64, device=q.device),
+                      correction=calibration.layer(layer), combine=PATHS[method].keywords.get("combine", "max"))
+    y, labels, read = fused_pages(q[None], k[None], v[None], zero, zero, n_sink, n_local, (lo[None], hi[None]), P,
+                                  budget=budget, budget_frac=budget_frac, with_read=True, **decide)
+    return y[0], labels[0], read[0]
 
 
 @dataclass
