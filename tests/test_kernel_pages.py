@@ -343,3 +343,33 @@ def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, 
         capsys.readouterr()
         assert bench_pages_gpu.main(["--quick", "--out", str(tmp_path / "gpu")]) == 2
         assert capsys.readouterr().err == "no CUDA\n" and not (tmp_path / "gpu").exists()
+
+
+@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_sum", "quest_p32", "qada_pages_frac"])
+def test_run_path_dispatches_a_page_path_to_the_kernel(method, monkeypatch):
+    """attention.run_path sends a page path (any registry entry of quest or qada_pages: page size, budget unit,
+    combination of bounds) to kernels.fused_pages under QADA_KERNEL=triton, with the same labels, read and output as
+    the torch path it replaces; a context within the window stays torch; the registered path itself is torch."""
+    calls = []
+    real = attention.fused_pages
+    monkeypatch.setattr(attention, "fused_pages", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    q, k, v, start, length = batch(seed=5)
+    q, k, v = q[0], row_view(k, 0, start, length), row_view(v, 0, start, length)  # (H, D), (Hkv, 301, D)
+    P = attention.page_size(method)
+    budget = {"budget_frac": 0.2} if method.endswith("_frac") else {"budget": 3 * P}
+    given = dict(layer=0, n_sink=N_SINK, n_local=N_LOCAL, tau=0.5, moments=moments_of(k),  # one group local, one long
+                 calibration=calibrations()[1], pages=PageIndex(None, P, N_SINK), **budget)
+    inputs = {name: given[name] for name in attention.path_inputs(method)}
+    monkeypatch.setenv("QADA_KERNEL", "torch")
+    want_y, want, want_read = attention.run_path(method, q, k, v, **inputs)
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    assert all(torch.equal(a, b) for a, b in zip(attention.PATHS[method](q, k, v, **inputs), (want_y, want, want_read)))
+    attention.run_path(method, q, k[:, :N_LOCAL], v[:, :N_LOCAL], **inputs)
+    assert calls == []
+    y, labels, read = attention.run_path(method, q, k, v, **inputs)
+    assert len(calls) == 1 and ("form" in calls[0]) == method.startswith("qada")
+    assert calls[0].get("combine", "max") == ("sum" if "sum" in method else "max")
+    assert torch.equal(labels, want) and torch.equal(read.long(), want_read.long())
+    if method.startswith("qada"):
+        assert 0 < int(labels.sum()) < len(labels)  # a local group and a long one: both kinds of row
+    torch.testing.assert_close(y, want_y, atol=2e-5, rtol=1e-4)
