@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# What this project checks and measures on an NVIDIA GPU, in one device call of under ten minutes: the kernel's and
+# What this project checks and measures on an NVIDIA GPU, in one device call of under ten minutes: the kernels' and
 # the graph-replayed loop's tests on CUDA, generate.py's loops end to end (lab/bench_gpu.py says what each table is),
-# the CLI with --cuda-graphs auto and off. On a machine without internet, gguf and wonderwords come as wheels in .whl/
+# page selection in the fused kernel (lab/bench_pages_gpu.py --quick), the CLI with --cuda-graphs auto and off. On a machine without internet, gguf and wonderwords come as wheels in .whl/
 # (pip download, see README).
 #   bash results/bench-gpu/run.sh [OUT]     # default OUT: /tmp/bench-gpu; results.tar.gz and log.txt land there
 set -uo pipefail
@@ -30,7 +30,8 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda,
 
 echo "== the tests of the fused step and the graph-replayed loop, CUDA as torch's default device"
 QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
-  tests/test_kernel.py tests/test_batch.py tests/test_graph_decode.py tests/test_integration_hf.py \
+  tests/test_kernel.py tests/test_kernel_pages.py tests/test_batch.py tests/test_graph_decode.py \
+  tests/test_integration_hf.py \
   > "$FILES/tests-cuda.txt" 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$FILES/tests-cuda.txt" | cut -c1-220 | tail -40
 pack
@@ -40,6 +41,8 @@ timeout 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 8x32,3
 echo "== the same at T_max / 2 and T_max / 8 (capacity 32k): the graph's view follows T, not the capacity"
 timeout 60 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 timeout 50 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+echo "== page selection in the fused kernel, attention only: QAdA + pages and Quest alone against the best dense"
+timeout 110 python3 -m lab.bench_pages_gpu --quick --out "$FILES/pages"; pack
 if [ -n "${ATTENTION:-}" ]; then  # attention alone (unchanged by the loop; ~170 s): ATTENTION=1 bash run.sh
   timeout 170 python3 -m lab.bench_gpu --parts attention --out "$FILES"; pack
 fi
