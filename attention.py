@@ -376,6 +376,208 @@ def index_bounds(pages: PageIndex, page_size: int, layer: int, k: torch.Tensor, 
     return lo[:, :m], hi[:, :m]
 
 
+# The page paths for B rows of a left-padded stacked cache at once (BatchAttention's rows): what each row's own path
+# does, in a constant number of eager ops and at most two host syncs per layer, where each row's own path takes ~30
+# small ops and a few syncs.
+
+
+def page_batchable(rows: list) -> bool:
+    """Whether page_rows can decode these rows together: every row a DecodeAttention on the same quest or qada_pages
+    entry (any budget unit, P or combine), one window (n_sink, n_local), fixed moments and one calibration, and no
+    oracle tracked beside (its statistics read every score, row by row)."""
+    first = rows[0] if rows else None
+    if not isinstance(first, DecodeAttention) or getattr(PATHS[first.method], "func", None) not in (quest, qada_pages):
+        return False
+    return all(isinstance(a, DecodeAttention) and a.method == first.method and not a.stats.track_oracle
+               and (a.n_sink, a.n_local) == (first.n_sink, first.n_local)
+               and a.inputs.get("calibration") is first.inputs.get("calibration")
+               and (a.moments is None or isinstance(a.moments, FixedMoments)) for a in rows)
+
+
+def page_rows(rows: list, q, k, v, layer: int, live: list[int], start: list[int], y: torch.Tensor) -> torch.Tensor:
+    """The live rows' page path (page_batchable: one quest or qada_pages entry for all), for all of them at once: q
+    (B, H, 1, D), k/v (B, Hkv, T, D) the stacked cache, row b filled from start[b] on; writes y (B, H, 1, D) at the
+    live rows and records each row's labels and read as its own path would.
+
+    Row b's context is its view k[b, :, start[b]:] of T_b = T - start[b] positions. Its window (its sinks after its
+    padding, the recent positions every row shares) is gathered as in BatchAttention.qada_rows (row_windows); for
+    qada_pages, criterion.qada_labels decides for every row at once (mean rule, each row its own moments, T_bulk and
+    tau, one correction). Each row's pages are ranked by its own PageIndex's bounds (row_pages), padded across rows
+    to the longest row's candidates with padding that is never chosen, and one gathered attention reads the chosen
+    pages of every (row, KV head) that has any and merges them with the window (rows_paged_attention)."""
+    B, H, _, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    first, n = rows[live[0]], len(live)
+    n_sink, n_local = first.n_sink, first.n_local
+    lengths = [T - start[b] for b in live]  # each row's own T
+    idx = torch.tensor(live, device=q.device)  # (n,) the live rows' places in the batch
+    first_pos = torch.tensor([start[b] for b in live], device=q.device)  # (n,)
+    qs = q[idx, :, 0]  # (n, H, D)
+    y_window, log_local = row_windows(qs, k, v, idx, first_pos, min(lengths) <= n_local, n_sink, n_local)
+
+    labels = torch.zeros(n, H, dtype=torch.bool, device=q.device)  # Quest labels no head window-only
+    if PATHS[first.method].func is qada_pages:
+        forms = [rows[b].moments.quadratic_form(layer, k) for b in live]  # FixedMoments: one (A, b) per row
+        A, b_ = torch.stack([f[0] for f in forms]), torch.stack([f[1] for f in forms])  # (n, Hkv, D, D), (n, Hkv, D)
+        tau = torch.tensor([[rows[b].tau] for b in live], dtype=torch.float64, device=q.device)  # (n, 1)
+        n_bulk = torch.tensor([[max(t - n_local, 1)] for t in lengths], device=q.device)  # (n, 1); none: see below
+        correction = first.inputs["calibration"].layer(layer)
+        labels = qada_labels(qs, log_local, (A, b_), n_bulk, tau, "mean", correction)  # (n, H)
+        labels |= torch.tensor([[t <= n_local] for t in lengths], device=q.device)  # no bulk: every head local
+    long = ~labels.view(n, Hkv, -1)[..., 0]  # (n, Hkv): the groups that may read pages (Quest: all)
+
+    chosen, pairs, scored = row_pages(rows, qs, k, layer, live, start, lengths, long)  # (n, Hkv, G, M)
+    y_rows, page_read = rows_paged_attention(qs, k, v, idx, first_pos, chosen, pairs, y_window, log_local, n_sink,
+                                             n_local, page_size(first.method))
+    y[idx, :, 0] = y_rows.to(y.dtype)
+    window = torch.tensor([[min(t, n_local)] for t in lengths], device=q.device)  # (n, 1)
+    read = window + page_read + scored[:, None] * long  # (n, Hkv): window, pages, one entry per candidate scored
+    for i, b in enumerate(live):
+        rows[b].stats.record(layer, lengths[i], labels[i], read=read[i])
+    return y
+
+
+def row_windows(qs, k, v, idx, first_pos, short: bool, n_sink: int, n_local: int):
+    """Each live row's window attention at once, window_attention's output (n, H, D) and log mass (n, H): qs (n, H, D)
+    the rows' queries, idx (n,) their places in the stacked cache k, v (B, Hkv, T, D), first_pos (n,) their first
+    filled positions. The W = n_local window positions of each row (its sinks, then the recent ones) are gathered
+    into one (n Hkv, W, D) copy. `short`: some row has no more than W positions; its window is then its whole
+    context, and the gathered positions before its first or past the last are masked out."""
+    n, H, D = qs.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    dev = qs.device
+    sinks = first_pos[:, None] + torch.arange(n_sink, device=dev)  # (n, n_sink)
+    recent = torch.arange(T - (n_local - n_sink), T, device=dev).expand(n, -1)  # (n, W - n_sink)
+    pos = torch.cat([sinks, recent], 1).clamp(0, T - 1)  # (n, W)
+    b, h = idx.repeat_interleave(Hkv), torch.arange(Hkv, device=dev).repeat(n)  # (n Hkv,) each
+    kw, vw = (cache_gather(x, b, h, pos.repeat_interleave(Hkv, 0)) for x in (k, v))  # (n Hkv, W, D)
+    scores = torch.bmm(qs.reshape(n * Hkv, -1, D), kw.transpose(1, 2)).float().mul_(1 / math.sqrt(D))  # (n Hkv, G, W)
+    if short:  # a sink past the row's last position, a recent one in its padding or among its sinks: not its own
+        valid = torch.cat([sinks < T, recent >= first_pos[:, None] + n_sink], 1)  # (n, W)
+        scores.masked_fill_(~valid.repeat_interleave(Hkv, 0)[:, None], -math.inf)
+    log_local = scores.logsumexp(-1)  # (n Hkv, G)
+    p = scores.sub_(log_local[..., None]).exp_().to(vw.dtype)
+    return torch.bmm(p, vw).view(n, H, D), log_local.view(n, H)
+
+
+def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], lengths: list[int], long
+              ) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
+    """Which candidate pages each live row's query heads read, as its own path chooses them: (n, Hkv, G, M) bool, M
+    the most candidates of any row; the (row, KV head) pairs that read any, and the candidates each row scored (n,).
+    qs (n, H, D) the queries, long (n, Hkv) bool the groups that may read pages (the host sync of qada_pages).
+
+    A row reads under its own page_count: none, every candidate, or the top ones by Quest's bound, per query head
+    (quest) or per long-context group with the heads' bounds combined by max or sum (qada_pages). The bounds come
+    from each row's own PageIndex, brought up to date with its view k[b, :, start[b]:] (only where they rank pages,
+    as in its path, and only for its groups that read), copied into one fp32 (p, M, D) pair for the p pairs that
+    rank, and ranked together. A row's pages past its own candidates are padding at -inf: it ranks n_read < m
+    pages, so each one it takes is a real page."""
+    n, H, D = qs.shape
+    Hkv = k.shape[1]
+    G, dev = H // Hkv, qs.device
+    method = rows[live[0]].method
+    path, P = PATHS[method], page_size(method)
+    n_sink, n_local = rows[live[0]].n_sink, rows[live[0]].n_local
+    m = [candidates(t, n_sink, n_local, P) for t in lengths]
+    given = [path.keywords | rows[b].inputs for b in live]  # a row's budget, or the fraction its entry reads
+    n_read = [min(page_count(t, P, g.get("budget"), g.get("budget_frac")), mi) for t, g, mi in zip(lengths, given, m)]
+    long = long.tolist() if path.func is qada_pages else [[True] * Hkv] * n  # the host sync: which groups read
+    pairs = [(i, h) for i in range(n) if n_read[i] for h in range(Hkv) if long[i][h]]  # (row, KV head) that read
+    M = max(m)
+    chosen = torch.zeros(n, Hkv, G, M, dtype=torch.bool, device=dev)
+    every = [(i, h) for i, h in pairs if n_read[i] == m[i]]  # a budget that covers every candidate: none ranked
+    if every:
+        r, h = (torch.tensor(x, device=dev) for x in zip(*every))
+        chosen[r, h] = (torch.arange(M, device=dev) < torch.tensor([m[i] for i, _ in every], device=dev)[:, None]
+                        )[:, None]  # (a, 1, M) for the G heads
+    ranked = [(i, h) for i, h in pairs if n_read[i] < m[i]]
+    if ranked:
+        p, Mr = len(ranked), max(m[i] for i, _ in ranked)
+        lo, hi = (torch.empty(p, Mr, D, device=dev) for _ in range(2))  # upper_bounds' fp32, converted as copied
+        j = 0
+        for i in dict.fromkeys(i for i, _ in ranked):  # each ranking row once, in order
+            heads = [h for ii, h in ranked if ii == i]
+            b, c = live[i], len(heads)
+            lo_b, hi_b = index_bounds(rows[b].inputs["pages"], P, layer, k[b, :, start[b]:], m[i])  # (Hkv, m, D)
+            if c == Hkv:
+                lo[j:j + c, :m[i]], hi[j:j + c, :m[i]] = lo_b, hi_b
+            else:  # a head at a time: a copy each, no gathered temporary
+                for jj, h in enumerate(heads, j):
+                    lo[jj, :m[i]], hi[jj, :m[i]] = lo_b[h], hi_b[h]
+            if m[i] < Mr:
+                lo[j:j + c, m[i]:] = hi[j:j + c, m[i]:] = 0  # padding: scored, then set to -inf below
+            j += c
+        r, h = (torch.tensor(x, device=dev) for x in zip(*ranked))  # (p,) each
+        bounds = upper_bounds(qs.view(n, Hkv, G, D)[r, h].reshape(-1, D), lo, hi).view(p, G, Mr)
+        if path.func is qada_pages:  # one ranking per group
+            bounds = bounds.amax(1, keepdim=True) if path.keywords.get("combine", "max") == "max" else bounds.sum(
+                1, keepdim=True)  # (p, 1, Mr)
+        pad = torch.arange(Mr, device=dev) >= torch.tensor([m[i] for i, _ in ranked], device=dev)[:, None]  # (p, Mr)
+        K = max(n_read[i] for i, _ in ranked)
+        top = bounds.masked_fill_(pad[:, None], -math.inf).topk(K, dim=-1).indices  # (p, G or 1, K), highest first
+        take = torch.arange(K, device=dev) < torch.tensor([n_read[i] for i, _ in ranked], device=dev)[:, None]
+        picked = torch.zeros_like(bounds, dtype=torch.bool).scatter_(-1, top, take[:, None].expand_as(top))
+        chosen[r, h, :, :Mr] = picked  # (p, G or 1, Mr): a group's pages for each of its heads
+    scored = torch.tensor([m[i] if 0 < n_read[i] < m[i] else 0 for i in range(n)], device=dev)  # (n,)
+    return chosen, pairs, scored
+
+
+def rows_paged_attention(qs, k, v, idx, first_pos, chosen, pairs: list[tuple[int, int]], y_window, log_local,
+                         n_sink: int, n_local: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention for the live rows of a stacked cache at once: the rows' attention over their windows and the
+    bulk positions of their chosen pages (n, Hkv, G, M), given the windows' output y_window (n, H, D) and log mass
+    log_local (n, H): y (n, H, D), and the bulk tokens read per (row, KV head) (n, Hkv).
+
+    Only the (row, KV head) `pairs` with a page chosen are read: each gathers the keys and values of the union of its
+    query heads' pages, padded to the longest union (U pages), a row's page j at its positions first_pos + n_sink +
+    j P on; then one masked softmax over all pairs, merged with the window by their masses (as paged_attention)."""
+    n, H, D = qs.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    G, dev = H // Hkv, qs.device
+    read = torch.zeros(n, Hkv, dtype=torch.long, device=dev)
+    if not pairs:
+        return y_window, read
+    r, h = (torch.tensor(x, device=dev) for x in zip(*pairs))  # (a,) each
+    mine = chosen[r, h]  # (a, G, M)
+    union = mine.any(1)  # (a, M)
+    n_pages = union.sum(1)  # (a,)
+    U = int(n_pages.max())  # a host sync (Quest's union of G heads' pages is known only here)
+    ids = union.to(torch.uint8).sort(dim=1, descending=True, stable=True).indices[:, :U]  # (a, U) page numbers
+    offset = torch.arange(page_size, device=dev)
+    pos = (first_pos[r, None, None] + n_sink + ids[..., None] * page_size + offset).flatten(1)  # (a, U P)
+    in_bulk = (pos < T - (n_local - n_sink)) & (torch.arange(U, device=dev) < n_pages[:, None]).repeat_interleave(
+        page_size, 1)  # a page's bulk positions (the window's recent part is the window's), and no padding page
+    pos = pos.clamp(max=T - 1)  # positions not to read stay in the cache; masked out
+    k_pages, v_pages = (cache_gather(x, idx[r], h, pos) for x in (k, v))  # (a, U P, D): what is read
+    keep = mine.gather(2, ids[:, None].expand(-1, G, -1)).repeat_interleave(page_size, 2) & in_bulk[:, None]
+    qa = qs.view(n, Hkv, G, D)[r, h]  # (a, G, D)
+    scores = torch.bmm(qa, k_pages.transpose(1, 2)).float().mul_(1 / math.sqrt(D)).masked_fill_(~keep, -math.inf)
+    log_pages = scores.logsumexp(-1)  # (a, G): -inf for a head of the pair with no page of its own
+    # in place, few passes over the (a, G, U P) scores: exp(-inf - (finite)) = 0 for a position not read
+    p = scores.sub_(log_pages.clamp(min=torch.finfo(torch.float32).min)[..., None]).exp_()
+    y_pages = torch.bmm(p.to(v.dtype), v_pages).float()  # (a, G, D)
+    s = torch.sigmoid(log_local.view(n, Hkv, G)[r, h] - log_pages)[..., None]  # (a, G, 1): 1 with no page
+    y = y_window.view(n, Hkv, G, D)
+    y[r, h] = (s * y[r, h].float() + (1 - s) * y_pages).to(y.dtype)  # y_window is ours to write into
+    read[r, h] = in_bulk.sum(1)
+    return y.view(n, H, D), read
+
+
+def cache_gather(x: torch.Tensor, b: torch.Tensor, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The positions pos (a, N) of the (row b, KV head h) pairs (a,) each of x (B, Hkv, T, D), a view of the cache:
+    (a, N, D), a copy. A cache position is a row of D contiguous values, so x is read as those rows and one
+    index_select copies each position whole; advanced indexing, x[b, h, pos], copies value by value (~5x slower on
+    the CPU at 14k positions of 64 bf16 values). A view whose positions are not such rows is indexed plainly."""
+    a, N = pos.shape
+    D = x.shape[-1]
+    s0, s1, s2, s3 = x.stride()
+    if s3 != 1 or s2 != D or s0 % D or s1 % D:
+        return x[b[:, None], h[:, None], pos]
+    rows = x.as_strided(((x.shape[0] - 1) * s0 // D + (x.shape[1] - 1) * s1 // D + x.shape[2], D), (D, 1))
+    index = (b * (s0 // D) + h * (s1 // D))[:, None] + pos  # (a, N) row numbers
+    return rows.index_select(0, index.flatten()).view(a, N, D)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The other torch helpers: full attention (a lone KV head's context split between CPU threads), every score (the
 # oracle's), the sampled estimate's bulk keys, and the explicit fp32 reference the tests hold the paths against
