@@ -386,7 +386,7 @@ def page_batchable(rows: list) -> bool:
     entry (any budget unit, P or combine), one window (n_sink, n_local), fixed moments and one calibration, and no
     oracle tracked beside (its statistics read every score, row by row)."""
     first = rows[0] if rows else None
-    if not isinstance(first, DecodeAttention) or getattr(PATHS[first.method], "func", None) not in (quest, qada_pages):
+    if not isinstance(first, DecodeAttention) or page_kind(first.method) is None:
         return False
     return all(isinstance(a, DecodeAttention) and a.method == first.method and not a.stats.track_oracle
                and (a.n_sink, a.n_local) == (first.n_sink, first.n_local)
@@ -416,7 +416,7 @@ def page_rows(rows: list, q, k, v, layer: int, live: list[int], start: list[int]
     y_window, log_local = row_windows(qs, k, v, idx, first_pos, min(lengths) <= n_local, n_sink, n_local)
 
     labels = torch.zeros(n, H, dtype=torch.bool, device=q.device)  # Quest labels no head window-only
-    if PATHS[first.method].func is qada_pages:
+    if page_kind(first.method) is qada_pages:
         forms = [rows[b].moments.quadratic_form(layer, k) for b in live]  # FixedMoments: one (A, b) per row
         A, b_ = torch.stack([f[0] for f in forms]), torch.stack([f[1] for f in forms])  # (n, Hkv, D, D), (n, Hkv, D)
         tau = torch.tensor([[rows[b].tau] for b in live], dtype=torch.float64, device=q.device)  # (n, 1)
@@ -476,12 +476,12 @@ def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], 
     Hkv = k.shape[1]
     G, dev = H // Hkv, qs.device
     method = rows[live[0]].method
-    path, P = PATHS[method], page_size(method)
+    path, P, kind = PATHS[method], page_size(method), page_kind(method)
     n_sink, n_local = rows[live[0]].n_sink, rows[live[0]].n_local
     m = [candidates(t, n_sink, n_local, P) for t in lengths]
     given = [path.keywords | rows[b].inputs for b in live]  # a row's budget, or the fraction its entry reads
     n_read = [min(page_count(t, P, g.get("budget"), g.get("budget_frac")), mi) for t, g, mi in zip(lengths, given, m)]
-    long = long.tolist() if path.func is qada_pages else [[True] * Hkv] * n  # the host sync: which groups read
+    long = long.tolist() if kind is qada_pages else [[True] * Hkv] * n  # the host sync: which groups read
     pairs = [(i, h) for i in range(n) if n_read[i] for h in range(Hkv) if long[i][h]]  # (row, KV head) that read
     M = max(m)
     chosen = torch.zeros(n, Hkv, G, M, dtype=torch.bool, device=dev)
@@ -509,7 +509,7 @@ def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], 
             j += c
         r, h = (torch.tensor(x, device=dev) for x in zip(*ranked))  # (p,) each
         bounds = upper_bounds(qs.view(n, Hkv, G, D)[r, h].reshape(-1, D), lo, hi).view(p, G, Mr)
-        if path.func is qada_pages:  # one ranking per group
+        if kind is qada_pages:  # one ranking per group
             bounds = bounds.amax(1, keepdim=True) if path.keywords.get("combine", "max") == "max" else bounds.sum(
                 1, keepdim=True)  # (p, 1, Mr)
         pad = torch.arange(Mr, device=dev) >= torch.tensor([m[i] for i, _ in ranked], device=dev)[:, None]  # (p, Mr)
