@@ -70,7 +70,8 @@ BUDGETS = {  # per row: none, a few pages (different per row), every candidate
 @pytest.fixture
 def chosen_spy(monkeypatch):
     """The pages chosen on each route: per call of the row's paged_attention, (T, (H, m) bool); per call of
-    row_pages, (n, H, M) bool."""
+    row_pages, (n, H, M) bool. The rows' own paths run in torch on any device (not kernels.fused_pages on CUDA)."""
+    monkeypatch.setattr(attention, "fused", lambda q: False)
     alone, together = [], []
     one, many = attention.paged_attention, attention.row_pages
 
@@ -185,7 +186,8 @@ def tiny(tmp_path_factory):
 
 def routed(monkeypatch):
     """BatchAttention through page_rows where page_batchable says so (the wiring BatchAttention.__call__ takes);
-    counts the batched layer calls."""
+    counts the batched layer calls. The rows' own paths run in torch on any device (not kernels.fused_pages)."""
+    monkeypatch.setattr(attention, "fused", lambda q: False)
     calls, original = [], BatchAttention.__call__
 
     def call(self, q, k, v, layer):
