@@ -802,8 +802,9 @@ class BatchAttention:
     When every row runs the same `qada` or `qada_cal` path (qada_rule) with fixed moments (and one calibration), the
     decision is taken for all rows at once (qada_rows): one window pass and one Gaussian term for the batch instead of
     one per row, each row with its own moments, context length and tau; each row's full heads are then read on its
-    own (or every row in kernels.fused_qada). `batched=False` keeps the row-by-row path, which the tests hold the
-    batched one to."""
+    own (or every row in kernels.fused_qada). Likewise every row on one page path (page_batchable: quest or
+    qada_pages, any entry) takes its step in page_rows, all rows' windows, decisions and pages at once. `batched=False`
+    keeps the row-by-row path, which the tests hold the batched ones to."""
     rows: list[DecodeAttention]
     start: list[int] | None = None  # per row, the first filled position of the cache; None: every row from 0
     done: list[bool] = field(default_factory=list)
@@ -819,6 +820,7 @@ class BatchAttention:
             isinstance(a, DecodeAttention) and a.method == first.method and isinstance(a.moments, FixedMoments)
             and a.inputs.get("calibration") is first.inputs.get("calibration") and not a.stats.track_oracle
             and (a.n_sink, a.n_local) == (first.n_sink, first.n_local) for a in self.rows)
+        self.all_pages = self.batched and page_batchable(self.rows)  # one page path for every row: page_rows
         self.cached = {}  # (layer, live rows) -> their quadratic forms stacked, taus and first positions
 
     def __call__(self, q, k, v, layer: int) -> torch.Tensor:
@@ -830,6 +832,8 @@ class BatchAttention:
         start = self.start or [0] * len(self.rows)
         if self.all_qada and live and all(k.shape[2] - start[b] > self.rows[b].n_local for b in live):
             return self.qada_rows(q, k, v, layer, live, start, y)
+        if self.all_pages and live and not fused(q):  # on the fused kernel each row's page step is fused (run_path)
+            return page_rows(self.rows, q, k, v, layer, live, start, y)
         for b in live:
             s = start[b]
             y[b:b + 1] = self.rows[b](q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], layer)  # views, no copy

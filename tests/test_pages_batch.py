@@ -185,19 +185,15 @@ def tiny(tmp_path_factory):
 
 
 def routed(monkeypatch):
-    """BatchAttention through page_rows where page_batchable says so (the wiring BatchAttention.__call__ takes);
-    counts the batched layer calls. The rows' own paths run in torch on any device (not kernels.fused_pages)."""
+    """Counts BatchAttention's calls of page_rows (the live rows of each); the rows' own paths run in torch on any
+    device (not kernels.fused_pages, which BatchAttention leaves to each row's run_path)."""
     monkeypatch.setattr(attention, "fused", lambda q: False)
-    calls, original = [], BatchAttention.__call__
+    calls, original = [], attention.page_rows
 
-    def call(self, q, k, v, layer):
-        live = [b for b in range(len(self.rows)) if not self.done[b]]
-        if not (self.batched and live and page_batchable(self.rows)):
-            return original(self, q, k, v, layer)
+    def spy(rows, q, k, v, layer, live, *args):
         calls.append(len(live))
-        y = torch.empty_like(q) if len(live) == len(self.rows) else torch.zeros_like(q)
-        return page_rows(self.rows, q, k, v, layer, live, self.start or [0] * len(self.rows), y)
-    monkeypatch.setattr(BatchAttention, "__call__", call)
+        return original(rows, q, k, v, layer, live, *args)
+    monkeypatch.setattr(attention, "page_rows", spy)
     return calls
 
 
