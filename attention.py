@@ -48,7 +48,7 @@ from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussi
                        oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
 from kernels import fused, fused_pages, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
-from pages import PAGE_SIZE, PageIndex, candidates, page_count, page_positions, upper_bounds
+from pages import PAGE_SIZE, PageIndex, candidates, page_count, page_positions, page_shares, upper_bounds
 
 # ---------------------------------------------------------------------------------------------------------
 # The paths
@@ -175,7 +175,9 @@ def qada_pages(q, k, v, *, layer, n_sink, n_local, tau, moments, calibration, pa
         def group_bounds():  # (n_long, m): the heads' bounds combined per group
             lo, hi = index_bounds(pages, page_size, layer, k, m)
             b = upper_bounds(q.view(Hkv, -1, D)[long].reshape(-1, D), lo[long], hi[long]).view(n_long, -1, m)
-            return b.amax(1) if combine == "max" else b.sum(1)
+            if combine == "share":
+                b = page_shares(b, log_local.view(Hkv, -1)[long], page_size, 1 / math.sqrt(D))
+            return b.sum(1) if combine == "sum" else b.amax(1)
 
         chosen[long], scored = top_pages(group_bounds, m, page_count(T, page_size, budget, budget_frac), n_long,
                                          q.device)
@@ -213,6 +215,7 @@ PATHS = {"dense": dense, "local": local, "oracle": oracle, "static": static, "qa
          "quest": partial(quest, budget_frac=None), "quest_frac": partial(quest, budget=None),
          "qada_pages": partial(qada_pages, budget_frac=None), "qada_pages_frac": partial(qada_pages, budget=None),
          "qada_pages_sum": partial(qada_pages, budget_frac=None, combine="sum"),
+         "qada_pages_share": partial(qada_pages, budget_frac=None, combine="share"),
          "page_oracle": partial(page_oracle, budget_frac=None)}
 PATHS |= {f"{name}_p{P}": partial(PATHS[name], page_size=P)  # the page sizes measured beside Quest's 16
           for name in ("quest", "qada_pages", "page_oracle") for P in (32, 64)}
@@ -426,7 +429,7 @@ def page_rows(rows: list, q, k, v, layer: int, live: list[int], start: list[int]
         labels |= torch.tensor([[t <= n_local] for t in lengths], device=q.device)  # no bulk: every head local
     long = ~labels.view(n, Hkv, -1)[..., 0]  # (n, Hkv): the groups that may read pages (Quest: all)
 
-    chosen, pairs, scored = row_pages(rows, qs, k, layer, live, start, lengths, long)  # (n, Hkv, G, M)
+    chosen, pairs, scored = row_pages(rows, qs, k, layer, live, start, lengths, long, log_local)  # (n, Hkv, G, M)
     y_rows, page_read = rows_paged_attention(qs, k, v, idx, first_pos, chosen, pairs, y_window, log_local, n_sink,
                                              n_local, page_size(first.method))
     y[idx, :, 0] = y_rows.to(y.dtype)
@@ -460,14 +463,15 @@ def row_windows(qs, k, v, idx, first_pos, short: bool, n_sink: int, n_local: int
     return torch.bmm(p, vw).view(n, H, D), log_local.view(n, H)
 
 
-def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], lengths: list[int], long
+def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], lengths: list[int], long, log_local
               ) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
     """Which candidate pages each live row's query heads read, as its own path chooses them: (n, Hkv, G, M) bool, M
     the most candidates of any row; the (row, KV head) pairs that read any, and the candidates each row scored (n,).
-    qs (n, H, D) the queries, long (n, Hkv) bool the groups that may read pages (the host sync of qada_pages).
+    qs (n, H, D) the queries, long (n, Hkv) bool the groups that may read pages (the host sync of qada_pages),
+    log_local (n, H) the windows' log masses (the share combination's).
 
     A row reads under its own page_count: none, every candidate, or the top ones by Quest's bound, per query head
-    (quest) or per long-context group with the heads' bounds combined by max or sum (qada_pages). The bounds come
+    (quest) or per long-context group with the heads' bounds combined by max, sum or share (qada_pages). The bounds come
     from each row's own PageIndex, brought up to date with its view k[b, :, start[b]:] (only where they rank pages,
     as in its path, and only for its groups that read), copied into one fp32 (p, M, D) pair for the p pairs that
     rank, and ranked together. A row's pages past its own candidates are padding at -inf: it ranks n_read < m
@@ -509,12 +513,15 @@ def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], 
             j += c
         r, h = (torch.tensor(x, device=dev) for x in zip(*ranked))  # (p,) each
         bounds = upper_bounds(qs.view(n, Hkv, G, D)[r, h].reshape(-1, D), lo, hi).view(p, G, Mr)
-        if kind is qada_pages:  # one ranking per group
-            bounds = bounds.amax(1, keepdim=True) if path.keywords.get("combine", "max") == "max" else bounds.sum(
-                1, keepdim=True)  # (p, 1, Mr)
         pad = torch.arange(Mr, device=dev) >= torch.tensor([m[i] for i, _ in ranked], device=dev)[:, None]  # (p, Mr)
+        bounds.masked_fill_(pad[:, None], -math.inf)  # before combining: a padded page is no head's page
+        if kind is qada_pages:  # one ranking per group
+            combine = path.keywords.get("combine", "max")
+            if combine == "share":
+                bounds = page_shares(bounds, log_local.view(n, Hkv, G)[r, h], P, 1 / math.sqrt(D))
+            bounds = bounds.sum(1, keepdim=True) if combine == "sum" else bounds.amax(1, keepdim=True)  # (p, 1, Mr)
         K = max(n_read[i] for i, _ in ranked)
-        top = bounds.masked_fill_(pad[:, None], -math.inf).topk(K, dim=-1).indices  # (p, G or 1, K), highest first
+        top = bounds.topk(K, dim=-1).indices  # (p, G or 1, K), highest first
         take = torch.arange(K, device=dev) < torch.tensor([n_read[i] for i, _ in ranked], device=dev)[:, None]
         picked = torch.zeros_like(bounds, dtype=torch.bool).scatter_(-1, top, take[:, None].expand_as(top))
         chosen[r, h, :, :Mr] = picked  # (p, G or 1, Mr): a group's pages for each of its heads
@@ -690,14 +697,20 @@ def run_path(method: str, q, k, v, **inputs) -> tuple[torch.Tensor, ...]:
     if is_qada and fused(q) and k.shape[1] > inputs["n_local"]:
         layer, calibration = inputs["layer"], inputs.get("calibration")
         A, b = inputs["moments"].quadratic_form(layer, k)  # (Hkv, D, D), (Hkv, D)
-        zero = torch.zeros(1, dtype=torch.int32, device=q.device)  # row 0 of the cache, from position 0
-        tau = torch.full((1,), inputs["tau"], dtype=torch.float64, device=q.device)
+        zero, tau = _one_row(q.device, inputs["tau"])
         y, labels = fused_qada(q[None], k[None], v[None], zero, zero, inputs["n_sink"], inputs["n_local"],
                                (A[None], b[None]), tau, rule, None if calibration is None else calibration.layer(layer))
         return y[0], labels[0]
     if page_kind(method) and fused(q) and k.shape[1] > inputs["n_local"]:
         return fused_page_step(method, q, k, v, **inputs)
     return PATHS[method](q, k, v, **inputs)
+
+
+def _one_row(device: torch.device, tau: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A single row as the fused kernels take a batch: row 0 of the cache, filled from position 0, and its tau in
+    float64 (kernel_thresholds rounds it as criterion.tau_logit does)."""
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    return zero, None if tau is None else torch.full((1,), tau, dtype=torch.float64, device=device)
 
 
 def page_kind(method: str):
@@ -713,11 +726,11 @@ def fused_page_step(method: str, q, k, v, *, layer, n_sink, n_local, pages, budg
     read as the torch path, the choice and the gather on the device. (y, labels, read) as the path returns them."""
     P = page_size(method)
     lo, hi = index_bounds(pages, P, layer, k, candidates(k.shape[1], n_sink, n_local, P))  # (Hkv, m, D) each
-    zero = torch.zeros(1, dtype=torch.int32, device=q.device)  # row 0 of the cache, from position 0
+    zero, tau = _one_row(q.device, tau)
     decide = {}
     if page_kind(method) is qada_pages:  # QAdA's group decision, as qada_kv_cal takes it
         A, b = moments.quadratic_form(layer, k)
-        decide = dict(form=(A[None], b[None]), tau=torch.full((1,), tau, dtype=torch.float64, device=q.device),
+        decide = dict(form=(A[None], b[None]), tau=tau,
                       correction=calibration.layer(layer), combine=PATHS[method].keywords.get("combine", "max"))
     y, labels, read = fused_pages(q[None], k[None], v[None], zero, zero, n_sink, n_local, (lo[None], hi[None]), P,
                                   budget=budget, budget_frac=budget_frac, with_read=True, **decide)

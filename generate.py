@@ -26,7 +26,7 @@ from tqdm import tqdm
 import kernels
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, StaticAttention, build_attention, bulk_estimate,
                        path_inputs, static_refusal)
-from criterion import TAU, check_calibration, check_tau, load_calibration, load_labels
+from criterion import TAU, Calibration, check_calibration, check_tau, load_calibration, load_labels
 from model import KVCache
 from moments import SOURCES, ReferenceKeys, reference_words
 from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, shipped_calibration
@@ -203,6 +203,17 @@ def input_file(path: str, flag: str, default_name: str) -> Path:
     return p
 
 
+def read_calibration(path: str, method: str, flag: str = "--calibration") -> Calibration:
+    """QAdA's correction for `method` from a file, or from a folder of lab.calibrate --qada (the file of the estimate
+    the method corrects: sampled.json for the sampled bulk, affine.json for the moments'), its path kept in its
+    settings for the report and the checks."""
+    name = "sampled.json" if bulk_estimate(method) == "sampled" else "affine.json"
+    file = input_file(path, flag, name)
+    correction = load_calibration(file)
+    correction.settings["file"] = str(file)
+    return correction
+
+
 def read_sources(method: str, static_labels: str | None, static_sparsity: float, calibration: str | None,
                  moments_source: str, n_sink: int, n_local: int) -> dict:
     """The files the path reads besides the prompt, read and checked before any model is loaded: QAdA's correction
@@ -210,12 +221,9 @@ def read_sources(method: str, static_labels: str | None, static_sparsity: float,
     inputs = path_inputs(method)
     correction = static_local = None
     if "calibration" in inputs:
-        name = "sampled.json" if bulk_estimate(method) == "sampled" else "affine.json"
-        calibration = input_file(calibration, "--calibration", name)
-        correction = load_calibration(calibration)
-        check_calibration(correction, calibration, None, None, None, n_sink, n_local, moments_source,
+        correction = read_calibration(calibration, method)
+        check_calibration(correction, correction.settings["file"], None, None, None, n_sink, n_local, moments_source,
                           bulk_estimate(method))
-        correction.settings["file"] = str(calibration)
     if "static_local" in inputs:
         static_local, _ = load_labels(input_file(static_labels, "--static-labels", "ruler.json"), static_sparsity)
     return {"static_local": static_local, "calibration": correction}
@@ -586,7 +594,11 @@ def main(argv=None) -> int:
                    "fused kernel; the report says when it is off and why (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text and report")
-    args = vars(p.parse_args(argv))
+    p.error = lambda message: p.exit(2, f"error: {message} (see --help)\n")  # one line, not the usage block
+    try:
+        args = vars(p.parse_args(argv))
+    except SystemExit as e:  # --help (0) or a bad argument (2, its line printed): main returns the status
+        return e.code
     as_json = args.pop("json")
     kernel = args.pop("kernel")
     if kernel:

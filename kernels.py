@@ -38,7 +38,7 @@ except ImportError:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels (the tests)
 
 from criterion import GROUP_RULES, Correction, tau_logit
-from pages import candidates, page_count
+from pages import candidates, page_count, page_shares
 
 RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
 assert set(RULES) == {None, *GROUP_RULES}
@@ -335,6 +335,14 @@ def kernel_thresholds(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tau.float(), tau_logit(tau.double())
 
 
+def _launch_checks(q: torch.Tensor, out: torch.Tensor | None, name: str) -> None:
+    """What both fused entry points need before any launch: triton, and the head dim contiguous in q and out."""
+    if triton is None:
+        raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
+    if q.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+        raise ValueError(f"{name} reads q and writes its output with unit stride over the head dim")
+
+
 def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None,
                correction: Correction | None = None, length: torch.Tensor | None = None, split: int | None = None,
                block_n: int = 64, count_reads: bool = False, out=None):
@@ -352,11 +360,8 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     the views may then run to the cache's capacity T_max > T (model.KVCache's whole buffer), and nothing the kernels
     are launched with changes as T grows: one step captured in a CUDA graph is replayed as the cache fills, T advanced
     in place. Without it, T is the views' own length (T_max), put into a device tensor here."""
-    if triton is None:
-        raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
+    _launch_checks(q, out, "fused_qada")
     B, H, D = q.shape
-    if q.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
-        raise ValueError("fused_qada reads q and writes its output with unit stride over the head dim")
     Hkv, T_max = k.shape[1], k.shape[2]
     G = H // Hkv
     G_pad = max(16, triton.next_power_of_2(G))  # tl.dot's smallest tile
@@ -430,7 +435,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
       1. per (row, KV head), `_window_decide_kernel`: the window, and QAdA's decision as qada_kv_cal takes it (rule
          "mean", `correction`: Calibration.layer()); for Quest no decision, every group long-context;
       2. per (row, KV head, block of pages), `_page_bound_kernel`: the long groups' candidate pages scored by Quest's
-         bound, per query head (Quest) or per group, its heads' bounds combined by `combine` ("max" or "sum");
+         bound, per query head (Quest) or per group, its heads' bounds combined by `combine` ("max" or "sum"; for
+         "share", pages.page_shares of each head's bounds against its window's mass, then their max, in torch);
       3. `choose_pages`, a few torch ops: the top budget // P pages of each ranking; a KV head's list of the pages it
          reads, each once (Quest: the union of its heads', each page with the heads that chose it);
       4. per (row, KV head, split of that list), `_split_attention_kernel` walking page numbers instead of a range,
@@ -449,11 +455,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     (W the candidates at T_max) and the bulk positions the split programs loaded per (row, KV head) (n, Hkv), counted
     in the kernel. `split`: list entries (pages) per program, a multiple of block_n // P (default: enough programs to
     fill the GPU, as split_size)."""
-    if triton is None:
-        raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
+    _launch_checks(q, out, "fused_pages")
     B, H, D = q.shape
-    if q.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
-        raise ValueError("fused_pages reads q and writes its output with unit stride over the head dim")
     Hkv, T_max = k.shape[1], k.shape[2]
     G, P = H // Hkv, page_size
     block_n = block_n or max(64, P)
@@ -462,8 +465,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     quest = form is None
     if quest and G > 31:
         raise ValueError(f"Quest in the kernel marks a page's heads in an int32: at most 31 heads per group, got {G}")
-    if combine not in ("max", "sum"):
-        raise ValueError(f"combine takes max or sum, got {combine!r}")
+    if combine not in ("max", "sum", "share"):
+        raise ValueError(f"combine takes max, sum or share, got {combine!r}")
     G_pad = max(16, triton.next_power_of_2(G))
     dev, f32 = q.device, torch.float32
     length, len_per_row = filled_length(length, B, T_max, dev)
@@ -508,13 +511,16 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
 
     # 2. and 3. the long groups' candidate pages scored, the top ones chosen
     if n_sel > 0:
-        scores = torch.empty(B, H if quest else Hkv, W, device=dev, dtype=f32)
+        per_head = quest or combine == "share"  # share: each head's bounds out, combined below with its window's mass
+        scores = torch.empty(B, H if per_head else Hkv, W, device=dev, dtype=f32)
         block_p = min(64, max(16, triton.next_power_of_2(W)))
         _page_bound_kernel[(B, Hkv, triton.cdiv(W, block_p))](
             q, lo, hi, start, length, read, n_read, scores, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1),
             lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2), scores.stride(0), scores.stride(1), W,
             H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, PAGE=P, N_SINK=n_sink, N_LOCAL=n_local, BLOCK_P=block_p,
-            PER_HEAD=quest, COMBINE=("max", "sum").index(combine), LEN_PER_ROW=len_per_row)
+            PER_HEAD=per_head, COMBINE=int(combine == "sum"), LEN_PER_ROW=len_per_row)
+        if combine == "share" and not quest:  # one ranking per group: the most any head's share could be (n, Hkv, W)
+            scores = page_shares(scores.view(B, Hkv, G, W), log_local.view(B, Hkv, G), P, sm_scale).amax(2)
         ids, heads, n_valid = choose_pages(scores, n_read, n_sel, Hkv)
     else:  # less than a page of budget, or no bulk at the capacity: the window only
         ids = torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev)

@@ -110,6 +110,17 @@ def upper_bounds(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.T
     return out.baddbmm_(qg.clamp(max=0), lo.float().transpose(1, 2)).view(-1, n)
 
 
+def page_shares(bounds: torch.Tensor, log_local: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+    """The `share` combination's per-head score: the log of the share of its attention each head could give a page,
+    were every score of the page at its bound, against the window's true mass plus every page at its bound. bounds
+    (n, G, m) on q . k (upper_bounds), log_local (n, G) the window's log mass, scale 1 / sqrt(D). Ranking a group's
+    pages by the max of these asks which page some head needs most, each head on its own scale: a head whose window
+    holds its mass, or whose logits are large on every page, no longer crowds out a retrieval head's few pages."""
+    log_mass = bounds * scale + math.log(page_size)  # (n, G, m): each page's mass, were its P scores at the bound
+    total = torch.logaddexp(log_local, log_mass.logsumexp(-1))  # (n, G)
+    return log_mass - total[..., None]
+
+
 def candidates(T: int, n_sink: int, n_local: int, page_size: int) -> int:
     """How many pages a path may choose from in a context of T: those that start in the bulk (0 when there is none)."""
     return math.ceil(max(bulk_end(T, n_sink, n_local) - n_sink, 0) / page_size)

@@ -43,8 +43,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.utils import logging as hf_logging
 
 from attention import BatchAttention, build_attention, bulk_estimate, path_inputs
-from criterion import Calibration, check_calibration, check_tau, load_calibration
-from generate import default_tau, input_file
+from criterion import Calibration, check_calibration, check_tau
+from generate import default_tau, read_calibration
 from model import KVCache, LlamaConfig
 from moments import SOURCES, ReferenceKeys, reference_words
 from weights.checkpoints import MODELS, shipped_calibration
@@ -160,10 +160,8 @@ class HFAttention:
             c, name = calibration, "the given calibration"
             c = Calibration(c.a, c.b, c.s, dict(c.settings, file=c.settings.get("file", name)))
         else:
-            file = "sampled.json" if bulk_estimate(self.method) == "sampled" else "affine.json"
-            path = input_file(str(calibration), "calibration", file)
-            c, name = load_calibration(path), path
-            c.settings["file"] = str(path)
+            c = read_calibration(str(calibration), self.method, "calibration")
+            name = c.settings["file"]
         cfg = self.cfg
         check_calibration(c, name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
                           self.n_sink, self.n_local, self.moments_source, bulk_estimate(self.method))

@@ -42,7 +42,6 @@ decoding took beyond what was allocated when it began. `sparsity` is null: a
 press has no notion of a local head. lab.report pairs these records with a sweep's (`--with`).
 """
 
-import argparse
 import json
 import sys
 import time
@@ -53,8 +52,9 @@ import torch
 from tqdm import tqdm
 
 from generate import pick_device
+from lab.cli import Parser
 from lab.records import ids_hash, read_records
-from lab.sweep import merge, parse_grid
+from lab.sweep import folder_lock, merge, parse_grid
 from lab.tasks import TASKS, Sample, make_sample, score
 from weights.checkpoints import DEFAULT, DTYPES, resolve
 from weights.tokenizer import Tokenizer
@@ -394,30 +394,31 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
     if pair:
         check_pairing([(sample, ids) for sample, ids, _ in prompts.values()], expected, pair)
     out.mkdir(parents=True, exist_ok=True)  # the settings are written once every check has passed
-    info["settings"] = settings
-    meta.write_text(json.dumps(info, indent=1))
-    hf = load_hf(folder, DTYPES[dtype], device)
-    bar = tqdm(total=sum(len(ps) for _, _, ps in jobs), unit="run", desc="peers", file=sys.stderr,
-               dynamic_ncols=True, disable=not progress)
-    t_start = time.perf_counter()
-    for task, index, todo in jobs:
-        sample, ids, n_ctx = prompts[task, index]
-        bar.set_postfix_str(f"{task}#{index}")
-        records = run_sample(hf, tok, sample, ids, n_ctx, todo, device)
-        with open(path, "a") as f:  # a sample's records at once: an interruption loses one sample
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-        bar.update(len(records))
-    bar.close()
-    merge(out, [(t, i, peers) for i in range(samples) for t in task_list])  # sweep order: sample, task, config
-    info["runs"].append({"command": command or "lab.peers.run(...)", "seconds":
-                         round(time.perf_counter() - t_start), "torch": torch.__version__, "device": device})
-    meta.write_text(json.dumps(info, indent=1))
+    with folder_lock(out):  # no other sweep or lab.peers appends to this folder, nor merges it, meanwhile
+        info["settings"] = settings
+        meta.write_text(json.dumps(info, indent=1))
+        hf = load_hf(folder, DTYPES[dtype], device)
+        bar = tqdm(total=sum(len(ps) for _, _, ps in jobs), unit="run", desc="peers", file=sys.stderr,
+                   dynamic_ncols=True, disable=not progress)
+        t_start = time.perf_counter()
+        for task, index, todo in jobs:
+            sample, ids, n_ctx = prompts[task, index]
+            bar.set_postfix_str(f"{task}#{index}")
+            records = run_sample(hf, tok, sample, ids, n_ctx, todo, device)
+            with open(path, "a") as f:  # a sample's records at once: an interruption loses one sample
+                for rec in records:
+                    f.write(json.dumps(rec) + "\n")
+            bar.update(len(records))
+        bar.close()
+        merge(out, [(t, i, peers) for i in range(samples) for t in task_list])  # sweep order: sample, task, config
+        info["runs"].append({"command": command or "lab.peers.run(...)", "seconds":
+                             round(time.perf_counter() - t_start), "torch": torch.__version__, "device": device})
+        meta.write_text(json.dumps(info, indent=1))
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="run folder for the records")
     p.add_argument("--tasks", required=True, help="comma-separated tasks (lab.tasks.TASKS)")
     p.add_argument("--length", type=int, default=8192, help="prompt token budget, as the sweep's")
@@ -437,7 +438,9 @@ def main(argv=None) -> int:
     p.add_argument("--dense-samples", type=int, default=None, metavar="N", help="run hf_dense, the pipeline with "
                    "nothing dropped (the control: it should score as the sweep's dense), on the first N samples of "
                    "each task only (default: all; 0: none)")
-    a = p.parse_args(argv)
+    a = p.parse(argv)
+    if isinstance(a, int):  # --help, or a bad argument's line printed
+        return a
     try:
         out = run(a.out, a.tasks, a.length, a.samples, a.presses, a.ratios, a.context_ratios, a.seed, a.model, a.dtype,
                   a.device, a.pair, a.threads, a.dense_samples,

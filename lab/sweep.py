@@ -635,8 +635,9 @@ def folder_lock(out: Path, shard: int | None = None):
                 stack.enter_context(flocked(path, exclusive))
             except BlockingIOError:
                 pids = list(dict.fromkeys(t for p in sorted(out.glob("sweep*.lock")) if (t := read_pid(p))))
-                raise FolderLocked(f"{out}: another lab.sweep (pid{'s' * (len(pids) > 1)} {', '.join(pids) or '?'}) "
-                                   "is writing this folder; wait for it to end, or give another --out") from None
+                who = f"pid{'s' * (len(pids) > 1)} {', '.join(pids) or '?'}"
+                raise FolderLocked(f"{out}: another lab.sweep or lab.peers ({who}) is writing this folder; wait for it "
+                                   "to end, or give another --out") from None
         yield
 
 

@@ -370,6 +370,8 @@ BEFORE_LOAD = [
     (["--method", "static", "--static-labels", "{tmp}"], "a folder, but it holds no ruler.json"),
     (["--method", "qada_cal"], "needs --calibration FILE"),
     (["--cuda-graphs", "on"], "--cuda-graphs takes auto or off, got 'on'"),
+    (["--method", "nope"], "error: argument --method: invalid choice: 'nope'"),  # argparse's own, as one line
+    (["--threads", "two"], "error: argument --threads: invalid int value: 'two'"),
 ]
 
 

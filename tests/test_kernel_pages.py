@@ -18,7 +18,7 @@ from lab import bench_pages_gpu
 from moments import bulk_end
 from pages import PageIndex, candidates, page_count
 from tests.test_kernel import Launch, Recorded
-from tests.test_pages import brute_pages, calibrations, moments_of, split, top
+from tests.test_pages import brute_pages, calibrations, moments_of, shares_by_hand, split, top
 
 triton = pytest.importorskip("triton")
 
@@ -70,7 +70,7 @@ def run_kernel(method, q, k, v, start, length, P, budget, calibration=None, tau=
     A, b = torch.stack([f[0] for f in forms]), torch.stack([f[1] for f in forms])
     return fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, page_bounds(k, start, length, P), P, form=(A, b),
                        tau=torch.full((n,), tau, dtype=torch.float64), correction=calibration.layer(0),
-                       combine="sum" if "sum" in method else "max", **common)
+                       combine=combine_of(method), **common)
 
 
 def run_torch(method, q, k, v, P, budget, calibration=None, tau=0.3, budget_frac=None):
@@ -80,7 +80,11 @@ def run_torch(method, q, k, v, P, budget, calibration=None, tau=0.3, budget_frac
     if method.startswith("quest"):
         return attention.quest(q, k, v, **inputs)
     return attention.qada_pages(q, k, v, **inputs, tau=tau, moments=moments_of(k), calibration=calibration,
-                                combine="sum" if "sum" in method else "max")
+                                combine=combine_of(method))
+
+
+def combine_of(method):
+    return "sum" if "sum" in method else "share" if "share" in method else "max"
 
 
 def pages_by_hand(method, q, k, P, n_read, labels):
@@ -95,6 +99,8 @@ def pages_by_hand(method, q, k, P, n_read, labels):
         return torch.zeros(H, m, dtype=torch.bool)
     if method.startswith("quest"):
         return top(bound.view(H, m), n_read)
+    if "share" in method:  # each head's bound as a share of the window's true mass plus every page at its bound
+        bound = shares_by_hand(q, k, P).view(HKV, G, m)
     group = bound.sum(1) if "sum" in method else bound.amax(1)  # (Hkv, m)
     long = ~labels.view(HKV, G)[:, 0]
     return (top(group, n_read) & long[:, None]).repeat_interleave(G, 0)
@@ -135,7 +141,7 @@ def check_against_torch(method, P, budget, calibration=None, budget_frac=None, s
 
 @pytest.mark.parametrize("P", [16, 32, 64])
 @pytest.mark.parametrize("budget", [0, 1, 3, 1000], ids=["none", "a-page", "three-pages", "everything"])
-@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_sum"])
+@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_sum", "qada_pages_share"])
 def test_a_batch_of_rows_equals_the_torch_path(method, P, budget):
     """Budgets in pages: none (the window only), one page, three, and more than any row holds (dense). QAdA + pages
     with a correction that makes group 0 local and group 1 long-context in every row: a local group reads no page."""
@@ -147,7 +153,7 @@ def test_a_batch_of_rows_equals_the_torch_path(method, P, budget):
         assert int(labels.sum()) == G * n_long + H * (len(ROWS) - n_long)
 
 
-@pytest.mark.parametrize("method", ["qada_pages", "qada_pages_sum"])
+@pytest.mark.parametrize("method", ["qada_pages", "qada_pages_sum", "qada_pages_share"])
 @pytest.mark.parametrize("which", [0, 2], ids=["as-qada", "mean-and-all-disagree"])
 def test_qada_pages_decides_as_the_torch_path_with_other_corrections(method, which):
     """Eq. 7 uncorrected (the data decide) and a correction whose mean share rule disagrees with the all-local one."""
@@ -345,7 +351,8 @@ def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, 
         assert capsys.readouterr().err == "no CUDA\n" and not (tmp_path / "gpu").exists()
 
 
-@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_sum", "quest_p32", "qada_pages_frac"])
+@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_sum", "qada_pages_share", "quest_p32",
+                                    "qada_pages_frac"])
 def test_run_path_dispatches_a_page_path_to_the_kernel(method, monkeypatch):
     """attention.run_path sends a page path (any registry entry of quest or qada_pages: page size, budget unit,
     combination of bounds) to kernels.fused_pages under QADA_KERNEL=triton, with the same labels, read and output as
@@ -368,7 +375,7 @@ def test_run_path_dispatches_a_page_path_to_the_kernel(method, monkeypatch):
     assert calls == []
     y, labels, read = attention.run_path(method, q, k, v, **inputs)
     assert len(calls) == 1 and ("form" in calls[0]) == method.startswith("qada")
-    assert calls[0].get("combine", "max") == ("sum" if "sum" in method else "max")
+    assert calls[0].get("combine", "max") == combine_of(method)
     assert torch.equal(labels, want) and torch.equal(read.long(), want_read.long())
     if method.startswith("qada"):
         assert 0 < int(labels.sum()) < len(labels)  # a local group and a long one: both kinds of row

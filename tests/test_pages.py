@@ -159,6 +159,16 @@ def bounds_by_hand(q, k, P):
     return torch.maximum(qd * lo[:, None, :m], qd * hi[:, None, :m]).sum(-1).view(H, m)
 
 
+def shares_by_hand(q, k, P):
+    """The share combination's per-head page scores (H, m) in float64: log of a page's mass were its P scores at
+    Quest's bound, over the window's true mass plus every candidate page's mass at its bound."""
+    T = k.shape[1]
+    scores = torch.einsum("hgd,htd->hgt", q.double().view(HKV, G, D), k.double()).reshape(H, T) / math.sqrt(D)
+    log_local = scores[:, window_mask(T, N_SINK, N_LOCAL)].logsumexp(-1)  # (H,)
+    log_mass = bounds_by_hand(q, k, P) / math.sqrt(D) + math.log(P)  # (H, m)
+    return log_mass - torch.logaddexp(log_local, log_mass.logsumexp(-1))[:, None]
+
+
 def read_by_hand(chosen, T, P, scored, long=None):
     """Entries each KV head reads: its window, the bulk positions of its heads' pages (union), and 1 entry (a min and
     a max, half an entry each) per candidate page when the pages were scored; a local group (long False) its window."""
@@ -216,7 +226,7 @@ def test_a_budget_as_a_fraction_of_the_context_is_that_many_tokens(T, frac):
 
 
 @pytest.mark.parametrize("T", [N_LOCAL + 1, N_LOCAL + 7, 301])
-@pytest.mark.parametrize("method", ["qada_pages", "qada_pages_sum", "qada_pages_p32"])
+@pytest.mark.parametrize("method", ["qada_pages", "qada_pages_sum", "qada_pages_share", "qada_pages_p32"])
 @pytest.mark.parametrize("budget", [16, 64, 10_000])
 @pytest.mark.parametrize("tau", [0.3, 1.0])
 def test_qada_pages_decides_as_qada_kv_cal_and_reads_the_groups_top_pages(T, method, budget, tau):
@@ -229,6 +239,8 @@ def test_qada_pages_decides_as_qada_kv_cal_and_reads_the_groups_top_pages(T, met
         assert torch.equal(labels, want)  # the decision is qada_kv_cal's
         long = ~labels.view(HKV, G)[:, 0]  # (Hkv,)
         bound = bounds_by_hand(q, k, P).view(HKV, G, -1)
+        if "share" in method:
+            bound = shares_by_hand(q, k, P).view(HKV, G, -1)
         group = bound.amax(1) if "sum" not in method else bound.sum(1)  # (Hkv, m)
         n, m = budget // P, group.shape[1]
         chosen = (top(group, n) & long[:, None]).repeat_interleave(G, 0)  # the group's pages, for each of its heads

@@ -111,7 +111,7 @@ def decode_both(method, budget, dtype, break_start=False):
     return want, got, alone.rows, rows
 
 
-METHODS = ["quest", "qada_pages", "qada_pages_sum", "quest_p32", "qada_pages_frac"]
+METHODS = ["quest", "qada_pages", "qada_pages_sum", "qada_pages_share", "quest_p32", "qada_pages_frac"]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

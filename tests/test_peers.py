@@ -16,6 +16,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from lab import peers, report  # noqa: E402
 from lab.records import read_records, write_records  # noqa: E402
+from lab.sweep import FolderLocked, folder_lock  # noqa: E402
 from tests.test_generate import make_tiny_dir  # noqa: E402
 from tests.test_model import save_tiny  # noqa: E402
 
@@ -167,6 +168,15 @@ def test_the_runner_writes_sweep_records_that_pair_and_resume(tiny_dir, tmp_path
     assert not (tmp_path / "other" / "run.json").exists()  # a refused run leaves no settings to clash with later
     with pytest.raises(ValueError, match="nothing to run"):
         run(tiny_dir, tmp_path / "empty", samples=0)
+
+
+def test_a_folder_another_run_holds_is_refused_before_anything_is_written(tiny_dir, tmp_path):
+    out = tmp_path / "peers"
+    out.mkdir()
+    with folder_lock(out):  # a sweep (or another lab.peers) writing the folder
+        with pytest.raises(FolderLocked, match="another lab.sweep or lab.peers"):
+            run(tiny_dir, out)
+    assert list(out.iterdir()) == []  # no settings, no records
 
 
 def test_the_control_runs_on_the_first_samples_only_when_asked(tiny_dir, tmp_path):
