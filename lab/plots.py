@@ -21,12 +21,12 @@ COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "ta
          "qada_kv_cal": "darkgoldenrod", "qada_kv_all_cal": "darkred", "qada_kv_cal_transfer": "olivedrab",
          "qada_kv_all_cal_transfer": "darkslategray", "quest": "royalblue", "quest_p32": "cornflowerblue",
          "quest_p64": "lightsteelblue", "quest_frac": "steelblue", "qada_pages": "red", "qada_pages_p32": "orangered",
-         "qada_pages_p64": "lightsalmon", "qada_pages_sum": "darkviolet", "qada_pages_frac": "firebrick",
+         "qada_pages_p64": "lightsalmon", "qada_pages_sum": "darkviolet", "qada_pages_share": "deeppink", "qada_pages_frac": "firebrick",
          "page_oracle": "limegreen", "page_oracle_p32": "yellowgreen", "page_oracle_p64": "palegreen"}
 MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_oracle": "x", "oracle": "o", "qada_rw": "D",
           "qada_prompt": "P", "qada_prompt_online": "X", "static_kv": "<", "static_oracle_kv": "+", "oracle_kv": "h",
           "qada_kv": "*", "qada_kv_all": "d", "quest": "s", "quest_p32": "s", "quest_p64": "s", "quest_frac": "s",
-          "qada_pages": "*", "qada_pages_p32": "*", "qada_pages_p64": "*", "qada_pages_sum": "X", "qada_pages_frac": "*",
+          "qada_pages": "*", "qada_pages_p32": "*", "qada_pages_p64": "*", "qada_pages_sum": "X", "qada_pages_share": "P", "qada_pages_frac": "*",
           "page_oracle": "o", "page_oracle_p32": "o", "page_oracle_p64": "o"}
 
 

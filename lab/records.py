@@ -24,7 +24,7 @@ ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_
          "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer", "qada_sampled", "qada_kv_sampled",
          "qada_sampled_upper", "qada_sampled_cal", "qada_sampled_cal_transfer", "qada_kv_sampled_cal",
          "qada_kv_sampled_cal_transfer", "quest", "quest_p32", "quest_p64", "quest_frac", "qada_pages", "qada_pages_p32",
-         "qada_pages_p64", "qada_pages_sum", "qada_pages_frac", "page_oracle", "page_oracle_p32", "page_oracle_p64",
+         "qada_pages_p64", "qada_pages_sum", "qada_pages_share", "qada_pages_frac", "page_oracle", "page_oracle_p32", "page_oracle_p64",
          "hf_dense", "snapkv", "expected_attention", "knorm", "streaming_llm", "snapkv_ctx",
          "expected_attention_ctx", "knorm_ctx", "streaming_llm_ctx")
 LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
@@ -54,6 +54,7 @@ LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads
          "qada_pages_p32": "QAdA per KV group + pages of 32 (max; ours)",
          "qada_pages_p64": "QAdA per KV group + pages of 64 (max; ours)",
          "qada_pages_sum": "QAdA per KV group + pages of 16 (group bound sum; ours)",
+         "qada_pages_share": "QAdA per KV group + pages of 16 (max of the heads' shares; ours)",
          "qada_pages_frac": "QAdA per KV group + pages, budget a fraction of T (max; ours)",
          "page_oracle": "page oracle, pages of 16 (true masses; analysis only)",
          "page_oracle_p32": "page oracle, pages of 32 (analysis only)",

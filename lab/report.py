@@ -321,6 +321,7 @@ def config_differences(rows, tasks, pairs, header: str, n_boot: int = 2000, seed
 PAGE_TARGETS = (0.2, 0.1, 0.05)  # KV-read fractions the page paths reach, compared at beside MATCHED's
 PAGE_COMPARISONS = (("qada_pages", "quest"), ("qada_pages_p32", "quest_p32"), ("qada_pages_p64", "quest_p64"),
                     ("qada_pages_frac", "quest_frac"), ("qada_pages_sum", "quest"), ("qada_pages_sum", "qada_pages"),
+                    ("qada_pages_share", "quest"), ("qada_pages_share", "qada_pages"),
                     ("qada_pages", "qada_kv_cal"), ("quest", "page_oracle"), ("quest_p32", "page_oracle_p32"),
                     ("quest_p64", "page_oracle_p64"))  # (first, second): the combination against each part of it
 NEAREST = PAGE_COMPARISONS[:5]  # the combinations and Quest alone, at their configurations nearest in KV read
