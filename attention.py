@@ -157,7 +157,9 @@ def qada_pages(q, k, v, *, layer, n_sink, n_local, tau, moments, calibration, pa
     highest, so a page that one head of the group needs (a retrieval head beside heads that look elsewhere) is kept:
     a head's mass on a page grows as exp(bound), so the group's total mass on it is dominated by its largest bound.
     "sum" adds the bounds (logits): it multiplies the heads' exp(bound), ranking pages that every head likes, and can
-    outvote one head's needle; it is the other registry entry (qada_pages_sum)."""
+    outvote one head's needle; it is the other registry entry (qada_pages_sum). "share" ranks by the max over heads of
+    pages.page_shares, each head's bound as a share of its window's mass and every page at its bound
+    (qada_pages_share; measured: no better than the max)."""
     y_window, log_local = window_attention(q, k, v, n_sink, n_local)
     H, D = q.shape
     Hkv, T, _ = k.shape

@@ -115,7 +115,8 @@ def page_shares(bounds: torch.Tensor, log_local: torch.Tensor, page_size: int, s
     were every score of the page at its bound, against the window's true mass plus every page at its bound. bounds
     (n, G, m) on q . k (upper_bounds), log_local (n, G) the window's log mass, scale 1 / sqrt(D). Ranking a group's
     pages by the max of these asks which page some head needs most, each head on its own scale: a head whose window
-    holds its mass, or whose logits are large on every page, no longer crowds out a retrieval head's few pages."""
+    holds its mass, or whose logits are large on every page, does not crowd out a retrieval head's few pages, as it can
+    under the max of the raw bounds."""
     log_mass = bounds * scale + math.log(page_size)  # (n, G, m): each page's mass, were its P scores at the bound
     total = torch.logaddexp(log_local, log_mass.logsumexp(-1))  # (n, G)
     return log_mass - total[..., None]

@@ -368,34 +368,34 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
     if not task_list or samples < 1:
         raise ValueError("nothing to run: give --tasks and --samples >= 1")
     out = Path(out)
-    settings = dict(tasks=task_list, length=length, seed=seed, stop="eos", model=model, dtype=dtype,
-                    runner="lab.peers")
-    meta = out / "run.json"
-    info = json.loads(meta.read_text()) if meta.is_file() else {"runs": []}
-    if info.get("settings"):
-        clash = {k: (info["settings"].get(k), v) for k, v in settings.items()
-                 if k != "tasks" and info["settings"].get(k) != v}
-        if clash:
-            raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
-        settings["tasks"] = list(dict.fromkeys(info["settings"]["tasks"] + task_list))
+    out.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out):  # before the folder is read: no other sweep or lab.peers writes or merges it meanwhile
+        settings = dict(tasks=task_list, length=length, seed=seed, stop="eos", model=model, dtype=dtype,
+                        runner="lab.peers")
+        meta = out / "run.json"
+        info = json.loads(meta.read_text()) if meta.is_file() else {"runs": []}
+        if info.get("settings"):
+            clash = {k: (info["settings"].get(k), v) for k, v in settings.items()
+                     if k != "tasks" and info["settings"].get(k) != v}
+            if clash:
+                raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
+            settings["tasks"] = list(dict.fromkeys(info["settings"]["tasks"] + task_list))
 
-    folder = resolve(model, progress=progress)
-    tok = Tokenizer.from_dir(folder)
-    path = out / "samples.jsonl"
-    done = {(r["task"], r["index"], r["config"]) for r in read_records(out)}
-    jobs = [(t, i, [p for p in peers if (t, i, p.key) not in done and wanted(p, i)])
-            for i in range(samples) for t in task_list]
-    jobs = [j for j in jobs if j[2]]
-    prompts, context = {}, any(p.protocol == "context" for p in peers)
-    for task, index, _ in jobs:  # every prompt, its split and its pairing, before the first hour of decoding
-        sample = make_sample(task, index, length, tok, seed)
-        ids = tok.encode(sample.prompt)
-        prompts[task, index] = sample, ids, question_start(sample, ids, tok) if context else None
-    if pair:
-        check_pairing([(sample, ids) for sample, ids, _ in prompts.values()], expected, pair)
-    out.mkdir(parents=True, exist_ok=True)  # the settings are written once every check has passed
-    with folder_lock(out):  # no other sweep or lab.peers appends to this folder, nor merges it, meanwhile
-        info["settings"] = settings
+        folder = resolve(model, progress=progress)
+        tok = Tokenizer.from_dir(folder)
+        path = out / "samples.jsonl"
+        done = {(r["task"], r["index"], r["config"]) for r in read_records(out)}
+        jobs = [(t, i, [p for p in peers if (t, i, p.key) not in done and wanted(p, i)])
+                for i in range(samples) for t in task_list]
+        jobs = [j for j in jobs if j[2]]
+        prompts, context = {}, any(p.protocol == "context" for p in peers)
+        for task, index, _ in jobs:  # every prompt, its split and its pairing, before the first hour of decoding
+            sample = make_sample(task, index, length, tok, seed)
+            ids = tok.encode(sample.prompt)
+            prompts[task, index] = sample, ids, question_start(sample, ids, tok) if context else None
+        if pair:
+            check_pairing([(sample, ids) for sample, ids, _ in prompts.values()], expected, pair)
+        info["settings"] = settings  # written once every check has passed
         meta.write_text(json.dumps(info, indent=1))
         hf = load_hf(folder, DTYPES[dtype], device)
         bar = tqdm(total=sum(len(ps) for _, _, ps in jobs), unit="run", desc="peers", file=sys.stderr,

@@ -573,7 +573,7 @@ def rank_zero_first(rank: int, world: int):
 
 
 class FolderLocked(ValueError):
-    """Another sweep holds the folder: the message names its pid."""
+    """Another lab.sweep or lab.peers holds the folder: the message names its pid."""
 
 
 LOCK = "sweep.lock"

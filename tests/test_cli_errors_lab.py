@@ -133,7 +133,7 @@ def test_a_resume_stops_at_a_damaged_record_before_loading_and_with_the_flag_dec
 
 
 def test_a_merge_keeps_a_file_that_grew_after_it_was_read(tmp_path, monkeypatch):
-    """A writer outside the lock (lab.peers, an older sweep) appends after the merge read its file: the file stays,
+    """A writer outside the lock (a sweep of an older version) appends after the merge read its file: the file stays,
     with the new line, for the next merge."""
     (tmp_path / "samples.1.jsonl").write_bytes(LINES[0])
     read = sweep.file_records

@@ -59,6 +59,11 @@ def page_bounds(k, start, length, P):
     return lo, hi
 
 
+def combine_of(method):
+    """How the registry entry `method` combines a group's bounds: its `combine` keyword, from its name."""
+    return "sum" if "sum" in method else "share" if "share" in method else "max"
+
+
 def run_kernel(method, q, k, v, start, length, P, budget, calibration=None, tau=0.3, budget_frac=None, **kw):
     """fused_pages as `method` (an attention.PATHS page entry) runs it: Quest alone, or calibrated QAdA + pages."""
     n = q.shape[0]
@@ -81,10 +86,6 @@ def run_torch(method, q, k, v, P, budget, calibration=None, tau=0.3, budget_frac
         return attention.quest(q, k, v, **inputs)
     return attention.qada_pages(q, k, v, **inputs, tau=tau, moments=moments_of(k), calibration=calibration,
                                 combine=combine_of(method))
-
-
-def combine_of(method):
-    return "sum" if "sum" in method else "share" if "share" in method else "max"
 
 
 def pages_by_hand(method, q, k, P, n_read, labels):
