@@ -9,13 +9,14 @@
 #   python -m lab.report results/qwen0.5b-16k-pages --with results/qwen0.5b-16k
 # Two ranks of one thread each; rerun to resume. SAMPLES (default 10 per task) lets a run stop early at a whole
 # number of samples per task, merged and ready to commit; a later run with more resumes from there.
-# --batch 16: at 16k a decoded row holds ~0.2 GB of KV cache, and 48 rows on each of two ranks exhaust 24 GiB.
+# --batch 8: at 16k a decoded row holds ~0.2 GB of KV cache; 48 rows per rank were killed for memory, and 16 left the
+# two ranks thrashing at the 24 GiB limit after an hour.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2
 exec torchrun --nproc-per-node 2 -m lab.sweep --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
   --tasks niah_single_2,niah_multikey_1,niah_multivalue \
-  --length 16384 --samples "${SAMPLES:-10}" --stop eos --batch 16 \
+  --length 16384 --samples "${SAMPLES:-10}" --stop eos --batch 8 \
   --methods dense,qada_kv_cal,quest,quest_p32,qada_pages,qada_pages_p32,page_oracle \
   --grid qada_kv_cal=0.6 --budgets 128,256,512,1024,2048,4096 --calibration results/calibration/qwen0.5b-8k-niah \
   --calib-samples 2 --ablations "" --ctxfree-samples 0 --track "" --no-report --out results/qwen0.5b-16k-pages
