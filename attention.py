@@ -48,7 +48,7 @@ from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussi
                        oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
 from kernels import fused, fused_pages, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
-from pages import PAGE_SIZE, PageIndex, candidates, page_count, page_positions, page_shares, upper_bounds
+from pages import PAGE_SIZE, PageIndex, candidates, group_ranking, page_count, page_positions, upper_bounds
 
 # ---------------------------------------------------------------------------------------------------------
 # The paths
@@ -177,9 +177,7 @@ def qada_pages(q, k, v, *, layer, n_sink, n_local, tau, moments, calibration, pa
         def group_bounds():  # (n_long, m): the heads' bounds combined per group
             lo, hi = index_bounds(pages, page_size, layer, k, m)
             b = upper_bounds(q.view(Hkv, -1, D)[long].reshape(-1, D), lo[long], hi[long]).view(n_long, -1, m)
-            if combine == "share":
-                b = page_shares(b, log_local.view(Hkv, -1)[long], page_size, 1 / math.sqrt(D))
-            return b.sum(1) if combine == "sum" else b.amax(1)
+            return group_ranking(b, combine, log_local.view(Hkv, -1)[long], page_size, 1 / math.sqrt(D))
 
         chosen[long], scored = top_pages(group_bounds, m, page_count(T, page_size, budget, budget_frac), n_long,
                                          q.device)
@@ -517,11 +515,9 @@ def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], 
         bounds = upper_bounds(qs.view(n, Hkv, G, D)[r, h].reshape(-1, D), lo, hi).view(p, G, Mr)
         pad = torch.arange(Mr, device=dev) >= torch.tensor([m[i] for i, _ in ranked], device=dev)[:, None]  # (p, Mr)
         bounds.masked_fill_(pad[:, None], -math.inf)  # before combining: a padded page is no head's page
-        if kind is qada_pages:  # one ranking per group
-            combine = path.keywords.get("combine", "max")
-            if combine == "share":
-                bounds = page_shares(bounds, log_local.view(n, Hkv, G)[r, h], P, 1 / math.sqrt(D))
-            bounds = bounds.sum(1, keepdim=True) if combine == "sum" else bounds.amax(1, keepdim=True)  # (p, 1, Mr)
+        if kind is qada_pages:  # one ranking per group, (p, 1, Mr)
+            bounds = group_ranking(bounds, path.keywords.get("combine", "max"), log_local.view(n, Hkv, G)[r, h], P,
+                                   1 / math.sqrt(D))[:, None]
         K = max(n_read[i] for i, _ in ranked)
         top = bounds.topk(K, dim=-1).indices  # (p, G or 1, K), highest first
         take = torch.arange(K, device=dev) < torch.tensor([n_read[i] for i, _ in ranked], device=dev)[:, None]

@@ -38,7 +38,7 @@ except ImportError:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels (the tests)
 
 from criterion import GROUP_RULES, Correction, tau_logit
-from pages import candidates, page_count, page_shares
+from pages import candidates, group_ranking, page_count
 
 RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
 assert set(RULES) == {None, *GROUP_RULES}
@@ -520,7 +520,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
             H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, PAGE=P, N_SINK=n_sink, N_LOCAL=n_local, BLOCK_P=block_p,
             PER_HEAD=per_head, COMBINE=int(combine == "sum"), LEN_PER_ROW=len_per_row)
         if combine == "share" and not quest:  # one ranking per group: the most any head's share could be (n, Hkv, W)
-            scores = page_shares(scores.view(B, Hkv, G, W), log_local.view(B, Hkv, G), P, sm_scale).amax(2)
+            scores = group_ranking(scores.view(B * Hkv, G, W), combine, log_local.view(B * Hkv, G), P,
+                                   sm_scale).view(B, Hkv, W)
         ids, heads, n_valid = choose_pages(scores, n_read, n_sel, Hkv)
     else:  # less than a page of budget, or no bulk at the capacity: the window only
         ids = torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev)

@@ -122,6 +122,15 @@ def page_shares(bounds: torch.Tensor, log_local: torch.Tensor, page_size: int, s
     return log_mass - total[..., None]
 
 
+def group_ranking(bounds: torch.Tensor, combine: str, log_local: torch.Tensor, page_size: int, scale: float
+                  ) -> torch.Tensor:
+    """One ranking of pages per group from its heads' bounds (n, G, m): their max, their sum, or ("share") the max of
+    page_shares against the heads' window log masses log_local (n, G). (n, m)."""
+    if combine == "share":
+        bounds = page_shares(bounds, log_local, page_size, scale)
+    return bounds.sum(1) if combine == "sum" else bounds.amax(1)
+
+
 def candidates(T: int, n_sink: int, n_local: int, page_size: int) -> int:
     """How many pages a path may choose from in a context of T: those that start in the bulk (0 when there is none)."""
     return math.ceil(max(bulk_end(T, n_sink, n_local) - n_sink, 0) / page_size)
