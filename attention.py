@@ -48,7 +48,8 @@ from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussi
                        oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
 from kernels import fused, fused_pages, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
-from pages import PAGE_SIZE, PageIndex, candidates, group_ranking, page_count, page_positions, upper_bounds
+from pages import (PAGE_SIZE, PageIndex, candidates, fold_in_last, group_ranking, page_count, page_positions, stacked,
+                   upper_bounds)
 
 # ---------------------------------------------------------------------------------------------------------
 # The paths
@@ -924,19 +925,26 @@ def build_attention(method: str, cache, *, n_sink: int = 16, n_local: int = 128,
 
 
 def static_refusal(rows: list[DecodeAttention]) -> str | None:
-    """Why the rows' attention cannot run from fixed device buffers (StaticAttention), or None when it can: dense, and
-    one fused qada path (qada_rule) with fixed moments for every row, nothing tracked beside."""
+    """Why the rows' attention cannot run from fixed device buffers (StaticAttention), or None when it can: dense, one
+    fused qada path (qada_rule) or one page path (page_kind: Quest, QAdA + pages) at one budget for every row, with
+    fixed moments, nothing tracked beside."""
     first = rows[0]
-    if first.method != "dense" and not qada_rule(first.method)[0]:
-        return f"the {first.method} path decides on the host (dense and the fused qada paths run from fixed buffers)"
+    if first.method != "dense" and not qada_rule(first.method)[0] and page_kind(first.method) is None:
+        return (f"the {first.method} path decides on the host (dense, the fused qada paths and the page paths run from "
+                "fixed buffers)")
     for a in rows:
         if (a.method, a.n_sink, a.n_local, a.inputs.get("calibration")) != (
                 first.method, first.n_sink, first.n_local, first.inputs.get("calibration")):
             return "the rows run different paths"
+        if (a.inputs.get("budget"), a.inputs.get("budget_frac")) != (
+                first.inputs.get("budget"), first.inputs.get("budget_frac")):
+            return "the rows read different page budgets"
         if a.stats.track_oracle:
             return "the oracle's statistics are tracked beside (they read every score on the host)"
         if a.moments is not None and not isinstance(a.moments, FixedMoments):
             return f"the moments change every step ({type(a.moments).__name__})"
+        if "pages" in a.inputs and a.inputs["pages"].page_size != page_size(a.method):
+            return f"a page index holds pages of {a.inputs['pages'].page_size} tokens; the path reads {page_size(a.method)}"
     return None
 
 
@@ -949,9 +957,12 @@ class StaticAttention:
     model), and a labels buffer that each step writes at a device step index instead of appending to Python lists.
 
     The qada paths run kernels.fused_qada on views that reach past the filled length (the cache's `view`), T read
-    from `length`: a local group's cache is still not read. Dense is not called here: the model's own dense decoding
-    over the same views (every group read), its labels all False. BatchAttention's rows keep their statistics:
-    `stats` hands each row its live steps once decoding is over."""
+    from `length`: a local group's cache is still not read. The page paths run kernels.fused_pages on the same views,
+    with every row's page statistics stacked in one buffer per layer (pages.stacked), into which each step first folds
+    the key it appended (pages.fold_in_last), and the entries each (row, KV head) read written to a buffer beside the
+    labels. Dense is not called here: the model's own dense decoding over the same views (every group read), its
+    labels all False. BatchAttention's rows keep their statistics: `stats` hands each row its live steps once
+    decoding is over."""
     method: str
     n_sink: int
     n_local: int
@@ -964,47 +975,70 @@ class StaticAttention:
     length: torch.Tensor  # (1,) int32: the filled length T, the cache's `filled`
     labels: torch.Tensor  # (S, L, B, H) bool: every step's labels, zeros until written
     step: torch.Tensor  # (1,) long: the step being decoded, advanced after the last layer
+    pages: list = field(default_factory=list)  # page paths, per layer: (lo, hi) (B, Hkv, NP, D), kept current
+    page: dict = field(default_factory=dict)  # page paths: fused_pages' page_size, budget or budget_frac, combine
+    reads: torch.Tensor | None = None  # page paths: (S, L, B, Hkv) int64, the KV entries each step read
 
     @classmethod
-    def of(cls, rows: list[DecodeAttention], start: list[int] | None, length: torch.Tensor, steps: int,
-           n_layers: int, n_heads: int) -> "StaticAttention":
-        """The buffers of B rows (static_refusal must say None), for up to `steps` decode steps."""
+    def of(cls, rows: list[DecodeAttention], cache, steps: int, n_heads: int) -> "StaticAttention":
+        """The buffers of B rows (static_refusal must say None) decoding from `cache` (model.KVCache in static mode:
+        its filled length `filled` a device tensor; its rows left-padded from cache.start), for up to `steps` steps."""
         why = static_refusal(rows)
         if why:
             raise ValueError(f"no static decode step: {why}")
-        first, dev, B = rows[0], length.device, len(rows)
-        forms, thresholds, corrections, rule = [], (), [], None
-        if first.method != "dense":
+        first, dev, B = rows[0], cache.k.device, len(rows)
+        L, Hkv = cache.k.shape[0], cache.k.shape[2]
+        kind = page_kind(first.method)
+        forms, thresholds, corrections, rule, pages, page, reads = [], (), [], None, [], {}, None
+        if first.method != "dense" and kind is not quest:  # the paths that decide: a form and a tau per row
             rule = qada_rule(first.method)[1]
-            for layer in range(n_layers):  # one stack per layer, made once: a step only indexes the list
+            for layer in range(L):  # one stack per layer, made once: a step only indexes the list
                 A, b = zip(*(a.moments.quadratic_form(layer, None) for a in rows))
                 forms.append((torch.stack(A).float().to(dev), torch.stack(b).float().to(dev)))
             thresholds = kernel_thresholds(torch.tensor([a.tau for a in rows], dtype=torch.float64, device=dev))
             calibration = first.inputs.get("calibration")
-            corrections = [None if calibration is None else calibration.layer(layer) for layer in range(n_layers)]
+            corrections = [None if calibration is None else calibration.layer(layer) for layer in range(L)]
+        if kind is not None:
+            pages = [stacked([a.inputs["pages"] for a in rows], layer, cache.k[layer]) for layer in range(L)]
+            page = dict(page_size=page_size(first.method), budget=first.inputs.get("budget"),
+                        budget_frac=first.inputs.get("budget_frac"),
+                        combine=PATHS[first.method].keywords.get("combine", "max"))
+            reads = torch.zeros(steps, L, B, Hkv, dtype=torch.long, device=dev)
+        start = torch.zeros(B, dtype=torch.int32, device=dev) if cache.start is None else cache.start.int()
         return cls(first.method, first.n_sink, first.n_local, rule, forms, thresholds, corrections,
-                   torch.arange(B, dtype=torch.int32, device=dev),
-                   torch.tensor(start or [0] * B, dtype=torch.int32, device=dev), length,
-                   torch.zeros(steps, n_layers, B, n_heads, dtype=torch.bool, device=dev),
-                   torch.zeros(1, dtype=torch.long, device=dev))
+                   torch.arange(B, dtype=torch.int32, device=dev), start, cache.filled,
+                   torch.zeros(steps, L, B, n_heads, dtype=torch.bool, device=dev),
+                   torch.zeros(1, dtype=torch.long, device=dev), pages, page, reads)
 
     def __call__(self, q, k, v, layer: int) -> torch.Tensor:
         """q (B, H, 1, D), k/v (B, Hkv, view, D), views of the static cache past its filled length -> (B, H, 1, D)."""
         y = torch.empty_like(q)
-        _, labels = fused_qada(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local, self.forms[layer],
-                               self.thresholds, self.rule, self.corrections[layer], length=self.length,
-                               out=y[:, :, 0])  # (B, H): written into y in place
+        decide = dict(form=self.forms[layer], tau=self.thresholds, correction=self.corrections[layer]) if self.forms \
+            else {}
+        if self.pages:  # the key just appended into its page's statistics, then the chosen pages read
+            lo, hi = self.pages[layer]
+            fold_in_last(lo, hi, k, self.length, self.start, self.n_sink, self.page["page_size"])
+            _, labels, read = fused_pages(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local, (lo, hi),
+                                          **self.page, **decide, length=self.length, with_read=True, out=y[:, :, 0])
+            self.reads[:, layer].index_copy_(0, self.step, read[None])
+        else:
+            _, labels = fused_qada(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local,
+                                   decide["form"], decide["tau"], self.rule, decide["correction"], length=self.length,
+                                   out=y[:, :, 0])  # (B, H): written into y in place
         self.labels[:, layer].index_copy_(0, self.step, labels[None])  # at the device step index
-        if layer == len(self.forms) - 1:
+        if layer == self.labels.shape[1] - 1:
             self.step.add_(1)
         return y
 
     def stats(self, rows: list[DecodeAttention], steps: list[int], lengths: list[list[int]]) -> None:
-        """Hand row b its first steps[b] steps' labels, at the context lengths lengths[b] (one read of the buffer):
-        the steps it decoded before it ended; what it decoded after (into a discarded slot) is dropped."""
-        labels = self.labels[:max(steps, default=0)].cpu()  # (S, L, B, H)
+        """Hand row b its first steps[b] steps' labels (and a page path's reads), at the context lengths lengths[b]
+        (one read of each buffer): the steps it decoded before it ended; what it decoded after (into a discarded
+        slot) is dropped."""
+        S = max(steps, default=0)
+        labels = self.labels[:S].cpu()  # (S, L, B, H)
+        reads = None if self.reads is None else self.reads[:S].cpu()  # (S, L, B, Hkv)
         for b, (a, n) in enumerate(zip(rows, steps)):
-            a.stats.extend(labels[:n, :, b], lengths[b][:n])
+            a.stats.extend(labels[:n, :, b], lengths[b][:n], None if reads is None else reads[:n, :, b])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1035,12 +1069,12 @@ class HeadStats:
         if read is not None:
             self.reads[-1].append(read)
 
-    def extend(self, labels: torch.Tensor, lengths: list[int]) -> None:
-        """Steps recorded elsewhere (StaticAttention's buffer), as record would have kept them: labels (S, L, H), and T
-        of each step."""
-        for step, T in zip(labels, lengths):
+    def extend(self, labels: torch.Tensor, lengths: list[int], reads: torch.Tensor | None = None) -> None:
+        """Steps recorded elsewhere (StaticAttention's buffers), as record would have kept them: labels (S, L, H), T
+        of each step, and the entries read (S, L, Hkv) when the path reports them."""
+        for i, (step, T) in enumerate(zip(labels, lengths)):
             self.labels.append(list(step.unbind(0))), self.oracle.append([]), self.log_masses.append([])
-            self.reads.append([]), self.lengths.append(T)
+            self.reads.append([] if reads is None else list(reads[i].unbind(0))), self.lengths.append(T)
 
     def label_tensor(self) -> torch.Tensor:
         """(S, L, H) bool on the CPU; S = 0 when no decode step ran (the first token ended the answer)."""

@@ -5,8 +5,8 @@
 
 Prefill is always dense; the chosen method labels every (layer, head) for every decoded token. The report
 gives load time, prompt tokens, prefill time, decode speed, peak memory, the fraction of heads labelled
-local (sparsity) and the fraction of KV entries actually read. On CUDA, dense and the qada paths on the fused
-kernel decode from fixed device buffers, one step captured as a CUDA graph per bucket of lengths and replayed
+local (sparsity) and the fraction of KV entries actually read. On CUDA, dense, the qada paths and the page paths
+(Quest, QAdA + pages) on the fused kernels decode from fixed device buffers, one step captured as a CUDA graph per bucket of lengths and replayed
 (decode_static; --cuda-graphs off: the eager loop, decode_batch, which the CPU always runs).
 """
 
@@ -114,8 +114,7 @@ def decode_static(model, cache, logits, max_new_tokens: int, rows: list, eos_ids
     T0 = cache.length
     cache.fix()
     cfg = model.cfg
-    static = StaticAttention.of(rows, start, cache.filled, max(max_new_tokens - 1, 1), cfg.num_hidden_layers,
-                                cfg.num_attention_heads)
+    static = StaticAttention.of(rows, cache, max(max_new_tokens - 1, 1), cfg.num_attention_heads)
     hook = None if static.method == "dense" else static  # dense: the model's own, every group read
     token = torch.zeros(B, dtype=torch.long, device=logits.device)  # (B,): the step's input
     graphs = {}  # view -> (replay, the logits it writes)
@@ -308,8 +307,9 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
 
 def graph_refusal(cuda_graphs: str, device: torch.device, rows: list, prompt_lengths: list[int], model) -> str | None:
     """Why the decode loop does not run through CUDA graphs (one line for the report), or None when it does: with
-    --cuda-graphs auto, on CUDA, for dense and for the qada paths on the fused kernel with fixed moments (the paths
-    that decide on the device; attention.static_refusal says why not the others)."""
+    --cuda-graphs auto, on CUDA, for dense, and for the qada paths and the page paths (Quest, QAdA + pages) on the
+    fused kernels with fixed moments (the paths that decide on the device; attention.static_refusal says why not the
+    others)."""
     if cuda_graphs == "off":
         return "--cuda-graphs off"
     if device.type != "cuda":
@@ -320,8 +320,8 @@ def graph_refusal(cuda_graphs: str, device: torch.device, rows: list, prompt_len
     if rows[0].method != "dense":
         probe = torch.empty(1, model.cfg.head_dim, device=device)
         if not kernels.fused(probe):
-            return ("the qada paths take the torch path here (QADA_KERNEL=torch, no triton, or a head dim that is not "
-                    "a power of two from 16)")
+            return (f"the {rows[0].method} path takes the torch path here (QADA_KERNEL=torch, no triton, or a head dim "
+                    "that is not a power of two from 16)")
         if min(prompt_lengths) <= rows[0].n_local:
             return f"a prompt fits in the window ({rows[0].n_local} tokens): its first steps take the torch path"
     return None

@@ -30,9 +30,10 @@ PAGE_SIZE = 16  # Quest's page of 16 tokens
 
 class PageIndex:
     """Element-wise min and max of the keys of every page of `page_size` positions after the first `n_sink`, per layer
-    and KV head; row 0 of `cache` (a prefilled model.KVCache) folded in at once when given, else on the first call."""
+    and KV head; row `row` of `cache` (a prefilled model.KVCache) folded in at once when given, else on the first
+    call."""
 
-    def __init__(self, cache=None, page_size: int = PAGE_SIZE, n_sink: int = 16):
+    def __init__(self, cache=None, page_size: int = PAGE_SIZE, n_sink: int = 16, row: int = 0):
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
         self.page_size, self.n_sink = page_size, n_sink
@@ -41,7 +42,7 @@ class PageIndex:
         self.capacity = None if cache is None else self.n_pages(cache.max_len)
         if cache is not None:
             for layer in range(cache.k.shape[0]):
-                self.update(layer, cache.k[layer, 0, :, :cache.length])  # (Hkv, T, D)
+                self.update(layer, cache.k[layer, row, :, :cache.length])  # (Hkv, T, D)
 
     def n_pages(self, T: int) -> int:
         """Pages that hold the positions [n_sink, T): the last one may be part-filled."""
@@ -97,6 +98,39 @@ class PageIndex:
             return empty, empty
         n = self.n_pages(k.shape[1])
         return self.lo[layer][:, :n], self.hi[layer][:, :n]
+
+
+def stacked(indexes: list[PageIndex], layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The min and max keys of B rows' page indexes, (B, Hkv, NP, D) each for a cache k (B, Hkv, capacity, D) of those
+    rows (NP its capacity's pages): row b's pages folded in so far (its index's positions [n_sink, count)), then empty
+    pages (min +inf, max -inf), which decoding fills in place (fold_in_last). Fixed-size buffers that a captured decode
+    step updates and reads (attention.StaticAttention)."""
+    B, Hkv, capacity, D = k.shape
+    lo = torch.full((B, Hkv, indexes[0].n_pages(capacity), D), math.inf, dtype=k.dtype, device=k.device)
+    hi = torch.full_like(lo, -math.inf)
+    for b, index in enumerate(indexes):
+        n = index.n_pages(index.count.get(layer, 0))
+        if n:
+            lo[b, :, :n], hi[b, :, :n] = index.lo[layer][:, :n], index.hi[layer][:, :n]
+    return lo, hi
+
+
+def fold_in_last(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, length: torch.Tensor, start: torch.Tensor,
+                 n_sink: int, page_size: int) -> None:
+    """PageIndex.update for one decoded key per row, with no host value: the key each row of k (B, Hkv, T, D) holds at
+    position length - 1 (length (1,) the filled length, a device tensor) folded into its page of lo, hi (B, Hkv, NP, D)
+    in place (stacked's buffers, whose pages not yet begun hold +inf and -inf). Row b's page of position t is
+    (t - start[b] - n_sink) // P; a key among a row's sinks has no page and changes nothing. Folding the same key
+    twice leaves what once does (a CUDA graph's warm-up repeats a step)."""
+    B, Hkv, _, D = k.shape
+    t = length.long().view(1) - 1  # (1,)
+    rel = t - start.long() - n_sink  # (B,): the key's place past the row's sinks
+    page = rel.clamp(min=0).div(page_size, rounding_mode="floor").view(B, 1, 1, 1).expand(B, Hkv, 1, D)
+    key = k.index_select(2, t)  # (B, Hkv, 1, D)
+    in_page = (rel >= 0).view(B, 1, 1, 1)
+    for x, fold in ((lo, torch.minimum), (hi, torch.maximum)):
+        held = x.gather(2, page)  # (B, Hkv, 1, D)
+        x.scatter_(2, page, torch.where(in_page, fold(held, key), held))
 
 
 def upper_bounds(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,11 @@ graph whose view is graph_view's, not the capacity. Methods:
              share F of the (layer, KV head) pairs is long-context for every row: the decision is computed as always,
              the labels are those of a static choice at the KV read QAdA reaches on the research model (kv 1.0: every
              group read, the fused kernel's dense);
-  qada       QAdA's own decision (Option 1: the random cache's own bulk moments), whatever KV read it reaches.
+  qada       QAdA's own decision (Option 1: the random cache's own bulk moments), whatever KV read it reaches;
+  kv 0.35 + pages B   qada_pages: the same fixed labels at 0.35, each long-context group reading its window and its
+             top pages of 16 under a budget of B tokens (--e2e-budget, default 1024), chosen by Quest's bound from
+             each row's page statistics (pages.PageIndex, built from the cache, kept current by the step);
+  quest B    Quest alone at the same budget: every query head its own top pages, a KV head the union of its heads'.
 The bound is dense / (floor + f * (dense - floor)) with floor the all-local step (kv 0), as lab.bench has it.
 The step decode_static captures runs once eagerly under torch.cuda.set_sync_debug_mode("error"): "host syncs" says
 whether one was met.
@@ -68,6 +72,7 @@ from lab.bench import full_pattern, ideal_speedup, pattern_moments, qada_kernel
 from lab.cli import Parser, at_least, fail, fresh_folder, ints
 from model import KVCache, Llama, LlamaConfig
 from moments import FixedMoments, bulk_end, mean_cov
+from pages import PAGE_SIZE, PageIndex
 
 N_SINK, N_LOCAL = 16, 128
 SHAPES = {"Llama-3-8B": dict(H=32, Hkv=8, D=128), "Qwen2.5-7B": dict(H=28, Hkv=4, D=128)}
@@ -76,6 +81,7 @@ LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=5e5,
                         max_position_embeddings=131072)
 E2E_FRACTIONS = (1.0, 0.45, 0.35, 0.15, 0.0)  # 0.45 / 0.35: calibrated QAdA's lossless KV read, per head / per group
+E2E_PAGES_F = 0.35  # the page rows' long-context share: QAdA per KV group's lossless read on the research model
 
 
 def graph_ms(fn, device: torch.device, quick: bool = False) -> float:
@@ -267,17 +273,19 @@ def sync_free(step, reset) -> str:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def bench_end_to_end(T: int, setups, device: torch.device, n: int, capacity: int | None = None) -> list[dict]:
+def bench_end_to_end(T: int, setups, device: torch.device, n: int, capacity: int | None = None,
+                     budget: int = 1024) -> list[dict]:
     rows = []
     for B, L in setups:
         with qada_kernel("triton"):
-            rows += bench_setup(T, B, L, device, n, capacity)
+            rows += bench_setup(T, B, L, device, n, capacity, budget)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the setup's model and cache are gone: up to 50 GB
     return rows
 
 
-def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: int | None = None) -> list[dict]:
+def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: int | None = None,
+                budget: int = 1024) -> list[dict]:
     """Every method of one setup (batch B, L layers of Llama-3-8B) decoding from context T, its cache holding
     `capacity` positions (default: just enough), through generate.py's own loops: decode_batch (eager) and
     decode_static (replayed from CUDA graphs, one per view). A table row each."""
@@ -294,10 +302,12 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         cache.length = T
 
     def attentions(method: str, f: float | None) -> list[DecodeAttention]:
-        inputs = {} if method == "dense" else dict(tau=TAU, moments=moments)
-        if method == "qada_cal":
+        inputs = {} if method == "dense" else dict(tau=TAU, moments=moments, budget=budget)  # what a path reads
+        if f is not None:
             inputs["calibration"] = fixed_labels(cfg, f, device)
-        return [DecodeAttention(method, N_SINK, N_LOCAL, dict(inputs)) for _ in range(B)]
+        pages = lambda b: {"pages": PageIndex(cache, PAGE_SIZE, N_SINK, row=b)} if method in ("quest", "qada_pages") \
+            else {}  # each row's own, fresh for each run: a run decodes from T again
+        return [DecodeAttention(method, N_SINK, N_LOCAL, {**inputs, **pages(b)}) for b in range(B)]
 
     def loop(method: str, f: float | None, graphs: bool, made: list):
         def decode(k: int = 2):  # generate.py's loop, as run_batch calls it (made: the rows, for their statistics)
@@ -314,14 +324,15 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         def step():
             cache.fix()
             try:
-                static = StaticAttention.of(rows, None, cache.filled, 1, L, cfg.num_attention_heads)
+                static = StaticAttention.of(rows, cache, 1, cfg.num_attention_heads)
                 return model.decode_step(torch.zeros(B, dtype=torch.long, device=device), cache,
                                          None if method == "dense" else static)
             finally:
                 cache.release()
         return step
 
-    methods = [("dense", "dense", None), *((f"kv {f}", "qada_cal", f) for f in E2E_FRACTIONS), ("qada", "qada", None)]
+    methods = [("dense", "dense", None), *((f"kv {f}", "qada_cal", f) for f in E2E_FRACTIONS), ("qada", "qada", None),
+               (f"kv {E2E_PAGES_F} + pages {budget}", "qada_pages", E2E_PAGES_F), (f"quest {budget}", "quest", None)]
     out = {}
     for name, method, f in methods:
         made = []
@@ -469,6 +480,8 @@ def main(argv=None) -> int:
     p.add_argument("--capacity", type=at_least(N_LOCAL + 2), default=None, help="end to end: the KV cache's capacity "
                    "in positions, T_max (default: T + steps + 8, just enough); --e2e-length 16384 --capacity 32768 "
                    "times the steps at T_max / 2")
+    p.add_argument("--e2e-budget", type=at_least(PAGE_SIZE), default=1024, help="end to end: the page rows' budget "
+                   "in tokens beyond the window (default: 1024)")
     p.add_argument("--steps", type=at_least(1), default=10, help="end to end: timed steps per method and mode "
                    "(default: 10)")
     p.add_argument("--quick", action="store_true", help="fewer timed calls")
@@ -506,7 +519,7 @@ def main(argv=None) -> int:
         print(table(E2E_COLUMNS, []), flush=True)
         rows = []
         for one in args.e2e:  # written after each setup: a later one that fails keeps the earlier rows
-            rows += bench_end_to_end(args.e2e_length, [one], device, args.steps, args.capacity)
+            rows += bench_end_to_end(args.e2e_length, [one], device, args.steps, args.capacity, args.e2e_budget)
             name = f"end_to_end_{args.e2e_length // 1024}k" + (f"_of_{args.capacity // 1024}k" if args.capacity else "")
             write(out, name, setup, E2E_COLUMNS, rows, command)
     print(f"wrote {out}/", flush=True)

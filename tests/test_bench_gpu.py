@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton")
 import attention  # noqa: E402
 import kernels  # noqa: E402
+import pages  # noqa: E402
 from lab import bench_gpu  # noqa: E402
 from lab.bench import full_pattern, ideal_speedup  # noqa: E402
 from model import LlamaConfig  # noqa: E402
@@ -59,10 +60,17 @@ def test_fixed_labels_read_the_share_asked_for(monkeypatch):
     monkeypatch.setattr(bench_gpu, "graphed", lambda step, reset, device: step)
     monkeypatch.setattr(bench_gpu, "sync_free", lambda step, reset: "none")
     monkeypatch.setattr(bench_gpu, "E2E_FRACTIONS", (1.0, 0.5, 0.0))
+    monkeypatch.setattr(bench_gpu, "E2E_PAGES_F", 0.5)
     T = 1000
-    rows = {r["method"]: r for r in bench_gpu.bench_end_to_end(T, [(2, 4)], torch.device("cpu"), 1)}
+    rows = {r["method"]: r for r in bench_gpu.bench_end_to_end(T, [(2, 4)], torch.device("cpu"), 1, budget=64)}
     window = attention.kv_read_fraction(torch.ones(1, 1, 4), torch.tensor([T + 1]), 2, 128)  # all local
     for f in (1.0, 0.5, 0.0):
         assert rows[f"kv {f}"]["kv_read"] == pytest.approx(f + (1 - f) * window, abs=1e-6)
     assert rows["dense"]["kv_read"] == 1.0 and all(r["logits_ok"] for r in rows.values())
     assert not math.isnan(rows["qada"]["kv_read"])
+    # the page rows: every group its window; half of them long-context, each reading 4 pages of 16 (the last candidate
+    # page, when chosen, reads its bulk positions only: 1 to 16) and one entry per candidate page for their bounds
+    m = pages.candidates(T + 1, bench_gpu.N_SINK, bench_gpu.N_LOCAL, 16)
+    read = rows["kv 0.5 + pages 64"]["kv_read"] * (T + 1)
+    assert 128 + 0.5 * (64 - 15 + m) - 1e-6 <= read <= 128 + 0.5 * (64 + m) + 1e-6
+    assert window < rows["quest 64"]["kv_read"] < rows["kv 1.0"]["kv_read"]  # each head's pages, a group their union

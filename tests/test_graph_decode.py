@@ -7,6 +7,7 @@ eager loop."""
 
 import contextlib
 import json
+import math
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import kernels
 from attention import BatchAttention, StaticAttention, build_attention, static_refusal
 from criterion import Calibration
 from model import KVCache, load_model
+from pages import PageIndex
 from tests.test_generate import make_tiny_dir, write_prompt
 
 pytest.importorskip("triton")
@@ -55,14 +57,19 @@ def tau(method, n):
     return 16.2 / (n + 3.5) if method == "qada" else 0.064
 
 
+# The page paths' budgets: two pages of 16 per group (per head for Quest) of a bulk of ~15 candidates, or a fraction
+BUDGETS = {"qada_pages_frac": dict(budget_frac=0.15)}
+
+
 def prefilled(model, method, batch):
-    """Each prompt prefilled alone, its attention built (Option 1 moments), then stacked as generate.run_batch does:
-    (cache, last logits, the rows' DecodeAttentions)."""
+    """Each prompt prefilled alone, its attention built (Option 1 moments; a page path's page index), then stacked as
+    generate.run_batch does: (cache, last logits, the rows' DecodeAttentions)."""
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 100, (1, n), generator=g).to(model.device) for n in LENGTHS[batch]]
     caches = [model.new_cache(p.shape[1] + N_NEW) for p in prompts]
     logits = torch.cat([model.prefill(p, c) for p, c in zip(prompts, caches)])
     inputs = dict(calibration=calibration(model.device)) if method != "dense" else {}
+    inputs.update(BUDGETS.get(method, dict(budget=32)))  # what a path does not read, build_attention drops
     rows = [build_attention(method, c, n_sink=N_SINK, n_local=N_LOCAL, moments_source="prompt", **inputs,
                             **({} if method == "dense" else {"tau": tau(method, c.length)})) for c in caches]
     cache = caches[0] if batch == 1 else KVCache.stack(caches, N_NEW)
@@ -113,19 +120,51 @@ def assert_same(eager, static, method, batch):
     if batch > 1:
         assert [len(t) for t in tokens] == [N_NEW, 3, N_NEW]  # the second row ended early, the others did not
     labels = torch.cat([a.stats.label_tensor().flatten() for a in rows])
-    assert not labels.any() if method == "dense" else 0 < labels.float().mean() < 1  # the labels decide something
+    assert not labels.any() if method in ("dense", "quest") else 0 < labels.float().mean() < 1  # they decide
+    if method in PAGE_METHODS:  # the entries read, step by step, and fewer than dense reads
+        for a, b in zip(rows, rows_static):
+            assert a.stats.read_tensor() is not None and torch.equal(b.stats.read_tensor(), a.stats.read_tensor())
+            assert b.stats.summary(2)["kv_read"] < 0.5
+
+
+PAGE_METHODS = ("quest", "qada_pages", "qada_pages_frac")
+
+
+def keep_static(monkeypatch) -> list:
+    """The StaticAttention each decode_static makes, with its cache, (static, cache), kept to look at afterwards."""
+    made, of = [], StaticAttention.of
+    monkeypatch.setattr(StaticAttention, "of", classmethod(
+        lambda cls, *a, **kw: made.append((of(*a, **kw), a[1])) or made[-1][0]))
+    return made
+
+
+def assert_pages_current(static, cache, P):
+    """The static step's page statistics (StaticAttention.pages) after decoding: each row's, of every key its cache
+    holds now, prompt and decoded tokens, as a page index built from scratch over the row's filled part has them."""
+    start = static.start.tolist()
+    for layer, (lo, hi) in enumerate(static.pages):
+        for b in range(lo.shape[0]):
+            want_lo, want_hi = PageIndex(None, P, N_SINK).bounds(0, cache.k[layer, b, :, start[b]:cache.length])
+            n = want_lo.shape[1]
+            assert torch.equal(lo[b, :, :n], want_lo) and torch.equal(hi[b, :, :n], want_hi)
+            assert (lo[b, :, n:] == math.inf).all() and (hi[b, :, n:] == -math.inf).all()
 
 
 @needs_kernel
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("method", ["dense", "qada", "qada_cal", "qada_kv_cal"])
+@pytest.mark.parametrize("method", ["dense", "qada", "qada_cal", "qada_kv_cal", *PAGE_METHODS])
 def test_the_static_step_decodes_as_the_eager_loop(tiny, method, batch, monkeypatch):
-    """decode_static's step run eagerly against decode_batch, both on the fused kernel for the qada paths: the same
-    tokens, labels (bit for bit: the kernel reads T from the device and gives what it gives on the sliced cache),
-    context lengths, sparsity and KV read, for one prompt and for a left-padded batch whose second row ends early."""
+    """decode_static's step run eagerly against decode_batch, both on the fused kernels for the qada and page paths:
+    the same tokens, labels (bit for bit: the kernel reads T from the device and gives what it gives on the sliced
+    cache), context lengths, sparsity and KV read (a page path's entries read, step by step), for one prompt and for a
+    left-padded batch whose second row ends early. A page path's statistics, kept in place by the step, end as those
+    of every key the cache holds."""
     monkeypatch.setenv("QADA_KERNEL", "triton")
+    made = keep_static(monkeypatch)
     eager, static = eager_and_static(tiny, method, batch)
     assert_same(eager, static, method, batch)
+    if method in PAGE_METHODS:
+        assert_pages_current(*made[0], 16)
 
 
 class NoSync(TorchDispatchMode):
@@ -157,6 +196,9 @@ class NoSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_split_attention_kernel", "_merge_kernel")
+
+
 class Launches:
     """The fused kernels' launches, recorded (grid, and every argument: a tensor by dtype, shape and strides or by
     name, a Python value as it is) and then run outside the NoSync mode: Triton's interpreter moves the tensors' data
@@ -165,7 +207,7 @@ class Launches:
 
     def __init__(self, monkeypatch):
         self.records, self.mode = [], None
-        for name in ("_window_decide_kernel", "_split_attention_kernel", "_merge_kernel"):
+        for name in KERNELS:
             monkeypatch.setattr(kernels, name, self.wrap(getattr(kernels, name)))
 
     def wrap(self, kernel):
@@ -191,7 +233,7 @@ def no_tolist(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("method", ["qada_cal", "dense"])
+@pytest.mark.parametrize("method", ["qada_cal", "dense", "qada_pages", "quest"])
 def test_the_step_reads_no_host_value_that_changes(tiny, method, monkeypatch):
     """Every decode step of the static loop (a batch of three, the second row ending early) is called with the same
     Python objects, sees the same host values on them (the cache's and the attention's attributes), makes no host
@@ -210,10 +252,11 @@ def test_the_step_reads_no_host_value_that_changes(tiny, method, monkeypatch):
         def state(obj):
             return {k: id(v) if isinstance(v, (torch.Tensor, list, tuple)) else v for k, v in vars(obj).items()}
         static = made_static[0]
-        named = {x.data_ptr(): name for name, x in (("k", c.k), ("v", c.v), ("filled", c.filled),
-                                                    ("position", c.position), ("token", token),
-                                                    ("labels", static.labels), ("step", static.step),
-                                                    ("start", static.start), ("rows", static.rows))}
+        buffers = [("k", c.k), ("v", c.v), ("filled", c.filled), ("position", c.position), ("token", token),
+                   ("labels", static.labels), ("step", static.step), ("start", static.start), ("rows", static.rows)]
+        if static.pages:  # a page path's statistics, each layer's, and its reads
+            buffers += [("reads", static.reads), *((f"pages {i}", x) for i, x in enumerate(sum(static.pages, ())))]
+        named = {x.data_ptr(): name for name, x in buffers}
         before = len(launches.records)
         with contextlib.ExitStack() as stack:
             launches.mode = stack.enter_context(NoSync(named))
@@ -254,7 +297,7 @@ class Tape(TorchDispatchMode):
     def __init__(self, monkeypatch):
         super().__init__()
         self.entries, self.recording = [], False
-        for name in ("_window_decide_kernel", "_split_attention_kernel", "_merge_kernel"):
+        for name in KERNELS:
             monkeypatch.setattr(kernels, name, self.launcher(getattr(kernels, name)))
 
     def launcher(self, kernel):
@@ -299,7 +342,7 @@ class Tape(TorchDispatchMode):
 
 @needs_kernel
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("method", ["dense", "qada_cal"])
+@pytest.mark.parametrize("method", ["dense", "qada_cal", "qada_pages"])
 def test_an_emulated_graph_decodes_as_the_eager_loop(tiny, method, batch, monkeypatch):
     """decode_static with capture on, its graphs emulated on the CPU (Tape: warm-up, rewind, then one recorded step,
     replayed for every later step at that view): the eager loop's tokens, labels and logits. A step that read a host
@@ -318,13 +361,16 @@ def test_an_emulated_graph_decodes_as_the_eager_loop(tiny, method, batch, monkey
         return tape.replay, static_out, None
 
     monkeypatch.setattr(generate, "captured", captured)
+    made = keep_static(monkeypatch)
     eager, static = eager_and_static(tiny, method, batch, capture=True)
     assert_same(eager, static, method, batch)
+    if method in PAGE_METHODS:  # every replay folded its own key into the pages
+        assert_pages_current(*made[0], 16)
     assert len(tapes) == (1 if batch == 1 else 2)  # one graph per view: the batch crosses into a second view
 
 
 @needs_kernel
-@pytest.mark.parametrize("method", ["dense", "qada_kv_cal"])
+@pytest.mark.parametrize("method", ["dense", "qada_kv_cal", "qada_pages"])
 def test_generate_reports_the_same_through_the_static_loop(tiny_dir, tmp_path, method, monkeypatch):
     """run_batch with the static loop (graph_refusal made to find nothing: on the CPU the step runs eagerly) gives
     the eager loop's report for every prompt of a batch: tokens, text, sparsity, KV read, steps; and says which loop
@@ -338,6 +384,8 @@ def test_generate_reports_the_same_through_the_static_loop(tiny_dir, tmp_path, m
     kw = dict(model=str(tiny_dir), max_new_tokens=6, method=method, n_sink=N_SINK, n_local=N_LOCAL, progress=False)
     if method != "dense":
         kw.update(moments_source="prompt", tau=0.25, calibration=str(cal))
+    if method == "qada_pages":
+        kw.update(budget=32)
     eager = generate.run_batch(files, **kw)
     assert all(r["cuda_graphs"].startswith("off: no CUDA device") for r in eager)
     monkeypatch.setattr(generate, "graph_refusal", lambda *args: None)
@@ -380,7 +428,15 @@ def test_what_cannot_run_from_fixed_buffers_says_why(tiny):
         return generate.graph_refusal("auto", cuda, [att], [200], tiny)
 
     assert "the oracle path decides on the host" in why("oracle", tau=0.5)
-    assert "the quest path decides on the host" in why("quest", budget=32)
+    assert "the page_oracle path decides on the host" in why("page_oracle", budget=32)
+    for method, kw in (("quest", dict(budget=32)),
+                       ("qada_pages_frac", dict(tau=0.5, budget_frac=0.2, moments_source="prompt",
+                                                calibration=calibration()))):
+        assert static_refusal([build_attention(method, cache, n_sink=N_SINK, n_local=N_LOCAL, **kw)]) is None
+    rows = [build_attention("quest", cache, n_sink=N_SINK, n_local=N_LOCAL, budget=b) for b in (32, 64)]
+    assert static_refusal(rows) == "the rows read different page budgets"
+    rows[1] = build_attention("quest", cache, n_sink=N_SINK, n_local=N_LOCAL, budget=32, pages=PageIndex(cache, 32))
+    assert static_refusal(rows) == "a page index holds pages of 32 tokens; the path reads 16"
     assert "the static path decides on the host" in why("static", static_local=torch.zeros(2, 4, dtype=torch.bool))
     assert "the moments change every step (OnlineMoments)" in why("qada", tau=0.5, moments_source="prompt-online")
     assert "oracle's statistics" in why("qada", tau=0.5, moments_source="prompt", track_oracle=True)
@@ -389,7 +445,7 @@ def test_what_cannot_run_from_fixed_buffers_says_why(tiny):
     assert generate.graph_refusal("off", cuda, [dense], [200], tiny) == "--cuda-graphs off"
     assert generate.graph_refusal("auto", torch.device("cpu"), [dense], [200], tiny).startswith("no CUDA device")
     with pytest.raises(ValueError, match="decides on the host"):
-        StaticAttention.of([build_attention("local", cache)], None, torch.zeros(1, dtype=torch.int32), 4, 2, 4)
+        StaticAttention.of([build_attention("local", cache)], cache, 4, 4)
 
 
 def test_graph_views_reach_past_T_by_at_most_a_quarter():
@@ -409,7 +465,7 @@ def test_graph_views_reach_past_T_by_at_most_a_quarter():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("method", ["dense", "qada", "qada_cal", "qada_kv_cal"])
+@pytest.mark.parametrize("method", ["dense", "qada", "qada_cal", "qada_kv_cal", *PAGE_METHODS])
 def test_graph_replays_decode_as_the_eager_loop(tiny_dir, method, batch):
     """decode_static capturing and replaying CUDA graphs (two views: two graphs for the batch) against decode_batch
     on the same GPU: equal tokens, labels and statistics."""
@@ -419,7 +475,7 @@ def test_graph_replays_decode_as_the_eager_loop(tiny_dir, method, batch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("method", ["dense", "qada_kv_cal"])
+@pytest.mark.parametrize("method", ["dense", "qada_kv_cal", "qada_pages"])
 def test_generate_on_cuda_decodes_through_graphs_as_eager(tiny_dir, tmp_path, method, capsys):
     """The CLI on CUDA: auto captures (and says so), and gives --cuda-graphs off's tokens and statistics."""
     files = [str(write_prompt(tmp_path, n)) for n in (60, 150, 97)]
@@ -431,6 +487,8 @@ def test_generate_on_cuda_decodes_through_graphs_as_eager(tiny_dir, tmp_path, me
             str(N_SINK), "--n-local", str(N_LOCAL), "--device", "cuda", "--json"]
     if method != "dense":
         argv += ["--moments", "prompt", "--tau", "0.25", "--calibration", str(cal)]
+    if method == "qada_pages":
+        argv += ["--set", "budget=32"]
     reports = {}
     for mode in ("auto", "off"):
         assert generate.main(argv + ["--cuda-graphs", mode]) == 0

@@ -37,7 +37,7 @@ echo "pytest rc=$?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$FILES/tes
 pack
 
 echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k"
-timeout 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 8x32,32x8 --out "$FILES"; pack
+timeout 190 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 8x32,32x8 --out "$FILES"; pack
 echo "== the same at T_max / 2 and T_max / 8 (capacity 32k): the graph's view follows T, not the capacity"
 timeout 60 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 timeout 50 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
@@ -54,10 +54,10 @@ from tests.test_generate import make_tiny_dir
 path = Path(sys.argv[1]); path.mkdir(parents=True, exist_ok=True); make_tiny_dir(path)
 (path.parent / "prompt.txt").write_text(" ".join(f"w{i % 97}" for i in range(400)))
 PY
-for m in dense qada qada_kv_all; do
+for m in dense qada qada_kv_all quest; do
   for g in auto off; do
     timeout 40 python3 generate.py --device cuda --model "$FILES/tiny" --prompt "$FILES/prompt.txt" --no-chat \
-      --max-new-tokens 8 --method $m --cuda-graphs $g --json \
+      --max-new-tokens 8 --method $m --cuda-graphs $g --json $([ $m = quest ] && echo --set budget=64) \
       | python3 -c "import json, sys; r = json.loads(sys.stdin.read()); print(r['method'], r['new_token_ids'], r['sparsity'], r['kv_read'], r['cuda_graphs'])"
     echo " <- generate $m --cuda-graphs $g rc=${PIPESTATUS[0]}"
   done
