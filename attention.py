@@ -943,8 +943,10 @@ def static_refusal(rows: list[DecodeAttention]) -> str | None:
             return "the oracle's statistics are tracked beside (they read every score on the host)"
         if a.moments is not None and not isinstance(a.moments, FixedMoments):
             return f"the moments change every step ({type(a.moments).__name__})"
-        if "pages" in a.inputs and a.inputs["pages"].page_size != page_size(a.method):
-            return f"a page index holds pages of {a.inputs['pages'].page_size} tokens; the path reads {page_size(a.method)}"
+        index = a.inputs.get("pages")
+        if index is not None and (index.page_size, index.n_sink) != (page_size(a.method), a.n_sink):
+            return (f"a page index holds pages of {index.page_size} tokens after {index.n_sink} sinks; the path reads "
+                    f"pages of {page_size(a.method)} after {a.n_sink}")
     return None
 
 
@@ -983,7 +985,7 @@ class StaticAttention:
     def of(cls, rows: list[DecodeAttention], cache, steps: int, n_heads: int) -> "StaticAttention":
         """The buffers of B rows (static_refusal must say None) decoding from `cache` (model.KVCache in static mode:
         its filled length `filled` a device tensor; its rows left-padded from cache.start), for up to `steps` steps."""
-        why = static_refusal(rows)
+        why = static_refusal(rows) or (None if cache.filled is not None else "the cache is not in static mode (fix)")
         if why:
             raise ValueError(f"no static decode step: {why}")
         first, dev, B = rows[0], cache.k.device, len(rows)
@@ -998,23 +1000,26 @@ class StaticAttention:
             thresholds = kernel_thresholds(torch.tensor([a.tau for a in rows], dtype=torch.float64, device=dev))
             calibration = first.inputs.get("calibration")
             corrections = [None if calibration is None else calibration.layer(layer) for layer in range(L)]
+        starts = [0] * B if cache.start is None else cache.start.tolist()
         if kind is not None:
-            pages = [stacked([a.inputs["pages"] for a in rows], layer, cache.k[layer]) for layer in range(L)]
+            pages = [stacked([a.inputs["pages"] for a in rows], layer, cache.k[layer], starts, cache.length)
+                     for layer in range(L)]
             page = dict(page_size=page_size(first.method), budget=first.inputs.get("budget"),
                         budget_frac=first.inputs.get("budget_frac"),
-                        combine=PATHS[first.method].keywords.get("combine", "max"))
+                        combine=getattr(PATHS[first.method], "keywords", {}).get("combine", "max"))
             reads = torch.zeros(steps, L, B, Hkv, dtype=torch.long, device=dev)
-        start = torch.zeros(B, dtype=torch.int32, device=dev) if cache.start is None else cache.start.int()
         return cls(first.method, first.n_sink, first.n_local, rule, forms, thresholds, corrections,
-                   torch.arange(B, dtype=torch.int32, device=dev), start, cache.filled,
+                   torch.arange(B, dtype=torch.int32, device=dev),
+                   torch.tensor(starts, dtype=torch.int32, device=dev), cache.filled,
                    torch.zeros(steps, L, B, n_heads, dtype=torch.bool, device=dev),
                    torch.zeros(1, dtype=torch.long, device=dev), pages, page, reads)
 
     def __call__(self, q, k, v, layer: int) -> torch.Tensor:
         """q (B, H, 1, D), k/v (B, Hkv, view, D), views of the static cache past its filled length -> (B, H, 1, D)."""
         y = torch.empty_like(q)
-        decide = dict(form=self.forms[layer], tau=self.thresholds, correction=self.corrections[layer]) if self.forms \
-            else {}
+        decide = {}  # QAdA's inputs, for the paths that decide (Quest does not)
+        if self.forms:
+            decide = dict(form=self.forms[layer], tau=self.thresholds, correction=self.corrections[layer])
         if self.pages:  # the key just appended into its page's statistics, then the chosen pages read
             lo, hi = self.pages[layer]
             fold_in_last(lo, hi, k, self.length, self.start, self.n_sink, self.page["page_size"])

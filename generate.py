@@ -6,8 +6,9 @@
 Prefill is always dense; the chosen method labels every (layer, head) for every decoded token. The report
 gives load time, prompt tokens, prefill time, decode speed, peak memory, the fraction of heads labelled
 local (sparsity) and the fraction of KV entries actually read. On CUDA, dense, the qada paths and the page paths
-(Quest, QAdA + pages) on the fused kernels decode from fixed device buffers, one step captured as a CUDA graph per bucket of lengths and replayed
-(decode_static; --cuda-graphs off: the eager loop, decode_batch, which the CPU always runs).
+(Quest, QAdA + pages) on the fused kernels decode from fixed device buffers, one step captured as a CUDA graph per
+bucket of lengths and replayed (decode_static; --cuda-graphs off: the eager loop, decode_batch, which the CPU always
+runs).
 """
 
 import argparse
@@ -586,12 +587,12 @@ def main(argv=None) -> int:
                    "the sampled paths); default: the one a named model ships with")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="an input the path reads by NAME that has no flag of its own (a new path's; repeatable)")
-    p.add_argument("--kernel", default=None, choices=("auto", "triton", "torch"), help="the qada paths' decode step: "
-                   "the fused Triton kernel (auto: on CUDA when triton is installed) or the torch path; sets "
-                   "QADA_KERNEL (default: as set there, else auto)")
+    p.add_argument("--kernel", default=None, choices=("auto", "triton", "torch"), help="the qada and page "
+                   "paths' decode step: the fused Triton kernel (auto: on CUDA when triton is installed) or the torch "
+                   "path; sets QADA_KERNEL (default: as set there, else auto)")
     p.add_argument("--cuda-graphs", default="auto", metavar="{auto,off}", help="auto: on CUDA, decode through CUDA "
-                   "graphs (one step captured per bucket of lengths, replayed) for dense and the qada paths on the "
-                   "fused kernel; the report says when it is off and why (default: %(default)s)")
+                   "graphs (one step captured per bucket of lengths, replayed) for dense, the qada paths and the page "
+                   "paths on the fused kernels; the report says when it is off and why (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text and report")
     p.error = lambda message: p.exit(2, f"error: {message} (see --help)\n")  # one line, not the usage block

@@ -428,9 +428,9 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     labels and output as attention.qada_pages (given `form` and `tau`) or attention.quest (`form` None) of each row, up
     to fp32 rounding. q, k, v, rows, start, length and out as fused_qada's; `bounds` = (lo, hi), each (n, Hkv, NP, D):
     query i's row's pages.PageIndex min and max keys, page j the positions [start_i + n_sink + j P, ... + P) of the
-    cache (PageIndex.bounds of the row's own view), NP at least the candidates of a context of T_max (pages.candidates);
-    page_size P a power of two dividing block_n; `budget` tokens or `budget_frac` of each row's T, one of them
-    (pages.page_count). Four steps, each a fixed grid:
+    cache (PageIndex.bounds of the row's own view, or pages.stacked's buffers), NP at least the candidates of a
+    context of T_max (pages.candidates); page_size P a power of two dividing block_n; `budget` tokens or
+    `budget_frac` of each row's T, one of them (pages.page_count). Four steps, each a fixed grid:
 
       1. per (row, KV head), `_window_decide_kernel`: the window, and QAdA's decision as qada_kv_cal takes it (rule
          "mean", `correction`: Calibration.layer()); for Quest no decision, every group long-context;

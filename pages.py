@@ -14,6 +14,8 @@ when chosen it is read, and counted, for its bulk positions only (`page_position
 Memory: 2 vectors of D per page of P keys per KV head, 2/P of the keys (1/8 at P = 16; 1/P of keys and values), in
 the cache's dtype (a min and a max are exact in any dtype). Upkeep: `bounds` folds in the keys appended since its last
 call, a page at a time; decoding appends one key per step, which updates the page being filled in place, O(D).
+Decoding from fixed device buffers (a CUDA graph) keeps a batch's statistics in one stacked copy instead (`stacked`,
+twice the memory while it decodes), which each step updates on the device (`fold_in_last`).
 
 `PageIndex` is an input of the page paths (attention.quest, attention.qada_pages), as moments.KeyMoments is of qada:
 built from the prefilled cache, then following the cache from the `k` (Hkv, T, D) it is handed each step.
@@ -30,8 +32,8 @@ PAGE_SIZE = 16  # Quest's page of 16 tokens
 
 class PageIndex:
     """Element-wise min and max of the keys of every page of `page_size` positions after the first `n_sink`, per layer
-    and KV head; row `row` of `cache` (a prefilled model.KVCache) folded in at once when given, else on the first
-    call."""
+    and KV head; row `row` of `cache` (a prefilled model.KVCache, that row filled from position 0) folded in at once
+    when given, else on the first call."""
 
     def __init__(self, cache=None, page_size: int = PAGE_SIZE, n_sink: int = 16, row: int = 0):
         if page_size < 1:
@@ -100,18 +102,19 @@ class PageIndex:
         return self.lo[layer][:, :n], self.hi[layer][:, :n]
 
 
-def stacked(indexes: list[PageIndex], layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The min and max keys of B rows' page indexes, (B, Hkv, NP, D) each for a cache k (B, Hkv, capacity, D) of those
-    rows (NP its capacity's pages): row b's pages folded in so far (its index's positions [n_sink, count)), then empty
-    pages (min +inf, max -inf), which decoding fills in place (fold_in_last). Fixed-size buffers that a captured decode
-    step updates and reads (attention.StaticAttention)."""
+def stacked(indexes: list[PageIndex], layer: int, k: torch.Tensor, start: list[int], T: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The min and max keys of B rows' page indexes, (B, Hkv, NP, D) each, for a cache k (B, Hkv, capacity, D) whose
+    row b is filled over [start[b], T) (NP: the capacity's pages): row b's index brought up to date with its keys
+    (PageIndex.bounds), then empty pages (min +inf, max -inf), which decoding fills in place (fold_in_last). Fixed-size
+    buffers that a captured decode step updates and reads (attention.StaticAttention); the rows' own indexes are not
+    kept current meanwhile (a later eager call catches them up from where they stopped)."""
     B, Hkv, capacity, D = k.shape
     lo = torch.full((B, Hkv, indexes[0].n_pages(capacity), D), math.inf, dtype=k.dtype, device=k.device)
     hi = torch.full_like(lo, -math.inf)
     for b, index in enumerate(indexes):
-        n = index.n_pages(index.count.get(layer, 0))
-        if n:
-            lo[b, :, :n], hi[b, :, :n] = index.lo[layer][:, :n], index.hi[layer][:, :n]
+        row_lo, row_hi = index.bounds(layer, k[b, :, start[b]:T])  # (Hkv, n, D)
+        lo[b, :, :row_lo.shape[1]], hi[b, :, :row_hi.shape[1]] = row_lo, row_hi
     return lo, hi
 
 

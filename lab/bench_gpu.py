@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from attention import BatchAttention, DecodeAttention, HeadStats, StaticAttention
+from attention import BatchAttention, DecodeAttention, HeadStats, StaticAttention, page_size, path_inputs
 from criterion import TAU, Calibration
 from generate import decode_batch, decode_static, graph_view, pick_device
 from lab.bench import full_pattern, ideal_speedup, pattern_moments, qada_kernel
@@ -305,9 +305,11 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         inputs = {} if method == "dense" else dict(tau=TAU, moments=moments, budget=budget)  # what a path reads
         if f is not None:
             inputs["calibration"] = fixed_labels(cfg, f, device)
-        pages = lambda b: {"pages": PageIndex(cache, PAGE_SIZE, N_SINK, row=b)} if method in ("quest", "qada_pages") \
-            else {}  # each row's own, fresh for each run: a run decodes from T again
-        return [DecodeAttention(method, N_SINK, N_LOCAL, {**inputs, **pages(b)}) for b in range(B)]
+        def row_inputs(b: int) -> dict:  # a page path's own index for each row, fresh for each run (it restarts at T)
+            if "pages" not in path_inputs(method):
+                return dict(inputs)
+            return {**inputs, "pages": PageIndex(cache, page_size(method), N_SINK, row=b)}
+        return [DecodeAttention(method, N_SINK, N_LOCAL, row_inputs(b)) for b in range(B)]
 
     def loop(method: str, f: float | None, graphs: bool, made: list):
         def decode(k: int = 2):  # generate.py's loop, as run_batch calls it (made: the rows, for their statistics)
