@@ -10,10 +10,14 @@
 # Two ranks of one thread each; rerun to resume. SAMPLES (default 10 per task) lets a run stop early at a whole
 # number of samples per task, merged and ready to commit; a later run with more resumes from there.
 # --batch 8: at 16k a decoded row holds ~0.2 GB of KV cache; 48 rows per rank were killed for memory, and 16 left the
-# two ranks thrashing at the 24 GiB limit after an hour.
+# two ranks thrashing at the 24 GiB limit after an hour (both before the fixed mmap threshold below).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2
+# MALLOC_MMAP_THRESHOLD_: a fixed threshold, so that every allocation of 256 KB or more is its own mapping, returned
+# on free. glibc's default raises the threshold to the largest block freed, after which the page oracle's per-step
+# float32 copies of the keys, a few hundred bytes larger each step, came from the heap and were never reused: a 16k
+# rank grew by ~1 GB per decode step to the 24 GiB limit (measured: 16.5 GB within 90 s of decoding; 4.5 GB with it).
+export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=262144
 exec torchrun --nproc-per-node 2 -m lab.sweep --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
   --tasks niah_single_2,niah_multikey_1,niah_multivalue \
   --length 16384 --samples "${SAMPLES:-10}" --stop eos --batch 8 \
