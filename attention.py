@@ -354,14 +354,15 @@ def paged_attention(q, k, v, chosen, y_window, log_local, n_sink, n_local, page_
     ids = union[active].to(torch.uint8).sort(dim=1, descending=True, stable=True).indices[:, :U]  # (a, U) page numbers
     pos, in_bulk = page_positions(ids, T, n_sink, n_local, page_size)  # (a, U P)
     in_bulk &= (torch.arange(U, device=q.device) < n_pages[:, None]).repeat_interleave(page_size, 1)  # not padding
-    rows = active[:, None]  # indexing by (KV head, position) reads those positions only, not a copy of the cache
-    k_pages, v_pages = k[rows, pos], v[rows, pos]  # (a, U P, D): what is read
+    row = torch.zeros_like(active)  # the one row of k[None]: those positions read, no copy of the cache
+    k_pages, v_pages = (cache_gather(x[None], row, active, pos) for x in (k, v))  # (a, U P, D): what is read
     mine = chosen[active].gather(2, ids[:, None].expand(-1, G, -1)).repeat_interleave(page_size, 2)  # (a, G, U P)
     keep = mine & in_bulk[:, None]
     qa = q.view(Hkv, G, D)[active]  # (a, G, D)
     scores = torch.bmm(qa, k_pages.transpose(1, 2)).float().mul_(1 / math.sqrt(D)).masked_fill_(~keep, -math.inf)
     log_pages = scores.logsumexp(-1)  # (a, G): -inf for a head of the group with no page of its own
-    p = torch.where(keep, (scores - log_pages[..., None]).exp(), 0.0)
+    # in place, as rows_paged_attention: exp(-inf - (finite)) = 0 for a position not read
+    p = scores.sub_(log_pages.clamp(min=torch.finfo(torch.float32).min)[..., None]).exp_()
     y_pages = torch.bmm(p.to(v.dtype), v_pages).float()  # (a, G, D)
     s = torch.sigmoid(log_local.view(Hkv, G)[active] - log_pages)[..., None]  # (a, G, 1): 1 with no page
     y = y_window.clone()
@@ -719,20 +720,27 @@ def page_kind(method: str):
     return path if path in (quest, qada_pages) else None
 
 
+def page_options(method: str, inputs: dict) -> dict:
+    """kernels.fused_pages' page settings for the page path registered as `method`, given the inputs it reads: its
+    page_size, its budget (tokens) or budget_frac, and how a group combines its heads' bounds (Quest ignores it)."""
+    return dict(page_size=page_size(method), budget=inputs.get("budget"), budget_frac=inputs.get("budget_frac"),
+                combine=getattr(PATHS[method], "keywords", {}).get("combine", "max"))
+
+
 def fused_page_step(method: str, q, k, v, *, layer, n_sink, n_local, pages, budget=None, budget_frac=None, tau=None,
                     moments=None, calibration=None):
     """One row's step of a page path (Quest alone, or QAdA + pages) in kernels.fused_pages: the same labels, pages and
     read as the torch path, the choice and the gather on the device. (y, labels, read) as the path returns them."""
-    P = page_size(method)
+    options = page_options(method, dict(budget=budget, budget_frac=budget_frac))
+    P = options["page_size"]
     lo, hi = index_bounds(pages, P, layer, k, candidates(k.shape[1], n_sink, n_local, P))  # (Hkv, m, D) each
     zero, tau = _one_row(q.device, tau)
     decide = {}
     if page_kind(method) is qada_pages:  # QAdA's group decision, as qada_kv_cal takes it
         A, b = moments.quadratic_form(layer, k)
-        decide = dict(form=(A[None], b[None]), tau=tau,
-                      correction=calibration.layer(layer), combine=PATHS[method].keywords.get("combine", "max"))
-    y, labels, read = fused_pages(q[None], k[None], v[None], zero, zero, n_sink, n_local, (lo[None], hi[None]), P,
-                                  budget=budget, budget_frac=budget_frac, with_read=True, **decide)
+        decide = dict(form=(A[None], b[None]), tau=tau, correction=calibration.layer(layer))
+    y, labels, read = fused_pages(q[None], k[None], v[None], zero, zero, n_sink, n_local, (lo[None], hi[None]),
+                                  **options, with_read=True, **decide)
     return y[0], labels[0], read[0]
 
 
@@ -1004,9 +1012,7 @@ class StaticAttention:
         if kind is not None:
             pages = [stacked([a.inputs["pages"] for a in rows], layer, cache.k[layer], starts, cache.length)
                      for layer in range(L)]
-            page = dict(page_size=page_size(first.method), budget=first.inputs.get("budget"),
-                        budget_frac=first.inputs.get("budget_frac"),
-                        combine=getattr(PATHS[first.method], "keywords", {}).get("combine", "max"))
+            page = page_options(first.method, first.inputs)
             reads = torch.zeros(steps, L, B, Hkv, dtype=torch.long, device=dev)
         return cls(first.method, first.n_sink, first.n_local, rule, forms, thresholds, corrections,
                    torch.arange(B, dtype=torch.int32, device=dev),

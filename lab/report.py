@@ -404,6 +404,9 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
     cfgs = method_configs(rows, tasks)
     claims = []  # (claim, where, paper's value, ours point, draws, kind: "value" (lo, hi) or "direction" 0, digits)
 
+    def found(r):  # some measured configuration was lossless (else the point is the 0 no configuration measured)
+        return bool(r["at"])
+
     def lossless(*methods):
         if not all(m in cfgs for m in methods):
             return None
@@ -414,7 +417,8 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
                                    ("oracle", "adaptive oracle: lossless head sparsity", "§1, Fig. 2, §4.1", (0.85, 0.9))):
         r = lossless(m)
         if r:
-            claims.append((claim, where, f"{paper[0]:g}-{paper[1]:g}", r[0]["point"], r[0]["boot"], paper, 2))
+            claims.append((claim, where, f"{paper[0]:g}-{paper[1]:g}", r[0]["point"] if found(r[0]) else None,
+                           r[0]["boot"], paper, 2))
     for a, b, claim, where in (("oracle", "static_oracle", "adaptive oracle minus static oracle (lossless sparsity)", "§4.1: ~+0.2"),
                                ("qada_rw", "static", "QAdA (random words) minus static heads", "§4.2: QAdA outperforms static"),
                                ("qada_rw", "static_oracle", "QAdA (random words) minus static oracle", "§4.2: matches it"),
@@ -422,7 +426,8 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
         r = lossless(a, b)
         if r:
             paper = "≈ 0" if "matches" in where else "> 0"
-            claims.append((claim, where, paper, r[0]["point"] - r[1]["point"], r[0]["boot"] - r[1]["boot"],
+            point = r[0]["point"] - r[1]["point"] if found(r[0]) and found(r[1]) else None
+            claims.append((claim, where, paper, point, r[0]["boot"] - r[1]["boot"],
                            None if paper == "≈ 0" else 0.0, 2))
     tracked = [r for r in rows if r["task"] in tasks and r["config"] == f"qada_rw@{MAIN_TAU:g}" and "log_err" in r]
     for key, claim, paper in (("log_err", "Gaussian bulk estimate off by a factor (exp of the mean abs. log error)", (2, 5)),
@@ -450,7 +455,8 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
     lines = ["| claim | paper | paper's figure | ours | 95 % interval | verdict |", "|---|---|---:|---:|---|---|"]
     for claim, where, paper, point, boot, ref, digits in claims:
         lo, hi = float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
-        lines.append(f"| {claim} | {where} | {paper} | {point:.{digits}f} | [{lo:.{digits}f}, {hi:.{digits}f}] | "
+        cell = NONE if point is None else f"{point:.{digits}f}"
+        lines.append(f"| {claim} | {where} | {paper} | {cell} | [{lo:.{digits}f}, {hi:.{digits}f}] | "
                      f"{verdict(lo, hi, ref)} |")
     return lines
 

@@ -6,7 +6,8 @@
 # Two ranks of one thread each (a 16k prefill takes minutes per rank); rerun to resume.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2
+# A fixed mmap threshold: freed blocks of 256 KB or more go back to the system (results/qwen0.5b-8k-pages/sweep.sh says why)
+export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=262144
 exec torchrun --nproc-per-node 2 -m lab.sweep --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
   --tasks niah_single_2,niah_multikey_1,niah_multivalue --length 16384 --samples 10 --stop eos --batch 8 \
   --methods dense,oracle,qada_rw,qada_cal_transfer,qada_kv_all_cal,qada_kv_cal \

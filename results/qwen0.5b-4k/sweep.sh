@@ -4,7 +4,8 @@
 # QAdA's tau 0.95 and 0.9 were added after the first 63 samples: at 4k its highest tau, 0.8, sits at 0.59 sparsity
 # and was not clearly lossless (0.97 of dense [0.92, 1.01]); a resumed run decodes the new points for every sample.
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2
+# A fixed mmap threshold: freed blocks of 256 KB or more go back to the system (results/qwen0.5b-8k-pages/sweep.sh says why)
+export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=262144
 exec torchrun --nproc-per-node 2 -m lab.sweep --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
   --tasks niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
   --length 4096 --samples 15 --stop eos --batch 36 \

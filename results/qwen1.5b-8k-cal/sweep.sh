@@ -7,7 +7,8 @@
 # Two ranks of one thread each for the sweep; rerun to resume.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export MALLOC_ARENA_MAX=2
+# A fixed mmap threshold: freed blocks of 256 KB or more go back to the system (results/qwen0.5b-8k-pages/sweep.sh says why)
+export MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=262144
 python -m lab.calibrate --qada --model qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --length 8192 --samples 3 \
   --seed 1 --max-new-tokens 24 --tasks niah_single_2,niah_multikey_2,niah_multivalue,vt \
   --out results/calibration/qwen1.5b-8k-eval-tasks
