@@ -475,9 +475,10 @@ def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], 
     A row reads under its own page_count: none, every candidate, or the top ones by Quest's bound, per query head
     (quest) or per long-context group with the heads' bounds combined by max, sum or share (qada_pages). The bounds come
     from each row's own PageIndex, brought up to date with its view k[b, :, start[b]:] (only where they rank pages,
-    as in its path, and only for its groups that read), copied into one fp32 (p, M, D) pair for the p pairs that
-    rank, and ranked together. A row's pages past its own candidates are padding at -inf: it ranks n_read < m
-    pages, so each one it takes is a real page."""
+    as in its path, and only for its groups that read), each row's bounds computed from its own index (no stacked
+    float32 copy of the statistics: on the CPU that copy cost more than the products), then ranked together. A row's
+    pages past its own candidates are padding at -inf: it ranks n_read < m pages, so each one it takes is a real
+    page."""
     n, H, D = qs.shape
     Hkv = k.shape[1]
     G, dev = H // Hkv, qs.device
@@ -498,25 +499,21 @@ def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], 
                         )[:, None]  # (a, 1, M) for the G heads
     ranked = [(i, h) for i, h in pairs if n_read[i] < m[i]]
     if ranked:
-        p, Mr = len(ranked), max(m[i] for i, _ in ranked)
-        lo, hi = (torch.empty(p, Mr, D, device=dev) for _ in range(2))  # upper_bounds' fp32, converted as copied
-        j = 0
+        Mr = max(m[i] for i, _ in ranked)
+        qg = qs.view(n, Hkv, G, D)
+        parts = []  # each ranking row's bounds (c, G, Mr), read straight from its index: no stacked fp32 copy
         for i in dict.fromkeys(i for i, _ in ranked):  # each ranking row once, in order
             heads = [h for ii, h in ranked if ii == i]
-            b, c = live[i], len(heads)
+            b = live[i]
             lo_b, hi_b = index_bounds(rows[b].inputs["pages"], P, layer, k[b, :, start[b]:], m[i])  # (Hkv, m, D)
-            if c == Hkv:
-                lo[j:j + c, :m[i]], hi[j:j + c, :m[i]] = lo_b, hi_b
-            else:  # a head at a time: a copy each, no gathered temporary
-                for jj, h in enumerate(heads, j):
-                    lo[jj, :m[i]], hi[jj, :m[i]] = lo_b[h], hi_b[h]
-            if m[i] < Mr:
-                lo[j:j + c, m[i]:] = hi[j:j + c, m[i]:] = 0  # padding: scored, then set to -inf below
-            j += c
+            if len(heads) == Hkv:
+                bound = upper_bounds(qs[i], lo_b, hi_b)  # (H, m)
+            else:  # a head at a time, on views of the index
+                bound = torch.cat([upper_bounds(qg[i, h], lo_b[h:h + 1], hi_b[h:h + 1]) for h in heads])
+            # a row's pages past its own candidates: padding no head chooses
+            parts.append(F.pad(bound.view(len(heads), G, m[i]), (0, Mr - m[i]), value=-math.inf))
+        bounds = torch.cat(parts)  # (p, G, Mr)
         r, h = (torch.tensor(x, device=dev) for x in zip(*ranked))  # (p,) each
-        bounds = upper_bounds(qs.view(n, Hkv, G, D)[r, h].reshape(-1, D), lo, hi).view(p, G, Mr)
-        pad = torch.arange(Mr, device=dev) >= torch.tensor([m[i] for i, _ in ranked], device=dev)[:, None]  # (p, Mr)
-        bounds.masked_fill_(pad[:, None], -math.inf)  # before combining: a padded page is no head's page
         if kind is qada_pages:  # one ranking per group, (p, 1, Mr)
             bounds = group_ranking(bounds, path.keywords.get("combine", "max"), log_local.view(n, Hkv, G)[r, h], P,
                                    1 / math.sqrt(D))[:, None]

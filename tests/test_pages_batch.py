@@ -40,10 +40,12 @@ def starts():
 
 
 def calibration():
-    """One correction for every row, random per layer and head, so that each row's groups are labelled both ways."""
+    """One correction for every row, random per layer and head, so that each row's groups are labelled both ways; in
+    layer 0 the first group is held local and the last long, so a row also ranks the pages of one group alone."""
     g = torch.Generator().manual_seed(7)
-    return Calibration(torch.randn(L, H, generator=g) * 2, torch.rand(L, H, generator=g) + 0.5,
-                       torch.rand(L, HKV, generator=g) + 0.5, {})
+    a = torch.randn(L, H, generator=g) * 2
+    a[0, :H // HKV], a[0, -(H // HKV):] = 50.0, -50.0
+    return Calibration(a, torch.rand(L, H, generator=g) + 0.5, torch.rand(L, HKV, generator=g) + 0.5, {})
 
 
 def attentions(method, budgets, correction):
