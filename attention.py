@@ -475,10 +475,10 @@ def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], 
     A row reads under its own page_count: none, every candidate, or the top ones by Quest's bound, per query head
     (quest) or per long-context group with the heads' bounds combined by max, sum or share (qada_pages). The bounds come
     from each row's own PageIndex, brought up to date with its view k[b, :, start[b]:] (only where they rank pages,
-    as in its path, and only for its groups that read), each row's bounds computed from its own index (no stacked
-    float32 copy of the statistics: on the CPU that copy cost more than the products), then ranked together. A row's
-    pages past its own candidates are padding at -inf: it ranks n_read < m pages, so each one it takes is a real
-    page."""
+    as in its path, and only for its groups that read), each row's bounds computed from its own index by
+    upper_bounds (which converts that row's statistics to float32), then padded and ranked together: copying every
+    ranked pair's statistics into one padded buffer first cost more than the products on the CPU. A row's pages past
+    its own candidates are padding at -inf: it ranks n_read < m pages, so each one it takes is a real page."""
     n, H, D = qs.shape
     Hkv = k.shape[1]
     G, dev = H // Hkv, qs.device
@@ -501,7 +501,7 @@ def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], 
     if ranked:
         Mr = max(m[i] for i, _ in ranked)
         qg = qs.view(n, Hkv, G, D)
-        parts = []  # each ranking row's bounds (c, G, Mr), read straight from its index: no stacked fp32 copy
+        parts = []  # each ranking row's bounds (c, G, Mr), from its own index
         for i in dict.fromkeys(i for i, _ in ranked):  # each ranking row once, in order
             heads = [h for ii, h in ranked if ii == i]
             b = live[i]

@@ -349,7 +349,9 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
     the samples that dense and every listed configuration finished, with the same draws (samples resampled within
     each task): paired between a method's configurations and dense, and between methods, so that differences of
     methods have intervals too. axis "kv_read": the point is 1 - the lowest lossless KV-read fraction. `worst`: a point
-    is lossless when its worst task keeps >= LOSSLESS of dense, instead of the mean over tasks."""
+    is lossless when its worst task keeps >= LOSSLESS of dense, instead of the mean over tasks. "at": the configurations
+    at the point, none when not even the method's least saving one is lossless (the point is then 0, as in the draws
+    that find none)."""
     all_cfgs = [c for cs in configs.values() for c in cs]
     scores = paired_scores(rows, tasks, all_cfgs)
     if not scores:
@@ -367,12 +369,14 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
         if any((sparsity if axis == "sparsity" else kv)[c] is None for c in cs):  # a press has no head sparsity
             continue
         x = sparsity if axis == "sparsity" else {c: 1 - kv[c] for c in cs}
-        point = lossless_sparsity([(x[c], normalised(scores, full, c, worst)) for c in cs])
+        curve = sorted((x[c], normalised(scores, full, c, worst)) for c in cs)
+        point = lossless_sparsity(curve)
+        found = curve[0][1] is not None and curve[0][1] >= LOSSLESS  # its least saving point lossless: a point found
         # each draw places the configurations where their drawn samples put them, and scores them there
         boot = np.array([lossless_sparsity([((1 - sign) / 2 + sign * drawn_mean(values, d, c),
                                              normalised(scores, d, c, worst)) for c in cs]) for d in draws])
-        out[m] = {"point": point, "boot": boot, "at": [c for c in cs if x[c] == point], "sparsity": sparsity,
-                  "kv_read": kv, "n": sum(len(i) for i, _ in scores.values())}
+        out[m] = {"point": point, "boot": boot, "at": [c for c in cs if x[c] == point] if found else [],
+                  "sparsity": sparsity, "kv_read": kv, "n": sum(len(i) for i, _ in scores.values())}
     return out
 
 

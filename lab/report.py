@@ -399,7 +399,9 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
     claim about a difference between methods uses lossless points on the samples every method in it finished, with
     the same draws for all (paired). Verdict: a value claim is "consistent" when the paper's figure or range meets
     our interval; a direction claim "holds" when the interval excludes 0 on the paper's side, is "reversed" when it
-    excludes 0 on the other, and is "not resolved" otherwise."""
+    excludes 0 on the other, and is "not resolved" otherwise. Where no configuration of a method was lossless, ours
+    says "none measured"; the interval and verdict still come from the draws, which count a draw that finds no
+    lossless point as 0."""
     g = group(rows)
     cfgs = method_configs(rows, tasks)
     claims = []  # (claim, where, paper's value, ours point, draws, kind: "value" (lo, hi) or "direction" 0, digits)

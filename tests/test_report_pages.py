@@ -206,3 +206,7 @@ def test_a_method_with_no_lossless_point_says_so():
     assert all("| 0.20 | [0.20, 0.20] |" in line for line in our_rows)
     (paired,) = [line for line in report.kv_read_differences(rows, TASKS, n_boot=50, pairs=[("qada_pages", "quest")])]
     assert "none measured" in paired and "| – | – |" in paired and "0.20" in paired
+    # a point at the no-saving end (a budget reading everything: KV read 1.00) that loses is no lossless point either
+    rows += [rec(task, i, "quest@99999", 0.8, 1.0, kind="budget") for task in TASKS for i in range(len(MARGIN))]
+    kv = {r["method"]: r for r in records.lossless_table(rows, TASKS, axis="kv_read", n_boot=50)}
+    assert not kv["quest"]["found"] and kv["quest"]["kv_read"] is None
