@@ -877,7 +877,7 @@ class BatchAttention:
         A, b_, tau, thresholds, first_pos, rows = self.cached[key]
         calibration = first.inputs.get("calibration")  # qada_cal: one correction for every row
         correction = calibration.layer(layer) if calibration is not None else None
-        if fused(q):  # every live row in the three kernels, each reading its own cache row from its own start
+        if fused(q):  # every live row in the two kernels, each reading its own cache row from its own start
             qs = q[:, :, 0] if n == B else q[rows, :, 0]  # (n, H, D): a view when every row is live
             _, labels = fused_qada(qs, k, v, rows, first_pos, n_sink, n_local, (A, b_), thresholds,
                                    qada_rule(first.method)[1], correction, out=y[:, :, 0])  # into y at rows

@@ -1,16 +1,17 @@
-"""QAdA's decode step fused on the GPU: the decision and its skipping in three Triton kernels per layer, for a batch of
+"""QAdA's decode step fused on the GPU: the decision and its skipping in two Triton kernels per layer, for a batch of
 rows, with nothing read back to the host (the same labels and output as attention.qada, up to fp32 rounding).
 
-Three kernels, each a fixed grid:
+Two kernels, each a fixed grid:
   1. per (row, KV head), `_window_decide_kernel`: the window's attention and log mass for the G query heads together,
      Eq. 6's Gaussian term, the calibration's correction, the threshold of Eq. 7, and the group's flag "read the cache";
+     it writes the output of every head whose output is its window's (the local ones), so a local group is done here;
   2. per (row, KV head, split of the context), `_split_attention_kernel`: flash-decoding's partial attention, a program
-     returning at once when its group is local, so a local group's cache is never read;
-  3. per (row, KV head), `_merge_kernel`: the splits merged by their log-sum-exp, the window's output kept for the
-     local heads.
+     returning at once when its group reads no cache (every head local), so that group's cache is never read. The merge of the splits by
+     their log-sum-exp has no launch of its own: the group's last split program to finish does it (a count per
+     group, taken atomically), and writes the long-context heads' output.
 
 `fused_pages` is token-level page selection (attention.quest, attention.qada_pages) in the same kernels: QAdA's
-long-context groups, or every group for Quest alone, read their window and their chosen pages only. A fourth kernel,
+long-context groups, or every group for Quest alone, read their window and their chosen pages only. A third kernel,
 `_page_bound_kernel`, scores the candidate pages by Quest's bound from the page statistics (pages.PageIndex); torch's
 topk picks the top ones under the budget; the split programs then walk a list of page numbers instead of a range.
 
@@ -64,12 +65,12 @@ if triton is not None:
 
     @triton.jit
     def _window_decide_kernel(Q, K, V, ROWS, START, LENGTH, A, BV, TAU, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL,
-                              LABELS, READ, sm_scale, sqb, sqh, skb, skh, skt, svb, svh, svt, sab, sah, sbb, sbh,
-                              H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                              D: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, W_PAD: tl.constexpr,
-                              RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+                              LABELS, READ, Y, ARRIVED, sm_scale, sqb, sqh, skb, skh, skt, svb, svh, svt, sab, sah,
+                              sbb, sbh, syb, syh, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                              G_PAD: tl.constexpr, D: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
+                              W_PAD: tl.constexpr, RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
                               BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr,
-                              DECIDE: tl.constexpr):
+                              DECIDE: tl.constexpr, BY_ROW: tl.constexpr):
         b, g = tl.program_id(0), tl.program_id(1)
         row = tl.load(ROWS + b)  # the cache row of this program's query
         start = tl.load(START + b)
@@ -106,8 +107,8 @@ if triton is not None:
         tl.store(Y_WIN + (b * H + g * G + h)[:, None] * D + d[None, :], y, mask=h_ok[:, None])
         tl.store(LOG_LOCAL + b * H + g * G + h, log_local, mask=h_ok)
         if not DECIDE:  # Quest alone: no decision, every head long-context; the cache read past a short window
-            tl.store(LABELS + b * H + g * G + h, tl.zeros((G_PAD,), tl.int8), mask=h_ok)
-            tl.store(READ + b * HKV + g, (n_ctx > N_LOCAL).to(tl.int8))
+            local = tl.zeros((G_PAD,), tl.int32) != 0
+            group_reads = n_ctx > N_LOCAL
         else:
             # Eq. 6: q A q^T + q b, with A read BLOCK_D columns at a time
             quad = tl.zeros((G_PAD,), tl.float32)
@@ -136,48 +137,62 @@ if triton is not None:
                 n_long = tl.sum(tl.where(h_ok & ~local, 1, 0), 0)
                 local = (tl.zeros((G_PAD,), tl.int32) + n_long) == 0
             local = local | (tl.zeros((G_PAD,), tl.int32) + short.to(tl.int32) != 0)  # no bulk: all exact on the window
-            tl.store(LABELS + b * H + g * G + h, local.to(tl.int8), mask=h_ok)
-            tl.store(READ + b * HKV + g, (tl.sum(tl.where(h_ok & ~local, 1, 0), 0) > 0).to(tl.int8))
+            group_reads = tl.sum(tl.where(h_ok & ~local, 1, 0), 0) > 0
+        tl.store(LABELS + b * H + g * G + h, local.to(tl.int8), mask=h_ok)
+        tl.store(READ + b * HKV + g, group_reads.to(tl.int8))
+        # The heads whose output is the window's (local, or in a group that reads no cache) are written here, in the
+        # output's dtype; the split programs write the others. Their group's arrival count starts at 0 for them.
+        y_b = b
+        if BY_ROW:  # the output's row is the cache row's: the result lands in the caller's tensor
+            y_b = row
+        window_only = local | (tl.zeros((G_PAD,), tl.int32) + group_reads.to(tl.int32) == 0)
+        tl.store(Y + y_b * syb + (g * G + h)[:, None] * syh + d[None, :], y.to(Y.dtype.element_ty),
+                 mask=(h_ok & window_only)[:, None])
+        tl.store(ARRIVED + b * HKV + g, 0)
 
     @triton.jit
-    def _split_attention_kernel(Q, K, V, ROWS, START, LENGTH, READ, O_PART, M_PART, L_PART, N_SPLITS, sm_scale,
-                                sqb, sqh, skb, skh, skt, svb, svh, svt, PAGE_IDS, PAGE_HEADS, N_VALID, COUNTS, spb, sph,
+    def _split_attention_kernel(Q, K, V, ROWS, START, LENGTH, READ, LABELS, Y_WIN, LOG_LOCAL, O_PART, M_PART, L_PART,
+                                ARRIVED, Y, N_SPLITS, sm_scale, sqb, sqh, skb, skh, skt, svb, svh, svt, syb, syh,
+                                PAGE_IDS, PAGE_HEADS, N_VALID, COUNTS, spb, sph,
                                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                                 D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, LOW: tl.constexpr,
                                 LEN_PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                                 N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, PER_HEAD: tl.constexpr,
-                                COUNT: tl.constexpr):
+                                COUNT: tl.constexpr, BY_ROW: tl.constexpr):
         # Two ways to walk the context. A contiguous range (fused_qada): SPLIT positions from the row's start. A list
         # of pages (fused_pages, PAGED): SPLIT entries of the (row, KV head)'s list of chosen pages, BLOCK_N // PAGE
         # pages per tile, each page's bulk positions only; with PER_HEAD each entry carries the bits of the query
         # heads that chose it (Quest: a head attends to its own pages of the union its KV head reads).
         b, g, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if tl.load(READ + b * HKV + g) == 0:  # a group whose output is its window's: its cache is not read
+            return
         T = tl.load(LENGTH + b * LEN_PER_ROW)
         start = tl.load(START + b)
         if PAGED:
-            n_valid = tl.load(N_VALID + b * HKV + g)  # the list's chosen entries (none for a local group)
+            n_valid = tl.load(N_VALID + b * HKV + g)  # the list's chosen entries
+            # the programs that run: those holding chosen pages, and at least the first, which merges the window
+            # alone when no page was chosen (a budget under a page, say)
+            n_used = tl.maximum(tl.cdiv(n_valid, SPLIT), 1)
             e0 = sp * SPLIT
-            if e0 >= n_valid:  # past the chosen pages: nothing to read or write
-                return
-            n_tiles = tl.cdiv(tl.minimum(n_valid - e0, SPLIT), BLOCK_N // PAGE)
+            n_tiles = tl.cdiv(tl.maximum(tl.minimum(n_valid - e0, SPLIT), 0), BLOCK_N // PAGE)
             bulk_end = tl.maximum(T - start - (N_LOCAL - N_SINK), N_SINK)  # moments.bulk_end in the row's positions
         else:
+            n_used = tl.cdiv(T - start, SPLIT)  # the splits holding filled positions (the grid covers the capacity)
             lo = start + sp * SPLIT
-            if lo >= T:  # a split past the filled length (the grid covers the capacity): nothing to read or write
-                return
-            if tl.load(READ + b * HKV + g) == 0:  # a local group: its cache is not read
-                return
             hi = tl.minimum(lo + SPLIT, T)
             n_tiles = SPLIT // BLOCK_N  # a fixed trip count; the tail of the context is masked
+        if sp >= n_used:  # past the filled length or the chosen pages: nothing to read or write
+            return
         row = tl.load(ROWS + b)
         h = tl.arange(0, G_PAD)
+        h_ok = h < G
         d = tl.arange(0, D)
-        part = ((b * HKV + g) * N_SPLITS + sp) * G_PAD + h  # (G_PAD,) rows of this split's partial results
+        base = (b * HKV + g) * N_SPLITS * G  # this (row, KV head)'s partial results, G rows per split
         m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
         n_read = 0
-        q = tl.load(Q + b * sqb + (g * G + h)[:, None] * sqh + d[None, :], mask=(h < G)[:, None], other=0.0)
+        q = tl.load(Q + b * sqb + (g * G + h)[:, None] * sqh + d[None, :], mask=h_ok[:, None], other=0.0)
         if not LOW:
             q = q.to(tl.float32)
         for i in range(n_tiles):
@@ -218,52 +233,46 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
             m_i = m_new
-        tl.store(M_PART + part, m_i)
-        tl.store(L_PART + part, l_i)
-        tl.store(O_PART + part[:, None] * D + d[None, :], acc)
+        part = base + sp * G + h  # (G_PAD,): this split's rows, the padding's not stored
+        tl.store(M_PART + part, m_i, mask=h_ok)
+        tl.store(L_PART + part, l_i, mask=h_ok)
+        tl.store(O_PART + part[:, None] * D + d[None, :], acc, mask=h_ok[:, None])
         if COUNT:
             tl.store(COUNTS + (b * HKV + g) * N_SPLITS + sp, n_read)
 
-    @triton.jit
-    def _merge_kernel(Y_WIN, LABELS, READ, O_PART, M_PART, L_PART, Y, ROWS, START, LENGTH, LOG_LOCAL, N_VALID, syb,
-                      syh, N_SPLITS, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                      D: tl.constexpr, SPLIT: tl.constexpr, BY_ROW: tl.constexpr, LEN_PER_ROW: tl.constexpr,
-                      PAGED: tl.constexpr):
-        b, g = tl.program_id(0), tl.program_id(1)
-        h = tl.arange(0, G_PAD)
-        h_ok = h < G
-        d = tl.arange(0, D)
-        rows = (b * H + g * G + h)[:, None] * D + d[None, :]
-        y = tl.load(Y_WIN + rows, mask=h_ok[:, None], other=0.0)
-        if tl.load(READ + b * HKV + g) != 0:
-            base = (b * HKV + g) * N_SPLITS * G_PAD
-            if PAGED:  # the splits that walked chosen pages, and the window as one more part of mass exp(log_local)
-                n_used = tl.cdiv(tl.load(N_VALID + b * HKV + g), SPLIT)
-                log_local = tl.load(LOG_LOCAL + b * H + g * G + h, mask=h_ok, other=0.0)
-                m = log_local
-            else:  # the splits that hold filled positions, the ones that ran (a split past them adds exactly nothing)
-                n_used = (tl.load(LENGTH + b * LEN_PER_ROW) - tl.load(START + b) + SPLIT - 1) // SPLIT
-                m = tl.full((G_PAD,), float("-inf"), tl.float32)
-            for sp in range(0, n_used):
-                m = tl.maximum(m, tl.load(M_PART + base + sp * G_PAD + h))
-            if PAGED:
-                l_sum = tl.exp(log_local - m)
-                acc = y * l_sum[:, None]
-            else:
-                l_sum = tl.zeros((G_PAD,), tl.float32)
-                acc = tl.zeros((G_PAD, D), tl.float32)
-            for sp in range(0, n_used):
-                m_s = tl.load(M_PART + base + sp * G_PAD + h)
-                scale = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m))
-                l_sum += tl.load(L_PART + base + sp * G_PAD + h) * scale
-                acc += tl.load(O_PART + (base + sp * G_PAD + h)[:, None] * D + d[None, :]) * scale[:, None]
-            local = tl.load(LABELS + b * H + g * G + h, mask=h_ok, other=1) != 0
-            y = tl.where(local[:, None], y, acc / l_sum[:, None])
+        # The merge, by the group's last program to finish (no launch of its own): each program counts itself in
+        # once its partial results are stored; the one that counts last reads them all back from L2 (.cg: not from
+        # its own L1, which may hold stale lines) and writes the long heads' output. The barrier orders every
+        # thread's stores before the count's release; the window kernel reset the count for this step.
+        tl.debug_barrier()
+        if tl.atomic_add(ARRIVED + b * HKV + g, 1, sem="acq_rel", scope="gpu") != n_used - 1:
+            return
+        if PAGED:  # the window as one more part, of mass exp(log_local)
+            log_local = tl.load(LOG_LOCAL + b * H + g * G + h, mask=h_ok, other=0.0)
+            m = log_local
+        else:
+            m = tl.full((G_PAD,), float("-inf"), tl.float32)
+        for s_ in range(0, n_used):
+            m = tl.maximum(m, tl.load(M_PART + base + s_ * G + h, mask=h_ok, other=float("-inf"), cache_modifier=".cg"))
+        if PAGED:
+            l_sum = tl.exp(log_local - m)
+            acc = tl.load(Y_WIN + (b * H + g * G + h)[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0)
+            acc = acc * l_sum[:, None]
+        else:
+            l_sum = tl.zeros((G_PAD,), tl.float32)
+            acc = tl.zeros((G_PAD, D), tl.float32)
+        for s_ in range(0, n_used):
+            m_s = tl.load(M_PART + base + s_ * G + h, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
+            scale = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m))
+            l_sum += tl.load(L_PART + base + s_ * G + h, mask=h_ok, other=0.0, cache_modifier=".cg") * scale
+            acc += tl.load(O_PART + (base + s_ * G + h)[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0,
+                           cache_modifier=".cg") * scale[:, None]
+        is_long = tl.load(LABELS + b * H + g * G + h, mask=h_ok, other=1) == 0
         y_b = b
         if BY_ROW:  # the output's row is the cache row's: the result lands in the caller's tensor
-            y_b = tl.load(ROWS + b)
+            y_b = row
         out = Y + y_b * syb + (g * G + h)[:, None] * syh + d[None, :]
-        tl.store(out, y.to(Y.dtype.element_ty), mask=h_ok[:, None])  # in the output's dtype: no cast launched after
+        tl.store(out, (acc / l_sum[:, None]).to(Y.dtype.element_ty), mask=(h_ok & is_long)[:, None])
 
     @triton.jit
     def _page_bound_kernel(Q, LO, HI, START, LENGTH, READ, N_READ, SCORES, sqb, sqh, slb, slh, slp, shb, shh, shp,
@@ -346,7 +355,7 @@ def _launch_checks(q: torch.Tensor, out: torch.Tensor | None, name: str) -> None
 def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None,
                correction: Correction | None = None, length: torch.Tensor | None = None, split: int | None = None,
                block_n: int = 64, count_reads: bool = False, out=None):
-    """QAdA for one layer and n rows in three Triton kernels: the same labels and output as the `qada` path of each
+    """QAdA for one layer and n rows in two Triton kernels: the same labels and output as the `qada` path of each
     row, up to fp32 rounding. q (n, H, D), any strides but the last; k, v (B, Hkv, T_max, D), views of the cache (any
     stride over T), of which row rows[i] is query i's (integers, (n,)); start (n,), each row's first filled position
     (left padding); form: each row's (A (n, Hkv, D, D), b (n, Hkv, D)) fp32; tau (n,), float64 so that the threshold
@@ -369,7 +378,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     length, len_per_row = filled_length(length, B, T_max, dev)
     # The grid and the split size come from the capacity T_max, not from T: the split is a compile-time constant (the
     # inner loop's trip count) and a captured graph replays one grid, so neither may follow T from step to step.
-    # Programs past the filled length load two integers and return at once: up to 64 idle programs per (row, KV
+    # Programs past the filled length load three integers and return at once: up to 64 idle programs per (row, KV
     # head), a fraction of a wave of launch slots. The larger cost is parallelism: at T = T_max / 8 only one in eight
     # of a group's programs read, so a small batch fills the GPU less than splits sized for T would; a few graphs,
     # one per bucket of capacities, bound that.
@@ -387,29 +396,29 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     dummy = log_local  # never read: HAS_CAL / HAS_SCALE are off
     sm_scale = 1 / math.sqrt(D)
     w_pad = max(16, triton.next_power_of_2(n_local))
+    y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
+    arrived = torch.empty(B, Hkv, device=dev, dtype=torch.int32)  # the window kernel sets it to 0
     _window_decide_kernel[(B, Hkv)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
-        cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, sm_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1),
+        cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
+        sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0), y.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
-        W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None,
-        HAS_SCALE=cs is not None, BLOCK_W=min(32, w_pad), BLOCK_D=min(32, D), LEN_PER_ROW=len_per_row, DECIDE=True)
-    o_part = torch.empty(B, Hkv, n_splits, G_pad, D, device=dev, dtype=f32)
-    m_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
+        W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, BLOCK_W=min(32, w_pad),
+        BLOCK_D=min(32, D), LEN_PER_ROW=len_per_row, DECIDE=True, BY_ROW=out is not None)
+    o_part = torch.empty(B, Hkv, n_splits, G, D, device=dev, dtype=f32)
+    m_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
     if count_reads:
         m_part.fill_(math.inf)  # what no split program writes: a max score is finite, -inf or NaN
-    l_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
+    l_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
     _split_attention_kernel[(B, Hkv, n_splits)](
-        q, k, v, rows, start, length, read, o_part, m_part, l_part, n_splits, sm_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        dummy, dummy, dummy, dummy, 0, 0, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
+        q, k, v, rows, start, length, read, labels, y_win, log_local, o_part, m_part, l_part, arrived, y, n_splits,
+        sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), y.stride(0), y.stride(1), dummy, dummy, dummy, dummy, 0, 0,
+        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=k.dtype != torch.float32 and not INTERPRETED,  # the interpreter multiplies bf16 tiles wrongly
-        LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1, N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=False, COUNT=False)
-    y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
-    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y, rows, start, length, dummy, dummy,
-                            y.stride(0), y.stride(1), n_splits, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split,
-                            BY_ROW=out is not None, LEN_PER_ROW=len_per_row, PAGED=False)
+        LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1, N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=False, COUNT=False,
+        BY_ROW=out is not None)
     labels = labels.view(torch.bool)  # 0 / 1 bytes reinterpreted, no launch
     if count_reads:  # a split that read the cache wrote its max score
         return y, labels, (m_part[..., 0] != math.inf).sum(-1)
@@ -440,8 +449,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
       3. `choose_pages`, a few torch ops: the top budget // P pages of each ranking; a KV head's list of the pages it
          reads, each once (Quest: the union of its heads', each page with the heads that chose it);
       4. per (row, KV head, split of that list), `_split_attention_kernel` walking page numbers instead of a range,
-         so a long group reads its chosen pages' bulk positions and no others; then `_merge_kernel`, the window's
-         output as one more part.
+         so a long group reads its chosen pages' bulk positions and no others; its last program to finish merges
+         them, the window's output as one more part.
 
     Why the ranking is torch's topk and not a Triton kernel: top-k under a budget is a selection over the candidates'
     scores (W floats per ranking, 1/(P D) of the keys), for which topk is the library's tuned and graph-capturable
@@ -499,15 +508,17 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         ca, cb, cs = (correction.a, correction.b, correction.s) if correction is not None else (None, None, None)
     sm_scale = 1 / math.sqrt(D)
     w_pad = max(16, triton.next_power_of_2(n_local))
+    y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
+    arrived = torch.empty(B, Hkv, device=dev, dtype=torch.int32)  # the window kernel sets it to 0
     _window_decide_kernel[(B, Hkv)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
-        cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, sm_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        A.stride(0) if not quest else 0, A.stride(1) if not quest else 0,
-        bvec.stride(0) if not quest else 0, bvec.stride(1) if not quest else 0,
+        cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
+        sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), A.stride(0) if not quest else 0, A.stride(1) if not quest else 0,
+        bvec.stride(0) if not quest else 0, bvec.stride(1) if not quest else 0, y.stride(0), y.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local, W_PAD=w_pad,
         RULE=RULES["mean"], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, BLOCK_W=min(32, w_pad),
-        BLOCK_D=min(32, D), LEN_PER_ROW=len_per_row, DECIDE=not quest)
+        BLOCK_D=min(32, D), LEN_PER_ROW=len_per_row, DECIDE=not quest, BY_ROW=out is not None)
 
     # 2. and 3. the long groups' candidate pages scored, the top ones chosen
     if n_sel > 0:
@@ -533,21 +544,17 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     if split % tile_pages:
         raise ValueError(f"split {split} (pages) must be a multiple of block_n // page_size = {tile_pages}")
     n_splits = triton.cdiv(ids.shape[2], split)
-    o_part = torch.empty(B, Hkv, n_splits, G_pad, D, device=dev, dtype=f32)
-    m_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
-    l_part = torch.empty(B, Hkv, n_splits, G_pad, device=dev, dtype=f32)
+    o_part = torch.empty(B, Hkv, n_splits, G, D, device=dev, dtype=f32)
+    m_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
+    l_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
     counts = torch.zeros(B, Hkv, n_splits, device=dev, dtype=torch.int32) if inspect else dummy
     _split_attention_kernel[(B, Hkv, n_splits)](
-        q, k, v, rows, start, length, read, o_part, m_part, l_part, n_splits, sm_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        ids, heads if heads is not None else ids, n_valid, counts, ids.stride(0), ids.stride(1),
-        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
+        q, k, v, rows, start, length, read, labels, y_win, log_local, o_part, m_part, l_part, arrived, y, n_splits,
+        sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), y.stride(0), y.stride(1), ids, heads if heads is not None else ids, n_valid, counts,
+        ids.stride(0), ids.stride(1), H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=k.dtype != torch.float32 and not INTERPRETED, LEN_PER_ROW=len_per_row, PAGED=True, PAGE=P,
-        N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=inspect)
-    y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
-    _merge_kernel[(B, Hkv)](y_win, labels, read, o_part, m_part, l_part, y, rows, start, length, log_local, n_valid,
-                            y.stride(0), y.stride(1), n_splits, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split,
-                            BY_ROW=out is not None, LEN_PER_ROW=len_per_row, PAGED=True)
+        N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=inspect, BY_ROW=out is not None)
     result = (y, labels.view(torch.bool))
     if with_read:
         n_ctx = length.view(-1).long() - start.long()  # (n,)

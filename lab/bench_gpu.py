@@ -15,14 +15,15 @@ step runs it):
              backend torch picks: the model's dense decode on the CPU and for large batches (graph);
   torch      attention.BatchAttention's qada rows on the torch path (QADA_KERNEL=torch): the batched decision, then
              mixed_attention per row (a host read of the labels per row and layer: eager only);
-  fused      the same BatchAttention on the fused kernel (QADA_KERNEL=triton): decision, split-context attention of
-             the long-context groups and merge in three launches, nothing read back to the host (eager, and graph).
+  fused      the same BatchAttention on the fused kernel (QADA_KERNEL=triton): decision, then split-context attention
+             of the long-context groups merged by each group's last split, two launches, nothing read back to the
+             host (eager, and graph).
 The label pattern comes out of the real criterion, as in lab.bench: per (row, KV head) the moments' mean points along
 the group's queries (the bulk outweighs the window: long-context) or against them (local), so that a share f of the
 (row, KV head) pairs reads its cache; the labels are checked before timing, and at f = 1 both paths' outputs
 against packed dense. The bound is the speedup over the best dense if only the cache read counted:
 1 / (f + (1 - f) * 128 / T); speedup and % of bound are the fused graph's. "decision" is the fused graph at f = 0
-(window, decision, merge and the grid of split programs that return at once) over the best dense.
+(window, decision and the grid of split programs that return at once) over the best dense.
 
 Part 2, end to end: generate.py's own decode loops, imported and called as run_batch calls them, on a decoder with
 random weights at Llama-3-8B's shapes (32 layers, 128k vocabulary), bf16, its KV cache filled with random keys and
@@ -47,8 +48,16 @@ The bound is dense / (floor + f * (dense - floor)) with floor the all-local step
 The step decode_static captures runs once eagerly under torch.cuda.set_sync_debug_mode("error"): "host syncs" says
 whether one was met.
 
+Part 3, --parts kernels (not in "all"): where a fused step's time goes, Llama-3-8B shapes at each --lengths and
+--batches, KV read 0, 0.3 and 1. Each kernel's device time per step from torch.profiler over 20 eager steps run back
+to back (the small torch operations around the kernels included, by their CUDA kernels' names), their sum, and the
+step replayed from a CUDA graph as part 1 times it. The graph's time exceeds the sum by the gaps between its kernels,
+and by the L2 being flushed before each timed replay, not before each profiled step: at KV read 0 the step's data fit
+in L2, so there the difference is mostly gaps, and at read 1 it is mostly the cache read from memory.
+
 Outputs in --out (results/bench-gpu/): attention.md and end_to_end_<T>k.md (the tables with the device, driver and
-torch versions and the command; end_to_end_<T>k_of_<T_max>k.md with --capacity), their rows as JSON, and speedup.png.
+torch versions and the command; end_to_end_<T>k_of_<T_max>k.md with --capacity; kernels.md), their rows as JSON, and
+speedup.png.
 """
 
 import argparse
@@ -363,6 +372,41 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Part 3: where a fused step's time goes
+
+
+def bench_kernels(lengths, batches, device: torch.device) -> list[dict]:
+    """Rows of the kernels table (the module's docstring, part 3) for Llama-3-8B shapes at each T and B."""
+    from torch.profiler import ProfilerActivity, profile
+    rows = []
+    for T in lengths:
+        for B in batches:
+            layer = Layer(**SHAPES["Llama-3-8B"], B=B, T=T, device=device)
+            for f in (0.0, 0.3, 1.0):
+                full = full_pattern(B, layer.Hkv, f)
+                batch = layer.attention(full)
+                step = lambda: batch(layer.q, layer.k, layer.v, 0)  # noqa: E731
+                with qada_kernel("triton"):
+                    layer.check(batch, full)
+                    n = 20
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(n):
+                            step()
+                        torch.cuda.synchronize(device)
+                    per_kernel = {e.key: e.device_time_total / n for e in prof.key_averages() if e.device_time_total > 0}
+                    graph = graph_ms(step, device)
+                for row in batch.rows:
+                    row.stats = HeadStats(N_LOCAL)
+                top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+                rows.append(dict(T=T, B=B, f=float(full.float().mean()), device_us=sum(per_kernel.values()),
+                                 graph_us=1e3 * graph, kernels="; ".join(f"{name[:60]} {us:.1f}" for name, us in top)))
+                print(format_row(KERNEL_COLUMNS, rows[-1]), flush=True)
+            del layer
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Tables and the figure
 
 
@@ -373,6 +417,9 @@ ATTENTION_COLUMNS = [("shape", "shape", "{}"), ("T", "T", "{}"), ("B", "B", "{}"
                      ("speedup", "fused speedup", "{:.2f}x"), ("ideal", "bound", "{:.2f}x"),
                      ("of_bound", "fused % of bound", "{:.0%}"), ("eager_of_bound", "eager % of bound", "{:.0%}"),
                      ("torch_of_bound", "torch % of bound", "{:.0%}"), ("decision", "decision / dense", "{:.1%}")]
+KERNEL_COLUMNS = [("T", "T", "{}"), ("B", "B", "{}"), ("f", "KV read", "{:.2f}"),
+                  ("device_us", "kernels' device us", "{:.1f}"), ("graph_us", "graph us", "{:.1f}"),
+                  ("kernels", "each kernel's device us per step (eager)", "{}")]
 E2E_COLUMNS = [("B", "B", "{}"), ("L", "layers", "{}"), ("T", "T", "{}"), ("capacity", "capacity", "{}"),
                ("view", "graph view", "{}"), ("method", "method", "{}"),
                ("kv_read", "KV read", "{:.2f}"), ("eager_ms", "eager ms", "{:.2f}"),
@@ -470,8 +517,9 @@ def main(argv=None) -> int:
     p = Parser(prog="python -m lab.bench_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cuda, cuda:1, ... (default: cuda if available; the attention part "
                                                   "runs on the CPU too, under TRITON_INTERPRET=1)")
-    p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"],
-                   help="which part to run (default: all)")
+    p.add_argument("--parts", default="all", choices=["attention", "e2e", "kernels", "all"],
+                   help="which part to run (default: all: attention and e2e; kernels: each kernel's device time in a "
+                   "fused step, at --lengths and --batches)")
     p.add_argument("--lengths", type=lengths_above_window, default="8192,32768,131072",
                    help="attention part: context lengths (default: 8k, 32k, 128k)")
     p.add_argument("--batches", type=int_list, default="1,8,32", help="attention part: batch sizes (default: 1,8,32)")
@@ -498,8 +546,8 @@ def main(argv=None) -> int:
         if kernels.triton is None:
             raise ValueError("the fused kernel needs triton (pip install triton)")
         if device.type != "cuda" and args.parts != "attention":
-            raise ValueError("the end-to-end part times CUDA graphs and needs a GPU: no CUDA on this machine "
-                             "(--parts attention runs on the CPU under TRITON_INTERPRET=1)")
+            raise ValueError(f"the {'kernels' if args.parts == 'kernels' else 'end-to-end'} part needs a GPU: no "
+                             "CUDA on this machine (--parts attention runs on the CPU under TRITON_INTERPRET=1)")
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels are defined
             raise ValueError("no CUDA here; the fused kernel runs on the CPU only under TRITON_INTERPRET=1")
         if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
@@ -524,6 +572,13 @@ def main(argv=None) -> int:
             rows += bench_end_to_end(args.e2e_length, [one], device, args.steps, args.capacity, args.e2e_budget)
             name = f"end_to_end_{args.e2e_length // 1024}k" + (f"_of_{args.capacity // 1024}k" if args.capacity else "")
             write(out, name, setup, E2E_COLUMNS, rows, command)
+    if args.parts == "kernels":
+        print(table(KERNEL_COLUMNS, []), flush=True)
+        rows = []
+        for T in lengths:  # written after each length and batch: a run cut off keeps what it measured
+            for B in batches:
+                rows += bench_kernels([T], [B], device)
+                write(out, "kernels", setup, KERNEL_COLUMNS, rows, command)
     print(f"wrote {out}/", flush=True)
     return 0
 

@@ -369,7 +369,8 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, tiny_
 
 
 @pytest.mark.parametrize("argv, message", [(["--lengths", "100"], "exceed the window"), (["--e2e", "8y3"], "BATCHxLAYERS"),
-                                           (["--steps", "0"], "argument --steps"), (["--batches", "0"], "--batches")])
+                                           (["--steps", "0"], "argument --steps"), (["--batches", "0"], "--batches"),
+                                           (["--parts", "kernels", "--device", "cpu"], "kernels part needs a GPU: no CUDA")])
 def test_bench_gpu_arguments_are_one_line_and_exit_2(capsys, argv, message):
     bench_gpu = pytest.importorskip("lab.bench_gpu")
     one_line(capsys, bench_gpu.main(argv), message)

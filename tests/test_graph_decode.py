@@ -197,7 +197,7 @@ class NoSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_split_attention_kernel", "_merge_kernel")
+KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_split_attention_kernel")
 
 
 class Launches:

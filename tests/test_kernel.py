@@ -223,12 +223,12 @@ class Launch:
 
 
 def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
-    """Around its three launches the kernel path makes no host sync: with the kernels stubbed out, every Tensor method
+    """Around its two launches the kernel path makes no host sync: with the kernels stubbed out, every Tensor method
     that reads a value back to the host raises, and a decode step of one row and of a batch still goes through. (On
     CUDA, torch.cuda.set_sync_debug_mode("error") checks the same with the real kernels.)"""
     monkeypatch.setenv("QADA_KERNEL", "triton")
     launches = []
-    for name in ("_window_decide_kernel", "_split_attention_kernel", "_merge_kernel"):
+    for name in ("_window_decide_kernel", "_split_attention_kernel"):
         monkeypatch.setattr(kernels, name, Launch(launches))
     q, k, v, A, b = case(2, 6, 2, 16, 300)
     moments = FixedMoments(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16, 16), 1)
@@ -243,8 +243,8 @@ def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     launches.clear()
     batch(q[:, :, None], k, v, 0)
     rows[0](q[:1, :, None], k[:1], v[:1], 0)
-    # three kernels per step, fixed grids (split_size: 256 positions per split, two splits of T = 300)
-    assert launches == [(2, 2), (2, 2, 2), (2, 2), (1, 2), (1, 2, 2), (1, 2)]
+    # two kernels per step, fixed grids (split_size: 256 positions per split, two splits of T = 300)
+    assert launches == [(2, 2), (2, 2, 2), (1, 2), (1, 2, 2)]
     assert len(rows[0].stats.labels) == 3 and rows[0].stats.labels[-1][0].device == q.device
 
 
@@ -318,7 +318,7 @@ class Recorded:
 def record_launches(monkeypatch, **named):
     launches = []
     names = {x.data_ptr(): name for name, x in named.items()}
-    for name in ("_window_decide_kernel", "_split_attention_kernel", "_merge_kernel"):
+    for name in ("_window_decide_kernel", "_split_attention_kernel"):
         monkeypatch.setattr(kernels, name, Recorded(getattr(kernels, name), launches, names))
     return launches
 
@@ -326,7 +326,7 @@ def record_launches(monkeypatch, **named):
 @pytest.mark.parametrize("length_shape", [(), (1,)])
 def test_a_step_over_the_capacity_launches_the_same_whatever_T(length_shape, monkeypatch):
     """fused_qada at T and at T + 1, the filled length in a device tensor changed in place in between, the views
-    running to the capacity: the three launches get the same grids, the same Python values and the same buffers, so
+    running to the capacity: the two launches get the same grids, the same Python values and the same buffers, so
     one captured step can be replayed as the cache fills. The split size comes from the capacity: the default split
     here gives several splits, of which the filled length uses fewer than the grid holds."""
     B, H, Hkv, D, T_max = 2, 6, 2, 16, 2100
@@ -342,7 +342,7 @@ def test_a_step_over_the_capacity_launches_the_same_whatever_T(length_shape, mon
         length.fill_(T)
         _, labels = fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, "mean", length=length, out=y)
         outputs.append((y.clone(), labels.clone()))
-    assert len(launches) == 6 and launches[:3] == launches[3:]
+    assert len(launches) == 4 and launches[:2] == launches[2:]
     split = kernels.split_size(B * Hkv, T_max, q.device)
     assert launches[1][0] == (B, Hkv, math.ceil(T_max / split)) and math.ceil(1001 / split) < math.ceil(T_max / split)
     monkeypatch.undo()
@@ -419,6 +419,6 @@ def test_decoding_through_fixed_buffers_matches_the_eager_steps(monkeypatch):
         labels = step()
         assert torch.equal(y_buf, eager[t][0]) and torch.equal(labels, eager[t][1]), t
     assert int(length) == T0 + steps
-    assert all(launches[i] == launches[i % 3] for i in range(len(launches))) and len(launches) == 3 * steps
+    assert all(launches[i] == launches[i % 2] for i in range(len(launches))) and len(launches) == 2 * steps
     every = torch.stack([labels for _, labels in eager])
     assert 0 < int(every.sum()) < every.numel()  # some groups read the cache, some not

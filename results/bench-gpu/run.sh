@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What this project checks and measures on an NVIDIA GPU, in one device call of under ten minutes: the kernels' and
-# the graph-replayed loop's tests on CUDA, generate.py's loops end to end (lab/bench_gpu.py says what each table is),
+# the graph-replayed loop's tests on CUDA, each kernel's device time in a step, generate.py's loops end to end (lab/bench_gpu.py says what each table is),
 # page selection in the fused kernel (lab/bench_pages_gpu.py --quick), the CLI with --cuda-graphs auto and off. On a machine without internet, gguf and wonderwords come as wheels in .whl/
 # (pip download, see README).
 #   bash results/bench-gpu/run.sh [OUT]     # default OUT: /tmp/bench-gpu; results.tar.gz and log.txt land there
@@ -35,6 +35,9 @@ QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:
   > "$FILES/tests-cuda.txt" 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$FILES/tests-cuda.txt" | cut -c1-220 | tail -40
 pack
+
+echo "== where a fused step's time goes: each kernel's device time, and the graph's, Llama-3-8B shapes at 32k"
+timeout 60 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
 
 echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k"
 timeout 190 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 8x32,32x8 --out "$FILES"; pack
