@@ -6,9 +6,9 @@ Two kernels, each a fixed grid:
      Eq. 6's Gaussian term, the calibration's correction, the threshold of Eq. 7, and the group's flag "read the cache";
      it writes the output of every head whose output is its window's (the local ones), so a local group is done here;
   2. per (row, KV head, split of the context), `_split_attention_kernel`: flash-decoding's partial attention, a program
-     returning at once when its group reads no cache (every head local), so that group's cache is never read. The merge of the splits by
-     their log-sum-exp has no launch of its own: the group's last split program to finish does it (a count per
-     group, taken atomically), and writes the long-context heads' output.
+     returning at once when its group reads no cache (every head local), so that group's cache is never read. The
+     merge of the splits by their log-sum-exp has no launch of its own: the group's last split program to finish
+     does it (a count per group, taken atomically), and writes the long-context heads' output.
 
 `fused_pages` is token-level page selection (attention.quest, attention.qada_pages) in the same kernels: QAdA's
 long-context groups, or every group for Quest alone, read their window and their chosen pages only. A third kernel,

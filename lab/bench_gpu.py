@@ -393,7 +393,8 @@ def bench_kernels(lengths, batches, device: torch.device) -> list[dict]:
                         for _ in range(n):
                             step()
                         torch.cuda.synchronize(device)
-                    per_kernel = {e.key: e.device_time_total / n for e in prof.key_averages() if e.device_time_total > 0}
+                    per_kernel = {e.key: e.device_time_total / n for e in prof.key_averages()
+                                  if e.device_time_total > 0}
                     graph = graph_ms(step, device)
                 for row in batch.rows:
                     row.stats = HeadStats(N_LOCAL)

@@ -349,9 +349,9 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
     the samples that dense and every listed configuration finished, with the same draws (samples resampled within
     each task): paired between a method's configurations and dense, and between methods, so that differences of
     methods have intervals too. axis "kv_read": the point is 1 - the lowest lossless KV-read fraction. `worst`: a point
-    is lossless when its worst task keeps >= LOSSLESS of dense, instead of the mean over tasks. "at": the configurations
-    at the point, none when not even the method's least saving one is lossless (the point is then 0, as in the draws
-    that find none)."""
+    is lossless when its worst task keeps >= LOSSLESS of dense, instead of the mean over tasks. "found": whether the
+    method's least saving configuration is lossless, so that a lossless point was measured (else the point is 0, as
+    in the draws that find none); "at": the configurations at the point, none when not found."""
     all_cfgs = [c for cs in configs.values() for c in cs]
     scores = paired_scores(rows, tasks, all_cfgs)
     if not scores:
@@ -375,7 +375,7 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
         # each draw places the configurations where their drawn samples put them, and scores them there
         boot = np.array([lossless_sparsity([((1 - sign) / 2 + sign * drawn_mean(values, d, c),
                                              normalised(scores, d, c, worst)) for c in cs]) for d in draws])
-        out[m] = {"point": point, "boot": boot, "at": [c for c in cs if x[c] == point] if found else [],
+        out[m] = {"point": point, "boot": boot, "found": found, "at": [c for c in cs if x[c] == point] if found else [],
                   "sparsity": sparsity, "kv_read": kv, "n": sum(len(i) for i, _ in scores.values())}
     return out
 
@@ -396,9 +396,8 @@ def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed
             continue
         r = res[m]
         lo, hi = float(np.percentile(r["boot"], 2.5)), float(np.percentile(r["boot"], 97.5))
-        at = r["at"][0] if r["at"] else None
-        # found: some measured point is lossless (else the point is the no-saving end, which no configuration measured)
-        row = {"method": m, "found": at is not None, "lossless": r["point"], "lo": lo, "hi": hi,
+        at = r["at"][0] if r["found"] else None
+        row = {"method": m, "found": r["found"], "lossless": r["point"], "lo": lo, "hi": hi,
                "kv_read": r["kv_read"][at] if at else None,
                "sparsity": r["sparsity"][at] if at else None, "points": len(cs),
                "max_sparsity": max(r["sparsity"].values(), key=lambda v: -1 if v is None else v),

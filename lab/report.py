@@ -272,8 +272,8 @@ def kv_read_differences(rows, tasks, n_boot: int = 2000, seed: int = 0, pairs=KV
         if not res or a not in res or b not in res:
             continue
         read_a, read_b = 1 - res[a]["point"], 1 - res[b]["point"]  # the draws hold 1 - the lossless read
-        if not res[a]["at"] or not res[b]["at"]:  # a method with no lossless point: no difference to state
-            shown = {m: f"{1 - res[m]['point']:.2f}" if res[m]["at"] else NONE for m in (a, b)}
+        if not res[a]["found"] or not res[b]["found"]:  # a method with no lossless point: no difference to state
+            shown = {m: f"{1 - res[m]['point']:.2f}" if res[m]["found"] else NONE for m in (a, b)}
             lines.append(f"| {label(a)} | {shown[a]} | {label(b)} | {shown[b]} | – | – | {res[a]['n']} |")
             continue
         diff = res[b]["boot"] - res[a]["boot"]
@@ -406,9 +406,6 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
     cfgs = method_configs(rows, tasks)
     claims = []  # (claim, where, paper's value, ours point, draws, kind: "value" (lo, hi) or "direction" 0, digits)
 
-    def found(r):  # some measured configuration was lossless (else the point is the 0 no configuration measured)
-        return bool(r["at"])
-
     def lossless(*methods):
         if not all(m in cfgs for m in methods):
             return None
@@ -419,7 +416,7 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
                                    ("oracle", "adaptive oracle: lossless head sparsity", "§1, Fig. 2, §4.1", (0.85, 0.9))):
         r = lossless(m)
         if r:
-            claims.append((claim, where, f"{paper[0]:g}-{paper[1]:g}", r[0]["point"] if found(r[0]) else None,
+            claims.append((claim, where, f"{paper[0]:g}-{paper[1]:g}", r[0]["point"] if r[0]["found"] else None,
                            r[0]["boot"], paper, 2))
     for a, b, claim, where in (("oracle", "static_oracle", "adaptive oracle minus static oracle (lossless sparsity)", "§4.1: ~+0.2"),
                                ("qada_rw", "static", "QAdA (random words) minus static heads", "§4.2: QAdA outperforms static"),
@@ -428,7 +425,7 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
         r = lossless(a, b)
         if r:
             paper = "≈ 0" if "matches" in where else "> 0"
-            point = r[0]["point"] - r[1]["point"] if found(r[0]) and found(r[1]) else None
+            point = r[0]["point"] - r[1]["point"] if r[0]["found"] and r[1]["found"] else None
             claims.append((claim, where, paper, point, r[0]["boot"] - r[1]["boot"],
                            None if paper == "≈ 0" else 0.0, 2))
     tracked = [r for r in rows if r["task"] in tasks and r["config"] == f"qada_rw@{MAIN_TAU:g}" and "log_err" in r]
