@@ -51,7 +51,8 @@ whether one was met.
 Part 3, --parts kernels (not in "all"): where a fused step's time goes, Llama-3-8B shapes at each --lengths and
 --batches, KV read 0, 0.3 and 1. Each kernel's device time per step from torch.profiler over 20 eager steps run back
 to back (the small torch operations around the kernels included, by their CUDA kernels' names), their sum, and the
-step replayed from a CUDA graph as part 1 times it. The graph's time exceeds the sum by the gaps between its kernels,
+step replayed from a CUDA graph as part 1 times it, with kernels.split_size's split and with each of SPLITS
+(context positions per split program; batch 1 fills the GPU only with small ones). The graph's time exceeds the sum by the gaps between its kernels,
 and by the L2 being flushed before each timed replay, not before each profiled step: at KV read 0 the step's data fit
 in L2, so there the difference is mostly gaps, and at read 1 it is mostly the cache read from memory.
 
@@ -68,6 +69,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -375,6 +377,20 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
 # Part 3: where a fused step's time goes
 
 
+SPLITS = (256, 512, 1024, 2048, 4096)  # context positions per split program, timed beside split_size's own choice
+
+
+@contextmanager
+def fixed_split(split: int):
+    """kernels.split_size answering `split` inside the block: the fused step's split programs at a chosen size."""
+    chosen = kernels.split_size
+    kernels.split_size = lambda *args, **kwargs: split
+    try:
+        yield
+    finally:
+        kernels.split_size = chosen
+
+
 def bench_kernels(lengths, batches, device: torch.device) -> list[dict]:
     """Rows of the kernels table (the module's docstring, part 3) for Llama-3-8B shapes at each T and B."""
     from torch.profiler import ProfilerActivity, profile
@@ -396,11 +412,17 @@ def bench_kernels(lengths, batches, device: torch.device) -> list[dict]:
                     per_kernel = {e.key: e.device_time_total / n for e in prof.key_averages()
                                   if e.device_time_total > 0}
                     graph = graph_ms(step, device)
+                    by_split = {}
+                    for split in SPLITS:  # the same step at each split size, for the choice split_size makes
+                        with fixed_split(split):
+                            by_split[split] = 1e3 * graph_ms(step, device)
                 for row in batch.rows:
                     row.stats = HeadStats(N_LOCAL)
                 top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
                 rows.append(dict(T=T, B=B, f=float(full.float().mean()), device_us=sum(per_kernel.values()),
-                                 graph_us=1e3 * graph, kernels="; ".join(f"{name[:60]} {us:.1f}" for name, us in top)))
+                                 graph_us=1e3 * graph, split=kernels.split_size(B * layer.Hkv, T, device),
+                                 splits=", ".join(f"{s}: {us:.1f}" for s, us in by_split.items()),
+                                 kernels="; ".join(f"{name[:60]} {us:.1f}" for name, us in top)))
                 print(format_row(KERNEL_COLUMNS, rows[-1]), flush=True)
             del layer
             torch.cuda.empty_cache()
@@ -420,6 +442,7 @@ ATTENTION_COLUMNS = [("shape", "shape", "{}"), ("T", "T", "{}"), ("B", "B", "{}"
                      ("torch_of_bound", "torch % of bound", "{:.0%}"), ("decision", "decision / dense", "{:.1%}")]
 KERNEL_COLUMNS = [("T", "T", "{}"), ("B", "B", "{}"), ("f", "KV read", "{:.2f}"),
                   ("device_us", "kernels' device us", "{:.1f}"), ("graph_us", "graph us", "{:.1f}"),
+                  ("split", "split_size", "{}"), ("splits", "graph us at each split size", "{}"),
                   ("kernels", "each kernel's device us per step (eager)", "{}")]
 E2E_COLUMNS = [("B", "B", "{}"), ("L", "layers", "{}"), ("T", "T", "{}"), ("capacity", "capacity", "{}"),
                ("view", "graph view", "{}"), ("method", "method", "{}"),

@@ -37,7 +37,7 @@ echo "pytest rc=$?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$FILES/tes
 pack
 
 echo "== where a fused step's time goes: each kernel's device time, and the graph's, Llama-3-8B shapes at 32k"
-timeout 60 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
+timeout 90 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
 
 echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k"
 timeout 190 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 8x32,32x8 --out "$FILES"; pack
