@@ -52,9 +52,10 @@ Part 3, --parts kernels (not in "all"): where a fused step's time goes, Llama-3-
 --batches, KV read 0, 0.3 and 1. Each kernel's device time per step from torch.profiler over 20 eager steps run back
 to back (the small torch operations around the kernels included, by their CUDA kernels' names), their sum, and the
 step replayed from a CUDA graph as part 1 times it, with kernels.split_size's split and with each of SPLITS
-(context positions per split program; batch 1 fills the GPU only with small ones). The graph's time exceeds the sum by the gaps between its kernels,
-and by the L2 being flushed before each timed replay, not before each profiled step: at KV read 0 the step's data fit
-in L2, so there the difference is mostly gaps, and at read 1 it is mostly the cache read from memory.
+(context positions per split program; batch 1 fills the GPU only with small ones). The graph's time exceeds the sum
+by the gaps between its kernels, and by the L2 being flushed before each timed replay, not before each profiled step:
+at KV read 0 the step's data fit in L2, so there the difference is mostly gaps, and at read 1 it is mostly the cache
+read from memory.
 
 Outputs in --out (results/bench-gpu/): attention.md and end_to_end_<T>k.md (the tables with the device, driver and
 torch versions and the command; end_to_end_<T>k_of_<T_max>k.md with --capacity; kernels.md), their rows as JSON, and
@@ -391,41 +392,39 @@ def fixed_split(split: int):
         kernels.split_size = chosen
 
 
-def bench_kernels(lengths, batches, device: torch.device) -> list[dict]:
-    """Rows of the kernels table (the module's docstring, part 3) for Llama-3-8B shapes at each T and B."""
+def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
+    """Rows of the kernels table (the module's docstring, part 3) for Llama-3-8B shapes at T and B."""
     from torch.profiler import ProfilerActivity, profile
     rows = []
-    for T in lengths:
-        for B in batches:
-            layer = Layer(**SHAPES["Llama-3-8B"], B=B, T=T, device=device)
-            for f in (0.0, 0.3, 1.0):
-                full = full_pattern(B, layer.Hkv, f)
-                batch = layer.attention(full)
-                step = lambda: batch(layer.q, layer.k, layer.v, 0)  # noqa: E731
-                with qada_kernel("triton"):
-                    layer.check(batch, full)
-                    n = 20
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(n):
-                            step()
-                        torch.cuda.synchronize(device)
-                    per_kernel = {e.key: e.device_time_total / n for e in prof.key_averages()
-                                  if e.device_time_total > 0}
-                    graph = graph_ms(step, device)
-                    by_split = {}
-                    for split in SPLITS:  # the same step at each split size, for the choice split_size makes
-                        with fixed_split(split):
-                            by_split[split] = 1e3 * graph_ms(step, device)
-                for row in batch.rows:
-                    row.stats = HeadStats(N_LOCAL)
-                top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
-                rows.append(dict(T=T, B=B, f=float(full.float().mean()), device_us=sum(per_kernel.values()),
-                                 graph_us=1e3 * graph, split=kernels.split_size(B * layer.Hkv, T, device),
-                                 splits=", ".join(f"{s}: {us:.1f}" for s, us in by_split.items()),
-                                 kernels="; ".join(f"{name[:60]} {us:.1f}" for name, us in top)))
-                print(format_row(KERNEL_COLUMNS, rows[-1]), flush=True)
-            del layer
-            torch.cuda.empty_cache()
+    layer = Layer(**SHAPES["Llama-3-8B"], B=B, T=T, device=device)
+    for f in (0.0, 0.3, 1.0):
+        full = full_pattern(B, layer.Hkv, f)
+        batch = layer.attention(full)
+        step = lambda: batch(layer.q, layer.k, layer.v, 0)  # noqa: E731
+        with qada_kernel("triton"):
+            layer.check(batch, full)
+            n = 20
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    step()
+                torch.cuda.synchronize(device)
+            per_kernel = {e.key: e.device_time_total / n for e in prof.key_averages()
+                          if e.device_time_total > 0}
+            graph = graph_ms(step, device)
+            by_split = {}
+            for split in SPLITS:  # the same step at each split size, for the choice split_size makes
+                with fixed_split(split):
+                    by_split[split] = 1e3 * graph_ms(step, device)
+        for row in batch.rows:
+            row.stats = HeadStats(N_LOCAL)
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+        rows.append(dict(T=T, B=B, f=float(full.float().mean()), device_us=sum(per_kernel.values()),
+                         graph_us=1e3 * graph, split=kernels.split_size(B * layer.Hkv, T, device),
+                         splits=", ".join(f"{s}: {us:.1f}" for s, us in by_split.items()),
+                         kernels="; ".join(f"{name[:60]} {us:.1f}" for name, us in top)))
+        print(format_row(KERNEL_COLUMNS, rows[-1]), flush=True)
+    del layer
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -601,7 +600,7 @@ def main(argv=None) -> int:
         rows = []
         for T in lengths:  # written after each length and batch: a run cut off keeps what it measured
             for B in batches:
-                rows += bench_kernels([T], [B], device)
+                rows += bench_kernels(T, B, device)
                 write(out, "kernels", setup, KERNEL_COLUMNS, rows, command)
     print(f"wrote {out}/", flush=True)
     return 0
