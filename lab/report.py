@@ -75,15 +75,20 @@ def write_summary(out: Path, rows, tasks, damaged: list[str] = ()):
         d, l = g.get((t, "dense"), []), g.get((t, "local"), [])
         lines.append(f"| {t} | {len(d)} | {fmt(mean([r['score'] for r in d]), 100)} | {fmt(mean([r['score'] for r in l]), 100)} "
                      f"| {fmt(mean([r['n_new'] for r in d]))} |")
-    # per-task score pivot (all finished samples) + averages over common samples
-    # the ablations run on the first samples only, the peers (lab.peers) on their own: each averaged on its own samples
+    # per-task score pivot (all finished samples) + averages over common samples. The ablations run on the first
+    # samples only, the peers (lab.peers) on their own, and a configuration a sweep dropped part-way on the samples it
+    # reached: each is averaged on its own samples (with dense's), not allowed to shrink the others' to them
     side = {r["config"] for r in rows if r["method"] in ABLATIONS or r.get("path") in PEER_PATHS}
-    main = [c for c in configs if c not in side]
-    cur = curves(rows, tasks, main)
-    cur.update({c: v for c, v in curves(rows, tasks, [c for c in configs if c not in main] + ["dense"]).items() if c not in cur})
+    n = {c: sum(len(g.get((t, c), [])) for t in tasks) for c in configs}
+    most = max((n[c] for c in configs if c not in side), default=0)
+    side |= {c for c in configs if n[c] < most and c != "dense"}
+    cur = curves(rows, tasks, [c for c in configs if c not in side])
+    for c in side:
+        cur.update(curves(rows, tasks, [c]))
     lines += ["", "## Score per task x config (all finished samples), and averages over the tasks' common samples", "",
-              "Averages: over the samples that every config of the sweep has finished (the ablations and the peers of "
-              "lab.peers: over the samples they ran on). avg norm. = mean over tasks of score / dense score; worst drop = largest dense - score "
+              "Averages: over the samples that every config of the sweep has finished (the ablations, the peers of "
+              "lab.peers and configs run on fewer samples than the most: each over its own samples and dense's there). "
+              "avg norm. = mean over tasks of score / dense score; worst drop = largest dense - score "
               "over tasks.", "",
               "| config | " + " | ".join(tasks) + " | avg score | avg norm. | worst drop | sparsity | KV read |",
               "|---|" + "---|" * (len(tasks) + 5)]

@@ -355,6 +355,20 @@ def test_summary_averages_over_common_samples():
     assert cur["qada_rw@0.6"]["sparsity"] == pytest.approx(0.7)
 
 
+def test_summary_averages_a_configuration_dropped_part_way_on_its_own_samples(tmp_path):
+    """A sweep that stops running a configuration after its first samples (old@0.6 on sample 0 only, older@0.6 on
+    sample 1 only): each is averaged on its own samples, and the configurations that ran every sample on all of
+    them, not on the few they share with the dropped ones."""
+    rows = [row(t, i, "dense", 1.0, 0.0) for t in "ab" for i in range(4)]
+    rows += [row(t, i, "qada_rw@0.6", 1.0 if i == 0 else 0.5, 0.8) for t in "ab" for i in range(4)]
+    rows += [row(t, 0, "old@0.6", 0.25, 0.9) for t in "ab"] + [row(t, 1, "older@0.6", 0.75, 0.9) for t in "ab"]
+    cur = report.write_summary(tmp_path, rows, ["a", "b"])
+    assert cur["qada_rw@0.6"]["n"] == 8 and cur["qada_rw@0.6"]["norm"] == pytest.approx((1 + 3 * 0.5) / 4)
+    assert cur["old@0.6"]["n"] == 2 and cur["old@0.6"]["norm"] == pytest.approx(0.25)
+    assert cur["older@0.6"]["n"] == 2 and cur["older@0.6"]["norm"] == pytest.approx(0.75)
+    assert "| qada_rw@0.6 | 62.5 (4) | 62.5 (4) | 62.5 | 0.62 |" in (tmp_path / "summary.md").read_text()
+
+
 def test_lossless_sparsity_and_kv_read_with_intervals():
     """The lossless point on either axis is the last measured point before the first one under 0.95 of dense,
     written out by hand here; with every sample alike the bootstrap interval is that point."""
