@@ -30,7 +30,7 @@ A new path may read a new input: it is one more keyword, which DecodeAttention p
 set it with `--set NAME=VALUE`). A keyword with a default is a setting its PATHS entry fixes (functools.partial).
 
 `PATHS` is the one list of methods: the CLI and the research harness take their names from it, and a new method is
-one function plus one entry. `run_path` runs one row's step (a qada path on the fused kernel where that applies),
+one function plus one entry. `run_path` runs one row's step (a qada or page path on the fused kernels where that applies),
 `DecodeAttention` is what the model calls at each decode step, `build_attention` makes one for a prefilled prompt,
 and `BatchAttention` runs one per row of a batch. `StaticAttention` is the same rows' step with every input in fixed
 device buffers, the step generate.decode_static replays from CUDA graphs.

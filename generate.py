@@ -1,4 +1,5 @@
-"""Generate from a prompt file with dense, local, oracle, static or QAdA decode-time attention.
+"""Generate from a prompt file with dense, local, oracle, static, QAdA or page-selection (Quest, QAdA + pages)
+decode-time attention.
 
     python generate.py --prompt examples/needle.txt --tau 0.6
     python generate.py --prompt a.txt b.txt c.txt --tau 0.6      # three prompts decoded as one batch

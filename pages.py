@@ -12,8 +12,9 @@ position per decoded token); its bound is over all its keys, a superset of its b
 when chosen it is read, and counted, for its bulk positions only (`page_positions`): no position is read twice.
 
 Memory: 2 vectors of D per page of P keys per KV head, 2/P of the keys (1/8 at P = 16; 1/P of keys and values), in
-the cache's dtype (a min and a max are exact in any dtype). Upkeep: `bounds` folds in the keys appended since its last
-call, a page at a time; decoding appends one key per step, which updates the page being filled in place, O(D).
+the cache's dtype (a min and a max are exact in any dtype). Upkeep: `bounds` calls `update`, which folds in the keys
+appended since the last call: the part-filled page in place, then whole pages at once (a prefill's); decoding appends
+one key per step, which updates the page being filled in place, O(D).
 Decoding from fixed device buffers (a CUDA graph) keeps a batch's statistics in one stacked copy instead (`stacked`,
 twice the memory while it decodes), which each step updates on the device (`fold_in_last`).
 
