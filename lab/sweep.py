@@ -7,7 +7,9 @@ Per sample: one dense prefill, then greedy decoding under every requested (metho
 cache, stopping at EOS or the task's max new tokens. The configurations decode side by side as the rows of
 one batch, each row a copy of the prompt's cache with its own decode-time attention (attention.BatchAttention,
 generate.decode_batch): a CPU decode step is dominated by reading the weights, which the rows share, so a
-sample's whole grid costs a few times one run. A row decodes exactly as it would alone (tests/test_sweep.py).
+sample's whole grid costs a few times one run. A row decodes as it would alone: the same tokens and statistics in
+float32 (tests/test_sweep.py). In bf16 the linear layers round differently at another batch size, so a near-tie can
+flip a greedy token: two of 30 long niah_multivalue answers at 16k differ between batches of 7 and of 8 rows.
 
 The words, as the records use them: a *path* is a function of attention.PATHS; a *source* is where what it reads
 comes from (moments.SOURCES for moments; random, calibrated or own-task static labels); a *method* is a path run

@@ -3,7 +3,8 @@
 # long-context groups reading only their top pages (qada_pages, bounds combined by max), at pages of 16 and 32, and the
 # page oracle, at budgets of 128-4096 tokens beyond the window. The grid is the 8k sweep's (results/qwen0.5b-8k-pages)
 # less what it settled there: pages of 64 and the sum of bounds (neither better), budgets of 32 and 64 (far below
-# lossless for every selector). That halves a sample's decoding; at 16k a sample still takes ~25 min on two ranks.
+# lossless for every selector). That halves a sample's decoding; at 16k a sample takes ~10 min on one rank, ~6-7 of
+# them its prefill.
 # The same three tasks, samples and seeds as results/qwen0.5b-16k (dense and calibrated QAdA per KV group alone are
 # decoded again here, the paired baseline), with the same in-family correction:
 #   python -m lab.report results/qwen0.5b-16k-pages --with results/qwen0.5b-16k
