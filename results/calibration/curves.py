@@ -2,14 +2,17 @@
 correction, on prompts the calibration never saw; and what each criterion drops at matched head sparsity.
 
     python results/calibration/curves.py results/calibration/qwen0.5b-8k-niah results/calibration/qwen0.5b-8k-other
+    python results/calibration/curves.py FIT_A FIT_B --out DIR     # curves.md and curves.png in DIR instead
 
 Each folder is one made by `python -m lab.calibrate --qada` (masses.pt and KIND.json). The corrections of the first
-are scored on the masses of the second and the other way round; writes curves.md and curves.png beside this file.
+are scored on the masses of the second and the other way round; writes curves.md and curves.png beside this file
+(the committed pair of the two 8k folders), or in --out.
 "Dropped mass" at head sparsity x: the threshold on each criterion's log ratio that labels a fraction x of the
 (step, layer, head) triples local, then the mean true bulk share 1 - A_local / (A_local + A_bulk) of those labelled
 local (what their window-only output leaves out), over all triples; a proxy, the decoding sweeps give the scores.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -55,9 +58,10 @@ def dropped(log_local, log_bulk_true, log_bulk_est, sparsity: float) -> float:
     return float((share_out * local).sum() / r_est.numel())
 
 
-def main(fit_a: str, fit_b: str) -> None:
+def main(fit_a: str, fit_b: str, out: Path = HERE) -> None:
     folders = [Path(fit_a), Path(fit_b)]
-    lines = ["# Calibration curves", "", f"`python results/calibration/curves.py {fit_a} {fit_b}`", "",
+    command = f"python results/calibration/curves.py {fit_a} {fit_b}" + (f" --out {out}" if out != HERE else "")
+    lines = ["# Calibration curves", "", f"`{command}`", "",
              "Error of the estimated log A_bulk (estimate - true, natural log) on prompts the correction never saw, "
              "mean over decode steps and heads; per layer in the second table. Positive: the bulk is overestimated "
              "(heads wrongly long-context), negative: underestimated (heads wrongly local).", ""]
@@ -83,7 +87,8 @@ def main(fit_a: str, fit_b: str) -> None:
             lines.append(f"| {layer} | " + " | ".join(f"{float((e - log_bulk)[:, layer].mean()):+.2f}"
                                                        for e in est.values()) + " |")
         lines.append("")
-    (HERE / "curves.md").write_text("\n".join(lines) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "curves.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib
     matplotlib.use("Agg")
@@ -107,8 +112,18 @@ def main(fit_a: str, fit_b: str) -> None:
                 ax.set_ylabel("estimated log A_bulk", fontsize=8)
                 ax.legend(fontsize=7, markerscale=4)
     fig.tight_layout()
-    fig.savefig(HERE / "curves.png", dpi=110)
+    fig.savefig(out / "curves.png", dpi=110)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    p = argparse.ArgumentParser(description="calibration curves of two lab.calibrate --qada folders, each scored on "
+                                "the other's masses")
+    p.add_argument("fit_a")
+    p.add_argument("fit_b")
+    p.add_argument("--out", type=Path, default=HERE, help="folder for curves.md and curves.png (default: beside "
+                   "this script, the committed pair)")
+    args = p.parse_args()
+    for folder in (args.fit_a, args.fit_b):
+        if not (Path(folder) / "masses.pt").is_file():
+            p.error(f"{folder} holds no masses.pt (made by python -m lab.calibrate --qada)")
+    main(args.fit_a, args.fit_b, args.out)
