@@ -8,7 +8,9 @@
 #     --tasks niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
 #     --out results/calibration/qwen0.5b-16k-niah
 #   bash results/qwen0.5b-16k-cal16/sweep.sh
-#   python -m lab.report results/qwen0.5b-16k-cal16 --with results/qwen0.5b-16k-pages
+#   python -m lab.report results/qwen0.5b-16k-cal16 && python results/qwen0.5b-16k-cal16/paired.py
+# (the report alone: --with the pages folder would file its 8k-correction runs of the same names under these
+# configurations; paired.py sets them beside, renamed)
 # One batch of eight rows per sample: dense, the group rule at tau 0.6 and 0.7, the group oracle at tau 0.6 (the same
 # rule on the true masses: what no correction can beat), the combination (tau 0.6) at budgets of 512-4096 tokens
 # beyond the window with pages of 16 (the 8k correction's runs of both are in
