@@ -126,4 +126,9 @@ if __name__ == "__main__":
     for folder in (args.fit_a, args.fit_b):
         if not (Path(folder) / "masses.pt").is_file():
             p.error(f"{folder} holds no masses.pt (made by python -m lab.calibrate --qada)")
-    main(args.fit_a, args.fit_b, args.out)
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} is a file; give a folder")
+    try:  # a folder cut short holds masses.pt but not every KIND.json: load_calibration names the missing one
+        main(args.fit_a, args.fit_b, args.out)
+    except FileNotFoundError as e:
+        p.error(str(e))
