@@ -23,6 +23,7 @@ export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=262144
 exec torchrun --nproc-per-node 2 -m lab.sweep --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
   --tasks "${TASKS:-niah_single_2,niah_multikey_1,niah_multivalue}" \
   --length 16384 --samples "${SAMPLES:-10}" --stop eos --batch 8 \
-  --methods dense,qada_kv_cal,oracle_kv,qada_pages --grid qada_kv_cal=0.6,0.7 --grid oracle_kv=0.6 --budgets 512,1024,2048,4096 \
+  --methods dense,qada_kv_cal,oracle_kv,qada_pages \
+  --grid qada_kv_cal=0.6,0.7 --grid oracle_kv=0.6 --budgets 512,1024,2048,4096 \
   --calibration results/calibration/qwen0.5b-16k-niah \
   --calib-samples 2 --ablations "" --ctxfree-samples 0 --track "" --no-report --out results/qwen0.5b-16k-cal16

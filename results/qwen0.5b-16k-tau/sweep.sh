@@ -12,5 +12,6 @@ cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1 MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=262144
 exec torchrun --nproc-per-node 2 -m lab.sweep --model qwen2.5-coder-0.5b --dtype bfloat16 --threads 1 \
   --tasks niah_multivalue --length 16384 --samples "${SAMPLES:-10}" --stop eos --batch 8 \
-  --methods dense,qada_kv_cal,oracle_kv --grid qada_kv_cal=0.6,0.7,0.8,0.9 --grid oracle_kv=0.6,0.7,0.8,0.9 --calibration results/calibration/qwen0.5b-8k-niah \
+  --methods dense,qada_kv_cal,oracle_kv --grid qada_kv_cal=0.6,0.7,0.8,0.9 --grid oracle_kv=0.6,0.7,0.8,0.9 \
+  --calibration results/calibration/qwen0.5b-8k-niah \
   --calib-samples 2 --ablations "" --ctxfree-samples 0 --track "" --no-report --out results/qwen0.5b-16k-tau
