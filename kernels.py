@@ -43,6 +43,10 @@ from pages import candidates, group_ranking, page_count
 
 RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
 assert set(RULES) == {None, *GROUP_RULES}
+# How the window kernel is launched: warps per program, its tiles (window positions, columns of the quadratic form;
+# capped by the window and the head dim) and tl.dot's precision. "ieee", exact fp32 products, is what keeps the labels
+# the torch path's; lab.bench_gpu --parts kernels times the alternatives beside it.
+WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee")
 
 
 def fused(q: torch.Tensor) -> bool:
@@ -70,7 +74,7 @@ if triton is not None:
                               G_PAD: tl.constexpr, D: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
                               W_PAD: tl.constexpr, RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
                               BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr,
-                              DECIDE: tl.constexpr, BY_ROW: tl.constexpr):
+                              DECIDE: tl.constexpr, BY_ROW: tl.constexpr, PRECISION: tl.constexpr):
         b, g = tl.program_id(0), tl.program_id(1)
         row = tl.load(ROWS + b)  # the cache row of this program's query
         start = tl.load(START + b)
@@ -82,8 +86,8 @@ if triton is not None:
         q_rows = Q + b * sqb + (g * G + h)[:, None] * sqh
         q = tl.load(q_rows + d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, D)
         # The window, the first N_SINK and the last N_LOCAL - N_SINK positions (or the whole context if shorter), in
-        # blocks of BLOCK_W with a running softmax: small tiles keep the program in registers. Exact fp32 products
-        # (not TF32), so that the labels are the torch path's.
+        # blocks of BLOCK_W with a running softmax: small tiles keep the program in registers. Products at PRECISION:
+        # "ieee" (WINDOW_LAUNCH's), exact fp32, not TF32, so that the labels are the torch path's.
         short = n_ctx <= N_LOCAL
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_sum = tl.zeros((G_PAD,), tl.float32)
@@ -94,13 +98,13 @@ if triton is not None:
             w_ok = tl.where(short, w < n_ctx, w < N_LOCAL)
             kw = tl.load(K + row * skb + g * skh + pos[:, None] * skt + d[None, :], mask=w_ok[:, None], other=0.0)
             vw = tl.load(V + row * svb + g * svh + pos[:, None] * svt + d[None, :], mask=w_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kw.to(tl.float32)), input_precision="ieee") * sm_scale  # (G_PAD, BLOCK_W)
+            s = tl.dot(q, tl.trans(kw.to(tl.float32)), input_precision=PRECISION) * sm_scale  # (G_PAD, BLOCK_W)
             s = tl.where(w_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, vw.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, vw.to(tl.float32), input_precision=PRECISION)
             m = m_new
         y = acc / l_sum[:, None]  # (G_PAD, D)
         log_local = m + tl.log(l_sum)
@@ -116,7 +120,7 @@ if triton is not None:
                 j = j0 + tl.arange(0, BLOCK_D)
                 a_cols = tl.load(A + b * sab + g * sah + d[:, None] * D + j[None, :])  # (D, BLOCK_D) fp32
                 q_j = tl.load(q_rows + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, BLOCK_D)
-                quad += tl.sum(tl.dot(q, a_cols, input_precision="ieee") * q_j, 1)
+                quad += tl.sum(tl.dot(q, a_cols, input_precision=PRECISION) * q_j, 1)
             if HAS_SCALE:  # the variance term (q A q^T: A is Sigma / 2D) scaled per KV head
                 quad = quad * tl.load(CS + g)
             bv = tl.load(BV + b * sbb + g * sbh + d)
@@ -316,14 +320,24 @@ if triton is not None:
             tl.store(SCORES + b * ssb + g * ssr + p, group, mask=p < W)
 
 
+def window_launch(w_pad: int, D: int) -> dict:
+    """WINDOW_LAUNCH for a window padded to w_pad positions and head dim D: its tiles no larger than either."""
+    launch = dict(WINDOW_LAUNCH)
+    launch["BLOCK_W"], launch["BLOCK_D"] = min(launch["BLOCK_W"], w_pad), min(launch["BLOCK_D"], D)
+    return launch
+
+
 def split_size(n_programs: int, T_max: int, device: torch.device, block_n: int = 64) -> int:
     """Context positions per split program, for a context of up to T_max positions (the views fused_qada is given:
-    the filled length, or the cache's capacity): enough splits that the long-context groups' programs fill the GPU
-    (four per multiprocessor if every (row, KV head) reads), at most 64 splits per group. A power of two from 256
-    (whole blocks of block_n): the split is a compile-time constant of the kernel, so eager steps over a context
-    growing from 8k to 128k compile a few variants, not one per step, and a captured step over a fixed capacity one."""
+    the filled length, or the cache's capacity): 16 to 32 splits per group, 32 where the groups are too few for 16
+    each to give four programs per multiprocessor. Measured on an H200 at 32k (results/bench-gpu/h200/kernels.md): more,
+    smaller splits lose more to each program's fixed cost and to the last program's merge than they gain in
+    parallelism (batch 1: 512 positions 111 us, 1024 93 us, 2048 90 us per layer at KV read 1; batch 8: 4096 332 us,
+    2048 311 us). A power of two from 256 (whole blocks of block_n): the split is a compile-time constant of the
+    kernel, so eager steps over a context growing from 8k to 128k compile a few variants, not one per step, and a
+    captured step over a fixed capacity one."""
     slots = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8)
-    per_group = min(64, triton.cdiv(slots, n_programs))
+    per_group = min(32, max(16, triton.cdiv(slots, n_programs)))
     return max(256, block_n, triton.next_power_of_2(triton.cdiv(T_max, per_group)))
 
 
@@ -378,7 +392,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     length, len_per_row = filled_length(length, B, T_max, dev)
     # The grid and the split size come from the capacity T_max, not from T: the split is a compile-time constant (the
     # inner loop's trip count) and a captured graph replays one grid, so neither may follow T from step to step.
-    # Programs past the filled length load three integers and return at once: up to 64 idle programs per (row, KV
+    # Programs past the filled length load three integers and return at once: up to 32 idle programs per (row, KV
     # head), a fraction of a wave of launch slots. The larger cost is parallelism: at T = T_max / 8 only one in eight
     # of a group's programs read, so a small batch fills the GPU less than splits sized for T would; a few graphs,
     # one per bucket of capacities, bound that.
@@ -404,8 +418,8 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
         sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0), y.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
-        W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, BLOCK_W=min(32, w_pad),
-        BLOCK_D=min(32, D), LEN_PER_ROW=len_per_row, DECIDE=True, BY_ROW=out is not None)
+        W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
+        DECIDE=True, BY_ROW=out is not None, **window_launch(w_pad, D))
     o_part = torch.empty(B, Hkv, n_splits, G, D, device=dev, dtype=f32)
     m_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
     if count_reads:
@@ -517,8 +531,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         v.stride(2), A.stride(0) if not quest else 0, A.stride(1) if not quest else 0,
         bvec.stride(0) if not quest else 0, bvec.stride(1) if not quest else 0, y.stride(0), y.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local, W_PAD=w_pad,
-        RULE=RULES["mean"], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, BLOCK_W=min(32, w_pad),
-        BLOCK_D=min(32, D), LEN_PER_ROW=len_per_row, DECIDE=not quest, BY_ROW=out is not None)
+        RULE=RULES["mean"], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
+        DECIDE=not quest, BY_ROW=out is not None, **window_launch(w_pad, D))
 
     # 2. and 3. the long groups' candidate pages scored, the top ones chosen
     if n_sel > 0:
@@ -617,7 +631,7 @@ def chosen_mask(ids: torch.Tensor, heads: torch.Tensor | None, n_valid: torch.Te
 
 
 def page_split(n_programs: int, U: int, tile_pages: int, device: torch.device) -> int:
-    """Pages per split program for lists of up to U pages: as split_size, enough programs that the long groups fill
+    """Pages per split program for lists of up to U pages: enough programs that the long groups fill
     the GPU (at most 64 per group), a power of two of whole tiles (tile_pages pages each)."""
     slots = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8)
     per_group = min(64, triton.cdiv(slots, n_programs))

@@ -243,17 +243,18 @@ def bulk_moments(cache: KVCache, T: int) -> FixedMoments:
 
 def step_ms(decode, reset, device: torch.device, n: int) -> float:
     """ms per decode step of decode(k), a generate.py loop decoding k new tokens (k - 1 steps) of every row, from two
-    runs: k = 2 + n less k = 2, so that what a run pays once (a graph's warm-up and capture, a kernel's compile) drops
-    out. reset() rolls the cache back to T before each run."""
+    runs: k = 2 + n less k = 2, so that what every run pays once (a graph's warm-up and capture) drops out. An untimed
+    run first compiles what this loop launches (the eager step's kernels are not the graph's: a compile inside the
+    timed k = 2 run made its difference negative). reset() rolls the cache back to T before each run."""
     times = []
-    for k in (2, 2 + n):
+    for k in (2, 2, 2 + n):
         reset()
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         decode(k)
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return 1e3 * (times[1] - times[0]) / n
+    return 1e3 * (times[2] - times[1]) / n
 
 
 def graphed(step, reset, device: torch.device):
@@ -272,9 +273,8 @@ def graphed(step, reset, device: torch.device):
     return graph.replay
 
 
-def sync_free(step, reset) -> str:
+def sync_free(step) -> str:
     """Whether one eager step reads anything back to the host (torch's sync debug mode raises if it does)."""
-    reset()
     torch.cuda.set_sync_debug_mode("error")
     try:
         step()
@@ -332,18 +332,16 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
             return decode_batch(model, cache, first, k, rows[0] if B == 1 else BatchAttention(rows))
         return decode
 
-    def one_step(method: str, f: float | None):  # the step decode_static captures, eagerly (for the sync check)
+    def one_step(method: str, f: float | None, check):  # check(step): the step decode_static captures, eagerly
+        reset()  # then set up as decode_static does, outside the step (fix and release read the host)
         rows = attentions(method, f)
-
-        def step():
-            cache.fix()
-            try:
-                static = StaticAttention.of(rows, cache, 1, cfg.num_attention_heads)
-                return model.decode_step(torch.zeros(B, dtype=torch.long, device=device), cache,
-                                         None if method == "dense" else static)
-            finally:
-                cache.release()
-        return step
+        cache.fix()
+        try:
+            static = StaticAttention.of(rows, cache, 1, cfg.num_attention_heads)
+            token = torch.zeros(B, dtype=torch.long, device=device)
+            return check(lambda: model.decode_step(token, cache, None if method == "dense" else static))
+        finally:
+            cache.release()
 
     methods = [("dense", "dense", None), *((f"kv {f}", "qada_cal", f) for f in E2E_FRACTIONS), ("qada", "qada", None),
                (f"kv {E2E_PAGES_F} + pages {budget}", "qada_pages", E2E_PAGES_F), (f"quest {budget}", "quest", None)]
@@ -354,9 +352,8 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         loop(method, f, True, made)()  # one step at T + 1: its labels give the KV read (and kernels are compiled)
         kv_read = made[0].stats.summary(cfg.num_key_value_heads)["kv_read"]
         eager = step_ms(loop(method, f, False, made), reset, device, n)
-        reset()
-        logits_ok = bool(torch.isfinite(one_step(method, f)()).all())
-        syncs = sync_free(one_step(method, f), reset) if device.type == "cuda" else ""
+        logits_ok = bool(one_step(method, f, lambda step: torch.isfinite(step()).all()))
+        syncs = one_step(method, f, sync_free) if device.type == "cuda" else ""
         try:
             graph = step_ms(loop(method, f, True, made), reset, device, n)
         except RuntimeError as e:  # a capture that fails is a finding, not a crash of the whole table
@@ -392,9 +389,63 @@ def fixed_split(split: int):
         kernels.split_size = chosen
 
 
+def kernel_us(step, device: torch.device, n: int = 20) -> dict[str, float]:
+    """Each CUDA kernel's device time per call of step() (us, by kernel name), from torch.profiler over n calls run
+    back to back."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize(device)
+    return {e.key: e.device_time_total / n for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def named_us(per_kernel: dict[str, float]) -> str:
+    """kernel_us's times as a table cell, the longest first."""
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+    return "; ".join(f"{name[:60]} {us:.1f}" for name, us in top)
+
+
+# The window kernel's launches timed beside kernels.WINDOW_LAUNCH at KV read 0.3: warps, tile sizes (window
+# positions, form columns) and tl.dot's precision. Only "ieee" keeps the labels the torch path's bit for bit (the
+# benchmark's labels are too clear-cut to flip); the table gives the largest change of the step's output instead.
+WINDOW_VARIANTS = [dict(num_warps=w) for w in (1, 2, 8)] + [
+    dict(BLOCK_W=16, BLOCK_D=16), dict(BLOCK_W=64, BLOCK_D=64), dict(BLOCK_D=128),
+    dict(PRECISION="tf32x3"), dict(PRECISION="tf32")]
+
+
+@contextmanager
+def window_launch(**change):
+    """kernels.WINDOW_LAUNCH with `change` inside the block."""
+    kept = dict(kernels.WINDOW_LAUNCH)
+    kernels.WINDOW_LAUNCH.update(change)
+    try:
+        yield
+    finally:
+        kernels.WINDOW_LAUNCH.clear()
+        kernels.WINDOW_LAUNCH.update(kept)
+
+
+def window_variants(step, device: torch.device) -> str:
+    """The window kernel's device us per step at each of WINDOW_VARIANTS, and the largest change of the step's output
+    against the default launch's (a variant that fails to compile says so)."""
+    name = "_window_decide_kernel"
+    cells = []
+    want = step().float()
+    for change in WINDOW_VARIANTS:
+        label = ",".join(f"{k.lower().replace('block_', '')}={v}" for k, v in change.items())
+        try:
+            with window_launch(**change):
+                diff = float((step().float() - want).abs().max())
+                us = kernel_us(step, device).get(name, math.nan)
+            cells.append(f"{label}: {us:.1f} (|dy| {diff:.0e})")
+        except Exception as e:  # noqa: BLE001 (a launch the compiler refuses is a finding, not a crash of the table)
+            cells.append(f"{label}: failed ({type(e).__name__})")
+    return "; ".join(cells)
+
+
 def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
     """Rows of the kernels table (the module's docstring, part 3) for Llama-3-8B shapes at T and B."""
-    from torch.profiler import ProfilerActivity, profile
     rows = []
     layer = Layer(**SHAPES["Llama-3-8B"], B=B, T=T, device=device)
     for f in (0.0, 0.3, 1.0):
@@ -403,25 +454,19 @@ def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
         step = lambda: batch(layer.q, layer.k, layer.v, 0)  # noqa: E731
         with qada_kernel("triton"):
             layer.check(batch, full)
-            n = 20
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(n):
-                    step()
-                torch.cuda.synchronize(device)
-            per_kernel = {e.key: e.device_time_total / n for e in prof.key_averages()
-                          if e.device_time_total > 0}
+            per_kernel = kernel_us(step, device)
             graph = graph_ms(step, device)
             by_split = {}
             for split in SPLITS:  # the same step at each split size, for the choice split_size makes
                 with fixed_split(split):
                     by_split[split] = 1e3 * graph_ms(step, device)
+            variants = window_variants(step, device) if 0 < f < 1 else ""
         for row in batch.rows:
             row.stats = HeadStats(N_LOCAL)
-        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
         rows.append(dict(T=T, B=B, f=float(full.float().mean()), device_us=sum(per_kernel.values()),
                          graph_us=1e3 * graph, split=kernels.split_size(B * layer.Hkv, T, device),
                          splits=", ".join(f"{s}: {us:.1f}" for s, us in by_split.items()),
-                         kernels="; ".join(f"{name[:60]} {us:.1f}" for name, us in top)))
+                         kernels=named_us(per_kernel), window=variants))
         print(format_row(KERNEL_COLUMNS, rows[-1]), flush=True)
     del layer
     torch.cuda.empty_cache()
@@ -442,7 +487,8 @@ ATTENTION_COLUMNS = [("shape", "shape", "{}"), ("T", "T", "{}"), ("B", "B", "{}"
 KERNEL_COLUMNS = [("T", "T", "{}"), ("B", "B", "{}"), ("f", "KV read", "{:.2f}"),
                   ("device_us", "kernels' device us", "{:.1f}"), ("graph_us", "graph us", "{:.1f}"),
                   ("split", "split_size", "{}"), ("splits", "graph us at each split size", "{}"),
-                  ("kernels", "each kernel's device us per step (eager)", "{}")]
+                  ("kernels", "each kernel's device us per step (eager)", "{}"),
+                  ("window", "window kernel us at other launches (read 0.3)", "{}")]
 E2E_COLUMNS = [("B", "B", "{}"), ("L", "layers", "{}"), ("T", "T", "{}"), ("capacity", "capacity", "{}"),
                ("view", "graph view", "{}"), ("method", "method", "{}"),
                ("kv_read", "KV read", "{:.2f}"), ("eager_ms", "eager ms", "{:.2f}"),

@@ -47,6 +47,7 @@ import attention
 import kernels
 from criterion import Calibration, gaussian_form
 from lab.bench import full_pattern
+from lab.bench_gpu import kernel_us, named_us
 from lab.cli import Parser, fail, fresh_folder, ints
 from moments import FixedMoments
 from pages import PageIndex, candidates, upper_bounds
@@ -281,6 +282,7 @@ def bench(shapes: dict, lengths: list[int], batches: list[int], budgets: list[in
                         r[f"{name}_x"] = best / r[f"{name}_ms"]
                         r[f"{name}_bound"] = 1 / r[f"{name}_read"]
                         r[f"{name}_sync_free"] = sync_free(step, device)
+                        r[f"{name}_kernels"] = named_us(kernel_us(step, device)) if device.type == "cuda" else ""
                     r["pages_vs_quest"] = r["quest_ms"] / r["pages_ms"]
                     r["no_sync"] = "yes" if sync_free(layer.qada, device) and r["pages_sync_free"] and \
                         r["quest_sync_free"] else "NO"
@@ -317,6 +319,12 @@ def write(out: Path, rows: list[dict], checks: list[str], device: torch.device, 
              "over the best of flash and packed dense; bound: 1 / read. CUDA graphs replayed, CUDA events, L2 "
              "flushed, median.", "", *checks, "", header, "|" + "---|" * len(COLUMNS),
              *(format_row(r) for r in rows), ""]
+    if any(r["pages_kernels"] for r in rows):  # profiled on CUDA only
+        lines += ["Where a call's time goes: each kernel's device us per call, eager (torch.profiler over 20 calls run "
+                  "back to back; the small torch operations by their CUDA kernels' names).", "",
+                  "| shape | T | B | budget | path | each kernel's device us |", "|---|---|---|---|---|---|",
+                  *(f"| {r['shape']} | {r['T']} | {r['B']} | {r['budget']} | {path} | {r[f'{name}_kernels']} |"
+                    for r in rows for name, path in (("pages", "+pages"), ("quest", "quest"))), ""]
     (out / "pages.md").write_text("\n".join(lines))
     (out / "pages.json").write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -58,7 +58,7 @@ def test_fixed_labels_read_the_share_asked_for(monkeypatch):
                                                             num_key_value_heads=2, head_dim=16))
     monkeypatch.setattr(bench_gpu, "step_ms", lambda step, reset, device, n: (reset(), step(), 1.0)[2])
     monkeypatch.setattr(bench_gpu, "graphed", lambda step, reset, device: step)
-    monkeypatch.setattr(bench_gpu, "sync_free", lambda step, reset: "none")
+    monkeypatch.setattr(bench_gpu, "sync_free", lambda step: "none")
     monkeypatch.setattr(bench_gpu, "E2E_FRACTIONS", (1.0, 0.5, 0.0))
     monkeypatch.setattr(bench_gpu, "E2E_PAGES_F", 0.5)
     T = 1000

@@ -373,9 +373,9 @@ def test_an_emulated_graph_decodes_as_the_eager_loop(tiny, method, batch, monkey
 @needs_kernel
 @pytest.mark.parametrize("method", ["dense", "qada_kv_cal", "qada_pages"])
 def test_generate_reports_the_same_through_the_static_loop(tiny_dir, tmp_path, method, monkeypatch):
-    """run_batch with the static loop (graph_refusal made to find nothing: on the CPU the step runs eagerly) gives
-    the eager loop's report for every prompt of a batch: tokens, text, sparsity, KV read, steps; and says which loop
-    ran."""
+    """run_batch with the static loop (graph_refusal made to find nothing: on the CPU the step runs eagerly, on CUDA
+    it replays real graphs) gives the eager loop's report (--cuda-graphs off) for every prompt of a batch: tokens,
+    text, sparsity, KV read, steps; and says which loop ran."""
     monkeypatch.setenv("QADA_KERNEL", "triton")
     files = [str(write_prompt(tmp_path, n)) for n in (60, 150, 97)]
     cal = tmp_path / "cal.json"
@@ -387,8 +387,8 @@ def test_generate_reports_the_same_through_the_static_loop(tiny_dir, tmp_path, m
         kw.update(moments_source="prompt", tau=0.25, calibration=str(cal))
     if method == "qada_pages":
         kw.update(budget=32)
-    eager = generate.run_batch(files, **kw)
-    assert all(r["cuda_graphs"].startswith("off: no CUDA device") for r in eager)
+    eager = generate.run_batch(files, cuda_graphs="off", **kw)
+    assert all(r["cuda_graphs"] == "off: --cuda-graphs off" for r in eager)
     monkeypatch.setattr(generate, "graph_refusal", lambda *args: None)
     static = generate.run_batch(files, **kw)
     same = ("new_token_ids", "text", "sparsity", "kv_read", "layer_sparsity", "decode_steps", "new_tokens")

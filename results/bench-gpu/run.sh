@@ -11,8 +11,8 @@ FILES=$(mktemp -d)  # the tables and figures, packed into $OUT/results.tar.gz at
 mkdir -p "$OUT"
 # packed after every part: a run cut off keeps what it measured; the tables name this script, not its temporary folder
 pack() {
-  sed -i -e "s#--out $FILES\`#--out DIR\` (inside \`bash results/bench-gpu/run.sh\`)#" -e "s#--out $FILES\"#--out DIR\"#" \
-    "$FILES"/*.md "$FILES"/*.json 2>/dev/null
+  sed -i -e "s#--out $FILES\(/pages\)\?\`#--out DIR\1\` (inside \`bash results/bench-gpu/run.sh\`)#" \
+    -e "s#--out $FILES\(/pages\)\?\"#--out DIR\1\"#" "$FILES"/*.md "$FILES"/*.json "$FILES"/pages/*.md 2>/dev/null
   tar -czf "$OUT/results.tar.gz" --exclude=tiny -C "$FILES" .
 }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -36,21 +36,25 @@ QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$FILES/tests-cuda.txt" | cut -c1-220 | tail -40
 pack
 
-echo "== where a fused step's time goes: each kernel's device time, and the graph's, Llama-3-8B shapes at 32k"
-timeout 90 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
+echo "== where a fused step's time goes: each kernel's device time, and the graph's, Llama-3-8B shapes at 32k;"
+echo "   the window kernel at other launches (${SECONDS}s in)"
+timeout 150 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
 
 echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k"
+echo "   (${SECONDS}s in)"
 timeout 190 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 8x32,32x8 --out "$FILES"; pack
 echo "== the same at T_max / 2 and T_max / 8 (capacity 32k): the graph's view follows T, not the capacity"
 timeout 60 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 timeout 50 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 echo "== page selection in the fused kernel, attention only: QAdA + pages and Quest alone against the best dense"
+echo "   (${SECONDS}s in)"
 timeout 110 python3 -m lab.bench_pages_gpu --quick --out "$FILES/pages"; pack
 if [ -n "${ATTENTION:-}" ]; then  # attention alone (unchanged by the loop; ~170 s): ATTENTION=1 bash run.sh
   timeout 170 python3 -m lab.bench_gpu --parts attention --out "$FILES"; pack
 fi
 
 echo "== generate.py on CUDA, a tiny random model (no weights travel here): --cuda-graphs auto and off"
+echo "   (${SECONDS}s in)"
 python3 - "$FILES/tiny" <<'PY'
 import sys; from pathlib import Path; sys.path.insert(0, ".")
 from tests.test_generate import make_tiny_dir
