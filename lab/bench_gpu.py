@@ -31,8 +31,8 @@ values to T = 32k (no prefill: decode time does not depend on the values), batch
 layers (a 32-layer batch-32 cache needs 137 GB). ms per decode step (one token of every row): "eager" is
 generate.decode_batch, "graph" generate.decode_static, which replays one CUDA graph per view (generate.graph_view),
 as --cuda-graphs auto does; each from two runs of 2 and 2 + --steps tokens, so that the capture and the first step
-drop out. --capacity sets the cache's T_max (default just enough): the steps at T = T_max / 2 or T_max / 8 replay a
-graph whose view is graph_view's, not the capacity. Methods:
+drop out (graph: the median of three such pairs). --capacity sets the cache's T_max (default just enough): the
+steps at T = T_max / 2 or T_max / 8 replay a graph whose view is graph_view's, not the capacity. Methods:
   dense      generate's dense: eager, DecodeAttention("dense") per row (one prompt: SDPA on the filled cache);
              graph, the model's dense decoding over the graph's view, masked past T;
   kv F       qada_cal on the fused kernel with a correction that fixes the labels (b = 0, a = +-50), so that a
@@ -241,20 +241,22 @@ def bulk_moments(cache: KVCache, T: int) -> FixedMoments:
     return FixedMoments(torch.stack(mean), torch.stack(cov), end - N_SINK)
 
 
-def step_ms(decode, reset, device: torch.device, n: int) -> float:
-    """ms per decode step of decode(k), a generate.py loop decoding k new tokens (k - 1 steps) of every row, from two
-    runs: k = 2 + n less k = 2, so that what every run pays once (a graph's warm-up and capture) drops out. An untimed
-    run first compiles what this loop launches (the eager step's kernels are not the graph's: a compile inside the
-    timed k = 2 run made its difference negative). reset() rolls the cache back to T before each run."""
-    times = []
-    for k in (2, 2, 2 + n):
+def step_ms(decode, reset, device: torch.device, n: int, repeats: int = 1) -> float:
+    """ms per decode step of decode(k), a generate.py loop decoding k new tokens (k - 1 steps) of every row, from
+    pairs of runs: k = 2 + n less k = 2, so that what every run pays once (a graph's warm-up and capture) drops out;
+    the median over `repeats` pairs. An untimed run first compiles what this loop launches (the eager step's kernels
+    are not the graph's: a compile inside the timed k = 2 run made its difference negative). reset() rolls the cache
+    back to T before each run."""
+    def run(k: int) -> float:
         reset()
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         decode(k)
         torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * (times[2] - times[1]) / n
+        return time.perf_counter() - t0
+
+    run(2)
+    return 1e3 * statistics.median(run(2 + n) - run(2) for _ in range(repeats)) / n
 
 
 def graphed(step, reset, device: torch.device):
@@ -355,7 +357,7 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         logits_ok = bool(one_step(method, f, lambda step: torch.isfinite(step()).all()))
         syncs = one_step(method, f, sync_free) if device.type == "cuda" else ""
         try:
-            graph = step_ms(loop(method, f, True, made), reset, device, n)
+            graph = step_ms(loop(method, f, True, made), reset, device, n, repeats=3)  # single runs had outliers
         except RuntimeError as e:  # a capture that fails is a finding, not a crash of the whole table
             graph, syncs = math.nan, (syncs + "; capture: " + str(e).splitlines()[0])[:120]
         out[name] = dict(B=B, L=L, T=T, capacity=capacity, view=graph_view(T + 1, capacity), method=name,

@@ -56,7 +56,7 @@ def test_fixed_labels_read_the_share_asked_for(monkeypatch):
     monkeypatch.setattr(bench_gpu, "LLAMA3_8B", LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128,
                                                             num_hidden_layers=4, num_attention_heads=4,
                                                             num_key_value_heads=2, head_dim=16))
-    monkeypatch.setattr(bench_gpu, "step_ms", lambda step, reset, device, n: (reset(), step(), 1.0)[2])
+    monkeypatch.setattr(bench_gpu, "step_ms", lambda step, reset, device, n, repeats=1: (reset(), step(), 1.0)[2])
     monkeypatch.setattr(bench_gpu, "graphed", lambda step, reset, device: step)
     monkeypatch.setattr(bench_gpu, "sync_free", lambda step: "none")
     monkeypatch.setattr(bench_gpu, "E2E_FRACTIONS", (1.0, 0.5, 0.0))

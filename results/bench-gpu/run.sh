@@ -42,10 +42,10 @@ timeout 150 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1
 
 echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k"
 echo "   (${SECONDS}s in)"
-timeout 190 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 8x32,32x8 --out "$FILES"; pack
+timeout 300 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32,32x8 --out "$FILES"; pack
 echo "== the same at T_max / 2 and T_max / 8 (capacity 32k): the graph's view follows T, not the capacity"
-timeout 60 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
-timeout 50 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+timeout 80 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+timeout 70 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 echo "== page selection in the fused kernel, attention only: QAdA + pages and Quest alone against the best dense"
 echo "   (${SECONDS}s in)"
 timeout 110 python3 -m lab.bench_pages_gpu --quick --out "$FILES/pages"; pack
