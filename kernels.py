@@ -46,7 +46,11 @@ assert set(RULES) == {None, *GROUP_RULES}
 # How the window kernel is launched: warps per program, its tiles (window positions, columns of the quadratic form;
 # capped by the window and the head dim) and tl.dot's precision. "ieee", exact fp32 products, is what keeps the labels
 # the torch path's; lab.bench_gpu --parts kernels times the alternatives beside it.
-WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee")
+WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=False)
+# LOW: with a bf16 or fp16 query and cache, the window's products (WINDOW_LAUNCH) and the page bounds' (BOUND_LAUNCH)
+# on tensor cores in the stored dtype, exact in fp32 like "ieee"; the quadratic form stays at PRECISION (it is fp32).
+# Off until a GPU has held the labels and the chosen pages with it on (lab.bench_gpu and lab.bench_pages_gpu time both).
+BOUND_LAUNCH = dict(num_warps=4, LOW=False)
 
 
 def fused(q: torch.Tensor) -> bool:
@@ -74,7 +78,8 @@ if triton is not None:
                               G_PAD: tl.constexpr, D: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
                               W_PAD: tl.constexpr, RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
                               BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr,
-                              DECIDE: tl.constexpr, BY_ROW: tl.constexpr, PRECISION: tl.constexpr):
+                              DECIDE: tl.constexpr, BY_ROW: tl.constexpr, PRECISION: tl.constexpr,
+                              LOW: tl.constexpr):
         b, g = tl.program_id(0), tl.program_id(1)
         row = tl.load(ROWS + b)  # the cache row of this program's query
         start = tl.load(START + b)
@@ -84,10 +89,13 @@ if triton is not None:
         h_ok = h < G
         d = tl.arange(0, D)
         q_rows = Q + b * sqb + (g * G + h)[:, None] * sqh
-        q = tl.load(q_rows + d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, D)
+        q_stored = tl.load(q_rows + d[None, :], mask=h_ok[:, None], other=0.0)  # (G_PAD, D)
+        q = q_stored.to(tl.float32)
         # The window, the first N_SINK and the last N_LOCAL - N_SINK positions (or the whole context if shorter), in
         # blocks of BLOCK_W with a running softmax: small tiles keep the program in registers. Products at PRECISION:
-        # "ieee" (WINDOW_LAUNCH's), exact fp32, not TF32, so that the labels are the torch path's.
+        # "ieee" (WINDOW_LAUNCH's), exact fp32, not TF32, so that the labels are the torch path's. LOW (a 16-bit query
+        # and cache): tensor-core products of the stored values, exact in fp32 too, and p rounded to the cache's dtype
+        # for the values, as the split kernel does.
         short = n_ctx <= N_LOCAL
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_sum = tl.zeros((G_PAD,), tl.float32)
@@ -98,13 +106,19 @@ if triton is not None:
             w_ok = tl.where(short, w < n_ctx, w < N_LOCAL)
             kw = tl.load(K + row * skb + g * skh + pos[:, None] * skt + d[None, :], mask=w_ok[:, None], other=0.0)
             vw = tl.load(V + row * svb + g * svh + pos[:, None] * svt + d[None, :], mask=w_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kw.to(tl.float32)), input_precision=PRECISION) * sm_scale  # (G_PAD, BLOCK_W)
+            if LOW:
+                s = tl.dot(q_stored, tl.trans(kw)) * sm_scale  # (G_PAD, BLOCK_W)
+            else:
+                s = tl.dot(q, tl.trans(kw.to(tl.float32)), input_precision=PRECISION) * sm_scale
             s = tl.where(w_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, vw.to(tl.float32), input_precision=PRECISION)
+            if LOW:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vw.dtype), vw)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, vw.to(tl.float32), input_precision=PRECISION)
             m = m_new
         y = acc / l_sum[:, None]  # (G_PAD, D)
         log_local = m + tl.log(l_sum)
@@ -283,9 +297,11 @@ if triton is not None:
                            ssb, ssr, W, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                            D: tl.constexpr, PAGE: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
                            BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, COMBINE: tl.constexpr,
-                           LEN_PER_ROW: tl.constexpr):
+                           LEN_PER_ROW: tl.constexpr, LOW: tl.constexpr):
         # Quest's bound of BLOCK_P candidate pages for the G heads of a (row, KV head): sum_d max(q_d min_d, q_d max_d)
-        # = q+ . max + q- . min (pages.upper_bounds), unscaled, in exact fp32 products as the torch path ranks them.
+        # = q+ . max + q- . min (pages.upper_bounds), unscaled, in exact fp32 products as the torch path ranks them:
+        # "ieee" tl.dot, or with LOW (a 16-bit query and statistics) tensor-core products of the stored values, which
+        # are exact in fp32 as well (only the order of the sums differs).
         # A page that is no candidate (past the row's bulk, a local group, no budget) scores -inf; when the budget
         # covers every candidate, each scores 0 and no statistic is read (attention.top_pages reads none then).
         b, g, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -302,11 +318,16 @@ if triton is not None:
         if tl.sum(need.to(tl.int32), 0) > 0:
             d = tl.arange(0, D)
             q = tl.load(Q + b * sqb + (g * G + h)[:, None] * sqh + d[None, :], mask=h_ok[:, None], other=0.0)
-            q = q.to(tl.float32)  # (G_PAD, D)
             lo = tl.load(LO + b * slb + g * slh + p[:, None] * slp + d[None, :], mask=need[:, None], other=0.0)
             hi = tl.load(HI + b * shb + g * shh + p[:, None] * shp + d[None, :], mask=need[:, None], other=0.0)
-            bound = tl.dot(tl.maximum(q, 0.0), tl.trans(hi.to(tl.float32)), input_precision="ieee")
-            bound += tl.dot(tl.minimum(q, 0.0), tl.trans(lo.to(tl.float32)), input_precision="ieee")  # (G_PAD, BLOCK_P)
+            if LOW:  # (G_PAD, D) in the stored dtype, its positive and negative parts
+                zero = tl.zeros_like(q)
+                bound = tl.dot(tl.maximum(q, zero), tl.trans(hi)) + tl.dot(tl.minimum(q, zero), tl.trans(lo))
+            else:
+                q = q.to(tl.float32)
+                bound = tl.dot(tl.maximum(q, 0.0), tl.trans(hi.to(tl.float32)), input_precision="ieee")
+                bound += tl.dot(tl.minimum(q, 0.0), tl.trans(lo.to(tl.float32)), input_precision="ieee")
+            # bound: (G_PAD, BLOCK_P)
             score = tl.where(need[None, :], bound, 0.0)
         score = tl.where(cand[None, :], score, float("-inf"))
         if PER_HEAD:  # Quest: each query head ranks its own pages
@@ -320,10 +341,18 @@ if triton is not None:
             tl.store(SCORES + b * ssb + g * ssr + p, group, mask=p < W)
 
 
-def window_launch(w_pad: int, D: int) -> dict:
-    """WINDOW_LAUNCH for a window padded to w_pad positions and head dim D: its tiles no larger than either."""
+def low(config: dict, q: torch.Tensor, stored: torch.Tensor) -> bool:
+    """Whether a launch config's LOW applies: asked for, a 16-bit query and stored operand of one dtype, compiled
+    (the interpreter multiplies 16-bit tiles wrongly)."""
+    return config["LOW"] and q.dtype == stored.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
+
+
+def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor) -> dict:
+    """WINDOW_LAUNCH for a window padded to w_pad positions and query q: tiles no larger than the window and the head
+    dim, LOW where it applies."""
     launch = dict(WINDOW_LAUNCH)
-    launch["BLOCK_W"], launch["BLOCK_D"] = min(launch["BLOCK_W"], w_pad), min(launch["BLOCK_D"], D)
+    launch["BLOCK_W"], launch["BLOCK_D"] = min(launch["BLOCK_W"], w_pad), min(launch["BLOCK_D"], q.shape[-1])
+    launch["LOW"] = low(WINDOW_LAUNCH, q, k)
     return launch
 
 
@@ -419,7 +448,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
         v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0), y.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
         W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
-        DECIDE=True, BY_ROW=out is not None, **window_launch(w_pad, D))
+        DECIDE=True, BY_ROW=out is not None, **window_launch(w_pad, q, k))
     o_part = torch.empty(B, Hkv, n_splits, G, D, device=dev, dtype=f32)
     m_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
     if count_reads:
@@ -532,7 +561,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         bvec.stride(0) if not quest else 0, bvec.stride(1) if not quest else 0, y.stride(0), y.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local, W_PAD=w_pad,
         RULE=RULES["mean"], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
-        DECIDE=not quest, BY_ROW=out is not None, **window_launch(w_pad, D))
+        DECIDE=not quest, BY_ROW=out is not None, **window_launch(w_pad, q, k))
 
     # 2. and 3. the long groups' candidate pages scored, the top ones chosen
     if n_sel > 0:
@@ -543,7 +572,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
             q, lo, hi, start, length, read, n_read, scores, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1),
             lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2), scores.stride(0), scores.stride(1), W,
             H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, PAGE=P, N_SINK=n_sink, N_LOCAL=n_local, BLOCK_P=block_p,
-            PER_HEAD=per_head, COMBINE=int(combine == "sum"), LEN_PER_ROW=len_per_row)
+            PER_HEAD=per_head, COMBINE=int(combine == "sum"), LEN_PER_ROW=len_per_row,
+            num_warps=BOUND_LAUNCH["num_warps"], LOW=low(BOUND_LAUNCH, q, lo))
         if combine == "share" and not quest:  # one ranking per group: the most any head's share could be (n, Hkv, W)
             scores = group_ranking(scores.view(B * Hkv, G, W), combine, log_local.view(B * Hkv, G), P,
                                    sm_scale).view(B, Hkv, W)

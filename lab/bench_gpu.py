@@ -413,19 +413,19 @@ def named_us(per_kernel: dict[str, float]) -> str:
 # benchmark's labels are too clear-cut to flip); the table gives the largest change of the step's output instead.
 WINDOW_VARIANTS = [dict(num_warps=w) for w in (1, 2, 8)] + [
     dict(BLOCK_W=16, BLOCK_D=16), dict(BLOCK_W=64, BLOCK_D=64), dict(BLOCK_D=128),
-    dict(PRECISION="tf32x3"), dict(PRECISION="tf32")]
+    dict(PRECISION="tf32x3"), dict(PRECISION="tf32"), dict(LOW=True), dict(LOW=True, PRECISION="tf32x3")]
 
 
 @contextmanager
-def window_launch(**change):
-    """kernels.WINDOW_LAUNCH with `change` inside the block."""
-    kept = dict(kernels.WINDOW_LAUNCH)
-    kernels.WINDOW_LAUNCH.update(change)
+def launch(config: dict, **change):
+    """A kernel's launch config (kernels.WINDOW_LAUNCH, kernels.BOUND_LAUNCH) with `change` inside the block."""
+    kept = dict(config)
+    config.update(change)
     try:
         yield
     finally:
-        kernels.WINDOW_LAUNCH.clear()
-        kernels.WINDOW_LAUNCH.update(kept)
+        config.clear()
+        config.update(kept)
 
 
 def window_variants(step, device: torch.device) -> str:
@@ -437,7 +437,7 @@ def window_variants(step, device: torch.device) -> str:
     for change in WINDOW_VARIANTS:
         label = ",".join(f"{k.lower().replace('block_', '')}={v}" for k, v in change.items())
         try:
-            with window_launch(**change):
+            with launch(kernels.WINDOW_LAUNCH, **change):
                 diff = float((step().float() - want).abs().max())
                 us = kernel_us(step, device).get(name, math.nan)
             cells.append(f"{label}: {us:.1f} (|dy| {diff:.0e})")

@@ -18,7 +18,10 @@ Each call is captured as one CUDA graph and its replays timed with CUDA events, 
   +pages    kernels.fused_pages, QAdA + pages: the same labels, and a long group reads its window and the top
             budget // P pages of its group bound instead of its whole cache;
   quest     kernels.fused_pages, Quest alone: every group long-context, each query head its own top pages, a KV head
-            reading the union of its heads' pages.
+            reading the union of its heads' pages;
+  fast      +pages and quest again with the window's and the page bounds' products on tensor cores (FAST), and the
+            share of query heads that attend to the same pages with the same label as at the default launch.
+On CUDA each step's kernels are also profiled (a second table: each kernel's device time per call, eager).
 The labels come out of the real criterion: per (row, KV head) a bulk mean of +-100 along the group's queries (as
 lab.bench.pattern_moments) puts its estimated bulk mass far above or below the window's; they are checked before
 timing. "read" is the fraction of KV entries read per (row, KV head), counting as attention's page paths do (the
@@ -47,7 +50,7 @@ import attention
 import kernels
 from criterion import Calibration, gaussian_form
 from lab.bench import full_pattern
-from lab.bench_gpu import kernel_us, named_us
+from lab.bench_gpu import kernel_us, launch, named_us
 from lab.cli import Parser, fail, fresh_folder, ints
 from moments import FixedMoments
 from pages import PageIndex, candidates, upper_bounds
@@ -251,7 +254,9 @@ COLUMNS = [("shape", "shape", "{}"), ("T", "T", "{}"), ("B", "B", "{}"), ("budge
            ("pages_read", "+pages read", "{:.3f}"), ("pages_ms", "+pages ms", "{:.3f}"),
            ("pages_x", "+pages x", "{:.2f}"), ("pages_bound", "+pages bound", "{:.1f}"),
            ("quest_read", "quest read", "{:.3f}"), ("quest_ms", "quest ms", "{:.3f}"), ("quest_x", "quest x", "{:.2f}"),
-           ("pages_vs_quest", "+pages / quest", "{:.2f}"), ("no_sync", "no host sync", "{}")]
+           ("pages_vs_quest", "+pages / quest", "{:.2f}"), ("no_sync", "no host sync", "{}"),
+           ("pages_fast_ms", "+pages ms, fast", "{:.3f}"), ("pages_fast_same", "+pages same pages", "{:.3f}"),
+           ("quest_fast_ms", "quest ms, fast", "{:.3f}"), ("quest_fast_same", "quest same pages", "{:.3f}")]
 
 
 def bench(shapes: dict, lengths: list[int], batches: list[int], budgets: list[int], f: float, P: int,
@@ -283,6 +288,8 @@ def bench(shapes: dict, lengths: list[int], batches: list[int], budgets: list[in
                         r[f"{name}_bound"] = 1 / r[f"{name}_read"]
                         r[f"{name}_sync_free"] = sync_free(step, device)
                         r[f"{name}_kernels"] = named_us(kernel_us(step, device)) if device.type == "cuda" else ""
+                        r[f"{name}_fast_ms"], r[f"{name}_fast_same"] = fast_launch(layer, step, budget, quest, device,
+                                                                                   reps)
                     r["pages_vs_quest"] = r["quest_ms"] / r["pages_ms"]
                     r["no_sync"] = "yes" if sync_free(layer.qada, device) and r["pages_sync_free"] and \
                         r["quest_sync_free"] else "NO"
@@ -292,6 +299,25 @@ def bench(shapes: dict, lengths: list[int], batches: list[int], budgets: list[in
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # up to 17 GB of cache at 128k, batch 32
     return rows
+
+
+FAST = dict(window=dict(LOW=True, PRECISION="tf32x3"), bound=dict(LOW=True))  # the launches timed beside the default
+
+
+def fast_launch(layer: Layer, step, budget: int, quest: bool, device: torch.device, reps: int) -> tuple[float, float]:
+    """The step with the window's and the bounds' products on tensor cores (FAST: kernels.WINDOW_LAUNCH and
+    BOUND_LAUNCH with LOW, the quadratic form at tf32x3): its ms, and the share of query heads that attend to the same
+    pages with the same labels as at the default launch. NaN for a launch that fails to compile."""
+    _, labels, chosen, _ = layer.pages(budget, quest, inspect=True)
+    try:
+        with launch(kernels.WINDOW_LAUNCH, **FAST["window"]), launch(kernels.BOUND_LAUNCH, **FAST["bound"]):
+            _, fast_labels, fast_chosen, _ = layer.pages(budget, quest, inspect=True)
+            ms = timed_ms(step, device, reps)
+    except Exception as e:  # noqa: BLE001 (a launch the compiler refuses is a finding, not a crash of the table)
+        print(f"the fast launch failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+        return math.nan, math.nan
+    same = (chosen == fast_chosen).all(-1) & (labels == fast_labels)  # (B, H)
+    return ms, float(same.float().mean())
 
 
 def format_row(r: dict) -> str:
@@ -317,7 +343,9 @@ def write(out: Path, rows: list[dict], checks: list[str], device: torch.device, 
              f"Labels fixed: a fraction {f} of the (row, KV head) pairs long-context (qada and +pages); quest: every "
              "pair. read: KV entries read per (row, KV head) over T (window, pages, scored statistics); x: speedup "
              "over the best of flash and packed dense; bound: 1 / read. CUDA graphs replayed, CUDA events, L2 "
-             "flushed, median.", "", *checks, "", header, "|" + "---|" * len(COLUMNS),
+             "flushed, median. fast: the window's and the bounds' products on tensor cores (kernels.WINDOW_LAUNCH and "
+             "BOUND_LAUNCH with LOW, the quadratic form at tf32x3); same pages: the share of query heads whose pages and "
+             "label are the default launch's.", "", *checks, "", header, "|" + "---|" * len(COLUMNS),
              *(format_row(r) for r in rows), ""]
     if any(r["pages_kernels"] for r in rows):  # profiled on CUDA only
         lines += ["Where a call's time goes: each kernel's device us per call, eager (torch.profiler over 20 calls run "

@@ -38,6 +38,19 @@ if TEST_DEVICE != "cpu":
 # The project is flat top-level files (`from model import Llama`); make them importable from tests/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# QADA_TEST_LAUNCH='{"window": {...}, "bound": {...}}' runs the suite with the kernels launched otherwise
+# (kernels.WINDOW_LAUNCH, kernels.BOUND_LAUNCH): how a GPU holds a faster launch to the torch paths before it becomes
+# the default (results/bench-gpu/run.sh).
+if os.environ.get("QADA_TEST_LAUNCH"):
+    import json
+
+    import kernels
+    for name, change in json.loads(os.environ["QADA_TEST_LAUNCH"]).items():
+        config = {"window": kernels.WINDOW_LAUNCH, "bound": kernels.BOUND_LAUNCH}[name]
+        if not set(change) <= set(config):
+            raise pytest.UsageError(f"QADA_TEST_LAUNCH: {name} takes {sorted(config)}, got {sorted(change)}")
+        config.update(change)
+
 
 MODEL_FIXTURES = {"embedded_dir", "embedded_gguf_file", "hf_gguf_model", "hf_gguf_tokenizer", "qwen05_dir",
                   "hf_qwen05_tokenizer"}

@@ -101,6 +101,36 @@ def test_bf16_caches_and_a_correction(monkeypatch):
     assert y.dtype == torch.bfloat16
 
 
+def test_the_window_kernel_is_launched_as_window_launch_says(monkeypatch):
+    """kernels.WINDOW_LAUNCH is read at each launch: other tiles give the same labels and output up to fp32 rounding,
+    and a precision tl.dot does not know fails the launch."""
+    B, H, Hkv, D, T = 2, 8, 2, 64, 301
+    q, k, v, A, b = case(B, H, Hkv, D, T, seed=3)
+    args = (q, k, v, torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), N_SINK, N_LOCAL, (A, b),
+            torch.tensor([0.5, 0.5]))
+    y, labels = fused_qada(*args)
+    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "BLOCK_W", 16)
+    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "BLOCK_D", 64)
+    y2, labels2 = fused_qada(*args)
+    assert torch.equal(labels, labels2)
+    torch.testing.assert_close(y, y2, atol=1e-5, rtol=1e-5)
+    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "PRECISION", "no such precision")
+    with pytest.raises(Exception):
+        fused_qada(*args)
+
+
+def test_low_products_only_where_they_are_exact(monkeypatch):
+    """A launch's LOW applies to a 16-bit query and stored operand of one dtype, compiled, and only when asked."""
+    bf, f32 = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    on, off = {"LOW": True}, {"LOW": False}
+    assert kernels.low(on, bf, bf) and kernels.low(on, bf.half(), bf.half())
+    assert not kernels.low(off, bf, bf) and not kernels.low(on, f32, f32) and not kernels.low(on, f32, bf)
+    assert not kernels.low(on, bf, bf.half())
+    monkeypatch.setattr(kernels, "INTERPRETED", True)  # the interpreter multiplies 16-bit tiles wrongly
+    assert not kernels.low(on, bf, bf)
+
+
 @pytest.mark.parametrize("method", ["qada", "qada_kv", "qada_cal", "qada_kv_all_cal"])
 def test_run_path_dispatches_a_qada_path_to_the_kernel_and_the_path_itself_stays_torch(method, monkeypatch):
     """The kernel dispatch lives in attention.run_path, outside `qada` (Listing 1): with QADA_KERNEL=triton run_path
