@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussian_log_bulk, local_labels,
                        oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
-from kernels import fused, fused_pages, fused_qada, kernel_thresholds
+from kernels import fused, fused_dense, fused_pages, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 from pages import (PAGE_SIZE, PageIndex, candidates, fold_in_last, group_ranking, page_count, page_positions, stacked,
                    upper_bounds)
@@ -967,8 +967,8 @@ class StaticAttention:
     from `length`: a local group's cache is still not read. The page paths run kernels.fused_pages on the same views,
     with every row's page statistics stacked in one buffer per layer (pages.stacked), into which each step first folds
     the key it appended (pages.fold_in_last), and the entries each (row, KV head) read written to a buffer beside the
-    labels. Dense is not called here: the model's own dense decoding over the same views (every group read), its
-    labels all False. BatchAttention's rows keep their statistics: `stats` hands each row its live steps once
+    labels. Dense (where kernels.fused says the kernel runs; else the model's own dense decoding is called instead of
+    this) runs kernels.fused_dense on the same views, every group read and no decision, its labels all False. BatchAttention's rows keep their statistics: `stats` hands each row its live steps once
     decoding is over."""
     method: str
     n_sink: int
@@ -1020,6 +1020,11 @@ class StaticAttention:
     def __call__(self, q, k, v, layer: int) -> torch.Tensor:
         """q (B, H, 1, D), k/v (B, Hkv, view, D), views of the static cache past its filled length -> (B, H, 1, D)."""
         y = torch.empty_like(q)
+        if self.method == "dense":  # every group read: the labels stay all False
+            fused_dense(q[:, :, 0], k, v, self.rows, self.start, length=self.length, out=y[:, :, 0])
+            if layer == self.labels.shape[1] - 1:
+                self.step.add_(1)
+            return y
         decide = {}  # QAdA's inputs, for the paths that decide (Quest does not)
         if self.forms:
             decide = dict(form=self.forms[layer], tau=self.thresholds, correction=self.corrections[layer])

@@ -6,9 +6,9 @@ decode-time attention.
 
 Prefill is always dense; the chosen method labels every (layer, head) for every decoded token. The report
 gives load time, prompt tokens, prefill time, decode speed, peak memory, the fraction of heads labelled
-local (sparsity) and the fraction of KV entries actually read. On CUDA, dense, the qada paths and the page paths
-(Quest, QAdA + pages) on the fused kernels decode from fixed device buffers, one step captured as a CUDA graph per
-bucket of lengths and replayed (decode_static; --cuda-graphs off: the eager loop, decode_batch, which the CPU always
+local (sparsity) and the fraction of KV entries actually read. On CUDA, dense (the split kernel alone), the qada
+paths and the page paths (Quest, QAdA + pages) on the fused kernels decode from fixed device buffers, one step captured
+as a CUDA graph per bucket of lengths and replayed (decode_static; --cuda-graphs off: the eager loop, decode_batch, which the CPU always
 runs).
 """
 
@@ -91,8 +91,8 @@ def graph_view(T: int, capacity: int) -> int:
     """How far a static step's views reach at context T (the filled length during the step): T rounded up to a
     multiple of a sixteenth of the power of two at or above it (at least 256), at most the capacity. One graph is
     captured per view, a few per generation (a generation of 1,000 tokens from 32k crosses one boundary), and a view
-    reaches less than an eighth or 256 positions past T: dense reads it whole (masked past T), the kernel's split
-    programs past T return at once."""
+    reaches less than an eighth or 256 positions past T: the kernels' split programs past T return at once (dense
+    without the kernel reads the view whole, masked past T)."""
     grain = max(256, (1 << max(T - 1, 1).bit_length()) // 16)
     return min(capacity, -(-T // grain) * grain)
 
@@ -117,7 +117,11 @@ def decode_static(model, cache, logits, max_new_tokens: int, rows: list, eos_ids
     cache.fix()
     cfg = model.cfg
     static = StaticAttention.of(rows, cache, max(max_new_tokens - 1, 1), cfg.num_attention_heads)
-    hook = None if static.method == "dense" else static  # dense: the model's own, every group read
+    # dense: kernels.fused_dense where the kernel runs (flash-decoding over the view, T read on the device), else the
+    # model's own (SDPA over the whole view, masked past T)
+    hook = static
+    if static.method == "dense" and not kernels.fused(torch.empty(1, cfg.head_dim, device=logits.device)):
+        hook = None
     token = torch.zeros(B, dtype=torch.long, device=logits.device)  # (B,): the step's input
     graphs = {}  # view -> (replay, the logits it writes)
 

@@ -10,6 +10,8 @@ Two kernels, each a fixed grid:
      merge of the splits by their log-sum-exp has no launch of its own: the group's last split program to finish
      does it (a count per group, taken atomically), and writes the long-context heads' output.
 
+`fused_dense` is dense decoding in the split kernel alone, every group read (the static decode loop's dense step).
+
 `fused_pages` is token-level page selection (attention.quest, attention.qada_pages) in the same kernels: QAdA's
 long-context groups, or every group for Quest alone, read their window and their chosen pages only. A third kernel,
 `_page_bound_kernel`, scores the candidate pages by Quest's bound from the page statistics (pages.PageIndex); torch's
@@ -466,6 +468,42 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     if count_reads:  # a split that read the cache wrote its max score
         return y, labels, (m_part[..., 0] != math.inf).sum(-1)
     return y, labels
+
+
+def fused_dense(q, k, v, rows, start, length: torch.Tensor | None = None, split: int | None = None,
+                block_n: int = 64, out=None):
+    """Dense decoding attention for one layer and n rows in the split kernel alone: every group reads its whole
+    context, [start, T), in split programs merged by each group's last one (flash-decoding). q, k, v, rows, start,
+    length, split and out as fused_qada's; returns y (n, H, D) in q's dtype, or `out`. What a static decode loop's
+    dense step runs on the GPU (attention.StaticAttention): T read from device memory, so one captured step replays
+    as the cache fills, and the grid covers the capacity, where SDPA would be given the whole view and a mask, one
+    program per (row, KV head) (model.dense_decode's packed layout)."""
+    _launch_checks(q, out, "fused_dense")
+    B, H, D = q.shape
+    Hkv, T_max = k.shape[1], k.shape[2]
+    G = H // Hkv
+    dev, f32 = q.device, torch.float32
+    length, len_per_row = filled_length(length, B, T_max, dev)
+    split = split or split_size(B * Hkv, T_max, dev, block_n)
+    if split % block_n:
+        raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
+    n_splits = triton.cdiv(T_max, split)
+    read = torch.ones(B, Hkv, device=dev, dtype=torch.int8)  # every group reads
+    labels = torch.zeros(B, H, device=dev, dtype=torch.int8)  # every head long-context: the merge writes them all
+    arrived = torch.zeros(B, Hkv, device=dev, dtype=torch.int32)  # (the window kernel zeroes it in fused_qada)
+    o_part = torch.empty(B, Hkv, n_splits, G, D, device=dev, dtype=f32)
+    m_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
+    l_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
+    y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
+    dummy = m_part  # never read: no window part (PAGED off)
+    _split_attention_kernel[(B, Hkv, n_splits)](
+        q, k, v, rows, start, length, read, labels, dummy, dummy, o_part, m_part, l_part, arrived, y, n_splits,
+        1 / math.sqrt(D), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), y.stride(0), y.stride(1), dummy, dummy, dummy, dummy, 0, 0,
+        H=H, HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, SPLIT=split, BLOCK_N=block_n,
+        LOW=k.dtype != torch.float32 and not INTERPRETED, LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1,
+        N_SINK=0, N_LOCAL=0, PER_HEAD=False, COUNT=False, BY_ROW=out is not None)
+    return y
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ as --cuda-graphs auto does; each from two runs of 2 and 2 + --steps tokens, so t
 drop out (graph: the median of three such pairs). --capacity sets the cache's T_max (default just enough): the
 steps at T = T_max / 2 or T_max / 8 replay a graph whose view is graph_view's, not the capacity. Methods:
   dense      generate's dense: eager, DecodeAttention("dense") per row (one prompt: SDPA on the filled cache);
-             graph, the model's dense decoding over the graph's view, masked past T;
+             graph, kernels.fused_dense over the graph's view (the split kernel alone, every group read, T read on
+             the device);
   kv F       qada_cal on the fused kernel with a correction that fixes the labels (b = 0, a = +-50), so that a
              share F of the (layer, KV head) pairs is long-context for every row: the decision is computed as always,
              the labels are those of a static choice at the KV read QAdA reaches on the research model (kv 1.0: every
@@ -341,7 +342,7 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         try:
             static = StaticAttention.of(rows, cache, 1, cfg.num_attention_heads)
             token = torch.zeros(B, dtype=torch.long, device=device)
-            return check(lambda: model.decode_step(token, cache, None if method == "dense" else static))
+            return check(lambda: model.decode_step(token, cache, static))  # dense too: kernels.fused_dense
         finally:
             cache.release()
 

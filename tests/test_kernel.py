@@ -101,6 +101,28 @@ def test_bf16_caches_and_a_correction(monkeypatch):
     assert y.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row):
+    """kernels.fused_dense: each query attends to its row's positions [start, T) and nothing past T (views to the
+    capacity, T on the device, one for all rows or one per row), every head, written at its cache row with `out`."""
+    B, H, Hkv, D, T_max = 3, 8, 2, 16, 300
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, H, D, generator=g)
+    k, v = torch.randn(B, Hkv, T_max, D, generator=g), torch.randn(B, Hkv, T_max, D, generator=g)
+    start = torch.tensor([0, 7, 100], dtype=torch.int32)
+    T = [250, 250, 250] if not per_row else [250, 130, 299]
+    length = torch.tensor(T[:1] if not per_row else T, dtype=torch.int32)
+    rows = torch.tensor([2, 0, 1], dtype=torch.int32)  # query i reads cache row rows[i]
+    out = torch.full((B, H, D), math.nan)
+    kernels.fused_dense(q, k, v, rows, start, length=length, split=64, block_n=16, out=out)
+    for i in range(B):
+        r, s, t = int(rows[i]), int(start[i]), T[i]
+        kk = k[r, :, s:t].repeat_interleave(H // Hkv, 0)  # (H, n, D)
+        vv = v[r, :, s:t].repeat_interleave(H // Hkv, 0)
+        p = torch.softmax((kk @ q[i][:, :, None])[..., 0] / math.sqrt(D), -1)  # (H, n)
+        torch.testing.assert_close(out[r], (p[:, None] @ vv)[:, 0], atol=2e-5, rtol=1e-4)
+
+
 def test_the_window_kernel_is_launched_as_window_launch_says(monkeypatch):
     """kernels.WINDOW_LAUNCH is read at each launch: other tiles give the same labels and output up to fp32 rounding,
     and a precision tl.dot does not know fails the launch."""
