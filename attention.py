@@ -967,9 +967,10 @@ class StaticAttention:
     from `length`: a local group's cache is still not read. The page paths run kernels.fused_pages on the same views,
     with every row's page statistics stacked in one buffer per layer (pages.stacked), into which each step first folds
     the key it appended (pages.fold_in_last), and the entries each (row, KV head) read written to a buffer beside the
-    labels. Dense (where kernels.fused says the kernel runs; else the model's own dense decoding is called instead of
-    this) runs kernels.fused_dense on the same views, every group read and no decision, its labels all False. BatchAttention's rows keep their statistics: `stats` hands each row its live steps once
-    decoding is over."""
+    labels. Dense (where kernels.fused says the kernel runs; else generate.step_attention gives the model its own
+    dense decoding instead of this) runs kernels.fused_dense on the same views, every group read and no decision, its
+    labels all False. BatchAttention's rows keep their statistics: `stats` hands each row its live steps once decoding
+    is over."""
     method: str
     n_sink: int
     n_local: int

@@ -7,9 +7,9 @@ decode-time attention.
 Prefill is always dense; the chosen method labels every (layer, head) for every decoded token. The report
 gives load time, prompt tokens, prefill time, decode speed, peak memory, the fraction of heads labelled
 local (sparsity) and the fraction of KV entries actually read. On CUDA, dense (the split kernel alone), the qada
-paths and the page paths (Quest, QAdA + pages) on the fused kernels decode from fixed device buffers, one step captured
-as a CUDA graph per bucket of lengths and replayed (decode_static; --cuda-graphs off: the eager loop, decode_batch, which the CPU always
-runs).
+paths and the page paths (Quest, QAdA + pages) on the fused kernels decode from fixed device buffers, one step
+captured as a CUDA graph per bucket of lengths and replayed (decode_static; --cuda-graphs off: the eager loop,
+decode_batch, which the CPU always runs).
 """
 
 import argparse
@@ -117,11 +117,7 @@ def decode_static(model, cache, logits, max_new_tokens: int, rows: list, eos_ids
     cache.fix()
     cfg = model.cfg
     static = StaticAttention.of(rows, cache, max(max_new_tokens - 1, 1), cfg.num_attention_heads)
-    # dense: kernels.fused_dense where the kernel runs (flash-decoding over the view, T read on the device), else the
-    # model's own (SDPA over the whole view, masked past T)
-    hook = static
-    if static.method == "dense" and not kernels.fused(torch.empty(1, cfg.head_dim, device=logits.device)):
-        hook = None
+    hook = step_attention(static, cfg.head_dim, logits.device)
     token = torch.zeros(B, dtype=torch.long, device=logits.device)  # (B,): the step's input
     graphs = {}  # view -> (replay, the logits it writes)
 
@@ -160,6 +156,14 @@ def decode_static(model, cache, logits, max_new_tokens: int, rows: list, eos_ids
     lengths = [[T0 + 1 + s - (start[b] if start else 0) for s in range(n)] for b in range(B)]  # T per step, per row
     static.stats(rows, [max(len(out) - 1, 0) for out in outs], lengths)
     return outs
+
+
+def step_attention(static: StaticAttention, head_dim: int, device: torch.device) -> StaticAttention | None:
+    """The decode attention a static step hands the model: `static`, except for dense where the kernel does not run
+    (kernels.fused), which gets None, the model's own (SDPA over the whole view, masked past T)."""
+    if static.method == "dense" and not kernels.fused(torch.empty(1, head_dim, device=device)):
+        return None
+    return static
 
 
 def captured(step, rewind, device: torch.device, pool=None):

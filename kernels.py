@@ -50,15 +50,18 @@ assert set(RULES) == {None, *GROUP_RULES}
 # the torch path's; lab.bench_gpu --parts kernels times the alternatives beside it.
 WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=False)
 # LOW: with a bf16 or fp16 query and cache, the window's products (WINDOW_LAUNCH) and the page bounds' (BOUND_LAUNCH)
-# on tensor cores in the stored dtype, exact in fp32 like "ieee"; the quadratic form stays at PRECISION (it is fp32).
-# Off until a GPU has held the labels and the chosen pages with it on (lab.bench_gpu and lab.bench_pages_gpu time both).
+# on tensor cores in the stored dtype. The products are exact in fp32, as "ieee"'s; their sums are not in the same
+# order nor IEEE-rounded, and the window's p is rounded to the cache's dtype for the values, so a label or a page near
+# its threshold may flip. The quadratic form stays at PRECISION (it is fp32). Off until a GPU has held the labels and
+# the chosen pages with it on (lab.bench_gpu and lab.bench_pages_gpu time both; run.sh runs the tests so).
 BOUND_LAUNCH = dict(num_warps=4, LOW=False)
+SPLIT_LOW = {"LOW": True}  # the split kernel's products: on tensor cores wherever low() allows (timed since it exists)
 
 
 def fused(q: torch.Tensor) -> bool:
-    """Whether the qada paths take the fused kernel: QADA_KERNEL=triton forces it (on CPU tensors it needs Triton's
-    interpreter, TRITON_INTERPRET=1), QADA_KERNEL=torch forces the torch path, and auto (the default) takes the kernel
-    on CUDA tensors when triton is installed."""
+    """Whether the qada paths, the page paths and the static loop's dense take the fused kernels: QADA_KERNEL=triton
+    forces it (on CPU tensors it needs Triton's interpreter, TRITON_INTERPRET=1), QADA_KERNEL=torch forces the torch
+    path, and auto (the default) takes the kernel on CUDA tensors when triton is installed."""
     choice = os.environ.get("QADA_KERNEL", "auto")
     if choice not in ("auto", "triton", "torch"):
         raise ValueError(f"QADA_KERNEL takes auto, triton or torch; got {choice!r}")
@@ -343,25 +346,28 @@ if triton is not None:
             tl.store(SCORES + b * ssb + g * ssr + p, group, mask=p < W)
 
 
-def low(config: dict, q: torch.Tensor, stored: torch.Tensor) -> bool:
-    """Whether a launch config's LOW applies: asked for, a 16-bit query and stored operand of one dtype, compiled
-    (the interpreter multiplies 16-bit tiles wrongly)."""
-    return config["LOW"] and q.dtype == stored.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
+def low(config: dict, q: torch.Tensor, *stored: torch.Tensor) -> bool:
+    """Whether a launch config's LOW applies: asked for, a 16-bit query and stored operands all of its dtype,
+    compiled (the interpreter multiplies 16-bit tiles wrongly)."""
+    same = all(x.dtype == q.dtype for x in stored)
+    return config["LOW"] and same and q.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
 
 
-def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor) -> dict:
+
+def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     """WINDOW_LAUNCH for a window padded to w_pad positions and query q: tiles no larger than the window and the head
     dim, LOW where it applies."""
     launch = dict(WINDOW_LAUNCH)
     launch["BLOCK_W"], launch["BLOCK_D"] = min(launch["BLOCK_W"], w_pad), min(launch["BLOCK_D"], q.shape[-1])
-    launch["LOW"] = low(WINDOW_LAUNCH, q, k)
+    launch["LOW"] = low(WINDOW_LAUNCH, q, k, v)
     return launch
 
 
 def split_size(n_programs: int, T_max: int, device: torch.device, block_n: int = 64) -> int:
     """Context positions per split program, for a context of up to T_max positions (the views fused_qada is given:
-    the filled length, or the cache's capacity): 16 to 32 splits per group, 32 where the groups are too few for 16
-    each to give four programs per multiprocessor. Measured on an H200 at 32k (results/bench-gpu/h200/kernels.md): more,
+    the filled length, or the cache's capacity): at least 16 splits per group, 32 where the groups are too few for
+    16 each to give four programs per multiprocessor, and fewer than twice that (the split rounded down to a power of
+    two: a capacity a little past 32k, as a static loop's views are, splits as 32k does, not in half as many). Measured on an H200 at 32k (results/bench-gpu/h200/kernels.md): more,
     smaller splits lose more to each program's fixed cost and to the last program's merge than they gain in
     parallelism (batch 1: 512 positions 111 us, 1024 93 us, 2048 90 us per layer at KV read 1; batch 8: 4096 332 us,
     2048 311 us). A power of two from 256 (whole blocks of block_n): the split is a compile-time constant of the
@@ -369,7 +375,7 @@ def split_size(n_programs: int, T_max: int, device: torch.device, block_n: int =
     captured step over a fixed capacity one."""
     slots = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8)
     per_group = min(32, max(16, triton.cdiv(slots, n_programs)))
-    return max(256, block_n, triton.next_power_of_2(triton.cdiv(T_max, per_group)))
+    return max(256, block_n, 1 << max(T_max // per_group, 1).bit_length() - 1)
 
 
 def filled_length(length: torch.Tensor | None, B: int, T_max: int, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -450,7 +456,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
         v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0), y.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
         W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
-        DECIDE=True, BY_ROW=out is not None, **window_launch(w_pad, q, k))
+        DECIDE=True, BY_ROW=out is not None, **window_launch(w_pad, q, k, v))
     o_part = torch.empty(B, Hkv, n_splits, G, D, device=dev, dtype=f32)
     m_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
     if count_reads:
@@ -461,7 +467,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
         sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), y.stride(0), y.stride(1), dummy, dummy, dummy, dummy, 0, 0,
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
-        LOW=k.dtype != torch.float32 and not INTERPRETED,  # the interpreter multiplies bf16 tiles wrongly
+        LOW=low(SPLIT_LOW, q, k, v),  # tensor cores for a 16-bit query and cache; not in the interpreter
         LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1, N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=False, COUNT=False,
         BY_ROW=out is not None)
     labels = labels.view(torch.bool)  # 0 / 1 bytes reinterpreted, no launch
@@ -477,7 +483,8 @@ def fused_dense(q, k, v, rows, start, length: torch.Tensor | None = None, split:
     length, split and out as fused_qada's; returns y (n, H, D) in q's dtype, or `out`. What a static decode loop's
     dense step runs on the GPU (attention.StaticAttention): T read from device memory, so one captured step replays
     as the cache fills, and the grid covers the capacity, where SDPA would be given the whole view and a mask, one
-    program per (row, KV head) (model.dense_decode's packed layout)."""
+    program per (row, KV head) (model.dense_decode's packed layout). Three small fills per call (the kernel's flags:
+    every group reads, every head long; the groups' arrival counts), which fused_qada's window kernel writes."""
     _launch_checks(q, out, "fused_dense")
     B, H, D = q.shape
     Hkv, T_max = k.shape[1], k.shape[2]
@@ -501,7 +508,7 @@ def fused_dense(q, k, v, rows, start, length: torch.Tensor | None = None, split:
         1 / math.sqrt(D), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), y.stride(0), y.stride(1), dummy, dummy, dummy, dummy, 0, 0,
         H=H, HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, SPLIT=split, BLOCK_N=block_n,
-        LOW=k.dtype != torch.float32 and not INTERPRETED, LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1,
+        LOW=low(SPLIT_LOW, q, k, v), LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1,
         N_SINK=0, N_LOCAL=0, PER_HEAD=False, COUNT=False, BY_ROW=out is not None)
     return y
 
@@ -599,7 +606,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         bvec.stride(0) if not quest else 0, bvec.stride(1) if not quest else 0, y.stride(0), y.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local, W_PAD=w_pad,
         RULE=RULES["mean"], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
-        DECIDE=not quest, BY_ROW=out is not None, **window_launch(w_pad, q, k))
+        DECIDE=not quest, BY_ROW=out is not None, **window_launch(w_pad, q, k, v))
 
     # 2. and 3. the long groups' candidate pages scored, the top ones chosen
     if n_sel > 0:
@@ -635,7 +642,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), y.stride(0), y.stride(1), ids, heads if heads is not None else ids, n_valid, counts,
         ids.stride(0), ids.stride(1), H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
-        LOW=k.dtype != torch.float32 and not INTERPRETED, LEN_PER_ROW=len_per_row, PAGED=True, PAGE=P,
+        LOW=low(SPLIT_LOW, q, k, v), LEN_PER_ROW=len_per_row, PAGED=True, PAGE=P,
         N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=inspect, BY_ROW=out is not None)
     result = (y, labels.view(torch.bool))
     if with_read:

@@ -80,7 +80,7 @@ import torch.nn.functional as F
 import kernels
 from attention import BatchAttention, DecodeAttention, HeadStats, StaticAttention, page_size, path_inputs
 from criterion import TAU, Calibration
-from generate import decode_batch, decode_static, graph_view, pick_device
+from generate import decode_batch, decode_static, graph_view, pick_device, step_attention
 from lab.bench import full_pattern, ideal_speedup, pattern_moments, qada_kernel
 from lab.cli import Parser, at_least, fail, fresh_folder, ints
 from model import KVCache, Llama, LlamaConfig
@@ -342,7 +342,8 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         try:
             static = StaticAttention.of(rows, cache, 1, cfg.num_attention_heads)
             token = torch.zeros(B, dtype=torch.long, device=device)
-            return check(lambda: model.decode_step(token, cache, static))  # dense too: kernels.fused_dense
+            hook = step_attention(static, cfg.head_dim, device)  # as decode_static hands it to the model
+            return check(lambda: model.decode_step(token, cache, hook))
         finally:
             cache.release()
 

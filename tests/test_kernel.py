@@ -101,8 +101,8 @@ def test_bf16_caches_and_a_correction(monkeypatch):
     assert y.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("per_row", [False, True])
-def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row):
+@pytest.mark.parametrize("per_row, dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
+def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row, dtype):
     """kernels.fused_dense: each query attends to its row's positions [start, T) and nothing past T (views to the
     capacity, T on the device, one for all rows or one per row), every head, written at its cache row with `out`."""
     B, H, Hkv, D, T_max = 3, 8, 2, 16, 300
@@ -113,14 +113,27 @@ def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row)
     T = [250, 250, 250] if not per_row else [250, 130, 299]
     length = torch.tensor(T[:1] if not per_row else T, dtype=torch.int32)
     rows = torch.tensor([2, 0, 1], dtype=torch.int32)  # query i reads cache row rows[i]
-    out = torch.full((B, H, D), math.nan)
-    kernels.fused_dense(q, k, v, rows, start, length=length, split=64, block_n=16, out=out)
+    out = torch.full((B, H, D), math.nan, dtype=dtype)
+    kernels.fused_dense(q.to(dtype), k.to(dtype), v.to(dtype), rows, start, length=length, split=64, block_n=16,
+                        out=out)
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for i in range(B):
         r, s, t = int(rows[i]), int(start[i]), T[i]
         kk = k[r, :, s:t].repeat_interleave(H // Hkv, 0)  # (H, n, D)
         vv = v[r, :, s:t].repeat_interleave(H // Hkv, 0)
         p = torch.softmax((kk @ q[i][:, :, None])[..., 0] / math.sqrt(D), -1)  # (H, n)
-        torch.testing.assert_close(out[r], (p[:, None] @ vv)[:, 0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out[r].float(), (p[:, None] @ vv)[:, 0], **tol)
+
+
+@pytest.mark.parametrize("T_max", [8192, 32768, 32786, 36864, 131072, 131200])
+@pytest.mark.parametrize("n_programs", [1, 8, 64, 256])
+def test_split_size_gives_each_group_16_to_32_splits_or_more_below_twice_that(T_max, n_programs):
+    """A power of two with at least 16 splits per group (32 for a few groups) and fewer than twice that, whatever
+    the capacity: one just past a power of two splits as that power does, not in half as many."""
+    split = kernels.split_size(n_programs, T_max, torch.device("cpu"))
+    per_group = 32 if n_programs == 1 else 16  # this CPU counts 8 multiprocessors: 32 slots
+    assert split & (split - 1) == 0 and split >= 256
+    assert per_group <= math.ceil(T_max / split) <= 2 * per_group
 
 
 def test_the_window_kernel_is_launched_as_window_launch_says(monkeypatch):
@@ -148,7 +161,7 @@ def test_low_products_only_where_they_are_exact(monkeypatch):
     on, off = {"LOW": True}, {"LOW": False}
     assert kernels.low(on, bf, bf) and kernels.low(on, bf.half(), bf.half())
     assert not kernels.low(off, bf, bf) and not kernels.low(on, f32, f32) and not kernels.low(on, f32, bf)
-    assert not kernels.low(on, bf, bf.half())
+    assert not kernels.low(on, bf, bf.half()) and not kernels.low(on, bf, bf, bf.half())  # each operand: q's dtype
     monkeypatch.setattr(kernels, "INTERPRETED", True)  # the interpreter multiplies 16-bit tiles wrongly
     assert not kernels.low(on, bf, bf)
 
