@@ -1,10 +1,11 @@
 """The correction fitted at 16k against the one fitted at 8k, on the same 16k samples, configuration by
 configuration; and the group rule on its estimate against the same rule on the true masses (the group oracle).
 The 8k correction's runs are results/qwen0.5b-16k-pages' (renamed here with "_8k"), decoded in other batches from the
-same prompts; dense is this folder's. Score / dense is the mean over the tasks both folders have finished; the
-interval a paired bootstrap (2,000 draws of the samples within each task, the same draw for both and dense). Then,
-per configuration, how its answers that score below dense's lose: most continue the first value with a description
-("1. 9262740: This is a magic number ...") instead of the next value, and run out of new tokens before the last.
+same prompts; dense is this folder's. Score / dense is the mean over the tasks both folders have finished, then
+over each task alone; the interval a paired bootstrap (2,000 draws of the samples within each task, the same draw
+for both and dense). Then, per configuration, how its answers that score below dense's lose: most continue the first
+value with a description ("1. 9262740: This is a magic number ...") instead of the next value, and run out of new
+tokens before the last.
 
     python results/qwen0.5b-16k-cal16/paired.py     # -> paired.md beside this file
 """
@@ -54,9 +55,13 @@ def main() -> None:
         if (r["task"], r["index"]) in samples and r["config"] in RENAMED:
             method, threshold = r["config"].split("@")
             rows.append(dict(r, config=f"{method}_8k@{threshold}"))
-    lines = config_differences(rows, tasks, PAIRS, "| first (head sparsity / KV read) | second | score / dense, first | "
-                               "second | difference | 95 % interval | samples |")
-    lines = [f"Tasks: {', '.join(tasks)}.", ""] + lines + ["", "How the answers below dense's lose:", ""]
+    header = ("| first (head sparsity / KV read) | second | score / dense, first | second | difference | 95 % interval "
+              "| samples |")
+    lines = []
+    for group in [tasks] + [[t] for t in tasks] if len(tasks) > 1 else [tasks]:  # every task, then each alone
+        mine = [r for r in rows if r["task"] in group]
+        lines += [f"Tasks: {', '.join(group)}.", "", *config_differences(mine, group, PAIRS, header), ""]
+    lines += ["How the answers below dense's lose (every task):", ""]
     lines += failure_modes(rows)
     (HERE / "paired.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
