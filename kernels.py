@@ -55,7 +55,6 @@ WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=
 # its threshold may flip. The quadratic form stays at PRECISION (it is fp32). Off until a GPU has held the labels and
 # the chosen pages with it on (lab.bench_gpu and lab.bench_pages_gpu time both; run.sh runs the tests so).
 BOUND_LAUNCH = dict(num_warps=4, LOW=False)
-SPLIT_LOW = {"LOW": True}  # the split kernel's products: on tensor cores wherever low() allows (timed since it exists)
 
 
 def fused(q: torch.Tensor) -> bool:
@@ -346,11 +345,17 @@ if triton is not None:
             tl.store(SCORES + b * ssb + g * ssr + p, group, mask=p < W)
 
 
-def low(config: dict, q: torch.Tensor, *stored: torch.Tensor) -> bool:
-    """Whether a launch config's LOW applies: asked for, a 16-bit query and stored operands all of its dtype,
-    compiled (the interpreter multiplies 16-bit tiles wrongly)."""
+def tensor_cores(q: torch.Tensor, *stored: torch.Tensor) -> bool:
+    """Whether products of q and the stored operands can run on tensor cores in their own dtype, exactly: one 16-bit
+    dtype for all, compiled (the interpreter multiplies 16-bit tiles wrongly). The split kernel's products always
+    do where they can."""
     same = all(x.dtype == q.dtype for x in stored)
-    return config["LOW"] and same and q.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
+    return same and q.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
+
+
+def low(config: dict, q: torch.Tensor, *stored: torch.Tensor) -> bool:
+    """Whether a launch config's LOW applies: asked for, and tensor_cores allows it."""
+    return config["LOW"] and tensor_cores(q, *stored)
 
 
 
@@ -367,9 +372,9 @@ def split_size(n_programs: int, T_max: int, device: torch.device, block_n: int =
     """Context positions per split program, for a context of up to T_max positions (the views fused_qada is given:
     the filled length, or the cache's capacity): at least 16 splits per group, 32 where the groups are too few for
     16 each to give four programs per multiprocessor, and fewer than twice that (the split rounded down to a power of
-    two: a capacity a little past 32k, as a static loop's views are, splits as 32k does, not in half as many). Measured on an H200 at 32k (results/bench-gpu/h200/kernels.md): more,
-    smaller splits lose more to each program's fixed cost and to the last program's merge than they gain in
-    parallelism (batch 1: 512 positions 111 us, 1024 93 us, 2048 90 us per layer at KV read 1; batch 8: 4096 332 us,
+    two: a capacity a little past 32k, as a static loop's views are, splits as 32k does, not in half as many).
+    Measured on an H200 at 32k (results/bench-gpu/h200/kernels.md): more, smaller splits lose more to each program's
+    fixed cost and to the last program's merge than they gain in parallelism (batch 1: 512 positions 111 us, 1024 93 us, 2048 90 us per layer at KV read 1; batch 8: 4096 332 us,
     2048 311 us). A power of two from 256 (whole blocks of block_n): the split is a compile-time constant of the
     kernel, so eager steps over a context growing from 8k to 128k compile a few variants, not one per step, and a
     captured step over a fixed capacity one."""
@@ -403,6 +408,32 @@ def _launch_checks(q: torch.Tensor, out: torch.Tensor | None, name: str) -> None
         raise ValueError(f"{name} reads q and writes its output with unit stride over the head dim")
 
 
+def attend_ranges(q, k, v, rows, start, length, len_per_row: int, read, labels, arrived, y, split: int, block_n: int,
+                  by_row: bool, mark_unread: bool = False) -> torch.Tensor:
+    """The split kernel over each row's contiguous context [start, T), for the groups `read` marks (B, Hkv), each head
+    whose label is 0 merged into y by its group's last program: fused_qada's second launch, fused_dense's only one.
+    arrived (B, Hkv) int32 must be zero. Returns the partial max scores (B, Hkv, n_splits, G); with mark_unread +inf
+    where no split program wrote (the tests' count of the splits that read)."""
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    G, n_splits = H // Hkv, triton.cdiv(k.shape[2], split)
+    f32 = torch.float32
+    o_part = torch.empty(B, Hkv, n_splits, G, D, device=q.device, dtype=f32)
+    m_part = torch.empty(B, Hkv, n_splits, G, device=q.device, dtype=f32)
+    if mark_unread:
+        m_part.fill_(math.inf)  # what no split program writes: a max score is finite, -inf or NaN
+    l_part = torch.empty(B, Hkv, n_splits, G, device=q.device, dtype=f32)
+    dummy = m_part  # never read off PAGED: the window's part and the page lists
+    _split_attention_kernel[(B, Hkv, n_splits)](
+        q, k, v, rows, start, length, read, labels, dummy, dummy, o_part, m_part, l_part, arrived, y, n_splits,
+        1 / math.sqrt(D), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), y.stride(0), y.stride(1), dummy, dummy, dummy, dummy, 0, 0,
+        H=H, HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, SPLIT=split, BLOCK_N=block_n,
+        LOW=tensor_cores(q, k, v), LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1, N_SINK=0, N_LOCAL=0,
+        PER_HEAD=False, COUNT=False, BY_ROW=by_row)
+    return m_part
+
+
 def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None,
                correction: Correction | None = None, length: torch.Tensor | None = None, split: int | None = None,
                block_n: int = 64, count_reads: bool = False, out=None):
@@ -429,14 +460,13 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     length, len_per_row = filled_length(length, B, T_max, dev)
     # The grid and the split size come from the capacity T_max, not from T: the split is a compile-time constant (the
     # inner loop's trip count) and a captured graph replays one grid, so neither may follow T from step to step.
-    # Programs past the filled length load three integers and return at once: up to 32 idle programs per (row, KV
+    # Programs past the filled length load three integers and return at once: up to 64 idle programs per (row, KV
     # head), a fraction of a wave of launch slots. The larger cost is parallelism: at T = T_max / 8 only one in eight
     # of a group's programs read, so a small batch fills the GPU less than splits sized for T would; a few graphs,
     # one per bucket of capacities, bound that.
     split = split or split_size(B * Hkv, T_max, q.device, block_n)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
-    n_splits = triton.cdiv(T_max, split)
     A, bvec = (x.to(f32).contiguous() for x in form)
     y_win = torch.empty(B, H, D, device=dev, dtype=f32)
     log_local = torch.empty(B, H, device=dev, dtype=f32)
@@ -457,19 +487,8 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
         W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
         DECIDE=True, BY_ROW=out is not None, **window_launch(w_pad, q, k, v))
-    o_part = torch.empty(B, Hkv, n_splits, G, D, device=dev, dtype=f32)
-    m_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
-    if count_reads:
-        m_part.fill_(math.inf)  # what no split program writes: a max score is finite, -inf or NaN
-    l_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
-    _split_attention_kernel[(B, Hkv, n_splits)](
-        q, k, v, rows, start, length, read, labels, y_win, log_local, o_part, m_part, l_part, arrived, y, n_splits,
-        sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), y.stride(0), y.stride(1), dummy, dummy, dummy, dummy, 0, 0,
-        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
-        LOW=low(SPLIT_LOW, q, k, v),  # tensor cores for a 16-bit query and cache; not in the interpreter
-        LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1, N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=False, COUNT=False,
-        BY_ROW=out is not None)
+    m_part = attend_ranges(q, k, v, rows, start, length, len_per_row, read, labels, arrived, y, split, block_n,
+                           out is not None, mark_unread=count_reads)
     labels = labels.view(torch.bool)  # 0 / 1 bytes reinterpreted, no launch
     if count_reads:  # a split that read the cache wrote its max score
         return y, labels, (m_part[..., 0] != math.inf).sum(-1)
@@ -487,29 +506,16 @@ def fused_dense(q, k, v, rows, start, length: torch.Tensor | None = None, split:
     every group reads, every head long; the groups' arrival counts), which fused_qada's window kernel writes."""
     _launch_checks(q, out, "fused_dense")
     B, H, D = q.shape
-    Hkv, T_max = k.shape[1], k.shape[2]
-    G = H // Hkv
-    dev, f32 = q.device, torch.float32
+    Hkv, T_max, dev = k.shape[1], k.shape[2], q.device
     length, len_per_row = filled_length(length, B, T_max, dev)
     split = split or split_size(B * Hkv, T_max, dev, block_n)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
-    n_splits = triton.cdiv(T_max, split)
     read = torch.ones(B, Hkv, device=dev, dtype=torch.int8)  # every group reads
     labels = torch.zeros(B, H, device=dev, dtype=torch.int8)  # every head long-context: the merge writes them all
     arrived = torch.zeros(B, Hkv, device=dev, dtype=torch.int32)  # (the window kernel zeroes it in fused_qada)
-    o_part = torch.empty(B, Hkv, n_splits, G, D, device=dev, dtype=f32)
-    m_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
-    l_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
     y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
-    dummy = m_part  # never read: no window part (PAGED off)
-    _split_attention_kernel[(B, Hkv, n_splits)](
-        q, k, v, rows, start, length, read, labels, dummy, dummy, o_part, m_part, l_part, arrived, y, n_splits,
-        1 / math.sqrt(D), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), y.stride(0), y.stride(1), dummy, dummy, dummy, dummy, 0, 0,
-        H=H, HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, SPLIT=split, BLOCK_N=block_n,
-        LOW=low(SPLIT_LOW, q, k, v), LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1,
-        N_SINK=0, N_LOCAL=0, PER_HEAD=False, COUNT=False, BY_ROW=out is not None)
+    attend_ranges(q, k, v, rows, start, length, len_per_row, read, labels, arrived, y, split, block_n, out is not None)
     return y
 
 
@@ -642,7 +648,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), y.stride(0), y.stride(1), ids, heads if heads is not None else ids, n_valid, counts,
         ids.stride(0), ids.stride(1), H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
-        LOW=low(SPLIT_LOW, q, k, v), LEN_PER_ROW=len_per_row, PAGED=True, PAGE=P,
+        LOW=tensor_cores(q, k, v), LEN_PER_ROW=len_per_row, PAGED=True, PAGE=P,
         N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=inspect, BY_ROW=out is not None)
     result = (y, labels.view(torch.bool))
     if with_read:
