@@ -369,15 +369,15 @@ def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 
 def split_size(n_programs: int, T_max: int, device: torch.device, block_n: int = 64) -> int:
-    """Context positions per split program, for a context of up to T_max positions (the views fused_qada is given:
-    the filled length, or the cache's capacity): at least 16 splits per group, 32 where the groups are too few for
-    16 each to give four programs per multiprocessor, and fewer than twice that (the split rounded down to a power of
-    two: a capacity a little past 32k, as a static loop's views are, splits as 32k does, not in half as many).
-    Measured on an H200 at 32k (results/bench-gpu/h200/kernels.md): more, smaller splits lose more to each program's
-    fixed cost and to the last program's merge than they gain in parallelism (batch 1: 512 positions 111 us, 1024
-    93 us, 2048 90 us per layer at KV read 1; batch 8: 4096 332 us, 2048 311 us). A power of two from 256 (whole blocks of block_n): the split is a compile-time constant of the
-    kernel, so eager steps over a context growing from 8k to 128k compile a few variants, not one per step, and a
-    captured step over a fixed capacity one."""
+    """Context positions per split program, for a context of up to T_max positions (the views fused_qada is given: the
+    filled length, or the cache's capacity): at least 16 splits per group, 32 where the groups are too few for 16 each
+    to give four programs per multiprocessor, and fewer than twice that (the split rounded down to a power of two: a
+    capacity a little past 32k, as a static loop's views are, splits as 32k does, not in half as many). Measured on an
+    H200 at 32k (results/bench-gpu/h200/kernels.md): more, smaller splits lose more to each program's fixed cost and to
+    the last program's merge than they gain in parallelism (batch 1: 512 positions 111 us, 1024 93 us, 2048 90 us per
+    layer at KV read 1; batch 8: 4096 332 us, 2048 311 us). A power of two from 256 (whole blocks of block_n): the split
+    is a compile-time constant of the kernel, so eager steps over a context growing from 8k to 128k compile a few
+    variants, not one per step, and a captured step over a fixed capacity one."""
     slots = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8)
     per_group = min(32, max(16, triton.cdiv(slots, n_programs)))
     return max(256, block_n, 1 << max(T_max // per_group, 1).bit_length() - 1)
