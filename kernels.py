@@ -46,15 +46,19 @@ from pages import candidates, group_ranking, page_count
 RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
 assert set(RULES) == {None, *GROUP_RULES}
 # How the window kernel is launched: warps per program, its tiles (window positions, columns of the quadratic form;
-# capped by the window and the head dim) and tl.dot's precision. "ieee", exact fp32 products, is what keeps the labels
-# the torch path's; lab.bench_gpu --parts kernels times the alternatives beside it.
-WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=False)
+# capped by the window and the head dim), tl.dot's precision for the fp32 quadratic form ("ieee": exact fp32
+# products) and LOW; lab.bench_gpu --parts kernels times the alternatives beside it.
+WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=True)
 # LOW: with a bf16 or fp16 query and cache, the window's products (WINDOW_LAUNCH) and the page bounds' (BOUND_LAUNCH)
-# on tensor cores in the stored dtype. The products are exact in fp32, as "ieee"'s; their sums are not in the same
-# order nor IEEE-rounded, and the window's p is rounded to the cache's dtype for the values, so a label or a page near
-# its threshold may flip. The quadratic form stays at PRECISION (it is fp32). Off until a GPU has held the labels and
-# the chosen pages with it on (lab.bench_gpu and lab.bench_pages_gpu time both; run.sh runs the tests so).
-BOUND_LAUNCH = dict(num_warps=4, LOW=False)
+# on tensor cores in the stored dtype, in place of "ieee" fp32 products that do not use them (on an H200 the window
+# kernel took 33-35 us at 32k so, 10-12 us with LOW). The products are exact in fp32 either way; only the order of
+# their sums differs, and the window's p is rounded to the cache's dtype for the values, so a label or a page within
+# fp32 rounding of its threshold may flip. The GPU suite holds the labels and the chosen pages to the torch paths' with
+# it on (results/bench-gpu/run.sh runs it again with LOW off).
+BOUND_LAUNCH = dict(num_warps=4, LOW=True)
+# How the split kernel is launched: warps per program and the depth of Triton's software pipeline over its blocks of
+# block_n positions (Triton's own defaults); lab.bench_gpu --parts kernels times others beside them.
+SPLIT_LAUNCH = dict(num_warps=4, num_stages=3)
 
 
 def fused(q: torch.Tensor) -> bool:
@@ -96,10 +100,11 @@ if triton is not None:
         q_stored = tl.load(q_rows + d[None, :], mask=h_ok[:, None], other=0.0)  # (G_PAD, D)
         q = q_stored.to(tl.float32)
         # The window, the first N_SINK and the last N_LOCAL - N_SINK positions (or the whole context if shorter), in
-        # blocks of BLOCK_W with a running softmax: small tiles keep the program in registers. Products at PRECISION:
-        # "ieee" (WINDOW_LAUNCH's), exact fp32, not TF32, so that the labels are the torch path's. LOW (a 16-bit query
-        # and cache): tensor-core products of the stored values, exact in fp32 too, and p rounded to the cache's dtype
-        # for the values, as the split kernel does.
+        # blocks of BLOCK_W with a running softmax: small tiles keep the program in registers. With LOW
+        # (WINDOW_LAUNCH's, where the query and cache are one 16-bit dtype): tensor-core products of the stored
+        # values, exact in fp32, and p rounded to the cache's dtype for the values, as the split kernel does; otherwise
+        # fp32 products at PRECISION, "ieee" being exact, not TF32. Either way the labels are the torch path's up to
+        # the order of the sums.
         short = n_ctx <= N_LOCAL
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_sum = tl.zeros((G_PAD,), tl.float32)
@@ -325,8 +330,9 @@ if triton is not None:
             lo = tl.load(LO + b * slb + g * slh + p[:, None] * slp + d[None, :], mask=need[:, None], other=0.0)
             hi = tl.load(HI + b * shb + g * shh + p[:, None] * shp + d[None, :], mask=need[:, None], other=0.0)
             if LOW:  # (G_PAD, D) in the stored dtype, its positive and negative parts
-                zero = tl.zeros_like(q)
-                bound = tl.dot(tl.maximum(q, zero), tl.trans(hi)) + tl.dot(tl.minimum(q, zero), tl.trans(lo))
+                zero = tl.zeros_like(q)  # (tl.maximum and tl.minimum return fp32 for 16-bit tiles in Triton 3.6)
+                q_pos, q_neg = tl.maximum(q, zero).to(hi.dtype), tl.minimum(q, zero).to(hi.dtype)
+                bound = tl.dot(q_pos, tl.trans(hi)) + tl.dot(q_neg, tl.trans(lo))
             else:
                 q = q.to(tl.float32)
                 bound = tl.dot(tl.maximum(q, 0.0), tl.trans(hi.to(tl.float32)), input_precision="ieee")
@@ -430,7 +436,7 @@ def attend_ranges(q, k, v, rows, start, length, len_per_row: int, read, labels, 
         v.stride(2), y.stride(0), y.stride(1), dummy, dummy, dummy, dummy, 0, 0,
         H=H, HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=tensor_cores(q, k, v), LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1, N_SINK=0, N_LOCAL=0,
-        PER_HEAD=False, COUNT=False, BY_ROW=by_row)
+        PER_HEAD=False, COUNT=False, BY_ROW=by_row, **SPLIT_LAUNCH)
     return m_part
 
 
@@ -649,7 +655,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         v.stride(2), y.stride(0), y.stride(1), ids, heads if heads is not None else ids, n_valid, counts,
         ids.stride(0), ids.stride(1), H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=tensor_cores(q, k, v), LEN_PER_ROW=len_per_row, PAGED=True, PAGE=P,
-        N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=inspect, BY_ROW=out is not None)
+        N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=inspect, BY_ROW=out is not None,
+        **SPLIT_LAUNCH)
     result = (y, labels.view(torch.bool))
     if with_read:
         n_ctx = length.view(-1).long() - start.long()  # (n,)

@@ -57,6 +57,8 @@ step replayed from a CUDA graph as part 1 times it, with kernels.split_size's sp
 by the gaps between its kernels, and by the L2 being flushed before each timed replay, not before each profiled step:
 at KV read 0 the step's data fit in L2, so there the difference is mostly gaps, and at read 1 it is mostly the cache
 read from memory.
+At KV read 0.3 (0.25 at batch 1) the window kernel and the split kernel are also timed at other launches
+(WINDOW_VARIANTS, SPLIT_VARIANTS: warps, tiles, precision, pipeline depth), each with the largest change of the output.
 
 Outputs in --out (results/bench-gpu/): attention.md and end_to_end_<T>k.md (the tables with the device, driver and
 torch versions and the command; end_to_end_<T>k_of_<T_max>k.md with --capacity; kernels.md), their rows as JSON, and
@@ -411,16 +413,17 @@ def named_us(per_kernel: dict[str, float]) -> str:
 
 
 # The window kernel's launches timed beside kernels.WINDOW_LAUNCH at KV read 0.3: warps, tile sizes (window
-# positions, form columns) and tl.dot's precision. Only "ieee" keeps the labels the torch path's bit for bit (the
-# benchmark's labels are too clear-cut to flip); the table gives the largest change of the step's output instead.
-WINDOW_VARIANTS = [dict(num_warps=w) for w in (1, 2, 8)] + [
-    dict(BLOCK_W=16, BLOCK_D=16), dict(BLOCK_W=64, BLOCK_D=64), dict(BLOCK_D=128),
-    dict(PRECISION="tf32x3"), dict(PRECISION="tf32"), dict(LOW=True), dict(LOW=True, PRECISION="tf32x3")]
+# positions, form columns), the quadratic form's tl.dot precision, and the window's products off the tensor cores
+# (LOW off, exact fp32 sums too). The benchmark's labels are too clear-cut to flip; the table gives the largest
+# change of the step's output instead.
+WINDOW_VARIANTS = [dict(num_warps=w) for w in (2, 8)] + [
+    dict(BLOCK_W=16, BLOCK_D=16), dict(BLOCK_W=64, BLOCK_D=64), dict(PRECISION="tf32x3"), dict(PRECISION="tf32"),
+    dict(LOW=False)]
 
 
 @contextmanager
 def launch(config: dict, **change):
-    """A kernel's launch config (kernels.WINDOW_LAUNCH, kernels.BOUND_LAUNCH) with `change` inside the block."""
+    """A kernel's launch config (kernels.WINDOW_LAUNCH, BOUND_LAUNCH, SPLIT_LAUNCH) with `change` inside the block."""
     kept = dict(config)
     config.update(change)
     try:
@@ -430,16 +433,21 @@ def launch(config: dict, **change):
         config.update(kept)
 
 
-def window_variants(step, device: torch.device) -> str:
-    """The window kernel's device us per step at each of WINDOW_VARIANTS, and the largest change of the step's output
-    against the default launch's (a variant that fails to compile says so)."""
-    name = "_window_decide_kernel"
+# The split kernel's launches timed beside kernels.SPLIT_LAUNCH at the same read: warps per program, pipeline depth.
+SPLIT_VARIANTS = [dict(num_warps=2), dict(num_warps=8), dict(num_stages=2), dict(num_stages=4),
+                  dict(num_warps=8, num_stages=4)]
+
+
+def launch_variants(step, device: torch.device, name: str, config: dict, changes: list[dict]) -> str:
+    """Kernel `name`'s device us per step with its launch `config` (kernels.WINDOW_LAUNCH, SPLIT_LAUNCH) changed as
+    each of `changes` says, and the largest change of the step's output against the default launch's (a variant that
+    fails to compile says so)."""
     cells = []
     want = step().float()
-    for change in WINDOW_VARIANTS:
+    for change in changes:
         label = ",".join(f"{k.lower().replace('block_', '')}={v}" for k, v in change.items())
         try:
-            with launch(kernels.WINDOW_LAUNCH, **change):
+            with launch(config, **change):
                 diff = float((step().float() - want).abs().max())
                 us = kernel_us(step, device).get(name, math.nan)
             cells.append(f"{label}: {us:.1f} (|dy| {diff:.0e})")
@@ -464,13 +472,18 @@ def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
             for split in SPLITS:  # the same step at each split size, for the choice split_size makes
                 with fixed_split(split):
                     by_split[split] = 1e3 * graph_ms(step, device)
-            variants = window_variants(step, device) if 0 < f < 1 else ""
+            window = split_launches = ""
+            if 0 < f < 1:
+                window = launch_variants(step, device, "_window_decide_kernel", kernels.WINDOW_LAUNCH,
+                                         WINDOW_VARIANTS)
+                split_launches = launch_variants(step, device, "_split_attention_kernel", kernels.SPLIT_LAUNCH,
+                                                 SPLIT_VARIANTS)
         for row in batch.rows:
             row.stats = HeadStats(N_LOCAL)
         rows.append(dict(T=T, B=B, f=float(full.float().mean()), device_us=sum(per_kernel.values()),
                          graph_us=1e3 * graph, split=kernels.split_size(B * layer.Hkv, T, device),
                          splits=", ".join(f"{s}: {us:.1f}" for s, us in by_split.items()),
-                         kernels=named_us(per_kernel), window=variants))
+                         kernels=named_us(per_kernel), window=window, split_launches=split_launches))
         print(format_row(KERNEL_COLUMNS, rows[-1]), flush=True)
     del layer
     torch.cuda.empty_cache()
@@ -492,7 +505,8 @@ KERNEL_COLUMNS = [("T", "T", "{}"), ("B", "B", "{}"), ("f", "KV read", "{:.2f}")
                   ("device_us", "kernels' device us", "{:.1f}"), ("graph_us", "graph us", "{:.1f}"),
                   ("split", "split_size", "{}"), ("splits", "graph us at each split size", "{}"),
                   ("kernels", "each kernel's device us per step (eager)", "{}"),
-                  ("window", "window kernel us at other launches (read 0.3)", "{}")]
+                  ("window", "window kernel us at other launches (read 0.3)", "{}"),
+                  ("split_launches", "split kernel us at other launches (read 0.3)", "{}")]
 E2E_COLUMNS = [("B", "B", "{}"), ("L", "layers", "{}"), ("T", "T", "{}"), ("capacity", "capacity", "{}"),
                ("view", "graph view", "{}"), ("method", "method", "{}"),
                ("kv_read", "KV read", "{:.2f}"), ("eager_ms", "eager ms", "{:.2f}"),

@@ -19,8 +19,9 @@ Each call is captured as one CUDA graph and its replays timed with CUDA events, 
             budget // P pages of its group bound instead of its whole cache;
   quest     kernels.fused_pages, Quest alone: every group long-context, each query head its own top pages, a KV head
             reading the union of its heads' pages;
-  fast      +pages and quest again with the window's and the page bounds' products on tensor cores (FAST), and the
-            share of query heads that attend to the same pages with the same label as at the default launch.
+  exact     +pages and quest again with the window's and the page bounds' products in exact fp32 ("ieee", EXACT:
+            LOW off) instead of the default's tensor cores, and the share of query heads that attend to the same pages
+            with the same label as at the default launch.
 On CUDA each step's kernels are also profiled (a second table: each kernel's device time per call, eager).
 The labels come out of the real criterion: per (row, KV head) a bulk mean of +-100 along the group's queries (as
 lab.bench.pattern_moments) puts its estimated bulk mass far above or below the window's; they are checked before
@@ -255,8 +256,8 @@ COLUMNS = [("shape", "shape", "{}"), ("T", "T", "{}"), ("B", "B", "{}"), ("budge
            ("pages_x", "+pages x", "{:.2f}"), ("pages_bound", "+pages bound", "{:.1f}"),
            ("quest_read", "quest read", "{:.3f}"), ("quest_ms", "quest ms", "{:.3f}"), ("quest_x", "quest x", "{:.2f}"),
            ("pages_vs_quest", "+pages / quest", "{:.2f}"), ("no_sync", "no host sync", "{}"),
-           ("pages_fast_ms", "+pages ms, fast", "{:.3f}"), ("pages_fast_same", "+pages same pages", "{:.3f}"),
-           ("quest_fast_ms", "quest ms, fast", "{:.3f}"), ("quest_fast_same", "quest same pages", "{:.3f}")]
+           ("pages_exact_ms", "+pages ms, exact", "{:.3f}"), ("pages_exact_same", "+pages same pages", "{:.3f}"),
+           ("quest_exact_ms", "quest ms, exact", "{:.3f}"), ("quest_exact_same", "quest same pages", "{:.3f}")]
 
 
 def bench(shapes: dict, lengths: list[int], batches: list[int], budgets: list[int], f: float, P: int,
@@ -288,8 +289,8 @@ def bench(shapes: dict, lengths: list[int], batches: list[int], budgets: list[in
                         r[f"{name}_bound"] = 1 / r[f"{name}_read"]
                         r[f"{name}_sync_free"] = sync_free(step, device)
                         r[f"{name}_kernels"] = named_us(kernel_us(step, device)) if device.type == "cuda" else ""
-                        r[f"{name}_fast_ms"], r[f"{name}_fast_same"] = fast_launch(layer, step, budget, quest, device,
-                                                                                   reps)
+                        r[f"{name}_exact_ms"], r[f"{name}_exact_same"] = exact_launch(layer, step, budget, quest,
+                                                                                      device, reps)
                     r["pages_vs_quest"] = r["quest_ms"] / r["pages_ms"]
                     r["no_sync"] = "yes" if sync_free(layer.qada, device) and r["pages_sync_free"] and \
                         r["quest_sync_free"] else "NO"
@@ -301,22 +302,22 @@ def bench(shapes: dict, lengths: list[int], batches: list[int], budgets: list[in
     return rows
 
 
-FAST = dict(window=dict(LOW=True, PRECISION="tf32x3"), bound=dict(LOW=True))  # the launches timed beside the default
+EXACT = dict(window=dict(LOW=False), bound=dict(LOW=False))  # the launches timed beside the default
 
 
-def fast_launch(layer: Layer, step, budget: int, quest: bool, device: torch.device, reps: int) -> tuple[float, float]:
-    """The step with the window's and the bounds' products on tensor cores (FAST: kernels.WINDOW_LAUNCH and
-    BOUND_LAUNCH with LOW, the quadratic form at tf32x3): its ms, and the share of query heads that attend to the same
+def exact_launch(layer: Layer, step, budget: int, quest: bool, device: torch.device, reps: int) -> tuple[float, float]:
+    """The step with the window's and the bounds' products in exact fp32, off the tensor cores (EXACT:
+    kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW off): its ms, and the share of query heads that attend to the same
     pages with the same labels as at the default launch. NaN for a launch that fails to compile."""
     _, labels, chosen, _ = layer.pages(budget, quest, inspect=True)
     try:
-        with launch(kernels.WINDOW_LAUNCH, **FAST["window"]), launch(kernels.BOUND_LAUNCH, **FAST["bound"]):
-            _, fast_labels, fast_chosen, _ = layer.pages(budget, quest, inspect=True)
+        with launch(kernels.WINDOW_LAUNCH, **EXACT["window"]), launch(kernels.BOUND_LAUNCH, **EXACT["bound"]):
+            _, exact_labels, exact_chosen, _ = layer.pages(budget, quest, inspect=True)
             ms = timed_ms(step, device, reps)
     except Exception as e:  # noqa: BLE001 (a launch the compiler refuses is a finding, not a crash of the table)
-        print(f"the fast launch failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+        print(f"the exact launch failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
         return math.nan, math.nan
-    same = (chosen == fast_chosen).all(-1) & (labels == fast_labels)  # (B, H)
+    same = (chosen == exact_chosen).all(-1) & (labels == exact_labels)  # (B, H)
     return ms, float(same.float().mean())
 
 
@@ -343,9 +344,9 @@ def write(out: Path, rows: list[dict], checks: list[str], device: torch.device, 
              f"Labels fixed: a fraction {f} of the (row, KV head) pairs long-context (qada and +pages); quest: every "
              "pair. read: KV entries read per (row, KV head) over T (window, pages, scored statistics); x: speedup "
              "over the best of flash and packed dense; bound: 1 / read. CUDA graphs replayed, CUDA events, L2 "
-             "flushed, median. fast: the window's and the bounds' products on tensor cores (kernels.WINDOW_LAUNCH and "
-             "BOUND_LAUNCH with LOW, the quadratic form at tf32x3); same pages: the share of query heads whose pages and "
-             "label are the default launch's.", "", *checks, "", header, "|" + "---|" * len(COLUMNS),
+             "flushed, median. exact: the window's and the bounds' products in exact fp32 off the tensor cores "
+             "(kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW off); same pages: the share of query heads whose pages "
+             "and label are the default launch's.", "", *checks, "", header, "|" + "---|" * len(COLUMNS),
              *(format_row(r) for r in rows), ""]
     if any(r["pages_kernels"] for r in rows):  # profiled on CUDA only
         lines += ["Where a call's time goes: each kernel's device us per call, eager (torch.profiler over 20 calls run "
