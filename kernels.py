@@ -36,6 +36,7 @@ import torch.nn.functional as F
 try:  # the fused kernel's compiler: optional, CUDA builds of torch bring it; the torch paths need nothing of it
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # programmatic dependent launch (SM90+)
 except ImportError:
     triton = None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels (the tests)
@@ -56,9 +57,13 @@ WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=
 # fp32 rounding of its threshold may flip. The GPU suite holds the labels and the chosen pages to the torch paths' with
 # it on (results/bench-gpu/run.sh runs it again with LOW off).
 BOUND_LAUNCH = dict(num_warps=4, LOW=True)
-# How the split kernel is launched: warps per program and the depth of Triton's software pipeline over its blocks of
-# block_n positions (Triton's own defaults); lab.bench_gpu --parts kernels times others beside them.
-SPLIT_LAUNCH = dict(num_warps=4, num_stages=3)
+# How the split kernel is launched: the positions of a tile (block_n's default), warps per program, the depth of
+# Triton's software pipeline over the tiles (Triton's own defaults), and PDL: programmatic dependent launch (Hopper
+# and later), the split grid scheduled while the window kernel before it still runs, each program waiting
+# (griddepcontrol.wait) for the window kernel's writes before it reads the decision: the gap between the two launches
+# gone from the step. lab.bench_gpu --parts kernels times the others beside these.
+SPLIT_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=3, PDL=False)
+MERGE_CHUNK = 8  # the split results a group's merge loads at once (the split kernel's epilogue)
 
 
 def fused(q: torch.Tensor) -> bool:
@@ -87,7 +92,9 @@ if triton is not None:
                               W_PAD: tl.constexpr, RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
                               BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr,
                               DECIDE: tl.constexpr, BY_ROW: tl.constexpr, PRECISION: tl.constexpr,
-                              LOW: tl.constexpr):
+                              LOW: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:  # the split grid after this one may be scheduled now; its programs wait for this grid's writes
+            gdc_launch_dependents()
         b, g = tl.program_id(0), tl.program_id(1)
         row = tl.load(ROWS + b)  # the cache row of this program's query
         start = tl.load(START + b)
@@ -185,12 +192,15 @@ if triton is not None:
                                 D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, LOW: tl.constexpr,
                                 LEN_PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                                 N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, PER_HEAD: tl.constexpr,
-                                COUNT: tl.constexpr, BY_ROW: tl.constexpr):
+                                COUNT: tl.constexpr, BY_ROW: tl.constexpr, G_MERGE: tl.constexpr,
+                                CHUNK: tl.constexpr, PDL: tl.constexpr = False):
         # Two ways to walk the context. A contiguous range (fused_qada): SPLIT positions from the row's start. A list
         # of pages (fused_pages, PAGED): SPLIT entries of the (row, KV head)'s list of chosen pages, BLOCK_N // PAGE
         # pages per tile, each page's bulk positions only; with PER_HEAD each entry carries the bits of the query
         # heads that chose it (Quest: a head attends to its own pages of the union its KV head reads).
         b, g, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if PDL:  # launched before the window kernel ended: its decision, window and zeroed counts visible after this
+            gdc_wait()
         if tl.load(READ + b * HKV + g) == 0:  # a group whose output is its window's: its cache is not read
             return
         T = tl.load(LENGTH + b * LEN_PER_ROW)
@@ -274,32 +284,43 @@ if triton is not None:
         tl.debug_barrier()
         if tl.atomic_add(ARRIVED + b * HKV + g, 1, sem="acq_rel", scope="gpu") != n_used - 1:
             return
+        # The group's splits are read CHUNK at a time, (CHUNK, G_MERGE) tiles: independent loads in flight together,
+        # not a chain of one load per split on the step's critical path (with G_MERGE rows, no tl.dot's 16).
+        hm = tl.arange(0, G_MERGE)
+        hm_ok = hm < G
+        c = tl.arange(0, CHUNK)
         if PAGED:  # the window as one more part, of mass exp(log_local)
-            log_local = tl.load(LOG_LOCAL + b * H + g * G + h, mask=h_ok, other=0.0)
+            log_local = tl.load(LOG_LOCAL + b * H + g * G + hm, mask=hm_ok, other=0.0)
             m = log_local
         else:
-            m = tl.full((G_PAD,), float("-inf"), tl.float32)
-        for s_ in range(0, n_used):
-            m = tl.maximum(m, tl.load(M_PART + base + s_ * G + h, mask=h_ok, other=float("-inf"), cache_modifier=".cg"))
+            m = tl.full((G_MERGE,), float("-inf"), tl.float32)
+        for s0 in range(0, n_used, CHUNK):
+            cell = base + (s0 + c)[:, None] * G + hm[None, :]  # (CHUNK, G_MERGE)
+            cell_ok = ((s0 + c) < n_used)[:, None] & hm_ok[None, :]
+            m_s = tl.load(M_PART + cell, mask=cell_ok, other=float("-inf"), cache_modifier=".cg")
+            m = tl.maximum(m, tl.max(m_s, 0))
         if PAGED:
             l_sum = tl.exp(log_local - m)
-            acc = tl.load(Y_WIN + (b * H + g * G + h)[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0)
+            acc = tl.load(Y_WIN + (b * H + g * G + hm)[:, None] * D + d[None, :], mask=hm_ok[:, None], other=0.0)
             acc = acc * l_sum[:, None]
         else:
-            l_sum = tl.zeros((G_PAD,), tl.float32)
-            acc = tl.zeros((G_PAD, D), tl.float32)
-        for s_ in range(0, n_used):
-            m_s = tl.load(M_PART + base + s_ * G + h, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
-            scale = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m))
-            l_sum += tl.load(L_PART + base + s_ * G + h, mask=h_ok, other=0.0, cache_modifier=".cg") * scale
-            acc += tl.load(O_PART + (base + s_ * G + h)[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0,
-                           cache_modifier=".cg") * scale[:, None]
-        is_long = tl.load(LABELS + b * H + g * G + h, mask=h_ok, other=1) == 0
+            l_sum = tl.zeros((G_MERGE,), tl.float32)
+            acc = tl.zeros((G_MERGE, D), tl.float32)
+        for s0 in range(0, n_used, CHUNK):
+            cell = base + (s0 + c)[:, None] * G + hm[None, :]
+            cell_ok = ((s0 + c) < n_used)[:, None] & hm_ok[None, :]
+            m_s = tl.load(M_PART + cell, mask=cell_ok, other=float("-inf"), cache_modifier=".cg")
+            scale = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m[None, :]))  # (CHUNK, G_MERGE)
+            l_sum += tl.sum(tl.load(L_PART + cell, mask=cell_ok, other=0.0, cache_modifier=".cg") * scale, 0)
+            o = tl.load(O_PART + cell[:, :, None] * D + d[None, None, :], mask=cell_ok[:, :, None], other=0.0,
+                        cache_modifier=".cg")  # (CHUNK, G_MERGE, D)
+            acc += tl.sum(o * scale[:, :, None], 0)
+        is_long = tl.load(LABELS + b * H + g * G + hm, mask=hm_ok, other=1) == 0
         y_b = b
         if BY_ROW:  # the output's row is the cache row's: the result lands in the caller's tensor
             y_b = row
-        out = Y + y_b * syb + (g * G + h)[:, None] * syh + d[None, :]
-        tl.store(out, (acc / l_sum[:, None]).to(Y.dtype.element_ty), mask=(h_ok & is_long)[:, None])
+        out = Y + y_b * syb + (g * G + hm)[:, None] * syh + d[None, :]
+        tl.store(out, (acc / l_sum[:, None]).to(Y.dtype.element_ty), mask=(hm_ok & is_long)[:, None])
 
     @triton.jit
     def _page_bound_kernel(Q, LO, HI, START, LENGTH, READ, N_READ, SCORES, sqb, sqh, slb, slh, slp, shb, shh, shp,
@@ -365,6 +386,12 @@ def low(config: dict, q: torch.Tensor, *stored: torch.Tensor) -> bool:
 
 
 
+def pdl(q: torch.Tensor) -> bool:
+    """Whether the split kernel is launched programmatically dependent on the window kernel (SPLIT_LAUNCH's PDL):
+    asked for, compiled (not the interpreter), on a GPU of compute capability 9 or later."""
+    return SPLIT_LAUNCH["PDL"] and not INTERPRETED and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+
+
 def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     """WINDOW_LAUNCH for a window padded to w_pad positions and query q: tiles no larger than the window and the head
     dim, LOW where it applies."""
@@ -415,11 +442,12 @@ def _launch_checks(q: torch.Tensor, out: torch.Tensor | None, name: str) -> None
 
 
 def attend_ranges(q, k, v, rows, start, length, len_per_row: int, read, labels, arrived, y, split: int, block_n: int,
-                  by_row: bool, mark_unread: bool = False) -> torch.Tensor:
+                  by_row: bool, mark_unread: bool = False, after_window: bool = False) -> torch.Tensor:
     """The split kernel over each row's contiguous context [start, T), for the groups `read` marks (B, Hkv), each head
     whose label is 0 merged into y by its group's last program: fused_qada's second launch, fused_dense's only one.
     arrived (B, Hkv) int32 must be zero. Returns the partial max scores (B, Hkv, n_splits, G); with mark_unread +inf
-    where no split program wrote (the tests' count of the splits that read)."""
+    where no split program wrote (the tests' count of the splits that read). `after_window`: launched right after
+    the window kernel, programmatically dependent on it where pdl(q) says so (the window kernel launched likewise)."""
     B, H, D = q.shape
     Hkv = k.shape[1]
     G, n_splits = H // Hkv, triton.cdiv(k.shape[2], split)
@@ -436,13 +464,15 @@ def attend_ranges(q, k, v, rows, start, length, len_per_row: int, read, labels, 
         v.stride(2), y.stride(0), y.stride(1), dummy, dummy, dummy, dummy, 0, 0,
         H=H, HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=tensor_cores(q, k, v), LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1, N_SINK=0, N_LOCAL=0,
-        PER_HEAD=False, COUNT=False, BY_ROW=by_row, **SPLIT_LAUNCH)
+        PER_HEAD=False, COUNT=False, BY_ROW=by_row, G_MERGE=triton.next_power_of_2(G), CHUNK=MERGE_CHUNK,
+        num_warps=SPLIT_LAUNCH["num_warps"], num_stages=SPLIT_LAUNCH["num_stages"],
+        **(dict(PDL=True, launch_pdl=True) if after_window and pdl(q) else {}))
     return m_part
 
 
 def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None,
                correction: Correction | None = None, length: torch.Tensor | None = None, split: int | None = None,
-               block_n: int = 64, count_reads: bool = False, out=None):
+               block_n: int | None = None, count_reads: bool = False, out=None):
     """QAdA for one layer and n rows in two Triton kernels: the same labels and output as the `qada` path of each
     row, up to fp32 rounding. q (n, H, D), any strides but the last; k, v (B, Hkv, T_max, D), views of the cache (any
     stride over T), of which row rows[i] is query i's (integers, (n,)); start (n,), each row's first filled position
@@ -451,7 +481,8 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     criterion.Correction (Calibration.layer()). Returns y (n, H, D) in q's dtype and labels (n, H) bool, on
     the device; with `out` (B, H, D), any strides but the last, query i's output is written to out[rows[i]] in out's
     dtype instead and out is returned. With `count_reads` (for tests) also the splits of each (row, KV head)
-    that read the cache, (n, Hkv). `split`: context positions per program (default split_size's for T_max).
+    that read the cache, (n, Hkv). `split`: context positions per program (default split_size's for T_max);
+    `block_n`: positions per tile (default SPLIT_LAUNCH's).
 
     `length`: the filled length T, an int32 device tensor, 0-d or (1,) for every row or (n,) for each query's row;
     the views may then run to the cache's capacity T_max > T (model.KVCache's whole buffer), and nothing the kernels
@@ -470,6 +501,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     # head), a fraction of a wave of launch slots. The larger cost is parallelism: at T = T_max / 8 only one in eight
     # of a group's programs read, so a small batch fills the GPU less than splits sized for T would; a few graphs,
     # one per bucket of capacities, bound that.
+    block_n = block_n or SPLIT_LAUNCH["BLOCK_N"]
     split = split or split_size(B * Hkv, T_max, q.device, block_n)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
@@ -492,9 +524,9 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
         v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0), y.stride(1),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
         W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
-        DECIDE=True, BY_ROW=out is not None, **window_launch(w_pad, q, k, v))
+        DECIDE=True, BY_ROW=out is not None, PDL=pdl(q), **window_launch(w_pad, q, k, v))
     m_part = attend_ranges(q, k, v, rows, start, length, len_per_row, read, labels, arrived, y, split, block_n,
-                           out is not None, mark_unread=count_reads)
+                           out is not None, mark_unread=count_reads, after_window=True)
     labels = labels.view(torch.bool)  # 0 / 1 bytes reinterpreted, no launch
     if count_reads:  # a split that read the cache wrote its max score
         return y, labels, (m_part[..., 0] != math.inf).sum(-1)
@@ -502,7 +534,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
 
 
 def fused_dense(q, k, v, rows, start, length: torch.Tensor | None = None, split: int | None = None,
-                block_n: int = 64, out=None):
+                block_n: int | None = None, out=None):
     """Dense decoding attention for one layer and n rows in the split kernel alone: every group reads its whole
     context, [start, T), in split programs merged by each group's last one (flash-decoding). q, k, v, rows, start,
     length, split and out as fused_qada's; returns y (n, H, D) in q's dtype, or `out`. What a static decode loop's
@@ -514,6 +546,7 @@ def fused_dense(q, k, v, rows, start, length: torch.Tensor | None = None, split:
     B, H, D = q.shape
     Hkv, T_max, dev = k.shape[1], k.shape[2], q.device
     length, len_per_row = filled_length(length, B, T_max, dev)
+    block_n = block_n or SPLIT_LAUNCH["BLOCK_N"]
     split = split or split_size(B * Hkv, T_max, dev, block_n)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
@@ -568,7 +601,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     B, H, D = q.shape
     Hkv, T_max = k.shape[1], k.shape[2]
     G, P = H // Hkv, page_size
-    block_n = block_n or max(64, P)
+    block_n = block_n or max(SPLIT_LAUNCH["BLOCK_N"], P)
     if P & (P - 1) or block_n % P:
         raise ValueError(f"page_size {P} must be a power of two dividing block_n {block_n}")
     quest = form is None
@@ -656,7 +689,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         ids.stride(0), ids.stride(1), H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=tensor_cores(q, k, v), LEN_PER_ROW=len_per_row, PAGED=True, PAGE=P,
         N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=inspect, BY_ROW=out is not None,
-        **SPLIT_LAUNCH)
+        G_MERGE=triton.next_power_of_2(G), CHUNK=MERGE_CHUNK, num_warps=SPLIT_LAUNCH["num_warps"],
+        num_stages=SPLIT_LAUNCH["num_stages"])
     result = (y, labels.view(torch.bool))
     if with_read:
         n_ctx = length.view(-1).long() - start.long()  # (n,)

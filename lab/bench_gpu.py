@@ -30,8 +30,9 @@ random weights at Llama-3-8B's shapes (32 layers, 128k vocabulary), bf16, its KV
 values to T = 32k (no prefill: decode time does not depend on the values), batch 8, and batch 32 with 8 of the 32
 layers (a 32-layer batch-32 cache needs 137 GB). ms per decode step (one token of every row): "eager" is
 generate.decode_batch, "graph" generate.decode_static, which replays one CUDA graph per view (generate.graph_view),
-as --cuda-graphs auto does; each from two runs of 2 and 2 + --steps tokens, so that the capture and the first step
-drop out (graph: the median of three such pairs). --capacity sets the cache's T_max (default just enough): the
+as --cuda-graphs auto does; each from two runs of 2 and 2 + n tokens, so that the capture and the first step drop
+out: eager n = --steps, graph n = 4 --steps and the median of three such pairs (a capture's variance, which the pair
+cancels only in expectation, is spread over more steps). --capacity sets the cache's T_max (default just enough): the
 steps at T = T_max / 2 or T_max / 8 replay a graph whose view is graph_view's, not the capacity. Methods:
   dense      generate's dense: eager, DecodeAttention("dense") per row (one prompt: SDPA on the filled cache);
              graph, kernels.fused_dense over the graph's view (the split kernel alone, every group read, T read on
@@ -57,8 +58,9 @@ step replayed from a CUDA graph as part 1 times it, with kernels.split_size's sp
 by the gaps between its kernels, and by the L2 being flushed before each timed replay, not before each profiled step:
 at KV read 0 the step's data fit in L2, so there the difference is mostly gaps, and at read 1 it is mostly the cache
 read from memory.
-At KV read 0.3 (0.25 at batch 1) the window kernel and the split kernel are also timed at other launches
-(WINDOW_VARIANTS, SPLIT_VARIANTS: warps, tiles, precision, pipeline depth), each with the largest change of the output.
+At KV read 0.3 (0.25 at batch 1) the window kernel (its device time) and the split kernel (the step's graph time)
+are also timed at other launches (WINDOW_VARIANTS, SPLIT_VARIANTS: warps, tiles, precision, pipeline depth), each with
+the largest change of the output.
 
 Outputs in --out (results/bench-gpu/): attention.md and end_to_end_<T>k.md (the tables with the device, driver and
 torch versions and the command; end_to_end_<T>k_of_<T_max>k.md with --capacity; kernels.md), their rows as JSON, and
@@ -97,6 +99,7 @@ LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         max_position_embeddings=131072)
 E2E_FRACTIONS = (1.0, 0.45, 0.35, 0.15, 0.0)  # 0.45 / 0.35: calibrated QAdA's lossless KV read, per head / per group
 E2E_PAGES_F = 0.35  # the page rows' long-context share: QAdA per KV group's lossless read on the research model
+GRAPH_STEPS = 4  # the graph loop times this many times --steps per pair of runs: ten steps moved cells by 5-10 %
 
 
 def graph_ms(fn, device: torch.device, quick: bool = False) -> float:
@@ -308,7 +311,7 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
     decode_static (replayed from CUDA graphs, one per view). A table row each."""
     cfg = LlamaConfig(**{**LLAMA3_8B.__dict__, "num_hidden_layers": L})
     model = random_llama(cfg, device)
-    capacity = max(capacity or 0, T + n + 8)
+    capacity = max(capacity or 0, T + GRAPH_STEPS * n + 8)
     cache = KVCache(cfg, capacity, B, device=device, dtype=torch.bfloat16)
     cache.k.normal_(), cache.v.normal_()
     cache.length = T
@@ -361,7 +364,7 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         logits_ok = bool(one_step(method, f, lambda step: torch.isfinite(step()).all()))
         syncs = one_step(method, f, sync_free) if device.type == "cuda" else ""
         try:
-            graph = step_ms(loop(method, f, True, made), reset, device, n, repeats=3)  # single runs had outliers
+            graph = step_ms(loop(method, f, True, made), reset, device, GRAPH_STEPS * n, repeats=3)
         except RuntimeError as e:  # a capture that fails is a finding, not a crash of the whole table
             graph, syncs = math.nan, (syncs + "; capture: " + str(e).splitlines()[0])[:120]
         out[name] = dict(B=B, L=L, T=T, capacity=capacity, view=graph_view(T + 1, capacity), method=name,
@@ -433,23 +436,25 @@ def launch(config: dict, **change):
         config.update(kept)
 
 
-# The split kernel's launches timed beside kernels.SPLIT_LAUNCH at the same read: warps per program, pipeline depth.
-SPLIT_VARIANTS = [dict(num_warps=2), dict(num_warps=8), dict(num_stages=2), dict(num_stages=4),
-                  dict(num_warps=8, num_stages=4)]
+# The split kernel's launches timed beside kernels.SPLIT_LAUNCH at the same read: positions per tile, warps per
+# program, pipeline depth, programmatic dependent launch. Timed as the whole step's graph with the L2 flushed: at
+# batch 1 the long groups' cache would fit in L2 across back-to-back eager steps.
+SPLIT_VARIANTS = [dict(BLOCK_N=32), dict(BLOCK_N=128), dict(num_warps=2), dict(num_warps=8), dict(num_stages=2),
+                  dict(num_stages=4), dict(num_warps=8, num_stages=4), dict(PDL=True)]
 
 
-def launch_variants(step, device: torch.device, name: str, config: dict, changes: list[dict]) -> str:
-    """Kernel `name`'s device us per step with its launch `config` (kernels.WINDOW_LAUNCH, SPLIT_LAUNCH) changed as
-    each of `changes` says, and the largest change of the step's output against the default launch's (a variant that
-    fails to compile says so)."""
+def launch_variants(step, config: dict, changes: list[dict], timer) -> str:
+    """timer(step) (us) with a kernel's launch `config` (kernels.WINDOW_LAUNCH, SPLIT_LAUNCH) changed as each of
+    `changes` says, and the largest change of the step's output against the default launch's (a variant that fails
+    to compile says so)."""
     cells = []
     want = step().float()
     for change in changes:
-        label = ",".join(f"{k.lower().replace('block_', '')}={v}" for k, v in change.items())
+        label = ",".join(f"{k.lower().replace('block_w', 'w').replace('block_d', 'd')}={v}" for k, v in change.items())
         try:
             with launch(config, **change):
                 diff = float((step().float() - want).abs().max())
-                us = kernel_us(step, device).get(name, math.nan)
+                us = timer(step)
             cells.append(f"{label}: {us:.1f} (|dy| {diff:.0e})")
         except Exception as e:  # noqa: BLE001 (a launch the compiler refuses is a finding, not a crash of the table)
             cells.append(f"{label}: failed ({type(e).__name__})")
@@ -474,10 +479,10 @@ def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
                     by_split[split] = 1e3 * graph_ms(step, device)
             window = split_launches = ""
             if 0 < f < 1:
-                window = launch_variants(step, device, "_window_decide_kernel", kernels.WINDOW_LAUNCH,
-                                         WINDOW_VARIANTS)
-                split_launches = launch_variants(step, device, "_split_attention_kernel", kernels.SPLIT_LAUNCH,
-                                                 SPLIT_VARIANTS)
+                window = launch_variants(step, kernels.WINDOW_LAUNCH, WINDOW_VARIANTS, lambda fn: kernel_us(
+                    fn, device).get("_window_decide_kernel", math.nan))
+                split_launches = launch_variants(step, kernels.SPLIT_LAUNCH, SPLIT_VARIANTS,
+                                                 lambda fn: 1e3 * graph_ms(fn, device))
         for row in batch.rows:
             row.stats = HeadStats(N_LOCAL)
         rows.append(dict(T=T, B=B, f=float(full.float().mean()), device_us=sum(per_kernel.values()),
@@ -506,7 +511,7 @@ KERNEL_COLUMNS = [("T", "T", "{}"), ("B", "B", "{}"), ("f", "KV read", "{:.2f}")
                   ("split", "split_size", "{}"), ("splits", "graph us at each split size", "{}"),
                   ("kernels", "each kernel's device us per step (eager)", "{}"),
                   ("window", "window kernel us at other launches (read 0.3)", "{}"),
-                  ("split_launches", "split kernel us at other launches (read 0.3)", "{}")]
+                  ("split_launches", "graph us at other split kernel launches (read 0.3)", "{}")]
 E2E_COLUMNS = [("B", "B", "{}"), ("L", "layers", "{}"), ("T", "T", "{}"), ("capacity", "capacity", "{}"),
                ("view", "graph view", "{}"), ("method", "method", "{}"),
                ("kv_read", "KV read", "{:.2f}"), ("eager_ms", "eager ms", "{:.2f}"),
@@ -615,12 +620,12 @@ def main(argv=None) -> int:
     p.add_argument("--e2e", type=setups, default="8x32,32x8", help="end to end: BATCHxLAYERS setups (default: "
                    "8x32,32x8)")
     p.add_argument("--capacity", type=at_least(N_LOCAL + 2), default=None, help="end to end: the KV cache's capacity "
-                   "in positions, T_max (default: T + steps + 8, just enough); --e2e-length 16384 --capacity 32768 "
+                   "in positions, T_max (default: T + 4 steps + 8, just enough); --e2e-length 16384 --capacity 32768 "
                    "times the steps at T_max / 2")
     p.add_argument("--e2e-budget", type=at_least(PAGE_SIZE), default=1024, help="end to end: the page rows' budget "
                    "in tokens beyond the window (default: 1024)")
-    p.add_argument("--steps", type=at_least(1), default=10, help="end to end: timed steps per method and mode "
-                   "(default: 10)")
+    p.add_argument("--steps", type=at_least(1), default=10, help="end to end: timed steps per method, eager (the "
+                   "graph loop: 4 times as many) (default: 10)")
     p.add_argument("--quick", action="store_true", help="fewer timed calls")
     p.add_argument("--out", default=None, help="output folder (default: a new folder runs/bench-gpu/<time>, so that no "
                    "run overwrites another's; results/bench-gpu holds the committed tables)")

@@ -101,10 +101,13 @@ def test_bf16_caches_and_a_correction(monkeypatch):
     assert y.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("per_row, dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
-def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row, dtype):
+@pytest.mark.parametrize("per_row, dtype, chunk", [(False, torch.float32, 8), (True, torch.float32, 8),
+                                                   (True, torch.bfloat16, 8), (True, torch.float32, 2)])
+def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row, dtype, chunk, monkeypatch):
     """kernels.fused_dense: each query attends to its row's positions [start, T) and nothing past T (views to the
-    capacity, T on the device, one for all rows or one per row), every head, written at its cache row with `out`."""
+    capacity, T on the device, one for all rows or one per row), every head, written at its cache row with `out`;
+    the merge reading its group's splits in chunks of MERGE_CHUNK, the last one partial (2: 5 splits in 3 chunks)."""
+    monkeypatch.setattr(kernels, "MERGE_CHUNK", chunk)
     B, H, Hkv, D, T_max = 3, 8, 2, 16, 300
     g = torch.Generator().manual_seed(11)
     q = torch.randn(B, H, D, generator=g)

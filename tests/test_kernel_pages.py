@@ -120,11 +120,11 @@ def bulk_read_by_hand(chosen, T, P):
 
 
 def check_against_torch(method, P, budget, calibration=None, budget_frac=None, seed=0, rows=ROWS,
-                        dtype=torch.float32):
+                        dtype=torch.float32, **kw):
     """The batch through the kernel, each row through the torch path: labels, chosen pages, output and read."""
     q, k, v, start, length = batch(seed, rows, dtype=dtype)
     y, labels, read, chosen, reads = run_kernel(method, q, k, v, start, length, P, budget, calibration,
-                                                budget_frac=budget_frac, with_read=True, inspect=True)
+                                                budget_frac=budget_frac, with_read=True, inspect=True, **kw)
     W = candidates(T_MAX, N_SINK, N_LOCAL, P)
     assert chosen.shape == (len(rows), H, W)
     for i in range(len(rows)):
@@ -168,6 +168,14 @@ def test_a_bf16_batch_chooses_the_pages_of_the_exact_bound(method):
     and the chosen pages are still those of Quest's bound in float64, and the output is the torch path's within bf16
     rounding."""
     check_against_torch(method, 16, 3 * 16, split(True), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("method", ["quest", "qada_pages"])
+def test_a_merge_over_several_chunks_of_splits(method, monkeypatch):
+    """Each long group's pages in splits of two (one tile of block_n // P pages), merged with the window two splits
+    at a time (MERGE_CHUNK): up to 18 pages in 9 splits, 5 chunks, the last one partial."""
+    monkeypatch.setattr(kernels, "MERGE_CHUNK", 2)
+    check_against_torch(method, 16, 10_000, split(True), split=2)
 
 
 @pytest.mark.parametrize("method", ["qada_pages", "qada_pages_sum", "qada_pages_share"])
@@ -382,8 +390,8 @@ for name, signature, constexprs, options in json.load(sys.stdin):
 
 def compile_for_gpu(launches, arch=90):
     """Compile captured launches for an NVIDIA GPU of compute capability `arch` with the installed Triton, from each
-    launch's own values: a tensor as a pointer to its dtype, a constexpr as its value, num_warps and num_stages as the
-    options.
+    launch's own values: a tensor as a pointer to its dtype, a constexpr as its value, num_warps, num_stages and
+    launch_pdl as the options.
     Returns the compiler's exit status and its error output."""
     dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
               torch.int32: "i32", torch.int8: "i8"}
@@ -393,14 +401,14 @@ def compile_for_gpu(launches, arch=90):
         values = dict(zip(params, args)) | kwargs
         signature, constexprs = {}, {}
         for name, p in params.items():
-            x = values[name]
+            x = values[name] if name in values else p.default  # a constexpr left at its default
             if p.annotation is triton.language.constexpr:
                 signature[name], constexprs[name] = "constexpr", x
             elif isinstance(x, torch.Tensor):
                 signature[name] = "*" + dtypes[x.dtype]
             else:
                 signature[name] = "fp32" if isinstance(x, float) else "i32"
-        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
         specs.append((kernel.fn.__name__, signature, constexprs, options))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE, str(arch)], input=json.dumps(specs), text=True, env=env,
@@ -410,18 +418,20 @@ def compile_for_gpu(launches, arch=90):
 
 @pytest.mark.skipif("nvidia" not in __import__("triton.backends", fromlist=["backends"]).backends,
                     reason="this Triton has no NVIDIA backend")
-@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada"])
+@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada", "qada-pdl"])
 def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     """The launches a GPU runs with a bf16 query and cache (kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW, the split
     kernel on tensor cores) compile for an H100 here, where the interpreter never runs them: the bounds' LOW form once
     failed to compile on the GPU only (tl.maximum of a bf16 tile gives fp32 in Triton 3.6, and tl.dot refuses mixed
-    operands). Each kernel of the step is captured at its real launch and compiled from it."""
+    operands). Each kernel of the step is captured at its real launch and compiled from it; "qada-pdl" as an H100 with
+    kernels.SPLIT_LAUNCH's PDL launches it (griddepcontrol, which the interpreter cannot run)."""
     launches = []
     for name in KERNELS:
         monkeypatch.setattr(kernels, name, Captured(getattr(kernels, name), launches))
     monkeypatch.setattr(kernels, "INTERPRETED", False)  # tensor_cores: what a GPU would launch
+    monkeypatch.setattr(kernels, "pdl", lambda q: method == "qada-pdl")
     q, k, v, start, length = batch(0, dtype=torch.bfloat16)
-    if method == "qada":
+    if method.startswith("qada-") or method == "qada":
         rows = torch.arange(len(ROWS), dtype=torch.int32)
         A, b = torch.zeros(len(ROWS), HKV, D, D), torch.zeros(len(ROWS), HKV, D)
         fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), torch.full((len(ROWS),), 0.5, dtype=torch.float64),
@@ -429,8 +439,10 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     else:
         run_kernel(method, q, k, v, start, length, 16, 48, split(True))
     assert [kernel.fn.__name__ for kernel, _, _ in launches] == \
-        [n for n in KERNELS if method != "qada" or n != "_page_bound_kernel"]
+        [n for n in KERNELS if not method.startswith("qada") or method.startswith("qada_pages") or
+         n != "_page_bound_kernel"]
     assert all(kwargs.get("LOW") is True for _, _, kwargs in launches)
+    assert all(kwargs.get("PDL", False) == (method == "qada-pdl") for _, _, kwargs in launches)
     status, errors = compile_for_gpu(launches)
     assert status == 0, errors[-3000:]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What this project checks and measures on an NVIDIA GPU, in one device call of under ten minutes (~8 on an H200): the
-# kernels' and the graph-replayed loop's tests on CUDA, the kernels' tests again at the exact fp32 launch (LOW off),
+# kernels' and the graph-replayed loop's tests on CUDA, the kernels' tests again at a launch to adopt (QADA_TEST_LAUNCH),
 # each kernel's device time in a step, generate.py's loops end to end (lab/bench_gpu.py says what each table is), page
 # selection in the fused kernel (lab/bench_pages_gpu.py --quick), the CLI with --cuda-graphs auto and off. On a machine
 # without internet, gguf and wonderwords come as wheels in .whl/ (pip download, see README).
@@ -37,26 +37,29 @@ QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$FILES/tests-cuda.txt" | cut -c1-220 | tail -40
 pack
 
-echo "== the kernels' tests again, the window's and the bounds' products in exact fp32 off the tensor cores (LOW off)"
-QADA_TEST_LAUNCH='{"window": {"LOW": false}, "bound": {"LOW": false}}' QADA_TEST_DEVICE=cuda \
+echo "== the kernels' tests again at a launch to adopt if they pass and it is faster: the window kernel in tiles of 64"
+QADA_TEST_LAUNCH='{"window": {"BLOCK_W": 64, "BLOCK_D": 64}}' QADA_TEST_DEVICE=cuda \
   timeout 120 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
-  tests/test_kernel.py tests/test_kernel_pages.py tests/test_batch.py > "$FILES/tests-cuda-exact.txt" 2>&1
-echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$FILES/tests-cuda-exact.txt" | cut -c1-220 | tail -30
+  tests/test_kernel.py tests/test_kernel_pages.py tests/test_batch.py > "$FILES/tests-cuda-tiles64.txt" 2>&1
+echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$FILES/tests-cuda-tiles64.txt" | cut -c1-220 | tail -30
 pack
 
 echo "== where a fused step's time goes: each kernel's device time, and the graph's, Llama-3-8B shapes at 32k;"
 echo "   the window and split kernels at other launches (${SECONDS}s in)"
-timeout 150 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
+timeout 200 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
 
-echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k"
-echo "   (${SECONDS}s in)"
-timeout 300 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32,32x8 --out "$FILES"; pack
-echo "== the same at T_max / 2 and T_max / 8 (capacity 32k): the graph's view follows T, not the capacity"
-timeout 80 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
-timeout 70 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 echo "== page selection in the fused kernel, attention only: QAdA + pages and Quest alone against the best dense"
 echo "   (${SECONDS}s in)"
 timeout 110 python3 -m lab.bench_pages_gpu --quick --out "$FILES/pages"; pack
+
+echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k"
+echo "   (${SECONDS}s in)"
+timeout 330 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32,32x8 --out "$FILES"; pack
+echo "== the same at T_max / 2 (capacity 32k): the graph's view follows T, not the capacity (T_max / 8: SHORT=1)"
+timeout 100 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+if [ -n "${SHORT:-}" ]; then
+  timeout 90 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+fi
 if [ -n "${ATTENTION:-}" ]; then  # attention alone (unchanged by the loop; ~170 s): ATTENTION=1 bash run.sh
   timeout 170 python3 -m lab.bench_gpu --parts attention --out "$FILES"; pack
 fi
