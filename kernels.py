@@ -31,14 +31,16 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 
 try:  # the fused kernel's compiler: optional, CUDA builds of torch bring it; the torch paths need nothing of it
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # programmatic dependent launch (SM90+)
 except ImportError:
     triton = None
+try:  # programmatic dependent launch (SM90 and later; SPLIT_LAUNCH's PDL), absent from older Triton
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels (the tests)
 
 from criterion import GROUP_RULES, Correction, tau_logit
@@ -52,9 +54,9 @@ assert set(RULES) == {None, *GROUP_RULES}
 WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=True)
 # LOW: with a bf16 or fp16 query and cache, the window's products (WINDOW_LAUNCH) and the page bounds' (BOUND_LAUNCH)
 # on tensor cores in the stored dtype, in place of "ieee" fp32 products that do not use them (on an H200 the window
-# kernel took 33-35 us at 32k so, 10-12 us with LOW). The products are exact in fp32 either way; only the order of
-# their sums differs, and the window's p is rounded to the cache's dtype for the values, so a label or a page within
-# fp32 rounding of its threshold may flip. The GPU suite holds the labels and the chosen pages to the torch paths' with
+# kernel took 33-35 us at 32k so, 10-12 us with LOW). The products are exact in fp32 either way; their sums are not
+# in the same order nor IEEE-rounded at each step, and the window's p is rounded to the cache's dtype for the values,
+# so a label or a page within fp32 rounding of its threshold may flip. The GPU suite holds the labels and the chosen pages to the torch paths' with
 # it on (results/bench-gpu/run.sh runs it again with LOW off).
 BOUND_LAUNCH = dict(num_warps=4, LOW=True)
 # How the split kernel is launched: the positions of a tile (block_n's default), warps per program, the depth of
@@ -111,7 +113,7 @@ if triton is not None:
         # (WINDOW_LAUNCH's, where the query and cache are one 16-bit dtype): tensor-core products of the stored
         # values, exact in fp32, and p rounded to the cache's dtype for the values, as the split kernel does; otherwise
         # fp32 products at PRECISION, "ieee" being exact, not TF32. Either way the labels are the torch path's up to
-        # the order of the sums.
+        # how the sums are ordered and rounded.
         short = n_ctx <= N_LOCAL
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_sum = tl.zeros((G_PAD,), tl.float32)
@@ -331,7 +333,7 @@ if triton is not None:
         # Quest's bound of BLOCK_P candidate pages for the G heads of a (row, KV head): sum_d max(q_d min_d, q_d max_d)
         # = q+ . max + q- . min (pages.upper_bounds), unscaled, in exact fp32 products as the torch path ranks them:
         # "ieee" tl.dot, or with LOW (a 16-bit query and statistics) tensor-core products of the stored values, which
-        # are exact in fp32 as well (only the order of the sums differs).
+        # are exact in fp32 as well (their sums are not in the same order nor IEEE-rounded at each step).
         # A page that is no candidate (past the row's bulk, a local group, no budget) scores -inf; when the budget
         # covers every candidate, each scores 0 and no statistic is read (attention.top_pages reads none then).
         b, g, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -352,7 +354,7 @@ if triton is not None:
             hi = tl.load(HI + b * shb + g * shh + p[:, None] * shp + d[None, :], mask=need[:, None], other=0.0)
             if LOW:  # (G_PAD, D) in the stored dtype, its positive and negative parts
                 zero = tl.zeros_like(q)  # (tl.maximum and tl.minimum return fp32 for 16-bit tiles in Triton 3.6)
-                q_pos, q_neg = tl.maximum(q, zero).to(hi.dtype), tl.minimum(q, zero).to(hi.dtype)
+                q_pos, q_neg = tl.maximum(q, zero).to(hi.dtype), tl.minimum(q, zero).to(lo.dtype)  # exact: q's own
                 bound = tl.dot(q_pos, tl.trans(hi)) + tl.dot(q_neg, tl.trans(lo))
             else:
                 q = q.to(tl.float32)
@@ -388,8 +390,9 @@ def low(config: dict, q: torch.Tensor, *stored: torch.Tensor) -> bool:
 
 def pdl(q: torch.Tensor) -> bool:
     """Whether the split kernel is launched programmatically dependent on the window kernel (SPLIT_LAUNCH's PDL):
-    asked for, compiled (not the interpreter), on a GPU of compute capability 9 or later."""
-    return SPLIT_LAUNCH["PDL"] and not INTERPRETED and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    asked for, compiled (not the interpreter) by a Triton that has it, on a GPU of compute capability 9 or later."""
+    return (SPLIT_LAUNCH["PDL"] and gdc_wait is not None and not INTERPRETED and q.is_cuda
+            and torch.cuda.get_device_capability(q.device)[0] >= 9)
 
 
 def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
@@ -663,11 +666,11 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
             lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2), scores.stride(0), scores.stride(1), W,
             H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, PAGE=P, N_SINK=n_sink, N_LOCAL=n_local, BLOCK_P=block_p,
             PER_HEAD=per_head, COMBINE=int(combine == "sum"), LEN_PER_ROW=len_per_row,
-            num_warps=BOUND_LAUNCH["num_warps"], LOW=low(BOUND_LAUNCH, q, lo))
+            num_warps=BOUND_LAUNCH["num_warps"], LOW=low(BOUND_LAUNCH, q, lo, hi))
         if combine == "share" and not quest:  # one ranking per group: the most any head's share could be (n, Hkv, W)
             scores = group_ranking(scores.view(B * Hkv, G, W), combine, log_local.view(B * Hkv, G), P,
                                    sm_scale).view(B, Hkv, W)
-        ids, heads, n_valid = choose_pages(scores, n_read, n_sel, Hkv)
+        ids, heads, n_valid = choose_pages(scores, n_read, n_sel, Hkv, ranked=budget_frac is not None)
     else:  # less than a page of budget, or no bulk at the capacity: the window only
         ids = torch.zeros(B, Hkv, 1, dtype=torch.int64, device=dev)
         heads, n_valid = None, torch.zeros(B, Hkv, dtype=torch.int32, device=dev)
@@ -681,6 +684,9 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     o_part = torch.empty(B, Hkv, n_splits, G, D, device=dev, dtype=f32)
     m_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
     l_part = torch.empty(B, Hkv, n_splits, G, device=dev, dtype=f32)
+    if inspect:  # (tests) what no split program writes is NaN: a merge that read it would say so
+        for x in (o_part, m_part, l_part):
+            x.fill_(math.nan)
     counts = torch.zeros(B, Hkv, n_splits, device=dev, dtype=torch.int32) if inspect else dummy
     _split_attention_kernel[(B, Hkv, n_splits)](
         q, k, v, rows, start, length, read, labels, y_win, log_local, o_part, m_part, l_part, arrived, y, n_splits,
@@ -700,16 +706,20 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     return result
 
 
-def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: int):
+def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: int, ranked: bool = True):
     """The pages each (row, KV head) reads, from the candidates' scores (n, R, W) (-inf: not a candidate): the n_read
     (n,) highest of each ranking, R = Hkv rankings (one per group) or H (one per query head: Quest), n_sel >= n_read
     the budget's pages at the capacity. Returns page numbers ids (n, Hkv, U), of which the first n_valid (n, Hkv) are
     read, each once, and per entry the bits of the query heads that chose it (n, Hkv, U) int32, or None when a
-    group's heads all read its pages. Fixed shapes throughout (topk's k is n_sel): nothing is read back to the host."""
+    group's heads all read its pages. Fixed shapes throughout (topk's k is n_sel): nothing is read back to the host.
+    `ranked` False: n_read is n_sel or more in every row (a budget in tokens), so that Quest's topk need not sort what
+    it picks (its union below takes them in any order; a group's list must keep its valid entries first)."""
     n, R, W = scores.shape
-    top, ids = scores.topk(n_sel, dim=-1)  # (n, R, n_sel), highest first
-    rank = torch.arange(n_sel, device=scores.device)
-    valid = (top > -math.inf) & (rank < n_read.view(n, 1, 1))  # a prefix of each ranking
+    ranked = ranked or R == Hkv
+    top, ids = scores.topk(n_sel, dim=-1, sorted=ranked)  # (n, R, n_sel), highest first where ranked
+    valid = top > -math.inf
+    if ranked:  # each ranking's first n_read: a prefix
+        valid &= torch.arange(n_sel, device=scores.device) < n_read.view(n, 1, 1)
     if R == Hkv:
         return ids, None, valid.sum(-1, dtype=torch.int32)
     # Quest: a KV head reads the union of its G heads' pages, each page once, with the bits of the heads that chose it
@@ -719,11 +729,15 @@ def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: in
     ids = ids.view(n, Hkv, G * n_sel)
     heads = torch.zeros(n, Hkv, W + 1, dtype=torch.int32, device=scores.device)
     heads.scatter_add_(2, ids, bits)  # a page's heads: a sum of distinct bits (a head picks a page once) is their OR
-    union = torch.where(bits != 0, ids, W).sort(-1).values  # W: no page, sorted last
-    first = (union != F.pad(union, (1, 0), value=-1)[..., :-1]) & (union < W)  # each page's first entry
-    ids = torch.where(first, union, W).sort(-1).values  # the pages read, then W
-    ids = ids[..., :min(G * n_sel, W)].contiguous()  # (heads.gather's strides: the kernel reads both alike)
-    return ids, heads.gather(2, ids), first.sum(-1, dtype=torch.int32)
+    # The union in page order without a sort: each chosen page's slot is the count of chosen pages before it (a
+    # cumsum over the W candidates); the rest go to a spare slot U, dropped. W: no page.
+    chosen = heads[..., :W] != 0  # (n, Hkv, W)
+    U = min(G * n_sel, W)
+    slot = torch.where(chosen, chosen.cumsum(-1) - 1, U)
+    pages = torch.arange(W, device=scores.device).expand(n, Hkv, W)
+    ids = torch.full((n, Hkv, U + 1), W, dtype=torch.int64, device=scores.device).scatter_(2, slot, pages)
+    ids = ids[..., :U].contiguous()  # (heads.gather's strides: the kernel reads both alike)
+    return ids, heads.gather(2, ids), chosen.sum(-1, dtype=torch.int32)
 
 
 def entries_read(ids: torch.Tensor, n_valid: torch.Tensor, group_read: torch.Tensor, n_ctx: torch.Tensor,

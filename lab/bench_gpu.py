@@ -481,7 +481,9 @@ def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
             if 0 < f < 1:
                 window = launch_variants(step, kernels.WINDOW_LAUNCH, WINDOW_VARIANTS, lambda fn: kernel_us(
                     fn, device).get("_window_decide_kernel", math.nan))
-                split_launches = launch_variants(step, kernels.SPLIT_LAUNCH, SPLIT_VARIANTS,
+                pdl = torch.cuda.get_device_capability(device)[0] >= 9  # else kernels.pdl launches it without
+                split_launches = launch_variants(step, kernels.SPLIT_LAUNCH,
+                                                 [v for v in SPLIT_VARIANTS if pdl or "PDL" not in v],
                                                  lambda fn: 1e3 * graph_ms(fn, device))
         for row in batch.rows:
             row.stats = HeadStats(N_LOCAL)

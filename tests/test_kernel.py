@@ -106,8 +106,10 @@ def test_bf16_caches_and_a_correction(monkeypatch):
 def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row, dtype, chunk, monkeypatch):
     """kernels.fused_dense: each query attends to its row's positions [start, T) and nothing past T (views to the
     capacity, T on the device, one for all rows or one per row), every head, written at its cache row with `out`;
-    the merge reading its group's splits in chunks of MERGE_CHUNK, the last one partial (2: 5 splits in 3 chunks)."""
+    the merge reading its group's splits in chunks of MERGE_CHUNK (2, in splits of 32: a row's 7 splits in 4 chunks,
+    the last one partial)."""
     monkeypatch.setattr(kernels, "MERGE_CHUNK", chunk)
+    split = 32 if chunk == 2 else 64
     B, H, Hkv, D, T_max = 3, 8, 2, 16, 300
     g = torch.Generator().manual_seed(11)
     q = torch.randn(B, H, D, generator=g)
@@ -117,7 +119,7 @@ def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row,
     length = torch.tensor(T[:1] if not per_row else T, dtype=torch.int32)
     rows = torch.tensor([2, 0, 1], dtype=torch.int32)  # query i reads cache row rows[i]
     out = torch.full((B, H, D), math.nan, dtype=dtype)
-    kernels.fused_dense(q.to(dtype), k.to(dtype), v.to(dtype), rows, start, length=length, split=64, block_n=16,
+    kernels.fused_dense(q.to(dtype), k.to(dtype), v.to(dtype), rows, start, length=length, split=split, block_n=16,
                         out=out)
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for i in range(B):

@@ -55,9 +55,9 @@ timeout 110 python3 -m lab.bench_pages_gpu --quick --out "$FILES/pages"; pack
 echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k"
 echo "   (${SECONDS}s in)"
 timeout 330 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32,32x8 --out "$FILES"; pack
-echo "== the same at T_max / 2 (capacity 32k): the graph's view follows T, not the capacity (T_max / 8: SHORT=1)"
+echo "== the same at T_max / 2 (capacity 32k): the graph's view follows T, not the capacity (T_max / 8 with T4K=1)"
 timeout 100 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
-if [ -n "${SHORT:-}" ]; then
+if [ -n "${T4K:-}" ]; then
   timeout 90 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 fi
 if [ -n "${ATTENTION:-}" ]; then  # attention alone (unchanged by the loop; ~170 s): ATTENTION=1 bash run.sh
