@@ -399,6 +399,18 @@ def page_batchable(rows: list) -> bool:
                and (a.moments is None or isinstance(a.moments, FixedMoments)) for a in rows)
 
 
+def stacked_forms(forms: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's quadratic forms of n rows, each (A (Hkv, D, D), b (Hkv, D)), as (n, Hkv, D, D) and (n, Hkv, D)
+    fp32 on `device`: where every row has the same form (the same moments object: Option 2 for prompts of one
+    length, moments.ReferenceKeys.bulk_moments) one copy broadcast over the rows, so that the window kernel reads it
+    once for all of them (a row stride of 0) and no copy per row is made; else one stacked copy per row."""
+    A0, b0 = forms[0]
+    if all(A is A0 and b is b0 for A, b in forms):
+        A0, b0 = A0.float().to(device), b0.float().to(device)
+        return A0[None].expand(len(forms), *A0.shape), b0[None].expand(len(forms), *b0.shape)
+    return tuple(torch.stack([f[i] for f in forms]).float().to(device) for i in (0, 1))
+
+
 def page_rows(rows: list, q, k, v, layer: int, live: list[int], start: list[int], y: torch.Tensor) -> torch.Tensor:
     """The live rows' page path (page_batchable: one quest or qada_pages entry for all), for all of them at once: q
     (B, H, 1, D), k/v (B, Hkv, T, D) the stacked cache, row b filled from start[b] on; writes y (B, H, 1, D) at the
@@ -423,7 +435,7 @@ def page_rows(rows: list, q, k, v, layer: int, live: list[int], start: list[int]
     labels = torch.zeros(n, H, dtype=torch.bool, device=q.device)  # Quest labels no head window-only
     if page_kind(first.method) is qada_pages:
         forms = [rows[b].moments.quadratic_form(layer, k) for b in live]  # FixedMoments: one (A, b) per row
-        A, b_ = torch.stack([f[0] for f in forms]), torch.stack([f[1] for f in forms])  # (n, Hkv, D, D), (n, Hkv, D)
+        A, b_ = stacked_forms(forms, q.device)  # (n, Hkv, D, D), (n, Hkv, D)
         tau = torch.tensor([[rows[b].tau] for b in live], dtype=torch.float64, device=q.device)  # (n, 1)
         n_bulk = torch.tensor([[max(t - n_local, 1)] for t in lengths], device=q.device)  # (n, 1); none: see below
         correction = first.inputs["calibration"].layer(layer)
@@ -870,7 +882,7 @@ class BatchAttention:
             forms = [self.rows[b].moments.quadratic_form(layer, k) for b in live]
             self.cached = {kk: c for kk, c in self.cached.items() if kk[1] == key[1]}  # rows that ended are gone
             tau = torch.tensor([[self.rows[b].tau] for b in live], dtype=torch.float64, device=q.device)  # (n, 1)
-            self.cached[key] = (torch.stack([A for A, _ in forms]), torch.stack([b for _, b in forms]),  # (n, Hkv, ...)
+            self.cached[key] = (*stacked_forms(forms, q.device),  # (n, Hkv, D, D), (n, Hkv, D)
                                 tau, kernel_thresholds(tau[:, 0]),  # the kernel's fp32 taus and their logits
                                 torch.tensor([start[b] for b in live], device=q.device),  # (n,)
                                 torch.tensor(live, device=q.device))  # made once per set of live rows, not per step
@@ -1001,8 +1013,7 @@ class StaticAttention:
         if first.method != "dense" and kind is not quest:  # the paths that decide: a form and a tau per row
             rule = qada_rule(first.method)[1]
             for layer in range(L):  # one stack per layer, made once: a step only indexes the list
-                A, b = zip(*(a.moments.quadratic_form(layer, None) for a in rows))
-                forms.append((torch.stack(A).float().to(dev), torch.stack(b).float().to(dev)))
+                forms.append(stacked_forms([a.moments.quadratic_form(layer, None) for a in rows], dev))
             thresholds = kernel_thresholds(torch.tensor([a.tau for a in rows], dtype=torch.float64, device=dev))
             calibration = first.inputs.get("calibration")
             corrections = [None if calibration is None else calibration.layer(layer) for layer in range(L)]

@@ -56,8 +56,8 @@ WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=
 # on tensor cores in the stored dtype, in place of "ieee" fp32 products that do not use them (on an H200 the window
 # kernel took 33-35 us at 32k so, 10-12 us with LOW). The products are exact in fp32 either way; their sums are not
 # in the same order nor IEEE-rounded at each step, and the window's p is rounded to the cache's dtype for the values,
-# so a label or a page within fp32 rounding of its threshold may flip. The GPU suite holds the labels and the chosen pages to the torch paths' with
-# it on (results/bench-gpu/run.sh runs it again with LOW off).
+# so a label or a page within fp32 rounding of its threshold may flip. The GPU suite holds the labels and the chosen
+# pages to the torch paths' with it on (bf16 tests) and off (fp32 tests, where it does not apply).
 BOUND_LAUNCH = dict(num_warps=4, LOW=True)
 # How the split kernel is launched: the positions of a tile (block_n's default), warps per program, the depth of
 # Triton's software pipeline over the tiles (Triton's own defaults), and PDL: programmatic dependent launch (Hopper
@@ -436,6 +436,13 @@ def kernel_thresholds(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tau.float(), tau_logit(tau.double())
 
 
+def form_operands(form) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' quadratic forms (A (n, Hkv, D, D), b (n, Hkv, D)) as the window kernel reads them: fp32, each row's
+    block contiguous, any stride between rows kept (0: one form broadcast over the rows, attention.stacked_forms,
+    read once for all of them rather than copied per row)."""
+    return tuple(x if x.dtype == torch.float32 and x[0].is_contiguous() else x.float().contiguous() for x in form)
+
+
 def _launch_checks(q: torch.Tensor, out: torch.Tensor | None, name: str) -> None:
     """What both fused entry points need before any launch: triton, and the head dim contiguous in q and out."""
     if triton is None:
@@ -508,7 +515,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     split = split or split_size(B * Hkv, T_max, q.device, block_n)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
-    A, bvec = (x.to(f32).contiguous() for x in form)
+    A, bvec = form_operands(form)
     y_win = torch.empty(B, H, D, device=dev, dtype=f32)
     log_local = torch.empty(B, H, device=dev, dtype=f32)
     labels = torch.empty(B, H, device=dev, dtype=torch.int8)
@@ -639,7 +646,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         A = bvec = tau_f32 = tau_lgt = dummy
         ca = cb = cs = None
     else:
-        A, bvec = (x.to(f32).contiguous() for x in form)
+        A, bvec = form_operands(form)
         tau_f32, tau_lgt = tau if isinstance(tau, tuple) else kernel_thresholds(tau)
         ca, cb, cs = (correction.a, correction.b, correction.s) if correction is not None else (None, None, None)
     sm_scale = 1 / math.sqrt(D)

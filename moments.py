@@ -163,6 +163,9 @@ def reference_end(T: int, n_sink: int, n_local: int) -> int:
     return min(max(T - LENGTH_MARGIN, n_local), bulk_end(T, n_sink, n_local))
 
 
+SHARED = 8  # Option 2 moments a ReferenceKeys keeps for reuse: a batch's distinct prompt lengths, say
+
+
 class ReferenceKeys:
     """Keys (L, Hkv, N, D) of the first N positions of a reference prompt, computed as far as needed."""
 
@@ -185,6 +188,7 @@ class ReferenceKeys:
             if data["settings"] == json.loads(json.dumps(self.settings)):  # never serve other settings' keys
                 self.keys = data["keys"]
         self.passes = 0  # forward passes run by this object (what a test checks the rule "only as needed" by)
+        self.shared = {}  # (end, n_sink) -> FixedMoments, the last SHARED made (bulk_moments)
 
     @property
     def length(self) -> int:
@@ -210,8 +214,15 @@ class ReferenceKeys:
         return self.keys[:, :, :n]
 
     def bulk_moments(self, end: int, n_sink: int = 16) -> FixedMoments:
-        """Moments of the reference keys at positions [n_sink, end)."""
-        return FixedMoments(*mean_cov(self.ensure(end)[:, :, n_sink:end]), end - n_sink)  # (L, Hkv, N, D) keys
+        """Moments of the reference keys at positions [n_sink, end), one object for the prompts of one length: a batch
+        of them then reads one quadratic form per layer and KV head, not a copy per row (attention.stacked_forms).
+        The last SHARED are kept, so that a sweep over many lengths does not keep them all."""
+        key = (end, n_sink)
+        if key not in self.shared:
+            self.shared[key] = FixedMoments(*mean_cov(self.ensure(end)[:, :, n_sink:end]), end - n_sink)  # (L,Hkv,N,D)
+            while len(self.shared) > SHARED:
+                self.shared.pop(next(iter(self.shared)))  # the oldest
+        return self.shared[key]
 
     def for_prompt(self, T: int, n_sink: int = 16, n_local: int = 128) -> FixedMoments:
         """Option 2's moments for a prompt of T positions (reference_end)."""

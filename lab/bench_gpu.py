@@ -51,9 +51,9 @@ The step decode_static captures runs once eagerly under torch.cuda.set_sync_debu
 whether one was met.
 
 Part 3, --parts kernels (not in "all"): where a fused step's time goes, Llama-3-8B shapes at each --lengths and
---batches, KV read 0, 0.3 and 1. Each kernel's device time per step from torch.profiler over 20 eager steps run back
-to back (the small torch operations around the kernels included, by their CUDA kernels' names), their sum, and the
-step replayed from a CUDA graph as part 1 times it, with kernels.split_size's split and with each of SPLITS
+--batches, KV read 0, 0.3 and 1, the step as generate's static loop calls it (static_step: the two kernels, T in a
+device tensor). Each kernel's device time per step from torch.profiler over 20 eager steps run back to back (any
+small torch operation by its CUDA kernel's name), their sum, and the step replayed from a CUDA graph as part 1 times it, with kernels.split_size's split and with each of SPLITS
 (context positions per split program; batch 1 fills the GPU only with small ones). The graph's time exceeds the sum
 by the gaps between its kernels, and by the L2 being flushed before each timed replay, not before each profiled step:
 at KV read 0 the step's data fit in L2, so there the difference is mostly gaps, and at read 1 it is mostly the cache
@@ -82,7 +82,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from attention import BatchAttention, DecodeAttention, HeadStats, StaticAttention, page_size, path_inputs
+from attention import (BatchAttention, DecodeAttention, HeadStats, StaticAttention, page_size, path_inputs,
+                       qada_rule)
 from criterion import TAU, Calibration
 from generate import decode_batch, decode_static, graph_view, pick_device, step_attention
 from lab.bench import full_pattern, ideal_speedup, pattern_moments, qada_kernel
@@ -461,6 +462,20 @@ def launch_variants(step, config: dict, changes: list[dict], timer) -> str:
     return "; ".join(cells)
 
 
+def static_step(batch: BatchAttention, layer: Layer):
+    """The fused step as generate's static loop calls it (attention.StaticAttention): kernels.fused_qada on the rows'
+    stacked forms and thresholds, T in a device tensor made once, the output written into a buffer: the two kernels
+    and nothing around them (BatchAttention's eager call also makes T a device tensor, one small launch per layer).
+    batch must have run once (its cache of the rows' forms)."""
+    (A, b, _, thresholds, start, rows), = batch.cached.values()
+    length = torch.full((1,), layer.T, dtype=torch.int32, device=layer.q.device)
+    rows, start = rows.int(), start.int()
+    y = torch.empty_like(layer.q)
+    rule = qada_rule(batch.rows[0].method)[1]
+    return lambda: kernels.fused_qada(layer.q[:, :, 0], layer.k, layer.v, rows, start, N_SINK, N_LOCAL, (A, b),
+                                      thresholds, rule, None, length=length, out=y[:, :, 0])[0]
+
+
 def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
     """Rows of the kernels table (the module's docstring, part 3) for Llama-3-8B shapes at T and B."""
     rows = []
@@ -468,9 +483,9 @@ def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
     for f in (0.0, 0.3, 1.0):
         full = full_pattern(B, layer.Hkv, f)
         batch = layer.attention(full)
-        step = lambda: batch(layer.q, layer.k, layer.v, 0)  # noqa: E731
         with qada_kernel("triton"):
             layer.check(batch, full)
+            step = static_step(batch, layer)
             per_kernel = kernel_us(step, device)
             graph = graph_ms(step, device)
             by_split = {}

@@ -37,6 +37,17 @@ def test_the_moments_give_each_pattern_and_a_wrong_one_is_refused(f, tiny_shapes
             layer.check(layer.attention(full), ~full)
 
 
+@pytest.mark.parametrize("f", [0.5, 1.0])
+def test_the_kernels_table_times_the_step_batch_attention_takes(f, monkeypatch):
+    """static_step, the step the kernels table times (fused_qada as generate's static loop calls it), gives the
+    output of the BatchAttention call it stands for, bit for bit."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    layer = bench_gpu.Layer(8, 2, 16, B=2, T=400, device=torch.device("cpu"), dtype=torch.float32)
+    batch = layer.attention(full_pattern(2, 2, f))
+    want = batch(layer.q, layer.k, layer.v, 0)[:, :, 0]
+    assert torch.equal(bench_gpu.static_step(batch, layer)(), want)
+
+
 def test_the_attention_table_compares_with_the_best_dense(tiny_shapes, monkeypatch):
     times = iter(range(1, 1000))
     monkeypatch.setattr(bench_gpu, "timed_ms", lambda fn, device, quick=False: (fn(), float(next(times)))[1])

@@ -101,6 +101,25 @@ def test_bf16_caches_and_a_correction(monkeypatch):
     assert y.dtype == torch.bfloat16
 
 
+def test_rows_that_share_a_form_read_one_copy_of_it():
+    """attention.stacked_forms: rows whose moments are one object get their layer's form broadcast over them (a row
+    stride of 0: no copy per row, the window kernel reads it once), and fused_qada decides and attends with it bit
+    for bit as with a copy per row; rows with forms of their own get a copy each."""
+    B, H, Hkv, D, T = 3, 6, 2, 16, 300
+    q, k, v, A, b = case(B, H, Hkv, D, T, seed=4)
+    shared = attention.stacked_forms([(A[0], b[0])] * B, q.device)
+    assert shared[0].stride(0) == 0 and shared[1].stride(0) == 0
+    assert kernels.form_operands(shared)[0].stride(0) == 0  # the kernel is handed the broadcast, not a copy
+    copies = (A[0].expand(B, -1, -1, -1).clone(), b[0].expand(B, -1, -1).clone())
+    rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([0, 5, 40], dtype=torch.int32)
+    tau = torch.tensor([0.6, 0.3, 0.9], dtype=torch.float64)
+    got = fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, shared, tau, "mean", split=64, block_n=16)
+    want = fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, copies, tau, "mean", split=64, block_n=16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    own = attention.stacked_forms([(A[i], b[i]) for i in range(B)], q.device)
+    assert own[0].stride(0) == Hkv * D * D and torch.equal(own[0], A)
+
+
 @pytest.mark.parametrize("per_row, dtype, chunk", [(False, torch.float32, 8), (True, torch.float32, 8),
                                                    (True, torch.bfloat16, 8), (True, torch.float32, 2)])
 def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row, dtype, chunk, monkeypatch):

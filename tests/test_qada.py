@@ -10,7 +10,7 @@ from attention import DecodeAttention, HeadStats, kv_read_fraction, mixed_attent
 from criterion import (Calibration, check_tau, gaussian_form, gaussian_log_bulk, load_labels, oracle_labels,
                        oracle_log_masses, qada_labels, save_labels,
                        static_labels)
-from moments import (FixedMoments, OnlineMoments, ReferenceKeys, make_moments, mean_cov, prompt_moments,
+from moments import (SHARED, FixedMoments, OnlineMoments, ReferenceKeys, make_moments, mean_cov, prompt_moments,
                      reference_end)
 from pages import PageIndex
 
@@ -399,6 +399,17 @@ def test_reference_keys_follow_the_exact_rule_and_run_only_as_far_as_needed(tiny
         assert ReferenceKeys(tiny, tok, n_max=4096, root=tmp_path, progress=False).length == 0
     finally:
         tiny.cfg.rope_theta = saved
+
+
+def test_prompts_of_one_length_share_their_option_2_moments(tiny, tmp_path):
+    """ReferenceKeys.for_prompt gives prompts of one length one moments object (a batch then reads one form per
+    layer, attention.stacked_forms), another length its own, and keeps only the last SHARED."""
+    ref = ReferenceKeys(tiny, WordTokenizer(), n_max=4096, root=tmp_path, progress=False)
+    m = ref.for_prompt(1500, N_SINK, N_LOCAL)
+    assert ref.for_prompt(1500, N_SINK, N_LOCAL) is m and ref.for_prompt(1501, N_SINK, N_LOCAL) is not m
+    for T in range(1502, 1502 + SHARED):
+        ref.for_prompt(T, N_SINK, N_LOCAL)
+    assert len(ref.shared) == SHARED and ref.for_prompt(1500, N_SINK, N_LOCAL) is not m
 
 
 @pytest.mark.parametrize("T,end", [(5, N_LOCAL), (N_LOCAL, N_LOCAL), (N_LOCAL + 1, N_LOCAL + 1 - (N_LOCAL - N_SINK)), (600, N_LOCAL), (1024 + 200, 200),
