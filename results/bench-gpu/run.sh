@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What this project checks and measures on an NVIDIA GPU, in one device call of under ten minutes (~8 on an H200): the
+# What this project checks and measures on an NVIDIA GPU, in one device call of under ten minutes (~9 on an H200): the
 # kernels' and the graph-replayed loop's tests on CUDA, the kernels' tests again at a launch to adopt (QADA_TEST_LAUNCH),
 # each kernel's device time in a step, generate.py's loops end to end (lab/bench_gpu.py says what each table is), page
 # selection in the fused kernel (lab/bench_pages_gpu.py --quick), the CLI with --cuda-graphs auto and off. On a machine
