@@ -50,8 +50,9 @@ RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the 
 assert set(RULES) == {None, *GROUP_RULES}
 # How the window kernel is launched: warps per program, its tiles (window positions, columns of the quadratic form;
 # capped by the window and the head dim), tl.dot's precision for the fp32 quadratic form ("ieee": exact fp32
-# products) and LOW; lab.bench_gpu --parts kernels times the alternatives beside it.
-WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=True)
+# products), LOW, and how many times its two loops are unrolled (1: not); lab.bench_gpu --parts kernels times the
+# alternatives beside it.
+WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=True, UNROLL=1)
 # LOW: with a bf16 or fp16 query and cache, the window's products (WINDOW_LAUNCH) and the page bounds' (BOUND_LAUNCH)
 # on tensor cores in the stored dtype, in place of "ieee" fp32 products that do not use them (on an H200 the window
 # kernel took 33-35 us at 32k so, 10-12 us with LOW). The products are exact in fp32 either way; their sums are not
@@ -94,7 +95,7 @@ if triton is not None:
                               W_PAD: tl.constexpr, RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
                               BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr,
                               DECIDE: tl.constexpr, BY_ROW: tl.constexpr, PRECISION: tl.constexpr,
-                              LOW: tl.constexpr, PDL: tl.constexpr = False):
+                              LOW: tl.constexpr, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1):
         if PDL:  # the split grid after this one may be scheduled now; its programs wait for this grid's writes
             gdc_launch_dependents()
         b, g = tl.program_id(0), tl.program_id(1)
@@ -118,7 +119,8 @@ if triton is not None:
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_sum = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
-        for w0 in range(0, W_PAD, BLOCK_W):  # block 0 holds position 0, so m is finite after it
+        # UNROLL (WINDOW_LAUNCH's): this loop's and the form's unrolled so many times, their loads issued together
+        for w0 in tl.range(0, W_PAD, BLOCK_W, loop_unroll_factor=UNROLL):  # block 0 holds position 0: m finite after
             w = w0 + tl.arange(0, BLOCK_W)
             pos = tl.where(short | (w < N_SINK), start + w, T - N_LOCAL + w)
             w_ok = tl.where(short, w < n_ctx, w < N_LOCAL)
@@ -148,7 +150,7 @@ if triton is not None:
         else:
             # Eq. 6: q A q^T + q b, with A read BLOCK_D columns at a time
             quad = tl.zeros((G_PAD,), tl.float32)
-            for j0 in range(0, D, BLOCK_D):
+            for j0 in tl.range(0, D, BLOCK_D, loop_unroll_factor=UNROLL):
                 j = j0 + tl.arange(0, BLOCK_D)
                 a_cols = tl.load(A + b * sab + g * sah + d[:, None] * D + j[None, :])  # (D, BLOCK_D) fp32
                 q_j = tl.load(q_rows + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, BLOCK_D)
@@ -385,7 +387,6 @@ def tensor_cores(q: torch.Tensor, *stored: torch.Tensor) -> bool:
 def low(config: dict, q: torch.Tensor, *stored: torch.Tensor) -> bool:
     """Whether a launch config's LOW applies: asked for, and tensor_cores allows it."""
     return config["LOW"] and tensor_cores(q, *stored)
-
 
 
 def pdl(q: torch.Tensor) -> bool:

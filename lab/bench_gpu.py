@@ -53,8 +53,9 @@ whether one was met.
 Part 3, --parts kernels (not in "all"): where a fused step's time goes, Llama-3-8B shapes at each --lengths and
 --batches, KV read 0, 0.3 and 1, the step as generate's static loop calls it (static_step: the two kernels, T in a
 device tensor). Each kernel's device time per step from torch.profiler over 20 eager steps run back to back (any
-small torch operation by its CUDA kernel's name), their sum, and the step replayed from a CUDA graph as part 1 times it, with kernels.split_size's split and with each of SPLITS
-(context positions per split program; batch 1 fills the GPU only with small ones). The graph's time exceeds the sum
+small torch operation by its CUDA kernel's name), their sum, and the step replayed from a CUDA graph as part 1 times
+it, with kernels.split_size's split and with each of SPLITS (context positions per split program; batch 1 fills the
+GPU only with small ones). The graph's time exceeds the sum
 by the gaps between its kernels, and by the L2 being flushed before each timed replay, not before each profiled step:
 at KV read 0 the step's data fit in L2, so there the difference is mostly gaps, and at read 1 it is mostly the cache
 read from memory.
@@ -417,12 +418,12 @@ def named_us(per_kernel: dict[str, float]) -> str:
 
 
 # The window kernel's launches timed beside kernels.WINDOW_LAUNCH at KV read 0.3: warps, tile sizes (window
-# positions, form columns), the quadratic form's tl.dot precision, and the window's products off the tensor cores
-# (LOW off, exact fp32 sums too). The benchmark's labels are too clear-cut to flip; the table gives the largest
-# change of the step's output instead.
-WINDOW_VARIANTS = [dict(num_warps=w) for w in (2, 8)] + [
-    dict(BLOCK_W=16, BLOCK_D=16), dict(BLOCK_W=64, BLOCK_D=64), dict(PRECISION="tf32x3"), dict(PRECISION="tf32"),
-    dict(LOW=False)]
+# positions, form columns), its loops unrolled, the quadratic form's tl.dot precision, and the window's products off
+# the tensor cores (LOW off, exact fp32 sums too). The benchmark's labels are too clear-cut to flip; the table gives
+# the largest change of the step's output instead.
+WINDOW_VARIANTS = [dict(num_warps=8)] + [
+    dict(BLOCK_W=16, BLOCK_D=16), dict(BLOCK_W=64, BLOCK_D=64), dict(UNROLL=4),
+    dict(BLOCK_W=64, BLOCK_D=64, UNROLL=2), dict(PRECISION="tf32x3"), dict(PRECISION="tf32"), dict(LOW=False)]
 
 
 @contextmanager
