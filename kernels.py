@@ -64,8 +64,10 @@ BOUND_LAUNCH = dict(num_warps=4, LOW=True)
 # Triton's software pipeline over the tiles (Triton's own defaults), and PDL: programmatic dependent launch (Hopper
 # and later), the split grid scheduled while the window kernel before it still runs, each program waiting
 # (griddepcontrol.wait) for the window kernel's writes before it reads the decision: the gap between the two launches
-# gone from the step. lab.bench_gpu --parts kernels times the others beside these.
-SPLIT_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=3, PDL=False)
+# gone from the step; and SPREAD: the grid's programs dealt out to the long-context groups alone (fused_qada and
+# fused_dense's contiguous ranges), so that a step where few groups read cuts each of them finer, into up to SPREAD
+# times the splits of a fixed split size (0: the fixed splits). lab.bench_gpu --parts kernels times the others.
+SPLIT_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=3, PDL=False, SPREAD=0)
 MERGE_CHUNK = 8  # the split results a group's merge loads at once (the split kernel's epilogue)
 
 
@@ -197,7 +199,8 @@ if triton is not None:
                                 LEN_PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                                 N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, PER_HEAD: tl.constexpr,
                                 COUNT: tl.constexpr, BY_ROW: tl.constexpr, G_MERGE: tl.constexpr,
-                                CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+                                CHUNK: tl.constexpr, PDL: tl.constexpr = False, SPREAD: tl.constexpr = 0,
+                                BH_PAD: tl.constexpr = 1):
         # Two ways to walk the context. A contiguous range (fused_qada): SPLIT positions from the row's start. A list
         # of pages (fused_pages, PAGED): SPLIT entries of the (row, KV head)'s list of chosen pages, BLOCK_N // PAGE
         # pages per tile, each page's bulk positions only; with PER_HEAD each entry carries the bits of the query
@@ -205,7 +208,22 @@ if triton is not None:
         b, g, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # launched before the window kernel ended: its decision, window and zeroed counts visible after this
             gdc_wait()
-        if tl.load(READ + b * HKV + g) == 0:  # a group whose output is its window's: its cache is not read
+        if SPREAD:  # (a contiguous range only) the grid's programs dealt out to the long groups alone, per of each:
+            # the k-th long group (in row-major order of the flags) gets programs [k per, (k + 1) per), its context cut
+            # into per pieces, and their partial results at those slots; with few long groups, each is cut finer, into
+            # at most SPREAD times the fixed splits
+            pairs = tl.arange(0, BH_PAD)  # the (row, KV head) pairs, row-major
+            long = tl.load(READ + pairs, mask=pairs < tl.num_programs(0) * HKV, other=0) != 0  # (BH_PAD,)
+            n_long = tl.sum(long.to(tl.int32), 0)
+            per = tl.minimum(tl.num_programs(0) * HKV * N_SPLITS // tl.maximum(n_long, 1), SPREAD * N_SPLITS)
+            pid = (b * HKV + g) * N_SPLITS + sp
+            k = pid // per
+            if k >= n_long:  # no long group left for this program (or none at all)
+                return
+            sp = pid % per
+            pair = tl.sum(tl.where(long & (tl.cumsum(long.to(tl.int32), 0) == k + 1), pairs, 0), 0)  # the k-th
+            b, g = pair // HKV, pair % HKV
+        elif tl.load(READ + b * HKV + g) == 0:  # a group whose output is its window's: its cache is not read
             return
         T = tl.load(LENGTH + b * LEN_PER_ROW)
         start = tl.load(START + b)
@@ -217,6 +235,12 @@ if triton is not None:
             e0 = sp * SPLIT
             n_tiles = tl.cdiv(tl.maximum(tl.minimum(n_valid - e0, SPLIT), 0), BLOCK_N // PAGE)
             bulk_end = tl.maximum(T - start - (N_LOCAL - N_SINK), N_SINK)  # moments.bulk_end in the row's positions
+        elif SPREAD:
+            size = tl.cdiv(tl.cdiv(T - start, per), BLOCK_N) * BLOCK_N  # a piece: whole tiles
+            n_used = tl.cdiv(T - start, size)
+            lo = start + sp * size
+            hi = tl.minimum(lo + size, T)
+            n_tiles = size // BLOCK_N
         else:
             n_used = tl.cdiv(T - start, SPLIT)  # the splits holding filled positions (the grid covers the capacity)
             lo = start + sp * SPLIT
@@ -228,7 +252,10 @@ if triton is not None:
         h = tl.arange(0, G_PAD)
         h_ok = h < G
         d = tl.arange(0, D)
-        base = (b * HKV + g) * N_SPLITS * G  # this (row, KV head)'s partial results, G rows per split
+        if SPREAD:
+            base = k * per * G  # the slots dealt to this long group, G rows per piece
+        else:
+            base = (b * HKV + g) * N_SPLITS * G  # this (row, KV head)'s partial results, G rows per split
         m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
@@ -476,6 +503,7 @@ def attend_ranges(q, k, v, rows, start, length, len_per_row: int, read, labels, 
         H=H, HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=tensor_cores(q, k, v), LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1, N_SINK=0, N_LOCAL=0,
         PER_HEAD=False, COUNT=False, BY_ROW=by_row, G_MERGE=triton.next_power_of_2(G), CHUNK=MERGE_CHUNK,
+        SPREAD=SPLIT_LAUNCH["SPREAD"], BH_PAD=triton.next_power_of_2(B * Hkv),
         num_warps=SPLIT_LAUNCH["num_warps"], num_stages=SPLIT_LAUNCH["num_stages"],
         **(dict(PDL=True, launch_pdl=True) if after_window and pdl(q) else {}))
     return m_part
@@ -512,6 +540,8 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     # head), a fraction of a wave of launch slots. The larger cost is parallelism: at T = T_max / 8 only one in eight
     # of a group's programs read, so a small batch fills the GPU less than splits sized for T would; a few graphs,
     # one per bucket of capacities, bound that.
+    if count_reads and SPLIT_LAUNCH["SPREAD"]:
+        raise ValueError("count_reads counts each group's own splits, which SPLIT_LAUNCH's SPREAD deals out")
     block_n = block_n or SPLIT_LAUNCH["BLOCK_N"]
     split = split or split_size(B * Hkv, T_max, q.device, block_n)
     if split % block_n:

@@ -439,10 +439,10 @@ def launch(config: dict, **change):
 
 
 # The split kernel's launches timed beside kernels.SPLIT_LAUNCH at the same read: positions per tile, warps per
-# program, pipeline depth, programmatic dependent launch. Timed as the whole step's graph with the L2 flushed: at
-# batch 1 the long groups' cache would fit in L2 across back-to-back eager steps.
-SPLIT_VARIANTS = [dict(BLOCK_N=128), dict(num_warps=8), dict(num_stages=2), dict(num_stages=4),
-                  dict(num_warps=8, num_stages=4), dict(PDL=True)]
+# program, pipeline depth, programmatic dependent launch, programs dealt out to the long groups. Timed as the whole
+# step's graph with the L2 flushed: at batch 1 the long groups' cache would fit in L2 across back-to-back eager steps.
+SPLIT_VARIANTS = [dict(BLOCK_N=128), dict(num_warps=8), dict(num_stages=4), dict(PDL=True), dict(SPREAD=2),
+                  dict(SPREAD=8)]
 
 
 def launch_variants(step, config: dict, changes: list[dict], timer) -> str:

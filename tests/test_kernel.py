@@ -101,6 +101,34 @@ def test_bf16_caches_and_a_correction(monkeypatch):
     assert y.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("spread", [1, 4])
+@pytest.mark.parametrize("rule", [None, "mean"])
+@pytest.mark.parametrize("taus", [(0.6, 0.3, 0.9), (0.05, 0.05, 0.05), (0.99, 0.99, 0.99)],
+                         ids=["mixed", "all-local", "mostly-long"])
+def test_spread_programs_decide_and_attend_as_the_fixed_splits(rule, taus, spread, monkeypatch):
+    """SPLIT_LAUNCH's SPREAD: the grid's programs dealt out to the long groups alone, each long group's context cut
+    into as many pieces as it gets programs, up to SPREAD times the fixed splits (here 5; with 3 groups of 6 long,
+    10 pieces at 4, 5 at 1), give the fixed splits' labels and, up to fp32 rounding, their output; fused_dense (every
+    group long) likewise."""
+    B, H, Hkv, D, T = 3, 6, 2, 16, 300
+    q, k, v, A, b = case(B, H, Hkv, D, T, seed=7)
+    rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([0, 5, 40], dtype=torch.int32)
+    tau = torch.tensor(taus, dtype=torch.float64)
+
+    def both():  # into outputs of NaN: a head no program writes stays NaN
+        y, labels = fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, rule, split=64, block_n=16,
+                               out=torch.full_like(q, math.nan))
+        return y, labels, kernels.fused_dense(q, k, v, rows, start, split=64, block_n=16,
+                                              out=torch.full_like(q, math.nan))
+
+    want = both()
+    monkeypatch.setitem(kernels.SPLIT_LAUNCH, "SPREAD", spread)
+    got = both()
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+
+
 def test_rows_that_share_a_form_read_one_copy_of_it():
     """attention.stacked_forms: rows whose moments are one object get their layer's form broadcast over them (a row
     stride of 0: no copy per row, the window kernel reads it once), and fused_qada decides and attends with it bit

@@ -426,14 +426,15 @@ def ptxas() -> bool:
 
 
 @pytest.mark.skipif(not ptxas(), reason="this Triton has no NVIDIA backend or finds no ptxas")
-@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada", "qada-pdl", "qada-unroll"])
+@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada", "qada-pdl", "qada-unroll", "qada-spread"])
 def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     """The launches a GPU runs with a bf16 query and cache (kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW, the split
     kernel on tensor cores) compile for an H100 here, where the interpreter never runs them: the bounds' LOW form once
     failed to compile on the GPU only (tl.maximum of a bf16 tile gives fp32 in Triton 3.6, and tl.dot refuses mixed
     operands). Each kernel of the step is captured at its real launch and compiled from it; "qada-pdl" as an H100 with
     kernels.SPLIT_LAUNCH's PDL launches it (griddepcontrol, which the interpreter cannot run), "qada-unroll" with the
-    window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores)."""
+    window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores), "qada-spread" with the
+    split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD)."""
     launches = []
     for name in KERNELS:
         monkeypatch.setattr(kernels, name, Captured(getattr(kernels, name), launches))
@@ -442,6 +443,7 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     monkeypatch.setitem(kernels.BOUND_LAUNCH, "LOW", True)
     monkeypatch.setattr(kernels, "pdl", lambda q: method == "qada-pdl")
     monkeypatch.setitem(kernels.WINDOW_LAUNCH, "UNROLL", 4 if method == "qada-unroll" else 1)
+    monkeypatch.setitem(kernels.SPLIT_LAUNCH, "SPREAD", 4 if method == "qada-spread" else 0)
     q, k, v, start, length = batch(0, dtype=torch.bfloat16)
     if method.startswith("qada-") or method == "qada":
         rows = torch.arange(len(ROWS), dtype=torch.int32)
