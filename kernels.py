@@ -432,6 +432,13 @@ def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return launch
 
 
+def split_launch(G: int) -> dict:
+    """The split kernel's launch options both of its callers share (attend_ranges, fused_pages): the merge's tiles
+    for G heads per group, and SPLIT_LAUNCH's warps and pipeline depth."""
+    return dict(G_MERGE=triton.next_power_of_2(G), CHUNK=MERGE_CHUNK, num_warps=SPLIT_LAUNCH["num_warps"],
+                num_stages=SPLIT_LAUNCH["num_stages"])
+
+
 def split_size(n_programs: int, T_max: int, device: torch.device, block_n: int = 64) -> int:
     """Context positions per split program, for a context of up to T_max positions (the views fused_qada is given: the
     filled length, or the cache's capacity): at least 16 splits per group, 32 where the groups are too few for 16 each
@@ -502,9 +509,8 @@ def attend_ranges(q, k, v, rows, start, length, len_per_row: int, read, labels, 
         v.stride(2), y.stride(0), y.stride(1), dummy, dummy, dummy, dummy, 0, 0,
         H=H, HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=tensor_cores(q, k, v), LEN_PER_ROW=len_per_row, PAGED=False, PAGE=1, N_SINK=0, N_LOCAL=0,
-        PER_HEAD=False, COUNT=False, BY_ROW=by_row, G_MERGE=triton.next_power_of_2(G), CHUNK=MERGE_CHUNK,
-        SPREAD=SPLIT_LAUNCH["SPREAD"], BH_PAD=triton.next_power_of_2(B * Hkv),
-        num_warps=SPLIT_LAUNCH["num_warps"], num_stages=SPLIT_LAUNCH["num_stages"],
+        PER_HEAD=False, COUNT=False, BY_ROW=by_row, SPREAD=SPLIT_LAUNCH["SPREAD"],
+        BH_PAD=triton.next_power_of_2(B * Hkv), **split_launch(G),
         **(dict(PDL=True, launch_pdl=True) if after_window and pdl(q) else {}))
     return m_part
 
@@ -733,8 +739,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         ids.stride(0), ids.stride(1), H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=tensor_cores(q, k, v), LEN_PER_ROW=len_per_row, PAGED=True, PAGE=P,
         N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=inspect, BY_ROW=out is not None,
-        G_MERGE=triton.next_power_of_2(G), CHUNK=MERGE_CHUNK, num_warps=SPLIT_LAUNCH["num_warps"],
-        num_stages=SPLIT_LAUNCH["num_stages"])
+        **split_launch(G))
     result = (y, labels.view(torch.bool))
     if with_read:
         n_ctx = length.view(-1).long() - start.long()  # (n,)

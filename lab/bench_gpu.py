@@ -55,10 +55,9 @@ Part 3, --parts kernels (not in "all"): where a fused step's time goes, Llama-3-
 device tensor). Each kernel's device time per step from torch.profiler over 20 eager steps run back to back (any
 small torch operation by its CUDA kernel's name), their sum, and the step replayed from a CUDA graph as part 1 times
 it, with kernels.split_size's split and with each of SPLITS (context positions per split program; batch 1 fills the
-GPU only with small ones). The graph's time exceeds the sum
-by the gaps between its kernels, and by the L2 being flushed before each timed replay, not before each profiled step:
-at KV read 0 the step's data fit in L2, so there the difference is mostly gaps, and at read 1 it is mostly the cache
-read from memory.
+GPU only with small ones). The graph's time exceeds the sum by the gaps between its kernels, and by the L2 being
+flushed before each timed replay, not before each profiled step: at KV read 0 the step's data fit in L2, so there
+the difference is mostly gaps, and at read 1 it is mostly the cache read from memory.
 At KV read 0.3 (0.25 at batch 1) the window kernel (its device time) and the split kernel (the step's graph time)
 are also timed at other launches (WINDOW_VARIANTS, SPLIT_VARIANTS: warps, tiles, precision, pipeline depth), each with
 the largest change of the output.
