@@ -30,10 +30,10 @@ random weights at Llama-3-8B's shapes (32 layers, 128k vocabulary), bf16, its KV
 values to T = 32k (no prefill: decode time does not depend on the values), batch 8, and batch 32 with 8 of the 32
 layers (a 32-layer batch-32 cache needs 137 GB). ms per decode step (one token of every row): "eager" is
 generate.decode_batch, "graph" generate.decode_static, which replays one CUDA graph per view (generate.graph_view),
-as --cuda-graphs auto does; each from two runs of 2 and 2 + n tokens, so that the capture and the first step drop
-out: eager n = --steps, graph n = 4 --steps and the median of three such pairs (a capture's variance, which the pair
-cancels only in expectation, is spread over more steps). --capacity sets the cache's T_max (default just enough): the
-steps at T = T_max / 2 or T_max / 8 replay a graph whose view is graph_view's, not the capacity. Methods:
+as --cuda-graphs auto does; the median over n steps of one run, each step timed on the host from one read of its
+tokens to the next (the loop reads them to end its rows), the first step (a graph's capture) left out: eager
+n = --steps, graph n = 4 --steps, with the quartiles of its steps. --capacity sets the cache's T_max (default just
+enough): the steps at T = T_max / 2 or T_max / 8 replay a graph whose view is graph_view's, not the capacity. Methods:
   dense      generate's dense: eager, DecodeAttention("dense") per row (one prompt: SDPA on the filled cache);
              graph, kernels.fused_dense over the graph's view (the split kernel alone, every group read, T read on
              the device);
@@ -45,7 +45,8 @@ steps at T = T_max / 2 or T_max / 8 replay a graph whose view is graph_view's, n
   kv 0.35 + pages B   qada_pages: the same fixed labels at 0.35, each long-context group reading its window and its
              top pages of 16 under a budget of B tokens (--e2e-budget, default 1024), chosen by Quest's bound from
              each row's page statistics (pages.PageIndex, built from the cache, kept current by the step);
-  quest B    Quest alone at the same budget: every query head its own top pages, a KV head the union of its heads'.
+  quest B    Quest alone at the same budget: every query head its own top pages, a KV head the union of its heads';
+  dense again   dense once more, last: how far the machine drifted while the table ran.
 The bound is dense / (floor + f * (dense - floor)) with floor the all-local step (kv 0), as lab.bench has it.
 The step decode_static captures runs once eagerly under torch.cuda.set_sync_debug_mode("error"): "host syncs" says
 whether one was met.
@@ -100,7 +101,7 @@ LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         max_position_embeddings=131072)
 E2E_FRACTIONS = (1.0, 0.45, 0.35, 0.15, 0.0)  # 0.45 / 0.35: calibrated QAdA's lossless KV read, per head / per group
 E2E_PAGES_F = 0.35  # the page rows' long-context share: QAdA per KV group's lossless read on the research model
-GRAPH_STEPS = 4  # the graph loop times this many times --steps per pair of runs: ten steps moved cells by 5-10 %
+GRAPH_STEPS = 4  # the graph loop times this many times --steps (replays are cheap; their quartiles say the spread)
 
 
 def graph_ms(fn, device: torch.device, quick: bool = False) -> float:
@@ -248,22 +249,26 @@ def bulk_moments(cache: KVCache, T: int) -> FixedMoments:
     return FixedMoments(torch.stack(mean), torch.stack(cov), end - N_SINK)
 
 
-def step_ms(decode, reset, device: torch.device, n: int, repeats: int = 1) -> float:
-    """ms per decode step of decode(k), a generate.py loop decoding k new tokens (k - 1 steps) of every row, from
-    pairs of runs: k = 2 + n less k = 2, so that what every run pays once (a graph's warm-up and capture) drops out;
-    the median over `repeats` pairs. An untimed run first compiles what this loop launches (the eager step's kernels
-    are not the graph's: a compile inside the timed k = 2 run made its difference negative). reset() rolls the cache
-    back to T before each run."""
-    def run(k: int) -> float:
-        reset()
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        decode(k)
-        torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
+def step_ms(decode, reset, n: int) -> tuple[float, float, float]:
+    """ms per decode step of decode(k, finished), a generate.py loop decoding k new tokens of every row, whose stop rule
+    `finished` it calls for each row once a step's tokens are read back to the host (a sync: the step is done): the
+    host's clock at the first such call of each step gives one interval per step, and its median and quartiles over
+    the n steps after the first, which pays a graph's capture (the steps the tables time replay it). One run: the
+    capture's cost, which pairs of runs were meant to cancel, never enters. An untimed run of 2 tokens first compiles
+    what the loop launches; reset() rolls the cache back to T before each run."""
+    stamps = {}  # tokens each row holds -> when the step that gave the last was read (by the first row's call)
 
-    run(2)
-    return 1e3 * statistics.median(run(2 + n) - run(2) for _ in range(repeats)) / n
+    def clock(new_ids: list[int]) -> bool:
+        stamps.setdefault(len(new_ids), time.perf_counter())
+        return False  # never ends a row
+
+    reset()
+    decode(2)
+    reset()
+    decode(n + 3, clock)  # (the loop asks no stop rule about a row's last token: it has ended anyway)
+    ms = [1e3 * (stamps[i + 1] - stamps[i]) for i in range(2, n + 2)]  # token i + 1: step i, step 1 the capture
+    q1, median, q3 = statistics.quantiles(ms, n=4) if n > 1 else ms * 3
+    return median, q1, q3
 
 
 def graphed(step, reset, device: torch.device):
@@ -333,12 +338,12 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         return [DecodeAttention(method, N_SINK, N_LOCAL, row_inputs(b)) for b in range(B)]
 
     def loop(method: str, f: float | None, graphs: bool, made: list):
-        def decode(k: int = 2):  # generate.py's loop, as run_batch calls it (made: the rows, for their statistics)
-            rows = attentions(method, f)
+        def decode(k: int = 2, finished=None):  # generate.py's loop as run_batch calls it (made: the rows, for their
+            rows = attentions(method, f)        # statistics; finished: its stop rule, step_ms's clock)
             made[:] = rows
             if graphs:
-                return decode_static(model, cache, first, k, rows, capture=device.type == "cuda")
-            return decode_batch(model, cache, first, k, rows[0] if B == 1 else BatchAttention(rows))
+                return decode_static(model, cache, first, k, rows, finished=finished, capture=device.type == "cuda")
+            return decode_batch(model, cache, first, k, rows[0] if B == 1 else BatchAttention(rows), finished=finished)
         return decode
 
     def one_step(method: str, f: float | None, check):  # check(step): the step decode_static captures, eagerly
@@ -353,23 +358,27 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         finally:
             cache.release()
 
+    # dense again last: how far the machine drifted over the table (its speedup is against the first dense)
     methods = [("dense", "dense", None), *((f"kv {f}", "qada_cal", f) for f in E2E_FRACTIONS), ("qada", "qada", None),
-               (f"kv {E2E_PAGES_F} + pages {budget}", "qada_pages", E2E_PAGES_F), (f"quest {budget}", "quest", None)]
+               (f"kv {E2E_PAGES_F} + pages {budget}", "qada_pages", E2E_PAGES_F), (f"quest {budget}", "quest", None),
+               ("dense again", "dense", None)]
     out = {}
     for name, method, f in methods:
         made = []
         reset()
         loop(method, f, True, made)()  # one step at T + 1: its labels give the KV read (and kernels are compiled)
         kv_read = made[0].stats.summary(cfg.num_key_value_heads)["kv_read"]
-        eager = step_ms(loop(method, f, False, made), reset, device, n)
+        eager, *_ = step_ms(loop(method, f, False, made), reset, n)
         logits_ok = bool(one_step(method, f, lambda step: torch.isfinite(step()).all()))
         syncs = one_step(method, f, sync_free) if device.type == "cuda" else ""
         try:
-            graph = step_ms(loop(method, f, True, made), reset, device, GRAPH_STEPS * n, repeats=3)
+            graph, q1, q3 = step_ms(loop(method, f, True, made), reset, GRAPH_STEPS * n)
         except RuntimeError as e:  # a capture that fails is a finding, not a crash of the whole table
-            graph, syncs = math.nan, (syncs + "; capture: " + str(e).splitlines()[0])[:120]
+            graph = q1 = q3 = math.nan
+            syncs = (syncs + "; capture: " + str(e).splitlines()[0])[:120]
         out[name] = dict(B=B, L=L, T=T, capacity=capacity, view=graph_view(T + 1, capacity), method=name,
-                         kv_read=kv_read, eager_ms=eager, graph_ms=graph, host_syncs=syncs, logits_ok=logits_ok)
+                         kv_read=kv_read, eager_ms=eager, graph_ms=graph, graph_q1=q1, graph_q3=q3,
+                         graph_quartiles=math.nan if math.isnan(q1) else f"{q1:.2f}-{q3:.2f}", host_syncs=syncs, logits_ok=logits_ok)
     for mode in ("eager", "graph"):
         dense, floor = out["dense"][f"{mode}_ms"], out["kv 0.0"][f"{mode}_ms"]
         for r in out.values():
@@ -533,8 +542,9 @@ E2E_COLUMNS = [("B", "B", "{}"), ("L", "layers", "{}"), ("T", "T", "{}"), ("capa
                ("view", "graph view", "{}"), ("method", "method", "{}"),
                ("kv_read", "KV read", "{:.2f}"), ("eager_ms", "eager ms", "{:.2f}"),
                ("eager_speedup", "eager speedup", "{:.2f}x"), ("eager_of_bound", "eager % of bound", "{:.0%}"),
-               ("graph_ms", "graph ms", "{:.2f}"), ("graph_speedup", "graph speedup", "{:.2f}x"),
-               ("graph_of_bound", "graph % of bound", "{:.0%}"), ("host_syncs", "host syncs", "{}")]
+               ("graph_ms", "graph ms", "{:.2f}"), ("graph_quartiles", "graph ms, quartiles", "{}"),
+               ("graph_speedup", "graph speedup", "{:.2f}x"), ("graph_of_bound", "graph % of bound", "{:.0%}"),
+               ("host_syncs", "host syncs", "{}")]
 
 
 def format_row(columns, row) -> str:

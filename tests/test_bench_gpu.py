@@ -61,13 +61,41 @@ def test_the_attention_table_compares_with_the_best_dense(tiny_shapes, monkeypat
         assert r["decision"] == pytest.approx(rows[-1]["graph_ms"] / best)
 
 
+def test_a_step_is_timed_from_one_read_of_its_tokens_to_the_next(monkeypatch):
+    """step_ms: the median and quartiles of the steps after the first (a graph's capture), each from the loop's first
+    stop-rule call after one step to the first after the next, on the host's clock."""
+    now = [0.0]
+    monkeypatch.setattr(bench_gpu.time, "perf_counter", lambda: now[0])
+    cost = {1: 5.0, 3: 1.0, 5: 0.004}  # seconds: step 1 the capture, step 3 an outlier; any other step 2 ms
+
+    def decode(k, finished=None):  # generate's loop: each token read, then the stop rule asked for each row but
+        outs = [[], []]  # about its last token
+        for step in range(k):  # token step + 1 read after step `step` (0: the prefill's logits, no step)
+            now[0] += cost.get(step, 0.002) if step else 0.0
+            for out in outs:
+                out.append(0)
+                if len(out) < k and finished is not None:
+                    finished(out)
+        return outs
+
+    median, q1, q3 = bench_gpu.step_ms(decode, lambda: None, 4)  # steps 2, 3, 4 and 5
+    assert median == pytest.approx(3.0) and q1 == pytest.approx(2.0) and q3 > 4.0
+
+
 def test_fixed_labels_read_the_share_asked_for(monkeypatch):
     """The end-to-end part's correction makes the real decision label a share f of (layer, KV head) pairs long."""
     monkeypatch.setenv("QADA_KERNEL", "torch")
     monkeypatch.setattr(bench_gpu, "LLAMA3_8B", LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128,
                                                             num_hidden_layers=4, num_attention_heads=4,
                                                             num_key_value_heads=2, head_dim=16))
-    monkeypatch.setattr(bench_gpu, "step_ms", lambda step, reset, device, n, repeats=1: (reset(), step(), 1.0)[2])
+    def one_run(decode, reset, n):  # step_ms at its cheapest: one run, its clock (the loop's stop rule) handed down
+        asked = []
+        reset()
+        decode(3, lambda ids: asked.append(len(ids)) or False)
+        assert asked and max(asked) == 2
+        return 1.0, 1.0, 1.0
+
+    monkeypatch.setattr(bench_gpu, "step_ms", one_run)
     monkeypatch.setattr(bench_gpu, "graphed", lambda step, reset, device: step)
     monkeypatch.setattr(bench_gpu, "sync_free", lambda step: "none")
     monkeypatch.setattr(bench_gpu, "E2E_FRACTIONS", (1.0, 0.5, 0.0))

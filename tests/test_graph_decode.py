@@ -131,6 +131,22 @@ def assert_same(eager, static, method, batch):
 PAGE_METHODS = ("quest", "quest_p32", "qada_pages", "qada_pages_frac", "qada_pages_share")
 
 
+@pytest.mark.parametrize("loop", ["eager", "static"])
+def test_the_stop_rule_is_asked_about_each_token_once_it_is_read(tiny, loop, monkeypatch):
+    """Each row's stop rule is called once per token but its last (which ends the row anyway), after the step that
+    gave the token was sampled and read: lab.bench_gpu's step_ms times the loops' steps by these calls."""
+    cache, logits, rows = prefilled(tiny, "qada_cal", 3)
+    sampled, calls, sample = [], [], generate.sample
+    monkeypatch.setattr(generate, "sample", lambda logits, *a: sampled.append(1) or sample(logits, *a))
+    finished = lambda ids: calls.append((len(ids), len(sampled))) or False  # noqa: E731
+    if loop == "eager":
+        generate.decode_batch(tiny, cache, logits, N_NEW, BatchAttention(rows, start=cache.start.tolist()),
+                              finished=finished)
+    else:
+        generate.decode_static(tiny, cache, logits, N_NEW, rows, finished=finished)
+    assert calls == [(n, n) for n in range(1, N_NEW) for _ in range(3)]
+
+
 def keep_static(monkeypatch) -> list:
     """The StaticAttention each decode_static makes, with its cache, (static, cache), kept to look at afterwards."""
     made, of = [], StaticAttention.of
