@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussian_log_bulk, local_labels,
                        oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
-from kernels import fused, fused_dense, fused_pages, fused_qada, kernel_thresholds
+from kernels import dense_flags, fused, fused_dense, fused_pages, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 from pages import (PAGE_SIZE, PageIndex, candidates, fold_in_last, group_ranking, page_count, page_positions, stacked,
                    upper_bounds)
@@ -998,6 +998,7 @@ class StaticAttention:
     pages: list = field(default_factory=list)  # page paths, per layer: (lo, hi) (B, Hkv, NP, D), kept current
     page: dict = field(default_factory=dict)  # page paths: fused_pages' page_size, budget or budget_frac, combine
     reads: torch.Tensor | None = None  # page paths: (S, L, B, Hkv) int64, the KV entries each step read
+    flags: tuple = ()  # dense: kernels.dense_flags, one set for every layer and step (the kernel leaves them as found)
 
     @classmethod
     def of(cls, rows: list[DecodeAttention], cache, steps: int, n_heads: int) -> "StaticAttention":
@@ -1023,17 +1024,19 @@ class StaticAttention:
                      for layer in range(L)]
             page = page_options(first.method, first.inputs)
             reads = torch.zeros(steps, L, B, Hkv, dtype=torch.long, device=dev)
+        flags = dense_flags(B, n_heads, Hkv, dev) if first.method == "dense" else ()
         return cls(first.method, first.n_sink, first.n_local, rule, forms, thresholds, corrections,
                    torch.arange(B, dtype=torch.int32, device=dev),
                    torch.tensor(starts, dtype=torch.int32, device=dev), cache.filled,
                    torch.zeros(steps, L, B, n_heads, dtype=torch.bool, device=dev),
-                   torch.zeros(1, dtype=torch.long, device=dev), pages, page, reads)
+                   torch.zeros(1, dtype=torch.long, device=dev), pages, page, reads, flags)
 
     def __call__(self, q, k, v, layer: int) -> torch.Tensor:
         """q (B, H, 1, D), k/v (B, Hkv, view, D), views of the static cache past its filled length -> (B, H, 1, D)."""
         y = torch.empty_like(q)
         if self.method == "dense":  # every group read: the labels stay all False
-            fused_dense(q[:, :, 0], k, v, self.rows, self.start, length=self.length, out=y[:, :, 0])
+            fused_dense(q[:, :, 0], k, v, self.rows, self.start, length=self.length, flags=self.flags,
+                        out=y[:, :, 0])
             if layer == self.labels.shape[1] - 1:
                 self.step.add_(1)
             return y

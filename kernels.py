@@ -315,37 +315,35 @@ if triton is not None:
         tl.debug_barrier()
         if tl.atomic_add(ARRIVED + b * HKV + g, 1, sem="acq_rel", scope="gpu") != n_used - 1:
             return
+        tl.store(ARRIVED + b * HKV + g, 0)  # every program counted: zero again for the next launch (fused_dense's flags)
         # The group's splits are read CHUNK at a time, (CHUNK, G_MERGE) tiles: independent loads in flight together,
-        # not a chain of one load per split on the step's critical path (with G_MERGE rows, no tl.dot's 16).
+        # not a chain of one load per split on the step's critical path (with G_MERGE rows, no tl.dot's 16), in one
+        # pass: a running max, the sums so far rescaled as it grows (each split's results loaded once).
         hm = tl.arange(0, G_MERGE)
         hm_ok = hm < G
         c = tl.arange(0, CHUNK)
-        if PAGED:  # the window as one more part, of mass exp(log_local)
-            log_local = tl.load(LOG_LOCAL + b * H + g * G + hm, mask=hm_ok, other=0.0)
-            m = log_local
+        if PAGED:  # the window as the first part, of mass exp(log_local): its output times 1 at that max
+            m = tl.load(LOG_LOCAL + b * H + g * G + hm, mask=hm_ok, other=0.0)
+            l_sum = tl.full((G_MERGE,), 1.0, tl.float32)
+            acc = tl.load(Y_WIN + (b * H + g * G + hm)[:, None] * D + d[None, :], mask=hm_ok[:, None], other=0.0)
         else:
             m = tl.full((G_MERGE,), float("-inf"), tl.float32)
+            l_sum = tl.zeros((G_MERGE,), tl.float32)
+            acc = tl.zeros((G_MERGE, D), tl.float32)
         for s0 in range(0, n_used, CHUNK):
             cell = base + (s0 + c)[:, None] * G + hm[None, :]  # (CHUNK, G_MERGE)
             cell_ok = ((s0 + c) < n_used)[:, None] & hm_ok[None, :]
             m_s = tl.load(M_PART + cell, mask=cell_ok, other=float("-inf"), cache_modifier=".cg")
-            m = tl.maximum(m, tl.max(m_s, 0))
-        if PAGED:
-            l_sum = tl.exp(log_local - m)
-            acc = tl.load(Y_WIN + (b * H + g * G + hm)[:, None] * D + d[None, :], mask=hm_ok[:, None], other=0.0)
-            acc = acc * l_sum[:, None]
-        else:
-            l_sum = tl.zeros((G_MERGE,), tl.float32)
-            acc = tl.zeros((G_MERGE, D), tl.float32)
-        for s0 in range(0, n_used, CHUNK):
-            cell = base + (s0 + c)[:, None] * G + hm[None, :]
-            cell_ok = ((s0 + c) < n_used)[:, None] & hm_ok[None, :]
-            m_s = tl.load(M_PART + cell, mask=cell_ok, other=float("-inf"), cache_modifier=".cg")
-            scale = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m[None, :]))  # (CHUNK, G_MERGE)
-            l_sum += tl.sum(tl.load(L_PART + cell, mask=cell_ok, other=0.0, cache_modifier=".cg") * scale, 0)
+            l_s = tl.load(L_PART + cell, mask=cell_ok, other=0.0, cache_modifier=".cg")
             o = tl.load(O_PART + cell[:, :, None] * D + d[None, None, :], mask=cell_ok[:, :, None], other=0.0,
                         cache_modifier=".cg")  # (CHUNK, G_MERGE, D)
-            acc += tl.sum(o * scale[:, :, None], 0)
+            m_new = tl.maximum(m, tl.max(m_s, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no part with a score yet: not -inf - -inf
+            alpha = tl.exp(m - m_use)  # the sums so far, to the new max (0 while they are empty)
+            scale = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_use[None, :]))  # (CHUNK, G_MERGE)
+            l_sum = l_sum * alpha + tl.sum(l_s * scale, 0)
+            acc = acc * alpha[:, None] + tl.sum(o * scale[:, :, None], 0)
+            m = m_new
         is_long = tl.load(LABELS + b * H + g * G + hm, mask=hm_ok, other=1) == 0
         y_b = b
         if BY_ROW:  # the output's row is the cache row's: the result lands in the caller's tensor
@@ -490,7 +488,7 @@ def attend_ranges(q, k, v, rows, start, length, len_per_row: int, read, labels, 
                   by_row: bool, mark_unread: bool = False, after_window: bool = False) -> torch.Tensor:
     """The split kernel over each row's contiguous context [start, T), for the groups `read` marks (B, Hkv), each head
     whose label is 0 merged into y by its group's last program: fused_qada's second launch, fused_dense's only one.
-    arrived (B, Hkv) int32 must be zero. Returns the partial max scores (B, Hkv, n_splits, G); with mark_unread +inf
+    arrived (B, Hkv) int32 must be zero (the kernel leaves it so). Returns the partial max scores (B, Hkv, n_splits, G); with mark_unread +inf
     where no split program wrote (the tests' count of the splits that read). `after_window`: launched right after
     the window kernel, programmatically dependent on it where pdl(q) says so (the window kernel launched likewise)."""
     B, H, D = q.shape
@@ -580,15 +578,23 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     return y, labels
 
 
+def dense_flags(B: int, H: int, Hkv: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the split kernel reads in place of a decision, for fused_dense: every group reads (B, Hkv) int8, every
+    head long-context (B, H) int8, and the groups' arrival counts (B, Hkv) int32 at zero, which the kernel leaves at
+    zero again: made once, they serve every call (fused_qada's window kernel writes its own each call)."""
+    return (torch.ones(B, Hkv, device=device, dtype=torch.int8), torch.zeros(B, H, device=device, dtype=torch.int8),
+            torch.zeros(B, Hkv, device=device, dtype=torch.int32))
+
+
 def fused_dense(q, k, v, rows, start, length: torch.Tensor | None = None, split: int | None = None,
-                block_n: int | None = None, out=None):
+                block_n: int | None = None, flags: tuple | None = None, out=None):
     """Dense decoding attention for one layer and n rows in the split kernel alone: every group reads its whole
     context, [start, T), in split programs merged by each group's last one (flash-decoding). q, k, v, rows, start,
     length, split and out as fused_qada's; returns y (n, H, D) in q's dtype, or `out`. What a static decode loop's
     dense step runs on the GPU (attention.StaticAttention): T read from device memory, so one captured step replays
     as the cache fills, and the grid covers the capacity, where SDPA would be given the whole view and a mask, one
-    program per (row, KV head) (model.dense_decode's packed layout). Three small fills per call (the kernel's flags:
-    every group reads, every head long; the groups' arrival counts), which fused_qada's window kernel writes."""
+    program per (row, KV head) (model.dense_decode's packed layout). `flags`: dense_flags(n, H, Hkv), kept by a
+    caller that decodes step after step, so that a step is this one launch (default: made here, three small fills)."""
     _launch_checks(q, out, "fused_dense")
     B, H, D = q.shape
     Hkv, T_max, dev = k.shape[1], k.shape[2], q.device
@@ -597,9 +603,7 @@ def fused_dense(q, k, v, rows, start, length: torch.Tensor | None = None, split:
     split = split or split_size(B * Hkv, T_max, dev, block_n)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
-    read = torch.ones(B, Hkv, device=dev, dtype=torch.int8)  # every group reads
-    labels = torch.zeros(B, H, device=dev, dtype=torch.int8)  # every head long-context: the merge writes them all
-    arrived = torch.zeros(B, Hkv, device=dev, dtype=torch.int32)  # (the window kernel zeroes it in fused_qada)
+    read, labels, arrived = flags if flags is not None else dense_flags(B, H, Hkv, dev)
     y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
     attend_ranges(q, k, v, rows, start, length, len_per_row, read, labels, arrived, y, split, block_n, out is not None)
     return y

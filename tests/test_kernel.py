@@ -177,6 +177,23 @@ def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row,
         torch.testing.assert_close(out[r].float(), (p[:, None] @ vv)[:, 0], **tol)
 
 
+def test_fused_dense_leaves_its_flags_as_it_found_them():
+    """One kernels.dense_flags serves call after call (the static loop's dense, a graph replaying one launch per
+    layer): the kernel leaves the groups' arrival counts at zero, so that a later call, at another length, merges
+    its splits as a call with fresh flags does."""
+    B, H, Hkv, D, T_max = 2, 4, 2, 16, 200
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, D, generator=g)
+    k, v = torch.randn(B, Hkv, T_max, D, generator=g), torch.randn(B, Hkv, T_max, D, generator=g)
+    rows, start = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
+    flags = kernels.dense_flags(B, H, Hkv, q.device)
+    for T in (150, 199, 120):
+        length = torch.tensor([T], dtype=torch.int32)
+        got = kernels.fused_dense(q, k, v, rows, start, length=length, split=32, block_n=16, flags=flags)
+        assert torch.equal(got, kernels.fused_dense(q, k, v, rows, start, length=length, split=32, block_n=16))
+        assert not flags[2].any() and flags[0].all() and not flags[1].any()
+
+
 @pytest.mark.parametrize("T_max", [8192, 32768, 32786, 36864, 131072, 131200])
 @pytest.mark.parametrize("n_programs", [1, 8, 64, 256])
 def test_split_size_gives_each_group_16_to_32_splits_or_more_below_twice_that(T_max, n_programs):
