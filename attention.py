@@ -48,8 +48,7 @@ from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussi
                        oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
 from kernels import dense_flags, fused, fused_dense, fused_pages, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
-from pages import (PAGE_SIZE, PageIndex, candidates, fold_in_last, group_ranking, page_count, page_positions, stacked,
-                   upper_bounds)
+from pages import PAGE_SIZE, PageIndex, candidates, group_ranking, page_count, page_positions, stacked, upper_bounds
 
 # ---------------------------------------------------------------------------------------------------------
 # The paths
@@ -977,12 +976,12 @@ class StaticAttention:
 
     The qada paths run kernels.fused_qada on views that reach past the filled length (the cache's `view`), T read
     from `length`: a local group's cache is still not read. The page paths run kernels.fused_pages on the same views,
-    with every row's page statistics stacked in one buffer per layer (pages.stacked), into which each step first folds
-    the key it appended (pages.fold_in_last), and the entries each (row, KV head) read written to a buffer beside the
-    labels. Dense (where kernels.fused says the kernel runs; else generate.step_attention gives the model its own
-    dense decoding instead of this) runs kernels.fused_dense on the same views, every group read and no decision, its
-    labels all False. BatchAttention's rows keep their statistics: `stats` hands each row its live steps once decoding
-    is over."""
+    with every row's page statistics stacked in one buffer per layer (pages.stacked), into which each step's window
+    kernel folds the key it appended (fused_pages' `fold`), and the entries each (row, KV head) read written to a
+    buffer beside the labels. Dense (where kernels.fused says the kernel runs; else generate.step_attention gives the
+    model its own dense decoding instead of this) runs kernels.fused_dense on the same views, every group read and no
+    decision, its labels all False (kernels.dense_flags, made once). BatchAttention's rows keep their statistics:
+    `stats` hands each row its live steps once decoding is over."""
     method: str
     n_sink: int
     n_local: int
@@ -1044,10 +1043,9 @@ class StaticAttention:
         if self.forms:
             decide = dict(form=self.forms[layer], tau=self.thresholds, correction=self.corrections[layer])
         if self.pages:  # the key just appended into its page's statistics, then the chosen pages read
-            lo, hi = self.pages[layer]
-            fold_in_last(lo, hi, k, self.length, self.start, self.n_sink, self.page["page_size"])
-            _, labels, read = fused_pages(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local, (lo, hi),
-                                          **self.page, **decide, length=self.length, with_read=True, out=y[:, :, 0])
+            _, labels, read = fused_pages(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local,
+                                          self.pages[layer], **self.page, **decide, length=self.length, fold=True,
+                                          with_read=True, out=y[:, :, 0])
             self.reads[:, layer].index_copy_(0, self.step, read[None])
         else:
             _, labels = fused_qada(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local,

@@ -91,13 +91,15 @@ if triton is not None:
 
     @triton.jit
     def _window_decide_kernel(Q, K, V, ROWS, START, LENGTH, A, BV, TAU, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL,
-                              LABELS, READ, Y, ARRIVED, sm_scale, sqb, sqh, skb, skh, skt, svb, svh, svt, sab, sah,
-                              sbb, sbh, syb, syh, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-                              G_PAD: tl.constexpr, D: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
+                              LABELS, READ, Y, ARRIVED, LO, HI, COUNTS, sm_scale, sqb, sqh, skb, skh, skt, svb, svh, svt, sab,
+                              sah, sbb, sbh, syb, syh, slb, slh, slp, shb, shh, shp, H: tl.constexpr,
+                              HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                              N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
                               W_PAD: tl.constexpr, RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
                               BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr,
                               DECIDE: tl.constexpr, BY_ROW: tl.constexpr, PRECISION: tl.constexpr,
-                              LOW: tl.constexpr, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1):
+                              LOW: tl.constexpr, FOLD: tl.constexpr = False, PAGE: tl.constexpr = 1,
+                              COUNT: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1):
         if PDL:  # the split grid after this one may be scheduled now; its programs wait for this grid's writes
             gdc_launch_dependents()
         b, g = tl.program_id(0), tl.program_id(1)
@@ -189,6 +191,19 @@ if triton is not None:
         tl.store(Y + y_b * syb + (g * G + h)[:, None] * syh + d[None, :], y.to(Y.dtype.element_ty),
                  mask=(h_ok & window_only)[:, None])
         tl.store(ARRIVED + b * HKV + g, 0)
+        if COUNT:  # (fused_pages' with_read) the entries read, counted as each kernel loads them: first the window's
+            tl.store(COUNTS + b * HKV + g, tl.minimum(n_ctx, N_LOCAL).to(tl.int64))
+        if FOLD:  # (fused_pages' fold) the key appended at T - 1 into its page's min and max (LO, HI), in place: what
+            # pages.PageIndex.update does on the host, here with no launch of its own; a key among the sinks has no
+            # page, and folding a key twice leaves what once does (a graph's warm-up repeats a step)
+            rel = T - 1 - start - N_SINK
+            if rel >= 0:
+                # in fp32: exact for any stored dtype (Triton's interpreter mis-orders 16-bit floats in tl.minimum)
+                key = tl.load(K + row * skb + g * skh + (T - 1) * skt + d).to(tl.float32)  # (D,)
+                lo_at = LO + b * slb + g * slh + (rel // PAGE) * slp + d
+                hi_at = HI + b * shb + g * shh + (rel // PAGE) * shp + d
+                tl.store(lo_at, tl.minimum(tl.load(lo_at).to(tl.float32), key).to(LO.dtype.element_ty))
+                tl.store(hi_at, tl.maximum(tl.load(hi_at).to(tl.float32), key).to(HI.dtype.element_ty))
 
     @triton.jit
     def _split_attention_kernel(Q, K, V, ROWS, START, LENGTH, READ, LABELS, Y_WIN, LOG_LOCAL, O_PART, M_PART, L_PART,
@@ -282,7 +297,7 @@ if triton is not None:
                 keep = ok[None, :]
             kt = tl.load(K + row * skb + g * skh + offs[:, None] * skt + d[None, :], mask=ok[:, None], other=0.0)
             vt = tl.load(V + row * svb + g * svh + offs[:, None] * svt + d[None, :], mask=ok[:, None], other=0.0)
-            if COUNT:  # (tests) the positions this program loaded
+            if COUNT:  # the bulk positions this program loaded
                 n_read += tl.sum(ok.to(tl.int32), 0)
             if LOW:  # bf16 / fp16 cache: tensor-core products of the stored values, fp32 sums (as flash attention)
                 s = tl.dot(q, tl.trans(kt)) * sm_scale
@@ -305,8 +320,8 @@ if triton is not None:
         tl.store(M_PART + part, m_i, mask=h_ok)
         tl.store(L_PART + part, l_i, mask=h_ok)
         tl.store(O_PART + part[:, None] * D + d[None, :], acc, mask=h_ok[:, None])
-        if COUNT:
-            tl.store(COUNTS + (b * HKV + g) * N_SPLITS + sp, n_read)
+        if COUNT:  # added to the group's count of the entries read (the window kernel began it)
+            tl.atomic_add(COUNTS + b * HKV + g, n_read.to(tl.int64))
 
         # The merge, by the group's last program to finish (no launch of its own): each program counts itself in
         # once its partial results are stored; the one that counts last reads them all back from L2 (.cg: not from
@@ -315,7 +330,7 @@ if triton is not None:
         tl.debug_barrier()
         if tl.atomic_add(ARRIVED + b * HKV + g, 1, sem="acq_rel", scope="gpu") != n_used - 1:
             return
-        tl.store(ARRIVED + b * HKV + g, 0)  # every program counted: zero again for the next launch (fused_dense's flags)
+        tl.store(ARRIVED + b * HKV + g, 0)  # all counted: zero again for the next launch (fused_dense's flags)
         # The group's splits are read CHUNK at a time, (CHUNK, G_MERGE) tiles: independent loads in flight together,
         # not a chain of one load per split on the step's critical path (with G_MERGE rows, no tl.dot's 16), in one
         # pass: a running max, the sums so far rescaled as it grows (each split's results loaded once).
@@ -352,11 +367,11 @@ if triton is not None:
         tl.store(out, (acc / l_sum[:, None]).to(Y.dtype.element_ty), mask=(hm_ok & is_long)[:, None])
 
     @triton.jit
-    def _page_bound_kernel(Q, LO, HI, START, LENGTH, READ, N_READ, SCORES, sqb, sqh, slb, slh, slp, shb, shh, shp,
+    def _page_bound_kernel(Q, LO, HI, START, LENGTH, READ, N_READ, SCORES, COUNTS, sqb, sqh, slb, slh, slp, shb, shh, shp,
                            ssb, ssr, W, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                            D: tl.constexpr, PAGE: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
                            BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, COMBINE: tl.constexpr,
-                           LEN_PER_ROW: tl.constexpr, LOW: tl.constexpr):
+                           LEN_PER_ROW: tl.constexpr, LOW: tl.constexpr, COUNT: tl.constexpr = False):
         # Quest's bound of BLOCK_P candidate pages for the G heads of a (row, KV head): sum_d max(q_d min_d, q_d max_d)
         # = q+ . max + q- . min (pages.upper_bounds), unscaled, in exact fp32 products as the torch path ranks them:
         # "ieee" tl.dot, or with LOW (a 16-bit query and statistics) tensor-core products of the stored values, which
@@ -373,6 +388,8 @@ if triton is not None:
         n_cand = tl.where((n_read > 0) & (tl.load(READ + b * HKV + g) != 0), m, 0)  # none for a local group
         cand = p < n_cand  # (BLOCK_P,)
         need = p < tl.where(n_read < m, n_cand, 0)  # the statistics decide something: read them
+        if COUNT:  # one entry per page whose statistics are read, added to the group's count of the entries read
+            tl.atomic_add(COUNTS + b * HKV + g, tl.sum(need.to(tl.int64), 0))
         score = tl.zeros((G_PAD, BLOCK_P), tl.float32)
         if tl.sum(need.to(tl.int32), 0) > 0:
             d = tl.arange(0, D)
@@ -488,9 +505,10 @@ def attend_ranges(q, k, v, rows, start, length, len_per_row: int, read, labels, 
                   by_row: bool, mark_unread: bool = False, after_window: bool = False) -> torch.Tensor:
     """The split kernel over each row's contiguous context [start, T), for the groups `read` marks (B, Hkv), each head
     whose label is 0 merged into y by its group's last program: fused_qada's second launch, fused_dense's only one.
-    arrived (B, Hkv) int32 must be zero (the kernel leaves it so). Returns the partial max scores (B, Hkv, n_splits, G); with mark_unread +inf
-    where no split program wrote (the tests' count of the splits that read). `after_window`: launched right after
-    the window kernel, programmatically dependent on it where pdl(q) says so (the window kernel launched likewise)."""
+    arrived (B, Hkv) int32 must be zero (the kernel leaves it so). Returns the partial max scores (B, Hkv, n_splits,
+    G); with mark_unread +inf where no split program wrote (the tests' count of the splits that read).
+    `after_window`: launched right after the window kernel, programmatically dependent on it where pdl(q) says so (the
+    window kernel launched likewise)."""
     B, H, D = q.shape
     Hkv = k.shape[1]
     G, n_splits = H // Hkv, triton.cdiv(k.shape[2], split)
@@ -565,9 +583,9 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     _window_decide_kernel[(B, Hkv)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
         cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
-        sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0), y.stride(1),
-        H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
+        dummy, dummy, dummy, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+        v.stride(1), v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0), y.stride(1),
+        0, 0, 0, 0, 0, 0, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
         W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
         DECIDE=True, BY_ROW=out is not None, PDL=pdl(q), **window_launch(w_pad, q, k, v))
     m_part = attend_ranges(q, k, v, rows, start, length, len_per_row, read, labels, arrived, y, split, block_n,
@@ -616,7 +634,8 @@ def fused_dense(q, k, v, rows, start, length: torch.Tensor | None = None, split:
 def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_size: int, budget: int | None = None,
                 budget_frac: float | None = None, form=None, tau=None, correction: Correction | None = None,
                 combine: str = "max", length: torch.Tensor | None = None, split: int | None = None,
-                block_n: int | None = None, with_read: bool = False, inspect: bool = False, out=None):
+                block_n: int | None = None, fold: bool = False, with_read: bool = False, inspect: bool = False,
+                out=None):
     """Token-level page selection for one layer and n rows, on the device with nothing read back to the host: the same
     labels and output as attention.qada_pages (given `form` and `tau`) or attention.quest (`form` None) of each row, up
     to fp32 rounding. q, k, v, rows, start, length and out as fused_qada's; `bounds` = (lo, hi), each (n, Hkv, NP, D):
@@ -626,7 +645,9 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     `budget_frac` of each row's T, one of them (pages.page_count). Four steps, each a fixed grid:
 
       1. per (row, KV head), `_window_decide_kernel`: the window, and QAdA's decision as qada_kv_cal takes it (rule
-         "mean", `correction`: Calibration.layer()); for Quest no decision, every group long-context;
+         "mean", `correction`: Calibration.layer()); for Quest no decision, every group long-context; with `fold`,
+         also the key each row appended at T - 1 folded into its page's min and max in `bounds`, in place (the
+         static loop's pages.stacked buffers, kept current step by step);
       2. per (row, KV head, block of pages), `_page_bound_kernel`: the long groups' candidate pages scored by Quest's
          bound, per query head (Quest) or per group, its heads' bounds combined by `combine` ("max" or "sum"; for
          "share", pages.page_shares of each head's bounds against its window's mass, then their max, in torch);
@@ -643,11 +664,11 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
 
     The grids and every launch's values depend on T_max, the budget and P only (a budget_frac's on T_max's pages): with
     `length`, one step captured in a CUDA graph is replayed as the cache fills. Returns y (n, H, D) (or `out`) and
-    labels (n, H) bool; with `with_read` also the KV entries each (row, KV head) read (n, Hkv), the torch paths'
-    third value (entries_read); with `inspect` (for tests) also the pages each query head attends to (n, H, W) bool
-    (W the candidates at T_max) and the bulk positions the split programs loaded per (row, KV head) (n, Hkv), counted
-    in the kernel. `split`: list entries (pages) per program, a multiple of block_n // P (default: enough programs to
-    fill the GPU, as split_size)."""
+    labels (n, H) bool; with `with_read` also the KV entries each (row, KV head) read (n, Hkv) int64, the torch
+    paths' third value, counted by the kernels as they load them: the window's positions, one entry per candidate
+    page whose statistics were scored, and the chosen pages' bulk positions; with `inspect` (for tests) also the
+    pages each query head attends to (n, H, W) bool (W the candidates at T_max). `split`: list entries (pages) per
+    program, a multiple of block_n // P (default: enough programs to fill the GPU, as split_size)."""
     _launch_checks(q, out, "fused_pages")
     B, H, D = q.shape
     Hkv, T_max = k.shape[1], k.shape[2]
@@ -694,15 +715,19 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     w_pad = max(16, triton.next_power_of_2(n_local))
     y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
     arrived = torch.empty(B, Hkv, device=dev, dtype=torch.int32)  # the window kernel sets it to 0
+    # with_read: the KV entries each (row, KV head) read, counted by the kernels as they load them (the window kernel
+    # sets it: its window; the bound kernel adds the statistics it scores, the split kernel the bulk positions)
+    counts = torch.empty(B, Hkv, device=dev, dtype=torch.int64) if with_read else dummy
     _window_decide_kernel[(B, Hkv)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
         cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
-        sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        lo, hi, counts, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), A.stride(0) if not quest else 0, A.stride(1) if not quest else 0,
         bvec.stride(0) if not quest else 0, bvec.stride(1) if not quest else 0, y.stride(0), y.stride(1),
+        lo.stride(0), lo.stride(1), lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local, W_PAD=w_pad,
         RULE=RULES["mean"], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
-        DECIDE=not quest, BY_ROW=out is not None, **window_launch(w_pad, q, k, v))
+        DECIDE=not quest, BY_ROW=out is not None, FOLD=fold, PAGE=P, COUNT=with_read, **window_launch(w_pad, q, k, v))
 
     # 2. and 3. the long groups' candidate pages scored, the top ones chosen
     if n_sel > 0:
@@ -710,10 +735,10 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         scores = torch.empty(B, H if per_head else Hkv, W, device=dev, dtype=f32)
         block_p = min(64, max(16, triton.next_power_of_2(W)))
         _page_bound_kernel[(B, Hkv, triton.cdiv(W, block_p))](
-            q, lo, hi, start, length, read, n_read, scores, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1),
+            q, lo, hi, start, length, read, n_read, scores, counts, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1),
             lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2), scores.stride(0), scores.stride(1), W,
             H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, PAGE=P, N_SINK=n_sink, N_LOCAL=n_local, BLOCK_P=block_p,
-            PER_HEAD=per_head, COMBINE=int(combine == "sum"), LEN_PER_ROW=len_per_row,
+            PER_HEAD=per_head, COMBINE=int(combine == "sum"), LEN_PER_ROW=len_per_row, COUNT=with_read,
             num_warps=BOUND_LAUNCH["num_warps"], LOW=low(BOUND_LAUNCH, q, lo, hi))
         if combine == "share" and not quest:  # one ranking per group: the most any head's share could be (n, Hkv, W)
             scores = group_ranking(scores.view(B * Hkv, G, W), combine, log_local.view(B * Hkv, G), P,
@@ -735,21 +760,19 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     if inspect:  # (tests) what no split program writes is NaN: a merge that read it would say so
         for x in (o_part, m_part, l_part):
             x.fill_(math.nan)
-    counts = torch.zeros(B, Hkv, n_splits, device=dev, dtype=torch.int32) if inspect else dummy
     _split_attention_kernel[(B, Hkv, n_splits)](
         q, k, v, rows, start, length, read, labels, y_win, log_local, o_part, m_part, l_part, arrived, y, n_splits,
         sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), y.stride(0), y.stride(1), ids, heads if heads is not None else ids, n_valid, counts,
         ids.stride(0), ids.stride(1), H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, SPLIT=split, BLOCK_N=block_n,
         LOW=tensor_cores(q, k, v), LEN_PER_ROW=len_per_row, PAGED=True, PAGE=P,
-        N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=inspect, BY_ROW=out is not None,
+        N_SINK=n_sink, N_LOCAL=n_local, PER_HEAD=heads is not None, COUNT=with_read, BY_ROW=out is not None,
         **split_launch(G))
     result = (y, labels.view(torch.bool))
     if with_read:
-        n_ctx = length.view(-1).long() - start.long()  # (n,)
-        result += (entries_read(ids, n_valid, read, n_ctx, n_read, n_sink, n_local, P),)
+        result += (counts,)
     if inspect:
-        result += (chosen_mask(ids, heads, n_valid, G, W), counts.sum(-1))
+        result += (chosen_mask(ids, heads, n_valid, G, W),)
     return result
 
 
@@ -759,11 +782,11 @@ def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: in
     the budget's pages at the capacity. Returns page numbers ids (n, Hkv, U), of which the first n_valid (n, Hkv) are
     read, each once, and per entry the bits of the query heads that chose it (n, Hkv, U) int32, or None when a
     group's heads all read its pages. Fixed shapes throughout (topk's k is n_sel): nothing is read back to the host.
-    `ranked` False: n_read is n_sel or more in every row (a budget in tokens), so that Quest's topk need not sort what
-    it picks (its union below takes them in any order; a group's list must keep its valid entries first)."""
+    `ranked` False: n_read is n_sel or more in every row (a budget in tokens), so that no ranking is cut short of its
+    n_sel and Quest's topk need not sort what it picks (its union below takes them in any order; a group's list must
+    keep its valid entries, the finite scores, first, so it is sorted)."""
     n, R, W = scores.shape
-    ranked = ranked or R == Hkv
-    top, ids = scores.topk(n_sel, dim=-1, sorted=ranked)  # (n, R, n_sel), highest first where ranked
+    top, ids = scores.topk(n_sel, dim=-1, sorted=ranked or R == Hkv)  # (n, R, n_sel), highest first where sorted
     valid = top > -math.inf
     if ranked:  # each ranking's first n_read: a prefix
         valid &= torch.arange(n_sel, device=scores.device) < n_read.view(n, 1, 1)
@@ -785,20 +808,6 @@ def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: in
     ids = torch.full((n, Hkv, U + 1), W, dtype=torch.int64, device=scores.device).scatter_(2, slot, pages)
     ids = ids[..., :U].contiguous()  # (heads.gather's strides: the kernel reads both alike)
     return ids, heads.gather(2, ids), chosen.sum(-1, dtype=torch.int32)
-
-
-def entries_read(ids: torch.Tensor, n_valid: torch.Tensor, group_read: torch.Tensor, n_ctx: torch.Tensor,
-                 n_read: torch.Tensor, n_sink: int, n_local: int, P: int) -> torch.Tensor:
-    """The KV entries each (row, KV head) read, (n, Hkv) int64, counted as attention's page paths count them: its
-    window, the bulk positions of the pages it read (choose_pages' first n_valid of ids (n, Hkv, U); a page's part in
-    the window is the window's), and one entry per candidate page when their statistics were scored (0 < n_read < m,
-    for a group that reads: group_read (n, Hkv)). n_ctx, n_read (n,): each row's context length and page budget."""
-    bulk_end = (n_ctx - (n_local - n_sink)).clamp(min=n_sink)  # (n,): moments.bulk_end
-    m = (bulk_end - n_sink + P - 1) // P  # pages.candidates
-    size = (bulk_end[:, None, None] - (n_sink + ids * P)).clamp(0, P)  # (n, Hkv, U): each page's bulk positions
-    size = size * (torch.arange(ids.shape[2], device=ids.device) < n_valid[..., None])
-    scored = ((n_read > 0) & (n_read < m)) * m  # (n,)
-    return n_ctx.clamp(max=n_local)[:, None] + size.sum(-1) + scored[:, None] * (group_read != 0)
 
 
 def chosen_mask(ids: torch.Tensor, heads: torch.Tensor | None, n_valid: torch.Tensor, G: int, W: int) -> torch.Tensor:

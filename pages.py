@@ -16,7 +16,8 @@ the cache's dtype (a min and a max are exact in any dtype). Upkeep: `bounds` cal
 appended since the last call: the part-filled page in place, then whole pages at once (a prefill's); decoding appends
 one key per step, which updates the page being filled in place, O(D).
 Decoding from fixed device buffers (a CUDA graph) keeps a batch's statistics in one stacked copy instead (`stacked`,
-twice the memory while it decodes), which each step updates on the device (`fold_in_last`).
+twice the memory while it decodes), which each step updates on the device (kernels.fused_pages' `fold`: the window
+kernel folds the key just appended into its page).
 
 `PageIndex` is an input of the page paths (attention.quest, attention.qada_pages), as moments.KeyMoments is of qada:
 built from the prefilled cache, then following the cache from the `k` (Hkv, T, D) it is handed each step.
@@ -107,9 +108,9 @@ def stacked(indexes: list[PageIndex], layer: int, k: torch.Tensor, start: list[i
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The min and max keys of B rows' page indexes, (B, Hkv, NP, D) each, for a cache k (B, Hkv, capacity, D) whose
     row b is filled over [start[b], T) (NP: the capacity's pages): row b's index brought up to date with its keys
-    (PageIndex.bounds), then empty pages (min +inf, max -inf), which decoding fills in place (fold_in_last). Fixed-size
-    buffers that a captured decode step updates and reads (attention.StaticAttention); the rows' own indexes are not
-    kept current meanwhile (a later eager call catches them up from where they stopped)."""
+    (PageIndex.bounds), then empty pages (min +inf, max -inf), which decoding fills in place (kernels.fused_pages'
+    `fold`). Fixed-size buffers that a captured decode step updates and reads (attention.StaticAttention); the rows'
+    own indexes are not kept current meanwhile (a later eager call catches them up from where they stopped)."""
     B, Hkv, capacity, D = k.shape
     lo = torch.full((B, Hkv, indexes[0].n_pages(capacity), D), math.inf, dtype=k.dtype, device=k.device)
     hi = torch.full_like(lo, -math.inf)
@@ -117,24 +118,6 @@ def stacked(indexes: list[PageIndex], layer: int, k: torch.Tensor, start: list[i
         row_lo, row_hi = index.bounds(layer, k[b, :, start[b]:T])  # (Hkv, n, D)
         lo[b, :, :row_lo.shape[1]], hi[b, :, :row_hi.shape[1]] = row_lo, row_hi
     return lo, hi
-
-
-def fold_in_last(lo: torch.Tensor, hi: torch.Tensor, k: torch.Tensor, length: torch.Tensor, start: torch.Tensor,
-                 n_sink: int, page_size: int) -> None:
-    """PageIndex.update for one decoded key per row, with no host value: the key each row of k (B, Hkv, T, D) holds at
-    position length - 1 (length (1,) the filled length, a device tensor) folded into its page of lo, hi (B, Hkv, NP, D)
-    in place (stacked's buffers, whose pages not yet begun hold +inf and -inf). Row b's page of position t is
-    (t - start[b] - n_sink) // P; a key among a row's sinks has no page and changes nothing. Folding the same key
-    twice leaves what once does (a CUDA graph's warm-up repeats a step)."""
-    B, Hkv, _, D = k.shape
-    t = length.long().view(1) - 1  # (1,)
-    rel = t - start.long() - n_sink  # (B,): the key's place past the row's sinks
-    page = rel.clamp(min=0).div(page_size, rounding_mode="floor").view(B, 1, 1, 1).expand(B, Hkv, 1, D)
-    key = k.index_select(2, t)  # (B, Hkv, 1, D)
-    in_page = (rel >= 0).view(B, 1, 1, 1)
-    for x, fold in ((lo, torch.minimum), (hi, torch.maximum)):
-        held = x.gather(2, page)  # (B, Hkv, 1, D)
-        x.scatter_(2, page, torch.where(in_page, fold(held, key), held))
 
 
 def upper_bounds(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

@@ -378,7 +378,8 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
             syncs = (syncs + "; capture: " + str(e).splitlines()[0])[:120]
         out[name] = dict(B=B, L=L, T=T, capacity=capacity, view=graph_view(T + 1, capacity), method=name,
                          kv_read=kv_read, eager_ms=eager, graph_ms=graph, graph_q1=q1, graph_q3=q3,
-                         graph_quartiles=math.nan if math.isnan(q1) else f"{q1:.2f}-{q3:.2f}", host_syncs=syncs, logits_ok=logits_ok)
+                         graph_quartiles=math.nan if math.isnan(q1) else f"{q1:.2f}-{q3:.2f}", host_syncs=syncs,
+                         logits_ok=logits_ok)
     for mode in ("eager", "graph"):
         dense, floor = out["dense"][f"{mode}_ms"], out["kv 0.0"][f"{mode}_ms"]
         for r in out.values():

@@ -117,7 +117,7 @@ class Layer:
     def read(self, budget: int, quest: bool) -> float:
         """The KV entries read per (row, KV head) over T: window, pages (Quest's union measured), scored statistics."""
         m = candidates(self.T, N_SINK, N_LOCAL, self.P)
-        _, labels, chosen, _ = self.pages(budget, quest, inspect=True)
+        _, labels, chosen = self.pages(budget, quest, inspect=True)
         self.check_labels(labels, quest)
         union = chosen.view(self.B, self.Hkv, self.G, -1).any(2).sum(-1).double()  # (B, Hkv) pages
         scored = m if 0 < budget // self.P < m else 0  # attention.top_pages scores only when it decides
@@ -214,8 +214,8 @@ def self_check(device: torch.device, dims: dict, P: int) -> list[str]:
         rows = torch.arange(2, dtype=torch.int32, device=device)
         for name in ("quest", "qada_pages"):
             qada = {} if name == "quest" else dict(form=form, tau=tau, correction=calibration.layer(0))
-            y, labels, chosen, _ = kernels.fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, (lo, hi), P,
-                                                       budget=8 * P, inspect=True, **qada)
+            y, labels, chosen = kernels.fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, (lo, hi), P,
+                                                    budget=8 * P, inspect=True, **qada)
             err = 0.0
             for i in range(2):
                 kk, vv = k[i, :, int(start[i]):], v[i, :, int(start[i]):]
@@ -309,10 +309,10 @@ def exact_launch(layer: Layer, step, budget: int, quest: bool, device: torch.dev
     """The step with the window's and the bounds' products in exact fp32, off the tensor cores (EXACT:
     kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW off): its ms, and the share of query heads that attend to the same
     pages with the same labels as at the default launch. NaN for a launch that fails to compile."""
-    _, labels, chosen, _ = layer.pages(budget, quest, inspect=True)
+    _, labels, chosen = layer.pages(budget, quest, inspect=True)
     try:
         with launch(kernels.WINDOW_LAUNCH, **EXACT["window"]), launch(kernels.BOUND_LAUNCH, **EXACT["bound"]):
-            _, exact_labels, exact_chosen, _ = layer.pages(budget, quest, inspect=True)
+            _, exact_labels, exact_chosen = layer.pages(budget, quest, inspect=True)
             ms = timed_ms(step, device, reps)
     except Exception as e:  # noqa: BLE001 (a launch the compiler refuses is a finding, not a crash of the table)
         print(f"the exact launch failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)

@@ -347,13 +347,14 @@ def test_the_kernel_reads_the_splits_of_the_groups_it_needs_only(rule):
 
 
 class Launch:
-    """A stand-in for a Triton kernel: `kernel[grid](...)` records the launch and does nothing."""
+    """A stand-in for a Triton kernel: `kernel[grid](...)` records the launch, (kernel, grid, args, kwargs), and runs
+    nothing (`kernel`: the one it stands for, for those that compile what was launched)."""
 
-    def __init__(self, launches):
-        self.launches = launches
+    def __init__(self, launches, kernel=None):
+        self.launches, self.kernel = launches, kernel
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append(grid)
+        return lambda *args, **kwargs: self.launches.append((self.kernel, grid, args, kwargs))
 
 
 def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
@@ -378,7 +379,7 @@ def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     batch(q[:, :, None], k, v, 0)
     rows[0](q[:1, :, None], k[:1], v[:1], 0)
     # two kernels per step, fixed grids (split_size: 256 positions per split, two splits of T = 300)
-    assert launches == [(2, 2), (2, 2, 2), (1, 2), (1, 2, 2)]
+    assert [grid for _, grid, _, _ in launches] == [(2, 2), (2, 2, 2), (1, 2), (1, 2, 2)]
     assert len(rows[0].stats.labels) == 3 and rows[0].stats.labels[-1][0].device == q.device
 
 

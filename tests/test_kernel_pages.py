@@ -21,7 +21,7 @@ import kernels
 from kernels import fused_pages, fused_qada
 from lab import bench_pages_gpu
 from moments import bulk_end
-from pages import PageIndex, candidates, page_count
+from pages import PageIndex, candidates, page_count, stacked
 from tests.test_kernel import Launch, Recorded
 from tests.test_pages import brute_pages, calibrations, moments_of, shares_by_hand, split, top
 
@@ -123,8 +123,8 @@ def check_against_torch(method, P, budget, calibration=None, budget_frac=None, s
                         dtype=torch.float32, **kw):
     """The batch through the kernel, each row through the torch path: labels, chosen pages, output and read."""
     q, k, v, start, length = batch(seed, rows, dtype=dtype)
-    y, labels, read, chosen, reads = run_kernel(method, q, k, v, start, length, P, budget, calibration,
-                                                budget_frac=budget_frac, with_read=True, inspect=True, **kw)
+    y, labels, read, chosen = run_kernel(method, q, k, v, start, length, P, budget, calibration,
+                                         budget_frac=budget_frac, with_read=True, inspect=True, **kw)
     W = candidates(T_MAX, N_SINK, N_LOCAL, P)
     assert chosen.shape == (len(rows), H, W)
     for i in range(len(rows)):
@@ -138,7 +138,11 @@ def check_against_torch(method, P, budget, calibration=None, budget_frac=None, s
         want = pages_by_hand(method, q[i], kk, P, n_read, want_labels)
         m = want.shape[1]
         assert torch.equal(chosen[i, :, :m], want) and not chosen[i, :, m:].any(), i
-        assert torch.equal(reads[i], bulk_read_by_hand(want, T, P)), i
+        # counted in the kernels as they load: the window, each candidate's statistics where they decide something
+        # (for a group that reads), the chosen pages' bulk positions
+        scored = m if 0 < n_read < m else 0
+        reads = ~want_labels.view(HKV, G).all(1)  # (Hkv,): the groups that read
+        assert torch.equal(read[i], min(T, N_LOCAL) + scored * reads + bulk_read_by_hand(want, T, P)), i
         tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(y[i], want_y, **tol)
     return labels, chosen
@@ -197,13 +201,13 @@ def test_a_budget_that_covers_everything_is_dense(method):
     """Every group long-context (tau 1) and every page read: attention over the whole context, the read every bulk
     position."""
     q, k, v, start, length = batch(5)
-    y, labels, chosen, reads = run_kernel(method, q, k, v, start, length, 32, 10_000, calibrations()[0], tau=1.0,
-                                          inspect=True)
+    y, labels, read = run_kernel(method, q, k, v, start, length, 32, 10_000, calibrations()[0], tau=1.0,
+                                 with_read=True)
     for i, (s, t) in enumerate(ROWS):
         kk, vv = row_view(k, i, start, length), row_view(v, i, start, length)
         torch.testing.assert_close(y[i], attention.dense(q[i], kk, vv)[0], atol=2e-5, rtol=1e-4)
         if t > N_LOCAL:
-            assert not labels[i].any() and reads[i].tolist() == [bulk_end(t, N_SINK, N_LOCAL) - N_SINK] * HKV
+            assert not labels[i].any() and read[i].tolist() == [t] * HKV  # the window and every bulk position
 
 
 @pytest.mark.parametrize("method", ["quest", "qada_pages"])
@@ -216,13 +220,49 @@ def test_a_planted_needle_s_page_is_chosen(method, P):
     needles = [150, 90]  # positions in each row's context
     for i, pos in enumerate(needles):
         k[i, 0, int(start[i]) + pos] = 4 * math.sqrt(D) * q[i, 0] / q[i, 0].norm()
-    y, labels, chosen, _ = run_kernel(method, q, k, v, start, length, P, P, split(False), tau=0.5, inspect=True)
+    y, labels, chosen = run_kernel(method, q, k, v, start, length, P, P, split(False), tau=0.5, inspect=True)
     for i, pos in enumerate(needles):
         assert chosen[i, 0, (pos - N_SINK) // P] and int(chosen[i, 0].sum()) == 1
         kk, vv = row_view(k, i, start, length), row_view(v, i, start, length)
         assert (y[i, 0] - vv[0, pos]).abs().max() < 0.05
         y_local, _ = attention.local(q[i], kk, vv, n_sink=N_SINK, n_local=N_LOCAL)
         assert (y_local[0] - vv[0, pos]).abs().max() > 0.3
+
+
+@pytest.mark.parametrize("P", [4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_folds_each_appended_key_into_its_page(P, dtype):
+    """pages.stacked, then fused_pages with `fold` step by step, the static decode loop's page statistics: rows
+    left-padded to different first positions (one prompt still within its sinks, one ending on a page's last key, one
+    mid-page), their indexes up to date, behind the cache or never filled; the key each step appended at the device
+    length folded into its own row's page by the window kernel; after every step each row's pages equal brute force
+    over its filled part, the pages past it still empty, and a step run twice (a graph's warm-up) leaves what once
+    does. An index ahead of the cache is refused."""
+    B, capacity = 3, 60
+    prompt = [N_SINK - 1, N_SINK + 2 * P, 19]  # each row's prompt length
+    T0 = N_SINK + 2 * P + 7
+    start = [T0 - t for t in prompt]  # right-aligned, as KVCache.stack leaves them
+    g = torch.Generator().manual_seed(P)
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, HKV, capacity, D, generator=g).to(dtype) for _ in range(2))
+    indexes = [PageIndex(None, P, N_SINK) for _ in range(B)]
+    indexes[0].bounds(0, k[0, :, start[0]:T0])  # up to date
+    indexes[1].bounds(0, k[1, :, start[1]:T0 - P - 1])  # behind: the keys after it are folded in by stacked
+    lo, hi = stacked(indexes, 0, k, start, T0)  # the third: never filled
+    assert lo.shape == (B, HKV, math.ceil((capacity - N_SINK) / P), D)
+    first, rows = torch.tensor(start, dtype=torch.int32), torch.arange(B, dtype=torch.int32)
+    for T in range(T0, min(capacity, T0 + 2 * P + 2) + 1):  # every row across a page's end
+        if T > T0:
+            for _ in range(2):  # a graph's warm-up runs the step twice
+                fused_pages(q, k, v, rows, first, N_SINK, N_LOCAL, (lo, hi), P, budget=P,
+                            length=torch.tensor([T], dtype=torch.int32), fold=True)
+        for b in range(B):
+            want_lo, want_hi = brute_pages(k[b, :, start[b]:T], N_SINK, P)
+            n = want_lo.shape[1]
+            assert torch.equal(lo[b, :, :n], want_lo) and torch.equal(hi[b, :, :n], want_hi), (T, b)
+            assert (lo[b, :, n:] == math.inf).all() and (hi[b, :, n:] == -math.inf).all(), (T, b)
+    with pytest.raises(ValueError, match="rolled back"):  # the indexes now hold up to T0; a cache at T0 - 1 is behind
+        stacked(indexes, 0, k, start, T0 - 1)
 
 
 # --- what is read ------------------------------------------------------------------------------------------
@@ -235,7 +275,7 @@ def test_nothing_but_the_window_and_the_chosen_pages_is_read(method):
     output: the output is finite and the clean cache's."""
     P = 16
     q, k, v, start, length = batch(7)
-    y, labels, chosen, _ = run_kernel(method, q, k, v, start, length, P, 4 * P, split(True), inspect=True)
+    y, labels, chosen = run_kernel(method, q, k, v, start, length, P, 4 * P, split(True), inspect=True)
     k_bad, v_bad = torch.full_like(k, math.nan), torch.full_like(v, math.nan)
     for i, (s, t) in enumerate(ROWS):
         window = attention.window_mask(t, N_SINK, N_LOCAL)
@@ -362,16 +402,6 @@ def test_bad_arguments_are_refused():
 # --- the tensor-core launches, compiled for a GPU without one -------------------------------------------------
 
 
-class Captured:
-    """A Triton kernel whose launches are kept, not run: (kernel, args, kwargs)."""
-
-    def __init__(self, kernel, launches):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
-
-
 # Run in a fresh interpreter without TRITON_INTERPRET: Triton built under its interpreter (as the tests' is) cannot
 # compile for a GPU in the same process.
 COMPILE = """
@@ -396,7 +426,7 @@ def compile_for_gpu(launches, arch=90):
     dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
               torch.int32: "i32", torch.int8: "i8"}
     specs = []
-    for kernel, args, kwargs in launches:
+    for kernel, _, args, kwargs in launches:
         params = inspect.signature(kernel.fn).parameters  # the Python function, compiled or interpreted
         values = dict(zip(params, args)) | kwargs
         signature, constexprs = {}, {}
@@ -434,10 +464,11 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     operands). Each kernel of the step is captured at its real launch and compiled from it; "qada-pdl" as an H100 with
     kernels.SPLIT_LAUNCH's PDL launches it (griddepcontrol, which the interpreter cannot run), "qada-unroll" with the
     window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores), "qada-spread" with the
-    split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD)."""
+    split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD); the page steps as the static loop runs them,
+    the appended key folded into its page and the entries read counted (int64 atomic adds)."""
     launches = []
     for name in KERNELS:
-        monkeypatch.setattr(kernels, name, Captured(getattr(kernels, name), launches))
+        monkeypatch.setattr(kernels, name, Launch(launches, getattr(kernels, name)))
     monkeypatch.setattr(kernels, "INTERPRETED", False)  # tensor_cores: what a GPU would launch
     monkeypatch.setitem(kernels.WINDOW_LAUNCH, "LOW", True)  # whatever QADA_TEST_LAUNCH says
     monkeypatch.setitem(kernels.BOUND_LAUNCH, "LOW", True)
@@ -451,12 +482,12 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
         fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), torch.full((len(ROWS),), 0.5, dtype=torch.float64),
                    length=length, block_n=32)
     else:
-        run_kernel(method, q, k, v, start, length, 16, 48, split(True))
-    assert [kernel.fn.__name__ for kernel, _, _ in launches] == \
+        run_kernel(method, q, k, v, start, length, 16, 48, split(True), fold=True, with_read=True)
+    assert [kernel.fn.__name__ for kernel, *_ in launches] == \
         [n for n in KERNELS if not method.startswith("qada") or method.startswith("qada_pages") or
          n != "_page_bound_kernel"]
-    assert all(kwargs.get("LOW") is True for _, _, kwargs in launches)
-    assert all(kwargs.get("PDL", False) == (method == "qada-pdl") for _, _, kwargs in launches)
+    assert all(kwargs.get("LOW") is True for *_, kwargs in launches)
+    assert all(kwargs.get("PDL", False) == (method == "qada-pdl") for *_, kwargs in launches)
     status, errors = compile_for_gpu(launches)
     assert status == 0, errors[-3000:]
 

@@ -16,7 +16,7 @@ from criterion import Calibration, save_calibration, window_mask
 from lab import records, report, sweep
 from model import KVCache
 from moments import FixedMoments, bulk_end
-from pages import PageIndex, candidates, fold_in_last, page_count, page_positions, stacked, upper_bounds
+from pages import PageIndex, candidates, page_count, page_positions, upper_bounds
 from tests.test_generate import make_tiny_dir, write_prompt
 
 H, HKV, D = 6, 2, 16
@@ -90,38 +90,6 @@ def test_the_index_grows_past_the_capacity_it_was_made_with():
     index = PageIndex(prefilled(k[:, :20], 21), 4, N_SINK)  # room for the cache's 21 positions only
     lo, hi = index.bounds(0, k)
     assert torch.equal(lo, brute_pages(k, N_SINK, 4)[0]) and torch.equal(hi, brute_pages(k, N_SINK, 4)[1])
-
-
-@pytest.mark.parametrize("P", [4, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stacked_statistics_folded_key_by_key_on_the_device_equal_brute_force(P, dtype):
-    """pages.stacked then pages.fold_in_last, the static decode step's page statistics: rows left-padded to different
-    first positions (one prompt still within its sinks, one ending on a page's last key, one mid-page), their indexes
-    up to date, behind the cache or never filled; each key appended at the device length folded into its own row's
-    page; after every key each row's pages equal brute force over its filled part, the pages past it still empty,
-    and folding the same key again changes nothing. An index ahead of the cache is refused."""
-    B, capacity = 3, 60
-    prompt = [N_SINK - 1, N_SINK + 2 * P, 19]  # each row's prompt length
-    T0 = N_SINK + 2 * P + 7
-    start = [T0 - t for t in prompt]  # right-aligned, as KVCache.stack leaves them
-    k = rand(B, HKV, capacity, D, seed=P, dtype=dtype)
-    indexes = [PageIndex(None, P, N_SINK) for _ in range(B)]
-    indexes[0].bounds(0, k[0, :, start[0]:T0])  # up to date
-    indexes[1].bounds(0, k[1, :, start[1]:T0 - P - 1])  # behind: the keys after it are folded in by stacked
-    lo, hi = stacked(indexes, 0, k, start, T0)  # the third: never filled
-    assert lo.shape == (B, HKV, math.ceil((capacity - N_SINK) / P), D)
-    first = torch.tensor(start, dtype=torch.int32)
-    for T in range(T0, capacity + 1):
-        if T > T0:
-            for _ in range(2):  # a graph's warm-up runs the step twice
-                fold_in_last(lo, hi, k, torch.tensor([T], dtype=torch.int32), first, N_SINK, P)
-        for b in range(B):
-            want_lo, want_hi = brute_pages(k[b, :, start[b]:T], N_SINK, P)
-            n = want_lo.shape[1]
-            assert torch.equal(lo[b, :, :n], want_lo) and torch.equal(hi[b, :, :n], want_hi), (T, b)
-            assert (lo[b, :, n:] == math.inf).all() and (hi[b, :, n:] == -math.inf).all(), (T, b)
-    with pytest.raises(ValueError, match="rolled back"):  # the indexes now hold up to T0; a cache at T0 - 1 is behind
-        stacked(indexes, 0, k, start, T0 - 1)
 
 
 def test_quests_bound_is_its_definition_and_bounds_every_score_of_the_page():
