@@ -326,7 +326,8 @@ if triton is not None:
         # The merge, by the group's last program to finish (no launch of its own): each program counts itself in
         # once its partial results are stored; the one that counts last reads them all back from L2 (.cg: not from
         # its own L1, which may hold stale lines) and writes the long heads' output. The barrier orders every
-        # thread's stores before the count's release; the window kernel reset the count for this step.
+        # thread's stores before the count's release; the count was zero before this launch (the window kernel
+        # zeroes it, or the previous launch's merging program left it so: fused_dense's kept flags).
         tl.debug_barrier()
         if tl.atomic_add(ARRIVED + b * HKV + g, 1, sem="acq_rel", scope="gpu") != n_used - 1:
             return
@@ -641,7 +642,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     to fp32 rounding. q, k, v, rows, start, length and out as fused_qada's; `bounds` = (lo, hi), each (n, Hkv, NP, D):
     query i's row's pages.PageIndex min and max keys, page j the positions [start_i + n_sink + j P, ... + P) of the
     cache (PageIndex.bounds of the row's own view, or pages.stacked's buffers), NP at least the candidates of a
-    context of T_max (pages.candidates); page_size P a power of two dividing block_n; `budget` tokens or
+    context of T_max (pages.candidates), with `fold` every page of T_max (PageIndex.n_pages); page_size P a power of two dividing block_n; `budget` tokens or
     `budget_frac` of each row's T, one of them (pages.page_count). Four steps, each a fixed grid:
 
       1. per (row, KV head), `_window_decide_kernel`: the window, and QAdA's decision as qada_kv_cal takes it (rule
@@ -686,8 +687,9 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     length, len_per_row = filled_length(length, B, T_max, dev)
     lo, hi = bounds
     W = candidates(T_max, n_sink, n_local, P)  # the pages a context of the capacity may choose from
-    if lo.shape[2] < W or hi.shape != lo.shape:
-        raise ValueError(f"bounds: (n, Hkv, NP, D) min and max keys with NP >= {W} pages, got {tuple(lo.shape)} and "
+    NP = triton.cdiv(max(T_max - n_sink, 0), P) if fold else W  # fold writes the page of a key up to T_max
+    if lo.shape[2] < NP or hi.shape != lo.shape:
+        raise ValueError(f"bounds: (n, Hkv, NP, D) min and max keys with NP >= {NP} pages, got {tuple(lo.shape)} and "
                          f"{tuple(hi.shape)}")
     # pages each group (Quest: each head) reads: budget // P, or floor(budget_frac T) // P of each row's own T
     n_max = page_count(T_max, P, budget, budget_frac)  # at the capacity: the most any row reads

@@ -237,7 +237,8 @@ def test_the_step_folds_each_appended_key_into_its_page(P, dtype):
     mid-page), their indexes up to date, behind the cache or never filled; the key each step appended at the device
     length folded into its own row's page by the window kernel; after every step each row's pages equal brute force
     over its filled part, the pages past it still empty, and a step run twice (a graph's warm-up) leaves what once
-    does. An index ahead of the cache is refused."""
+    does. An index ahead of the cache is refused, and so are bounds that hold the candidate pages only: a key up to
+    the capacity folds into a page past them."""
     B, capacity = 3, 60
     prompt = [N_SINK - 1, N_SINK + 2 * P, 19]  # each row's prompt length
     T0 = N_SINK + 2 * P + 7
@@ -263,6 +264,9 @@ def test_the_step_folds_each_appended_key_into_its_page(P, dtype):
             assert (lo[b, :, n:] == math.inf).all() and (hi[b, :, n:] == -math.inf).all(), (T, b)
     with pytest.raises(ValueError, match="rolled back"):  # the indexes now hold up to T0; a cache at T0 - 1 is behind
         stacked(indexes, 0, k, start, T0 - 1)
+    W = candidates(capacity, N_SINK, N_LOCAL, P)
+    with pytest.raises(ValueError, match=f"NP >= {lo.shape[2]} pages"):
+        fused_pages(q, k, v, rows, first, N_SINK, N_LOCAL, (lo[:, :, :W], hi[:, :, :W]), P, budget=P, fold=True)
 
 
 # --- what is read ------------------------------------------------------------------------------------------
