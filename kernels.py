@@ -16,6 +16,8 @@ Two kernels, each a fixed grid:
 long-context groups, or every group for Quest alone, read their window and their chosen pages only. A third kernel,
 `_page_bound_kernel`, scores the candidate pages by Quest's bound from the page statistics (pages.PageIndex); torch's
 topk picks the top ones under the budget; the split programs then walk a list of page numbers instead of a range.
+The step's upkeep rides in the same launches: the window kernel folds the key just appended into its page's
+statistics, and the kernels count the KV entries they load.
 
 The kernels read the filled length T and each row's first position from device memory, and their grids and
 compile-time constants depend on the cache's capacity only (fused_qada's `length`), and the page budget: one step
