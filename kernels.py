@@ -71,6 +71,32 @@ BOUND_LAUNCH = dict(num_warps=4, LOW=True)
 # times the splits of a fixed split size (0: the fixed splits). lab.bench_gpu --parts kernels times the others.
 SPLIT_LAUNCH = dict(BLOCK_N=64, num_warps=4, num_stages=3, PDL=False, SPREAD=0)
 MERGE_CHUNK = 8  # the split results a group's merge loads at once (the split kernel's epilogue)
+LAUNCHES = {"window": WINDOW_LAUNCH, "bound": BOUND_LAUNCH, "split": SPLIT_LAUNCH}
+
+
+def set_launch(changes: dict) -> None:
+    """Launch the kernels otherwise from now on: changes {"window" | "bound" | "split": {key: value}} into LAUNCHES'
+    configs, checked first (check_launch: nothing changes if it raises). How a GPU session times and tests a launch
+    before it becomes the default (tests/conftest.py's QADA_TEST_LAUNCH, lab.bench_gpu's --launch)."""
+    check_launch(changes)
+    for name, change in changes.items():
+        LAUNCHES[name].update(change)
+
+
+def check_launch(changes) -> None:
+    """ValueError unless `changes` is a launch change set_launch takes: names of LAUNCHES, each with keys its config
+    has and values of their types."""
+    if not isinstance(changes, dict):
+        raise ValueError(f"a launch change is a mapping of {', '.join(LAUNCHES)} to changes; got {changes!r}")
+    for name, change in changes.items():
+        config = LAUNCHES.get(name)
+        if config is None:
+            raise ValueError(f"a launch change names {', '.join(LAUNCHES)}; got {name!r}")
+        if not isinstance(change, dict) or not set(change) <= set(config):
+            raise ValueError(f"the {name} launch takes {', '.join(config)}; got {change}")
+        for key, value in change.items():
+            if type(value) is not type(config[key]):
+                raise ValueError(f"the {name} launch's {key} takes a {type(config[key]).__name__}, got {value!r}")
 
 
 def fused(q: torch.Tensor) -> bool:

@@ -73,6 +73,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -621,6 +622,16 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in ints(text).split(",") if x.strip()]
 
 
+def launch_change(text: str) -> dict:
+    """An argparse type: a launch change for kernels.set_launch, in JSON, checked (main applies it)."""
+    try:
+        change = json.loads(text)
+        kernels.check_launch(change)
+    except ValueError as e:  # json's errors are ValueErrors too
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return change
+
+
 def setups(text: str) -> list[tuple[int, int]]:
     """--e2e (an argparse type): BATCHxLAYERS,... with both at least 1."""
     try:
@@ -653,6 +664,9 @@ def main(argv=None) -> int:
                    "in tokens beyond the window (default: 1024)")
     p.add_argument("--steps", type=at_least(1), default=10, help="end to end: timed steps per method, eager (the "
                    "graph loop: 4 times as many) (default: 10)")
+    p.add_argument("--launch", type=launch_change, default={}, help="the kernels launched otherwise, as "
+                   "kernels.set_launch takes it, in JSON: '{\"split\": {\"SPREAD\": 8}}' times a launch end to end "
+                   "before it becomes the default (default: the kernels' own)")
     p.add_argument("--quick", action="store_true", help="fewer timed calls")
     p.add_argument("--out", default=None, help="output folder (default: a new folder runs/bench-gpu/<time>, so that no "
                    "run overwrites another's; results/bench-gpu holds the committed tables)")
@@ -673,8 +687,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--out {args.out} is a file; give a folder")
     except ValueError as e:
         return fail(e)
+    kernels.set_launch(args.launch)
     setup = setup_line(device)
-    command = "python -m lab.bench_gpu " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m lab.bench_gpu " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(setup, flush=True)
     out = Path(args.out) if args.out is not None else fresh_folder("runs/bench-gpu")
     if args.parts in ("attention", "all"):

@@ -38,18 +38,17 @@ if TEST_DEVICE != "cpu":
 # The project is flat top-level files (`from model import Llama`); make them importable from tests/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# QADA_TEST_LAUNCH='{"window": {...}, "bound": {...}}' runs the suite with the kernels launched otherwise
-# (kernels.WINDOW_LAUNCH, kernels.BOUND_LAUNCH): how a GPU holds a faster launch to the torch paths before it becomes
-# the default (results/bench-gpu/run.sh).
+# QADA_TEST_LAUNCH='{"window": {...}, "bound": {...}, "split": {...}}' runs the suite with the kernels launched
+# otherwise (kernels.set_launch): how a GPU holds a faster launch to the torch paths before it becomes the default
+# (results/bench-gpu/run.sh).
 if os.environ.get("QADA_TEST_LAUNCH"):
     import json
 
     import kernels
-    for name, change in json.loads(os.environ["QADA_TEST_LAUNCH"]).items():
-        config = {"window": kernels.WINDOW_LAUNCH, "bound": kernels.BOUND_LAUNCH}[name]
-        if not set(change) <= set(config):
-            raise pytest.UsageError(f"QADA_TEST_LAUNCH: {name} takes {sorted(config)}, got {sorted(change)}")
-        config.update(change)
+    try:
+        kernels.set_launch(json.loads(os.environ["QADA_TEST_LAUNCH"]))
+    except ValueError as e:  # json's errors are ValueErrors too
+        raise pytest.UsageError(f"QADA_TEST_LAUNCH: {e}") from None
 
 
 MODEL_FIXTURES = {"embedded_dir", "embedded_gguf_file", "hf_gguf_model", "hf_gguf_tokenizer", "qwen05_dir",

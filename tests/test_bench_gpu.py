@@ -61,6 +61,13 @@ def test_the_attention_table_compares_with_the_best_dense(tiny_shapes, monkeypat
         assert r["decision"] == pytest.approx(rows[-1]["graph_ms"] / best)
 
 
+@pytest.mark.parametrize("launch", ['{"split": {"SPREAD": "8"}}', '{"split": {"SPREED": 8}}', "split=8"])
+def test_a_bad_launch_is_one_line_and_exit_2(launch, capsys):
+    assert bench_gpu.main(["--parts", "attention", "--launch", launch]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--launch" in err and "Traceback" not in err
+
+
 def test_a_step_is_timed_from_one_read_of_its_tokens_to_the_next(monkeypatch):
     """step_ms: the median and quartiles of the steps after the first (a graph's capture), each from the loop's first
     stop-rule call after one step to the first after the next, on the host's clock."""

@@ -346,6 +346,27 @@ def test_the_kernel_reads_the_splits_of_the_groups_it_needs_only(rule):
     assert torch.isfinite(y).all() and labels[0].tolist() == [True] * 3 + [False] * 3
 
 
+def test_a_launch_change_is_checked_whole_before_any_of_it_applies(monkeypatch):
+    """kernels.set_launch (QADA_TEST_LAUNCH, lab.bench_gpu --launch): a change to a config the kernels have, with its
+    keys and their types, applies; a name or key they lack, or a value of another type, raises and changes nothing,
+    though an earlier part of the same change was good."""
+    for name, config in kernels.LAUNCHES.items():  # put back afterwards, whatever the test does
+        monkeypatch.setitem(kernels.LAUNCHES, name, config)
+        for key, value in config.items():
+            monkeypatch.setitem(config, key, value)
+    before = {name: dict(config) for name, config in kernels.LAUNCHES.items()}
+    for bad, match in [({"split": {"SPREAD": 8}, "splt": {}}, "names window, bound, split"),
+                       ({"split": {"SPREAD": 8}, "window": {"TILE": 64}}, "window launch takes"),
+                       ({"split": {"SPREAD": 8}, "window": {"LOW": 1}}, "LOW takes a bool"),
+                       ({"split": 3}, "split launch takes"), ([1], "a mapping")]:
+        with pytest.raises(ValueError, match=match):
+            kernels.set_launch(bad)
+        assert {name: dict(config) for name, config in kernels.LAUNCHES.items()} == before
+    kernels.set_launch({"split": {"SPREAD": 8, "PDL": True}, "window": {"BLOCK_W": 64}})
+    assert kernels.SPLIT_LAUNCH["SPREAD"] == 8 and kernels.SPLIT_LAUNCH["PDL"] and kernels.WINDOW_LAUNCH["BLOCK_W"] == 64
+    assert kernels.SPLIT_LAUNCH["BLOCK_N"] == before["split"]["BLOCK_N"]  # the rest as it was
+
+
 class Launch:
     """A stand-in for a Triton kernel: `kernel[grid](...)` records the launch, (kernel, grid, args, kwargs), and runs
     nothing (`kernel`: the one it stands for, for those that compile what was launched)."""

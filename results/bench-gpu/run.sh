@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What this project checks and measures on an NVIDIA GPU, in one device call of under ten minutes (~9 on an H200): the
 # kernels' and the graph-replayed loop's tests on CUDA, the kernels' tests again at a launch to adopt (QADA_TEST_LAUNCH),
-# each kernel's device time in a step, generate.py's loops end to end (lab/bench_gpu.py says what each table is), page
-# selection in the fused kernel (lab/bench_pages_gpu.py --quick), the CLI with --cuda-graphs auto and off. On a machine
+# each kernel's device time in a step, generate.py's loops end to end (lab/bench_gpu.py says what each table is), and
+# again at a launch to adopt (--launch), page selection in the fused kernel (lab/bench_pages_gpu.py --quick), the CLI
+# with --cuda-graphs auto and off (16k and 4k of a 32k cache end to end with T16K=1, T4K=1). On a machine
 # without internet, gguf and wonderwords come as wheels in .whl/ (pip download, see README).
 #   bash results/bench-gpu/run.sh [OUT]     # default OUT: /tmp/bench-gpu; results.tar.gz and log.txt land there
 set -uo pipefail
@@ -12,8 +13,9 @@ FILES=$(mktemp -d)  # the tables and figures, packed into $OUT/results.tar.gz at
 mkdir -p "$OUT"
 # packed after every part: a run cut off keeps what it measured; the tables name this script, not its temporary folder
 pack() {
-  sed -i -e "s#--out $FILES\(/pages\)\?\`#--out DIR\1\` (inside \`bash results/bench-gpu/run.sh\`)#" \
-    -e "s#--out $FILES\(/pages\)\?\"#--out DIR\1\"#" "$FILES"/*.md "$FILES"/*.json "$FILES"/pages/*.md 2>/dev/null
+  sed -i -e "s#--out $FILES\(/[a-z0-9-]*\)\?\`#--out DIR\1\` (inside \`bash results/bench-gpu/run.sh\`)#" \
+    -e "s#--out $FILES\(/[a-z0-9-]*\)\?\"#--out DIR\1\"#" "$FILES"/*.md "$FILES"/*.json "$FILES"/*/*.md \
+    "$FILES"/*/*.json 2>/dev/null
   tar -czf "$OUT/results.tar.gz" --exclude=tiny -C "$FILES" .
 }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -56,8 +58,13 @@ timeout 110 python3 -m lab.bench_pages_gpu --quick --out "$FILES/pages"; pack
 echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k"
 echo "   (${SECONDS}s in)"
 timeout 330 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32,32x8 --out "$FILES"; pack
-echo "== the same at T_max / 2 (capacity 32k): the graph's view follows T, not the capacity (T_max / 8 with T4K=1)"
-timeout 100 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+echo "== the same at batch 1 and 8 with the split programs dealt out to the long groups (SPREAD 8) and launched"
+echo "   dependent on the window kernel (PDL): the launch to adopt if it wins here and in kernels.md (${SECONDS}s in)"
+timeout 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 \
+  --launch '{"split": {"SPREAD": 8, "PDL": true}}' --out "$FILES/spread8-pdl"; pack
+if [ -n "${T16K:-}" ]; then  # at T_max / 2 (capacity 32k): the graph's view follows T, not the capacity
+  timeout 100 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+fi
 if [ -n "${T4K:-}" ]; then
   timeout 90 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 fi
