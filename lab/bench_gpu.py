@@ -666,7 +666,7 @@ def main(argv=None) -> int:
                    "graph loop: 4 times as many) (default: 10)")
     p.add_argument("--launch", type=launch_change, default={}, help="the kernels launched otherwise, as "
                    "kernels.set_launch takes it, in JSON: '{\"split\": {\"SPREAD\": 8}}' times a launch end to end "
-                   "before it becomes the default (default: the kernels' own)")
+                   "before it is adopted (default: the kernels' own)")
     p.add_argument("--quick", action="store_true", help="fewer timed calls")
     p.add_argument("--out", default=None, help="output folder (default: a new folder runs/bench-gpu/<time>, so that no "
                    "run overwrites another's; results/bench-gpu holds the committed tables)")
