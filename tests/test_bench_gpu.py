@@ -98,8 +98,8 @@ def test_fixed_labels_read_the_share_asked_for(monkeypatch):
     def one_run(decode, reset, n):  # step_ms at its cheapest: one run, its clock (the loop's stop rule) handed down
         asked = []
         reset()
-        decode(3, lambda ids: asked.append(len(ids)) or False)
-        assert asked and max(asked) == 2
+        decode(2, lambda ids: asked.append(len(ids)) or False)
+        assert asked == [1, 1]  # each row asked about its first token
         return 1.0, 1.0, 1.0
 
     monkeypatch.setattr(bench_gpu, "step_ms", one_run)
@@ -107,7 +107,7 @@ def test_fixed_labels_read_the_share_asked_for(monkeypatch):
     monkeypatch.setattr(bench_gpu, "sync_free", lambda step: "none")
     monkeypatch.setattr(bench_gpu, "E2E_FRACTIONS", (1.0, 0.5, 0.0))
     monkeypatch.setattr(bench_gpu, "E2E_PAGES_F", 0.5)
-    T = 1000
+    T = 400
     rows = {r["method"]: r for r in bench_gpu.bench_end_to_end(T, [(2, 4)], torch.device("cpu"), 1, budget=64)}
     window = attention.kv_read_fraction(torch.ones(1, 1, 4), torch.tensor([T + 1]), 2, 128)  # all local
     for f in (1.0, 0.5, 0.0):
