@@ -46,7 +46,7 @@ except ImportError:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels (the tests)
 
 from criterion import GROUP_RULES, Correction, tau_logit
-from pages import candidates, group_ranking, page_count
+from pages import candidates, group_ranking, page_count, pages_upto
 
 RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
 assert set(RULES) == {None, *GROUP_RULES}
@@ -119,8 +119,8 @@ if triton is not None:
 
     @triton.jit
     def _window_decide_kernel(Q, K, V, ROWS, START, LENGTH, A, BV, TAU, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL,
-                              LABELS, READ, Y, ARRIVED, LO, HI, COUNTS, sm_scale, sqb, sqh, skb, skh, skt, svb, svh, svt, sab,
-                              sah, sbb, sbh, syb, syh, slb, slh, slp, shb, shh, shp, H: tl.constexpr,
+                              LABELS, READ, Y, ARRIVED, LO, HI, COUNTS, sm_scale, sqb, sqh, skb, skh, skt, svb, svh,
+                              svt, sab, sah, sbb, sbh, syb, syh, slb, slh, slp, shb, shh, shp, H: tl.constexpr,
                               HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                               N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
                               W_PAD: tl.constexpr, RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -396,8 +396,8 @@ if triton is not None:
         tl.store(out, (acc / l_sum[:, None]).to(Y.dtype.element_ty), mask=(hm_ok & is_long)[:, None])
 
     @triton.jit
-    def _page_bound_kernel(Q, LO, HI, START, LENGTH, READ, N_READ, SCORES, COUNTS, sqb, sqh, slb, slh, slp, shb, shh, shp,
-                           ssb, ssr, W, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    def _page_bound_kernel(Q, LO, HI, START, LENGTH, READ, N_READ, SCORES, COUNTS, sqb, sqh, slb, slh, slp, shb, shh,
+                           shp, ssb, ssr, W, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                            D: tl.constexpr, PAGE: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
                            BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, COMBINE: tl.constexpr,
                            LEN_PER_ROW: tl.constexpr, LOW: tl.constexpr, COUNT: tl.constexpr = False):
@@ -670,8 +670,9 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     to fp32 rounding. q, k, v, rows, start, length and out as fused_qada's; `bounds` = (lo, hi), each (n, Hkv, NP, D):
     query i's row's pages.PageIndex min and max keys, page j the positions [start_i + n_sink + j P, ... + P) of the
     cache (PageIndex.bounds of the row's own view, or pages.stacked's buffers), NP at least the candidates of a
-    context of T_max (pages.candidates), with `fold` every page of T_max (PageIndex.n_pages); page_size P a power of two dividing block_n; `budget` tokens or
-    `budget_frac` of each row's T, one of them (pages.page_count). Four steps, each a fixed grid:
+    context of T_max (pages.candidates), with `fold` every page of T_max (pages.pages_upto); page_size P a power of
+    two dividing block_n; `budget` tokens or `budget_frac` of each row's T, one of them (pages.page_count). Four
+    steps, each a fixed grid:
 
       1. per (row, KV head), `_window_decide_kernel`: the window, and QAdA's decision as qada_kv_cal takes it (rule
          "mean", `correction`: Calibration.layer()); for Quest no decision, every group long-context; with `fold`,
@@ -715,7 +716,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     length, len_per_row = filled_length(length, B, T_max, dev)
     lo, hi = bounds
     W = candidates(T_max, n_sink, n_local, P)  # the pages a context of the capacity may choose from
-    NP = triton.cdiv(max(T_max - n_sink, 0), P) if fold else W  # fold writes the page of a key up to T_max
+    NP = pages_upto(T_max, n_sink, P) if fold else W  # fold writes the page of a key up to T_max
     if lo.shape[2] < NP or hi.shape != lo.shape:
         raise ValueError(f"bounds: (n, Hkv, NP, D) min and max keys with NP >= {NP} pages, got {tuple(lo.shape)} and "
                          f"{tuple(hi.shape)}")
@@ -751,8 +752,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     _window_decide_kernel[(B, Hkv)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
         cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
-        lo, hi, counts, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), A.stride(0) if not quest else 0, A.stride(1) if not quest else 0,
+        lo, hi, counts, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+        v.stride(1), v.stride(2), A.stride(0) if not quest else 0, A.stride(1) if not quest else 0,
         bvec.stride(0) if not quest else 0, bvec.stride(1) if not quest else 0, y.stride(0), y.stride(1),
         lo.stride(0), lo.stride(1), lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2),
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local, W_PAD=w_pad,
@@ -765,8 +766,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         scores = torch.empty(B, H if per_head else Hkv, W, device=dev, dtype=f32)
         block_p = min(64, max(16, triton.next_power_of_2(W)))
         _page_bound_kernel[(B, Hkv, triton.cdiv(W, block_p))](
-            q, lo, hi, start, length, read, n_read, scores, counts, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1),
-            lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2), scores.stride(0), scores.stride(1), W,
+            q, lo, hi, start, length, read, n_read, scores, counts, q.stride(0), q.stride(1), lo.stride(0),
+            lo.stride(1), lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2), scores.stride(0), scores.stride(1), W,
             H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, PAGE=P, N_SINK=n_sink, N_LOCAL=n_local, BLOCK_P=block_p,
             PER_HEAD=per_head, COMBINE=int(combine == "sum"), LEN_PER_ROW=len_per_row, COUNT=with_read,
             num_warps=BOUND_LAUNCH["num_warps"], LOW=low(BOUND_LAUNCH, q, lo, hi))

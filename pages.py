@@ -49,8 +49,8 @@ class PageIndex:
                 self.update(layer, cache.k[layer, row, :, :cache.length])  # (Hkv, T, D)
 
     def n_pages(self, T: int) -> int:
-        """Pages that hold the positions [n_sink, T): the last one may be part-filled."""
-        return math.ceil(max(T - self.n_sink, 0) / self.page_size)
+        """Pages that hold the positions [n_sink, T): the last one may be part-filled (pages_upto)."""
+        return pages_upto(T, self.n_sink, self.page_size)
 
     def update(self, layer: int, k: torch.Tensor) -> None:
         """Fold in the keys of k (Hkv, T, D) at the positions not yet folded in: first those of the part-filled page,
@@ -150,6 +150,11 @@ def group_ranking(bounds: torch.Tensor, combine: str, log_local: torch.Tensor, p
     if combine == "share":
         bounds = page_shares(bounds, log_local, page_size, scale)
     return bounds.sum(1) if combine == "sum" else bounds.amax(1)
+
+
+def pages_upto(T: int, n_sink: int, page_size: int) -> int:
+    """Pages that hold the positions [n_sink, T) of a context: the last one may be part-filled."""
+    return math.ceil(max(T - n_sink, 0) / page_size)
 
 
 def candidates(T: int, n_sink: int, n_local: int, page_size: int) -> int:
