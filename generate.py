@@ -9,7 +9,8 @@ gives load time, prompt tokens, prefill time, decode speed, peak memory, the fra
 local (sparsity) and the fraction of KV entries actually read. On CUDA, dense (the split kernel alone), the qada
 paths and the page paths (Quest, QAdA + pages) on the fused kernels decode from fixed device buffers, one step
 captured as a CUDA graph per bucket of lengths and replayed (decode_static; --cuda-graphs off: the eager loop,
-decode_batch, which the CPU always runs).
+decode_batch, which the CPU always runs). --compile on compiles the model's norms, RoPE and MLP for decoding
+(model.Llama.compile_pointwise), the attention left as it is.
 """
 
 import argparse
@@ -18,6 +19,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,6 +38,7 @@ from weights.downloads import cache_dir
 
 
 GRAPH_CHOICES = ("auto", "off")  # --cuda-graphs
+COMPILE_CHOICES = ("off", "on")  # --compile
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
@@ -272,7 +275,8 @@ def default_tau(method: str, calibration) -> tuple[float | None, str]:
 def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int, temperature: float,
                top_k: int | None, static_sparsity: float, rope_theta: float | None, max_context: int | None,
                threads: int | None, method: str, moments_source: str | None, static_labels: str | None,
-               calibration: str | None, inputs: dict, cuda_graphs: str = "auto", **_) -> None:
+               calibration: str | None, inputs: dict, cuda_graphs: str = "auto", compiled: str = "off",
+               **_) -> None:
     """Validate the flags before anything is loaded; ValueError carries one clear line. `calibration` and `tau` are
     what the user gave (None: not given)."""
     if method not in PATHS:
@@ -301,6 +305,8 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
         raise ValueError(f"--threads must be at least 1, got {threads}")
     if cuda_graphs not in GRAPH_CHOICES:
         raise ValueError(f"--cuda-graphs takes {' or '.join(GRAPH_CHOICES)}, got {cuda_graphs!r}")
+    if compiled not in COMPILE_CHOICES:
+        raise ValueError(f"--compile takes {' or '.join(COMPILE_CHOICES)}, got {compiled!r}")
     if moments_source is not None and "moments" not in reads:
         raise ValueError(f"--moments: the {method} path reads no key moments (the qada paths do)")
     if calibration is not None and "calibration" not in reads:
@@ -334,6 +340,16 @@ def graph_refusal(cuda_graphs: str, device: torch.device, rows: list, prompt_len
                     "that is not a power of two from 16)")
         if min(prompt_lengths) <= rows[0].n_local:
             return f"a prompt fits in the window ({rows[0].n_local} tokens): its first steps take the torch path"
+    return None
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """Why --compile on cannot run on `device`, or None: torch.compile writes Triton kernels for a GPU and C++ for the
+    CPU, which a C++ compiler on PATH must build."""
+    if device.type == "cuda" and kernels.triton is None:
+        return "--compile on: on CUDA torch.compile needs triton (pip install triton)"
+    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")):
+        return "--compile on: on the CPU torch.compile needs a C++ compiler (g++ or clang++; $CXX), and none is on PATH"
     return None
 
 
@@ -424,7 +440,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
               method: str = "qada", tau: float | None = None, moments_source: str | None = None, n_sink: int = 16,
               n_local: int = 128, static_labels: str | None = None, static_sparsity: float = 0.5,
               calibration: str | None = None, threads: int | None = None, progress: bool = True,
-              cuda_graphs: str = "auto", **inputs) -> list[dict]:
+              cuda_graphs: str = "auto", compiled: str = "off", **inputs) -> list[dict]:
     """Everything the CLI does for the prompt files `prompts`, decoded as one batch: a report per prompt.
 
     Each prompt is prefilled alone into its own cache and gets its own attention (labels, moments, statistics);
@@ -432,7 +448,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     more of what the path reads, by name (a new path's own; the CLI's --set NAME=VALUE). `tau` None: the method's
     own operating point (default_tau); `moments_source` None: a correction's own, else random-words. `cuda_graphs`
     "auto": on CUDA, decode_static replays the step from CUDA graphs where graph_refusal finds nothing against it.
-    Every flag and file is checked before the model is loaded."""
+    `compiled` "on": the model's norms, RoPE and MLP are compiled before decoding (Llama.compile_pointwise; prefill
+    and the reference moments run eagerly before it). Every flag and file is checked before the model is loaded."""
     check_args(**locals())
     named = read_prompts(prompts)
     if "calibration" in path_inputs(method) and calibration is None:
@@ -446,6 +463,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         moments_source = c.settings.get("moments_source", "random-words") if c is not None else "random-words"
     tau, tau_from = (tau, "given") if tau is not None else default_tau(method, sources["calibration"])
     device = torch.device(pick_device(device))
+    if compiled == "on" and compiler_missing(device):
+        raise ValueError(compiler_missing(device))
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -494,6 +513,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     del caches  # the stack holds the prompts now (the attentions keep moments, not caches)
     generator = torch.Generator(device).manual_seed(seed)
     refusal = graph_refusal(cuda_graphs, device, [r[3] for r in rows], [len(r[0]) for r in rows], net)
+    if compiled == "on":
+        net.compile_pointwise()  # compiles at the first step, inside the decode time
     t0 = time.perf_counter()
     if refusal is None:  # the first step at each view includes its capture
         new = decode_static(net, cache, logits, max_new_tokens, [r[3] for r in rows], tok.eos_ids, temperature, top_k,
@@ -521,6 +542,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
             "peak_memory_mb": round(peak_memory_mb(device)), "sparsity": stats["sparsity"], "kv_read": stats["kv_read"],
             "decode_steps": stats["steps"], "layer_sparsity": stats.get("layer_sparsity"), "new_token_ids": out,
             "cuda_graphs": "on: one graph per bucket of lengths" if refusal is None else f"off: {refusal}",
+            "compiled": compiled == "on",
         })
     return reports
 
@@ -546,7 +568,8 @@ def print_report(r: dict) -> None:
           f"({r['decode_ms_per_token']:.0f} ms/token)")
     prefill = r["batch_prefill_s"] if r["batch"] > 1 else r["prefill_s"]
     total = r["load_s"] + r["moments_s"] + prefill + r["decode_s"]
-    print(f"decode loop: CUDA graphs {r['cuda_graphs']}")
+    print(f"decode loop: CUDA graphs {r['cuda_graphs']}"
+          + (" | norms, RoPE and MLP compiled (the first steps compile)" if r["compiled"] else ""))
     print(f"time {total:.1f} s: load {r['load_s']:.1f} s | reference moments {r['moments_s']:.1f} s | prefill "
           f"{prefill:.1f} s{' (all prompts)' if r['batch'] > 1 else ''} | decode {r['decode_s']:.1f} s")
     implied = " (implied by the labels; the oracle path itself reads every entry)" if r["method"] in ANALYSIS_ONLY else ""
@@ -602,6 +625,10 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graphs", default="auto", metavar="{auto,off}", help="auto: on CUDA, decode through CUDA "
                    "graphs (one step captured per bucket of lengths, replayed) for dense, the qada paths and the page "
                    "paths on the fused kernels; the report says when it is off and why (default: %(default)s)")
+    p.add_argument("--compile", dest="compiled", default="off", metavar="{off,on}", help="on: torch.compile the "
+                   "model's norms, RoPE and MLP for decoding, each one fused kernel where eager launches 5-8 (on a GPU "
+                   "at small batches most of a step's launches); the first steps compile, seconds; needs a C++ "
+                   "compiler on the CPU (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text and report")
     p.error = lambda message: p.exit(2, f"error: {message} (see --help)\n")  # one line, not the usage block

@@ -46,7 +46,10 @@ enough): the steps at T = T_max / 2 or T_max / 8 replay a graph whose view is gr
              top pages of 16 under a budget of B tokens (--e2e-budget, default 1024), chosen by Quest's bound from
              each row's page statistics (pages.PageIndex, built from the cache, kept current by the step);
   quest B    Quest alone at the same budget: every query head its own top pages, a KV head the union of its heads';
-  dense again   dense once more, last: how far the machine drifted while the table ran.
+  dense again   dense once more, after the rows above: how far the machine drifted while they ran;
+  compiled: dense, kv 0.35, kv 0.0   with --compiled, those rows again with the model's norms, RoPE and MLP
+             compiled (model.Llama.compile_pointwise, generate.py --compile on), the first of them paying the
+             compile in its untimed runs; their speedups and bounds against the compiled dense and floor.
 The bound is dense / (floor + f * (dense - floor)) with floor the all-local step (kv 0), as lab.bench has it.
 The step decode_static captures runs once eagerly under torch.cuda.set_sync_debug_mode("error"): "host syncs" says
 whether one was met.
@@ -103,6 +106,8 @@ LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
 E2E_FRACTIONS = (1.0, 0.45, 0.35, 0.15, 0.0)  # 0.45 / 0.35: calibrated QAdA's lossless KV read, per head / per group
 E2E_PAGES_F = 0.35  # the page rows' long-context share: QAdA per KV group's lossless read on the research model
 GRAPH_STEPS = 4  # the graph loop times this many times --steps (replays are cheap; their quartiles say the spread)
+COMPILED = "compiled: "  # --compiled's rows: these methods again, the model's pointwise arithmetic compiled
+COMPILED_ROWS = ("dense", "kv 0.35", "kv 0.0")
 
 
 def graph_ms(fn, device: torch.device, quick: bool = False) -> float:
@@ -301,21 +306,23 @@ def sync_free(step) -> str:
 
 
 def bench_end_to_end(T: int, setups, device: torch.device, n: int, capacity: int | None = None,
-                     budget: int = 1024) -> list[dict]:
+                     budget: int = 1024, compiled: bool = False) -> list[dict]:
     rows = []
     for B, L in setups:
         with qada_kernel("triton"):
-            rows += bench_setup(T, B, L, device, n, capacity, budget)
+            rows += bench_setup(T, B, L, device, n, capacity, budget, compiled)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the setup's model and cache are gone: up to 50 GB
     return rows
 
 
 def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: int | None = None,
-                budget: int = 1024) -> list[dict]:
+                budget: int = 1024, compiled: bool = False) -> list[dict]:
     """Every method of one setup (batch B, L layers of Llama-3-8B) decoding from context T, its cache holding
     `capacity` positions (default: just enough), through generate.py's own loops: decode_batch (eager) and
-    decode_static (replayed from CUDA graphs, one per view). A table row each."""
+    decode_static (replayed from CUDA graphs, one per view). A table row each; with `compiled`, COMPILED_ROWS again
+    after them with the model's norms, RoPE and MLP compiled (generate.py --compile on), each speedup and bound
+    against the compiled dense and floor."""
     cfg = LlamaConfig(**{**LLAMA3_8B.__dict__, "num_hidden_layers": L})
     model = random_llama(cfg, device)
     capacity = max(capacity or 0, T + GRAPH_STEPS * n + 8)
@@ -359,12 +366,17 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
         finally:
             cache.release()
 
-    # dense again last: how far the machine drifted over the table (its speedup is against the first dense)
+    # dense again after the eager modules' rows: how far the machine drifted over them (its speedup is against the
+    # first dense); then the compiled rows, the model compiled once before the first of them
     methods = [("dense", "dense", None), *((f"kv {f}", "qada_cal", f) for f in E2E_FRACTIONS), ("qada", "qada", None),
                (f"kv {E2E_PAGES_F} + pages {budget}", "qada_pages", E2E_PAGES_F), (f"quest {budget}", "quest", None),
                ("dense again", "dense", None)]
+    if compiled:
+        methods += [(f"{COMPILED}{name}", method, f) for name, method, f in methods if name in COMPILED_ROWS]
     out = {}
     for name, method, f in methods:
+        if name.startswith(COMPILED) and not any(r.startswith(COMPILED) for r in out):
+            model.compile_pointwise()
         made = []
         reset()
         loop(method, f, True, made)()  # one step at T + 1: its labels give the KV read (and kernels are compiled)
@@ -382,8 +394,9 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
                          graph_quartiles=math.nan if math.isnan(q1) else f"{q1:.2f}-{q3:.2f}", host_syncs=syncs,
                          logits_ok=logits_ok)
     for mode in ("eager", "graph"):
-        dense, floor = out["dense"][f"{mode}_ms"], out["kv 0.0"][f"{mode}_ms"]
         for r in out.values():
+            family = COMPILED if r["method"].startswith(COMPILED) else ""
+            dense, floor = out[f"{family}dense"][f"{mode}_ms"], out[f"{family}kv 0.0"][f"{mode}_ms"]
             bound = dense / (floor + r["kv_read"] * (dense - floor))
             r[f"{mode}_speedup"] = dense / r[f"{mode}_ms"]
             r[f"{mode}_of_bound"] = r[f"{mode}_speedup"] / bound
@@ -664,6 +677,8 @@ def main(argv=None) -> int:
                    "in tokens beyond the window (default: 1024)")
     p.add_argument("--steps", type=at_least(1), default=10, help="end to end: timed steps per method, eager (the "
                    "graph loop: 4 times as many) (default: 10)")
+    p.add_argument("--compiled", action="store_true", help="end to end: the dense, kv 0.35 and all-local rows again "
+                   "with the model's norms, RoPE and MLP compiled (generate.py --compile on), in the same table")
     p.add_argument("--launch", type=launch_change, default={}, help="the kernels launched otherwise, as "
                    "kernels.set_launch takes it, in JSON: '{\"split\": {\"SPREAD\": 8}}' times a launch end to end "
                    "before it is adopted (default: the kernels' own)")
@@ -703,7 +718,8 @@ def main(argv=None) -> int:
         print(table(E2E_COLUMNS, []), flush=True)
         rows = []
         for one in args.e2e:  # written after each setup: a later one that fails keeps the earlier rows
-            rows += bench_end_to_end(args.e2e_length, [one], device, args.steps, args.capacity, args.e2e_budget)
+            rows += bench_end_to_end(args.e2e_length, [one], device, args.steps, args.capacity, args.e2e_budget,
+                                     args.compiled)
             name = f"end_to_end_{args.e2e_length // 1024}k" + (f"_of_{args.capacity // 1024}k" if args.capacity else "")
             write(out, name, setup, E2E_COLUMNS, rows, command)
     if args.parts == "kernels":

@@ -89,12 +89,22 @@ def test_a_step_is_timed_from_one_read_of_its_tokens_to_the_next(monkeypatch):
     assert median == pytest.approx(3.0) and q1 == pytest.approx(2.0) and q3 > 4.0
 
 
-def test_fixed_labels_read_the_share_asked_for(monkeypatch):
-    """The end-to-end part's correction makes the real decision label a share f of (layer, KV head) pairs long."""
+@pytest.fixture
+def small_e2e(monkeypatch):
+    """The end-to-end part at a small model's shapes, kv 1.0, 0.5 and 0.0, its GPU-only steps (a graph, the sync
+    check) made no-ops."""
     monkeypatch.setenv("QADA_KERNEL", "torch")
     monkeypatch.setattr(bench_gpu, "LLAMA3_8B", LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128,
                                                             num_hidden_layers=4, num_attention_heads=4,
                                                             num_key_value_heads=2, head_dim=16))
+    monkeypatch.setattr(bench_gpu, "graphed", lambda step, reset, device: step)
+    monkeypatch.setattr(bench_gpu, "sync_free", lambda step: "none")
+    monkeypatch.setattr(bench_gpu, "E2E_FRACTIONS", (1.0, 0.5, 0.0))
+    monkeypatch.setattr(bench_gpu, "E2E_PAGES_F", 0.5)
+
+
+def test_fixed_labels_read_the_share_asked_for(small_e2e, monkeypatch):
+    """The end-to-end part's correction makes the real decision label a share f of (layer, KV head) pairs long."""
     def one_run(decode, reset, n):  # step_ms at its cheapest: one run, its clock (the loop's stop rule) handed down
         asked = []
         reset()
@@ -103,10 +113,6 @@ def test_fixed_labels_read_the_share_asked_for(monkeypatch):
         return 1.0, 1.0, 1.0
 
     monkeypatch.setattr(bench_gpu, "step_ms", one_run)
-    monkeypatch.setattr(bench_gpu, "graphed", lambda step, reset, device: step)
-    monkeypatch.setattr(bench_gpu, "sync_free", lambda step: "none")
-    monkeypatch.setattr(bench_gpu, "E2E_FRACTIONS", (1.0, 0.5, 0.0))
-    monkeypatch.setattr(bench_gpu, "E2E_PAGES_F", 0.5)
     T = 400
     rows = {r["method"]: r for r in bench_gpu.bench_end_to_end(T, [(2, 4)], torch.device("cpu"), 1, budget=64)}
     window = attention.kv_read_fraction(torch.ones(1, 1, 4), torch.tensor([T + 1]), 2, 128)  # all local
@@ -120,3 +126,23 @@ def test_fixed_labels_read_the_share_asked_for(monkeypatch):
     read = rows["kv 0.5 + pages 64"]["kv_read"] * (T + 1)
     assert 128 + 0.5 * (64 - 15 + m) - 1e-6 <= read <= 128 + 0.5 * (64 + m) + 1e-6
     assert window < rows["quest 64"]["kv_read"] < rows["kv 1.0"]["kv_read"]  # each head's pages, a group their union
+
+
+def test_the_compiled_rows_compile_the_model_once_and_are_held_to_their_own_dense(small_e2e, monkeypatch):
+    """--compiled: COMPILED_ROWS again after every other row was timed, the model's pointwise arithmetic compiled
+    once before the first of them (a spy here), the same labels read, and their speedups against the compiled dense,
+    not the eager modules' (every compiled step is timed at half the others' here)."""
+    timed, compiled_after = [], []
+    monkeypatch.setattr(bench_gpu.Llama, "compile_pointwise", lambda self: compiled_after.append(len(timed)))
+    monkeypatch.setattr(bench_gpu, "COMPILED_ROWS", ("dense", "kv 0.5", "kv 0.0"))
+    monkeypatch.setattr(bench_gpu, "step_ms", lambda decode, reset, n: timed.append(n) or (
+        (0.5 if compiled_after else 1.0),) * 3)
+    rows = bench_gpu.bench_end_to_end(200, [(1, 2)], torch.device("cpu"), 1, budget=32, compiled=True)
+    names = [r["method"] for r in rows]
+    assert names[-3:] == ["compiled: dense", "compiled: kv 0.5", "compiled: kv 0.0"]
+    assert compiled_after == [2 * (len(names) - 3)]  # once, after each other row's eager and graph timing
+    by = {r["method"]: r for r in rows}
+    assert by["dense"]["graph_ms"] == 1.0 and by["compiled: dense"]["graph_ms"] == 0.5
+    assert by["compiled: dense"]["graph_speedup"] == 1.0 == by["compiled: kv 0.5"]["graph_speedup"]
+    for name in ("dense", "kv 0.5", "kv 0.0"):
+        assert by[f"compiled: {name}"]["kv_read"] == by[name]["kv_read"]

@@ -370,6 +370,7 @@ BEFORE_LOAD = [
     (["--method", "static", "--static-labels", "{tmp}"], "a folder, but it holds no ruler.json"),
     (["--method", "qada_cal"], "needs --calibration FILE"),
     (["--cuda-graphs", "on"], "--cuda-graphs takes auto or off, got 'on'"),
+    (["--compile", "yes"], "--compile takes off or on, got 'yes'"),
     (["--method", "nope"], "error: argument --method: invalid choice: 'nope'"),  # argparse's own, as one line
     (["--threads", "two"], "error: argument --threads: invalid int value: 'two'"),
 ]
@@ -384,6 +385,15 @@ def test_bad_input_is_one_line_found_before_loading(tiny_dir, tmp_path, capsys, 
     monkeypatch.setattr(generate, "load", never)
     argv = ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir)]
     assert message in error_of(capsys, argv + [a.replace("{tmp}", str(tmp_path)) for a in extra])
+
+
+def test_compile_without_a_compiler_says_so_before_loading(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--compile on, on the CPU with no C++ compiler on PATH: one line naming what is missing, exit 2, nothing
+    loaded."""
+    monkeypatch.setattr(generate.shutil, "which", lambda name: None)
+    monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir), "--device", "cpu"]
+    assert "torch.compile needs a C++ compiler" in error_of(capsys, argv + ["--compile", "on"])
 
 
 def test_prompt_files_binary_or_not_utf8_are_refused_and_a_bom_is_read(tiny_dir, tmp_path, capsys):

@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import generate
 import kernels
 from attention import BatchAttention, StaticAttention, build_attention, static_refusal
-from criterion import Calibration
-from model import KVCache, load_model
+from criterion import Calibration, save_calibration
+from model import KVCache, Llama, load_model
 from pages import PageIndex
 from tests.test_generate import make_tiny_dir, write_prompt
 
@@ -397,7 +397,6 @@ def test_generate_reports_the_same_through_the_static_loop(tiny_dir, tmp_path, m
     monkeypatch.setenv("QADA_KERNEL", "triton")
     files = [str(write_prompt(tmp_path, n)) for n in (60, 150, 97)]
     cal = tmp_path / "cal.json"
-    from criterion import save_calibration
     c = calibration()
     save_calibration(cal, Calibration(c.a, c.b, c.s, {"moments_source": "prompt"}))
     kw = dict(model=str(tiny_dir), max_new_tokens=6, method=method, n_sink=N_SINK, n_local=N_LOCAL, progress=False)
@@ -415,6 +414,33 @@ def test_generate_reports_the_same_through_the_static_loop(tiny_dir, tmp_path, m
         assert b["cuda_graphs"].startswith("on")
     if method != "dense":
         assert 0 < static[0]["sparsity"] < 1
+
+
+@needs_kernel
+@pytest.mark.skipif(generate.compiler_missing(torch.device("cpu")) is not None, reason="no C++ compiler here")
+def test_the_static_loop_with_the_pointwise_compiled_reports_as_the_eager_modules(tiny_dir, tmp_path, monkeypatch):
+    """run_batch with --compile on through the static loop (graph_refusal made to find nothing): the model's norms,
+    RoPE and MLP compiled before decoding, and every prompt's tokens, text, sparsity and KV read those of the eager
+    loop with the eager modules; the report says it compiled."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    files = [str(write_prompt(tmp_path, n)) for n in (60, 150)]
+    cal = tmp_path / "cal.json"
+    c = calibration()
+    save_calibration(cal, Calibration(c.a, c.b, c.s, {"moments_source": "prompt"}))
+    kw = dict(model=str(tiny_dir), max_new_tokens=5, method="qada_kv_cal", moments_source="prompt", tau=0.25,
+              calibration=str(cal), n_sink=N_SINK, n_local=N_LOCAL, progress=False)
+    eager = generate.run_batch(files, cuda_graphs="off", **kw)
+    monkeypatch.setattr(generate, "graph_refusal", lambda *args: None)
+    calls = []
+    real = Llama.compile_pointwise
+    monkeypatch.setattr(Llama, "compile_pointwise", lambda self: calls.append(self) or real(self))
+    static = generate.run_batch(files, compiled="on", **kw)
+    assert len(calls) == 1
+    same = ("new_token_ids", "text", "sparsity", "kv_read", "layer_sparsity", "decode_steps")
+    for a, b in zip(eager, static):
+        assert {k: b[k] for k in same} == {k: a[k] for k in same}
+        assert b["compiled"] and not a["compiled"] and b["cuda_graphs"].startswith("on")
+    assert 0 < static[0]["sparsity"] < 1
 
 
 def test_cuda_graphs_auto_on_the_cpu_says_it_is_off_and_why(tiny_dir, tmp_path, capsys):
@@ -502,7 +528,6 @@ def test_generate_on_cuda_decodes_through_graphs_as_eager(tiny_dir, tmp_path, me
     """The CLI on CUDA: auto captures (and says so), and gives --cuda-graphs off's tokens and statistics."""
     files = [str(write_prompt(tmp_path, n)) for n in (60, 150, 97)]
     cal = tmp_path / "cal.json"
-    from criterion import save_calibration
     c = calibration()
     save_calibration(cal, Calibration(c.a, c.b, c.s, {"moments_source": "prompt"}))
     argv = ["--prompt", *files, "--model", str(tiny_dir), "--max-new-tokens", "6", "--method", method, "--n-sink",

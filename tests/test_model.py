@@ -2,12 +2,13 @@
 and strict loading."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import LlamaConfig, load_model
+from model import MLP, LlamaConfig, RMSNorm, RoPE, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,6 +79,32 @@ def test_half_precision_runs_close(tmp_path):
         assert low.lm_head.weight.dtype == dtype
         diff = (low(ids, last_only=False) - ref(ids, last_only=False)).abs().max().item()
         assert diff < 0.1
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++")), reason="torch.compile on the CPU needs a "
+                    "C++ compiler")
+def test_compiled_pointwise_decodes_as_the_eager_modules(tmp_path):
+    """Llama.compile_pointwise after prefill, as generate.py --compile on calls it: every norm, RoPE and MLP is
+    compiled, all layers' instances share one graph per module kind and shape (a decode step adds at most four:
+    the layers' norms, the final norm, RoPE, the MLP; nine instances), and decode steps give the eager modules'
+    logits to fp32 rounding."""
+    from torch._dynamo.utils import counters
+    save_tiny("qwen2-bias", tmp_path)
+    models = [load_model(str(tmp_path)), load_model(str(tmp_path))]
+    ids = torch.randint(0, 101, (3, 30), generator=torch.Generator().manual_seed(2))
+    caches = [m.new_cache(40, 3) for m in models]
+    logits = [m.prefill(ids, c) for m, c in zip(models, caches)]
+    eager, compiled = models
+    compiled.compile_pointwise()
+    pointwise = [m for m in compiled.modules() if isinstance(m, (RMSNorm, RoPE, MLP))]
+    assert len(pointwise) == 9 and all(m._compiled_call_impl is not None for m in pointwise)
+    graphs = counters["stats"]["unique_graphs"]
+    tokens = [lg.argmax(-1) for lg in logits]
+    for _ in range(4):
+        logits = [m.decode_step(t, c) for m, t, c in zip(models, tokens, caches)]
+        assert (logits[0] - logits[1]).abs().max().item() < 1e-5
+        tokens = [logits[0].argmax(-1)] * 2
+    assert counters["stats"]["unique_graphs"] - graphs <= 4
 
 
 def test_rope_theta_override_changes_logits(tmp_path):

@@ -3,7 +3,8 @@
 # kernels' and the graph-replayed loop's tests on CUDA, the kernels' tests again at a launch to adopt (QADA_TEST_LAUNCH),
 # each kernel's device time in a step, generate.py's loops end to end (lab/bench_gpu.py says what each table is), and
 # again at a launch to adopt (--launch), page selection in the fused kernel (lab/bench_pages_gpu.py --quick), the CLI
-# with --cuda-graphs auto and off (16k and 4k of a 32k cache end to end with T16K=1, T4K=1). On a machine
+# with --cuda-graphs auto and off, and --compile on (16k and 4k of a 32k cache end to end with T16K=1, T4K=1,
+# batch 32 with B32=1). On a machine
 # without internet, gguf and wonderwords come as wheels in .whl/ (pip download, see README).
 #   bash results/bench-gpu/run.sh [OUT]     # default OUT: /tmp/bench-gpu; results.tar.gz and log.txt land there
 set -uo pipefail
@@ -55,9 +56,12 @@ echo "== page selection in the fused kernel, attention only: QAdA + pages and Qu
 echo "   (${SECONDS}s in)"
 timeout 110 python3 -m lab.bench_pages_gpu --quick --out "$FILES/pages"; pack
 
-echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k"
-echo "   (${SECONDS}s in)"
-timeout 330 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32,32x8 --out "$FILES"; pack
+echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k;"
+echo "   dense, kv 0.35 and all local again with the model's norms, RoPE and MLP compiled (${SECONDS}s in)"
+timeout 330 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 --compiled --out "$FILES"; pack
+if [ -n "${B32:-}" ]; then  # batch 32, 8 of the 32 layers (~1.5 min)
+  timeout 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 32x8 --out "$FILES/b32"; pack
+fi
 echo "== the same at batch 1 and 8 with the split programs dealt out to the long groups (SPREAD 8) and launched"
 echo "   dependent on the window kernel (PDL): the launch to adopt if it wins here and in kernels.md (${SECONDS}s in)"
 timeout 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 \
@@ -81,10 +85,10 @@ path = Path(sys.argv[1]); path.mkdir(parents=True, exist_ok=True); make_tiny_dir
 (path.parent / "prompt.txt").write_text(" ".join(f"w{i % 97}" for i in range(400)))
 PY
 for m in dense qada qada_kv_all quest; do
-  for g in auto off; do
-    timeout 40 python3 generate.py --device cuda --model "$FILES/tiny" --prompt "$FILES/prompt.txt" --no-chat \
+  for g in auto off "auto --compile on"; do
+    timeout 60 python3 generate.py --device cuda --model "$FILES/tiny" --prompt "$FILES/prompt.txt" --no-chat \
       --max-new-tokens 8 --method $m --cuda-graphs $g --json $([ $m = quest ] && echo --set budget=64) \
-      | python3 -c "import json, sys; r = json.loads(sys.stdin.read()); print(r['method'], r['new_token_ids'], r['sparsity'], r['kv_read'], r['cuda_graphs'])"
+      | python3 -c "import json, sys; r = json.loads(sys.stdin.read()); print(r['method'], r['new_token_ids'], r['sparsity'], r['kv_read'], r['cuda_graphs'], 'compiled' if r['compiled'] else '')"
     echo " <- generate $m --cuda-graphs $g rc=${PIPESTATUS[0]}"
   done
 done
