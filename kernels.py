@@ -15,7 +15,8 @@ Two kernels, each a fixed grid:
 `fused_pages` is token-level page selection (attention.quest, attention.qada_pages) in the same kernels: QAdA's
 long-context groups, or every group for Quest alone, read their window and their chosen pages only. A third kernel,
 `_page_bound_kernel`, scores the candidate pages by Quest's bound from the page statistics (pages.PageIndex); torch's
-topk picks the top ones under the budget; the split programs then walk a list of page numbers instead of a range.
+topk picks the top ones under the budget (for Quest, whose query heads choose their own, `_page_union_kernel` makes
+each KV head's list of them); the split programs then walk a list of page numbers instead of a range.
 The step's upkeep rides in the same launches: the window kernel folds the key just appended into its page's
 statistics, and the kernels count the KV entries they load.
 
@@ -446,6 +447,42 @@ if triton is not None:
                 group = tl.sum(tl.where(h_ok[:, None], score, 0.0), 0)
             tl.store(SCORES + b * ssb + g * ssr + p, group, mask=p < W)
 
+    @triton.jit
+    def _page_union_kernel(TOP, IDS, N_READ, BITS, UNION, HEADS, N_VALID, n_sel, W, U, H: tl.constexpr,
+                           HKV: tl.constexpr, G: tl.constexpr, SEL_PAD: tl.constexpr, W_PAD: tl.constexpr,
+                           RANKED: tl.constexpr):
+        # Quest's list for one (row, KV head): the union of the pages its G heads chose (topk's scores and page
+        # numbers, (n, H, n_sel); a score of -inf, or with RANKED a rank from the row's n_read on, chose nothing),
+        # each page once, in page order, with the bits of the heads that chose it. The bits gather in BITS, this
+        # program's own row of W int32, by atomic ors (a head chooses a page once: an or of distinct bits); then a
+        # cumsum over the W candidates gives each chosen page its slot. Entries from n_valid to U: no page (W), no head.
+        b, g = tl.program_id(0), tl.program_id(1)
+        w = tl.arange(0, W_PAD)
+        bits_at = BITS + (b * HKV + g) * W
+        tl.store(bits_at + w, tl.zeros((W_PAD,), tl.int32), mask=w < W)
+        tl.debug_barrier()  # every thread's zeros stored before any or
+        r = tl.arange(0, SEL_PAD)
+        n_read = tl.load(N_READ + b)
+        for h in tl.static_range(G):
+            head = (b * H + g * G + h) * n_sel
+            chose = tl.load(TOP + head + r, mask=r < n_sel, other=float("-inf")) > float("-inf")
+            if RANKED:  # each ranking's first n_read
+                chose = chose & (r < n_read)
+            page = tl.load(IDS + head + r, mask=chose, other=0)
+            tl.atomic_or(bits_at + page, tl.full((SEL_PAD,), 1 << h, tl.int32), mask=chose)
+        tl.debug_barrier()  # every or done before the bits are read back (from L2, where the atomics land)
+        bits = tl.load(bits_at + w, mask=w < W, other=0, cache_modifier=".cg")
+        chosen = bits != 0
+        slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+        n_valid = tl.sum(chosen.to(tl.int32), 0)
+        out = (b * HKV + g) * U
+        tl.store(UNION + out + slot, w.to(tl.int64), mask=chosen)
+        tl.store(HEADS + out + slot, bits, mask=chosen)
+        rest = (w >= n_valid) & (w < U)
+        tl.store(UNION + out + w, tl.full((W_PAD,), W, tl.int64), mask=rest)
+        tl.store(HEADS + out + w, tl.zeros((W_PAD,), tl.int32), mask=rest)
+        tl.store(N_VALID + b * HKV + g, n_valid)
+
 
 def tensor_cores(q: torch.Tensor, *stored: torch.Tensor) -> bool:
     """Whether products of q and the stored operands can run on tensor cores in their own dtype, exactly: one 16-bit
@@ -681,8 +718,9 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
       2. per (row, KV head, block of pages), `_page_bound_kernel`: the long groups' candidate pages scored by Quest's
          bound, per query head (Quest) or per group, its heads' bounds combined by `combine` ("max" or "sum"; for
          "share", pages.page_shares of each head's bounds against its window's mass, then their max, in torch);
-      3. `choose_pages`, a few torch ops: the top budget // P pages of each ranking; a KV head's list of the pages it
-         reads, each once (Quest: the union of its heads', each page with the heads that chose it);
+      3. `choose_pages`: torch's topk, the top budget // P pages of each ranking; a KV head's list of the pages it
+         reads, each once (Quest: the union of its heads', each page with the heads that chose it, gathered by
+         `_page_union_kernel` per (row, KV head));
       4. per (row, KV head, split of that list), `_split_attention_kernel` walking page numbers instead of a range,
          so a long group reads its chosen pages' bulk positions and no others; its last program to finish merges
          them, the window's output as one more part.
@@ -814,31 +852,25 @@ def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: in
     read, each once, and per entry the bits of the query heads that chose it (n, Hkv, U) int32, or None when a
     group's heads all read its pages. Fixed shapes throughout (topk's k is n_sel): nothing is read back to the host.
     `ranked` False: n_read is n_sel or more in every row (a budget in tokens), so that no ranking is cut short of its
-    n_sel and Quest's topk need not sort what it picks (its union below takes them in any order; a group's list must
-    keep its valid entries, the finite scores, first, so it is sorted)."""
+    n_sel and Quest's topk need not sort what it picks (its union takes them in any order; a group's list must keep
+    its valid entries, the finite scores, first, so it is sorted). Quest's union is one launch, _page_union_kernel
+    (in torch it took some fifteen small operations: a scatter of the heads' bits, a cumsum for the slots, a gather)."""
     n, R, W = scores.shape
     top, ids = scores.topk(n_sel, dim=-1, sorted=ranked or R == Hkv)  # (n, R, n_sel), highest first where sorted
-    valid = top > -math.inf
-    if ranked:  # each ranking's first n_read: a prefix
-        valid &= torch.arange(n_sel, device=scores.device) < n_read.view(n, 1, 1)
     if R == Hkv:
+        valid = top > -math.inf
+        if ranked:  # each ranking's first n_read: a prefix
+            valid &= torch.arange(n_sel, device=scores.device) < n_read.view(n, 1, 1)
         return ids, None, valid.sum(-1, dtype=torch.int32)
-    # Quest: a KV head reads the union of its G heads' pages, each page once, with the bits of the heads that chose it
-    G = R // Hkv
-    bit = 1 << (torch.arange(R, device=scores.device) % G)  # (H,)
-    bits = torch.where(valid, bit[:, None], 0).int().view(n, Hkv, G * n_sel)
-    ids = ids.view(n, Hkv, G * n_sel)
-    heads = torch.zeros(n, Hkv, W + 1, dtype=torch.int32, device=scores.device)
-    heads.scatter_add_(2, ids, bits)  # a page's heads: a sum of distinct bits (a head picks a page once) is their OR
-    # The union in page order without a sort: each chosen page's slot is the count of chosen pages before it (a
-    # cumsum over the W candidates); the rest go to a spare slot U, dropped. W: no page.
-    chosen = heads[..., :W] != 0  # (n, Hkv, W)
-    U = min(G * n_sel, W)
-    slot = torch.where(chosen, chosen.cumsum(-1) - 1, U)
-    pages = torch.arange(W, device=scores.device).expand(n, Hkv, W)
-    ids = torch.full((n, Hkv, U + 1), W, dtype=torch.int64, device=scores.device).scatter_(2, slot, pages)
-    ids = ids[..., :U].contiguous()  # (heads.gather's strides: the kernel reads both alike)
-    return ids, heads.gather(2, ids), chosen.sum(-1, dtype=torch.int32)
+    G, U, dev = R // Hkv, min(R // Hkv * n_sel, W), scores.device
+    union = torch.empty(n, Hkv, U, dtype=torch.int64, device=dev)
+    heads = torch.empty(n, Hkv, U, dtype=torch.int32, device=dev)
+    n_valid = torch.empty(n, Hkv, dtype=torch.int32, device=dev)
+    bits = torch.empty(n, Hkv, W, dtype=torch.int32, device=dev)  # the kernel's scratch: each candidate's heads
+    _page_union_kernel[(n, Hkv)](top, ids, n_read, bits, union, heads, n_valid, n_sel, W, U, H=R, HKV=Hkv, G=G,
+                                 SEL_PAD=triton.next_power_of_2(n_sel), W_PAD=triton.next_power_of_2(W),
+                                 RANKED=ranked)
+    return union, heads, n_valid
 
 
 def chosen_mask(ids: torch.Tensor, heads: torch.Tensor | None, n_valid: torch.Tensor, G: int, W: int) -> torch.Tensor:

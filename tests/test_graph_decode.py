@@ -213,7 +213,8 @@ class NoSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_split_attention_kernel")
+KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_page_union_kernel",
+           "_split_attention_kernel")
 
 
 class Launches:

@@ -30,7 +30,8 @@ triton = pytest.importorskip("triton")
 H, HKV, D = 6, 2, 16
 G = H // HKV
 N_SINK, N_LOCAL = 4, 32
-KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_split_attention_kernel")
+KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_page_union_kernel",
+           "_split_attention_kernel")
 # Rows of a batch, (first position, context length): a long context not a multiple of any page, one just past the
 # window (a single candidate page, reaching into the window), one in between, and one within the window.
 ROWS = [(0, 301), (9, N_LOCAL + 1), (20, 150), (3, 20)]
@@ -302,6 +303,37 @@ def qada_inputs(k, start, length, calibration, tau=0.3):
                 tau=torch.full((k.shape[0],), tau, dtype=torch.float64), correction=calibration.layer(0))
 
 
+@pytest.mark.parametrize("ranked", [False, True], ids=["tokens", "fraction"])
+def test_quests_union_lists_each_chosen_page_once_in_page_order_with_its_heads(ranked):
+    """kernels.choose_pages for Quest (one ranking per query head): each KV head's list is the set of pages its G heads
+    chose, by hand from the scores (each head's n_read best finite ones; every n_sel with a budget in tokens), in page
+    order, each with the bits of exactly the heads that chose it; past the list, no page (W) and no head. Rows with
+    few candidates, none, and more chosen pages than one head's budget."""
+    g = torch.Generator().manual_seed(5)
+    n, W, n_sel = 4, 37, 6
+    scores = torch.randn(n, H, W, generator=g)
+    scores[0, :, 9:] = -math.inf  # 9 candidates
+    scores[1] = -math.inf  # a local row: none
+    scores[2, :, 4:] = -math.inf  # fewer candidates than n_sel
+    n_read = torch.tensor([6, 6, 3, 5] if ranked else [6] * 4, dtype=torch.int32)
+    ids, heads, n_valid = kernels.choose_pages(scores, n_read, n_sel, HKV, ranked=ranked)
+    U = ids.shape[2]
+    assert U == min(G * n_sel, W) and heads.shape == ids.shape
+    for b in range(n):
+        for kv in range(HKV):
+            chose = {}  # page -> the bits of the heads that chose it
+            for j in range(G):
+                row = scores[b, kv * G + j]
+                best = [int(p) for p in row.argsort(descending=True)[:int(n_read[b])] if row[p] > -math.inf]
+                for p in best:
+                    chose[p] = chose.get(p, 0) | 1 << j
+            m = int(n_valid[b, kv])
+            assert m == len(chose)
+            assert ids[b, kv, :m].tolist() == sorted(chose)
+            assert heads[b, kv, :m].tolist() == [chose[p] for p in sorted(chose)]
+            assert ids[b, kv, m:].tolist() == [W] * (U - m) and heads[b, kv, m:].tolist() == [0] * (U - m)
+
+
 def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     """With the kernels stubbed out, every Tensor method that reads a value back to the host raises, and both modes
     still go through: the choice of pages (topk, the union) and the count of what was read stay on the device."""
@@ -321,13 +353,13 @@ def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
         for budget in (dict(budget=48), dict(budget_frac=0.2)):
             fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, length=length, with_read=True, **budget,
                         **extra)
-    assert len(launches) == 12
+    assert len(launches) == 14  # Quest: four kernels (its union of the heads' pages one), QAdA + pages three
 
 
 @pytest.mark.parametrize("method", ["quest", "qada_pages"])
 @pytest.mark.parametrize("budget", [dict(budget=48), dict(budget_frac=0.3)], ids=["tokens", "fraction"])
 def test_a_step_over_the_capacity_launches_the_same_whatever_T(method, budget, monkeypatch):
-    """The filled lengths in a device tensor, advanced in place by one: the four kernels get the same grids, Python
+    """The filled lengths in a device tensor, advanced in place by one: the kernels get the same grids, Python
     values and buffers (temporaries by dtype, shape and strides), so one captured step replays as the cache fills; and
     each step's output is what the rows' views sliced to T give."""
     q, k, v, start, length = batch(9)
@@ -346,7 +378,8 @@ def test_a_step_over_the_capacity_launches_the_same_whatever_T(method, budget, m
                                 **extra)
         outputs.append((y.clone(), labels.clone(), length.clone()))
         length.add_(1)
-    assert len(launches) == 6 and launches[:3] == launches[3:]
+    n = 4 if method == "quest" else 3  # Quest's union of its heads' pages: a kernel of its own
+    assert len(launches) == 2 * n and launches[:n] == launches[n:]
     monkeypatch.undo()
     for y, labels, lengths in outputs:
         for i in range(len(ROWS)):
@@ -487,9 +520,10 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     else:
         run_kernel(method, q, k, v, start, length, 16, 48, split(True), fold=True, with_read=True)
     assert [kernel.fn.__name__ for kernel, *_ in launches] == \
-        [n for n in KERNELS if not method.startswith("qada") or method.startswith("qada_pages") or
-         n != "_page_bound_kernel"]
-    assert all(kwargs.get("LOW") is True for *_, kwargs in launches)
+        [n for n in KERNELS if (method == "quest" or n != "_page_union_kernel") and
+         (not method.startswith("qada") or method.startswith("qada_pages") or n != "_page_bound_kernel")]
+    assert all(kwargs.get("LOW") is True for kernel, *_, kwargs in launches  # the products' kernels
+               if kernel.fn.__name__ != "_page_union_kernel")
     assert all(kwargs.get("PDL", False) == (method == "qada-pdl") for *_, kwargs in launches)
     status, errors = compile_for_gpu(launches)
     assert status == 0, errors[-3000:]
