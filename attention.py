@@ -972,7 +972,8 @@ class StaticAttention:
     step reads no host value that changes and one CUDA graph, captured once, replays every step (gpt-fast's
     decode_one_token, with QAdA inside): each row's quadratic forms, its tau's thresholds, the correction's layers,
     each row's first position, the cache's filled length (model.KVCache's static mode `filled`, advanced by the
-    model), and a labels buffer that each step writes at a device step index instead of appending to Python lists.
+    model), and a labels buffer that each step's window kernel writes at a device step index (the kernels'
+    `history`) instead of appending to Python lists.
 
     The qada paths run kernels.fused_qada on views that reach past the filled length (the cache's `view`), T read
     from `length`: a local group's cache is still not read. The page paths run kernels.fused_pages on the same views,
@@ -1042,16 +1043,16 @@ class StaticAttention:
         decide = {}  # QAdA's inputs, for the paths that decide (Quest does not)
         if self.forms:
             decide = dict(form=self.forms[layer], tau=self.thresholds, correction=self.corrections[layer])
+        history = (self.labels[:, layer], self.step)  # the window kernel writes the labels at the device step index
         if self.pages:  # the key just appended into its page's statistics, then the chosen pages read
-            _, labels, read = fused_pages(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local,
-                                          self.pages[layer], **self.page, **decide, length=self.length, fold=True,
-                                          with_read=True, out=y[:, :, 0])
+            _, _, read = fused_pages(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local,
+                                     self.pages[layer], **self.page, **decide, length=self.length, fold=True,
+                                     with_read=True, history=history, out=y[:, :, 0])
             self.reads[:, layer].index_copy_(0, self.step, read[None])
         else:
-            _, labels = fused_qada(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local,
-                                   decide["form"], decide["tau"], self.rule, decide["correction"], length=self.length,
-                                   out=y[:, :, 0])  # (B, H): written into y in place
-        self.labels[:, layer].index_copy_(0, self.step, labels[None])  # at the device step index
+            fused_qada(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local, decide["form"],
+                       decide["tau"], self.rule, decide["correction"], length=self.length, history=history,
+                       out=y[:, :, 0])  # (B, H, D): written into y in place
         if layer == self.labels.shape[1] - 1:
             self.step.add_(1)
         return y

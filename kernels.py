@@ -120,15 +120,17 @@ if triton is not None:
 
     @triton.jit
     def _window_decide_kernel(Q, K, V, ROWS, START, LENGTH, A, BV, TAU, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL,
-                              LABELS, READ, Y, ARRIVED, LO, HI, COUNTS, sm_scale, sqb, sqh, skb, skh, skt, svb, svh,
-                              svt, sab, sah, sbb, sbh, syb, syh, slb, slh, slp, shb, shh, shp, H: tl.constexpr,
+                              LABELS, READ, Y, ARRIVED, LO, HI, COUNTS, HISTORY, STEP, sm_scale, sqb, sqh, skb, skh,
+                              skt, svb, svh, svt, sab, sah, sbb, sbh, syb, syh, slb, slh, slp, shb, shh, shp, sts,
+                              H: tl.constexpr,
                               HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                               N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
                               W_PAD: tl.constexpr, RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
                               BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr,
                               DECIDE: tl.constexpr, BY_ROW: tl.constexpr, PRECISION: tl.constexpr,
                               LOW: tl.constexpr, FOLD: tl.constexpr = False, PAGE: tl.constexpr = 1,
-                              COUNT: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1):
+                              COUNT: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+                              HAS_HISTORY: tl.constexpr = False):
         if PDL:  # the split grid after this one may be scheduled now; its programs wait for this grid's writes
             gdc_launch_dependents()
         b, g = tl.program_id(0), tl.program_id(1)
@@ -210,6 +212,8 @@ if triton is not None:
             local = local | (tl.zeros((G_PAD,), tl.int32) + short.to(tl.int32) != 0)  # no bulk: all exact on the window
             group_reads = tl.sum(tl.where(h_ok & ~local, 1, 0), 0) > 0
         tl.store(LABELS + b * H + g * G + h, local.to(tl.int8), mask=h_ok)
+        if HAS_HISTORY:  # (the `history` of fused_qada, fused_pages) and at the step STEP of a record of every step's
+            tl.store(HISTORY + tl.load(STEP) * sts + b * H + g * G + h, local.to(tl.int8), mask=h_ok)
         tl.store(READ + b * HKV + g, group_reads.to(tl.int8))
         # The heads whose output is the window's (local, or in a group that reads no cache) are written here, in the
         # output's dtype; the split programs write the others. Their group's arrival count starts at 0 for them.
@@ -559,6 +563,21 @@ def form_operands(form) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(x if x.dtype == torch.float32 and x[0].is_contiguous() else x.float().contiguous() for x in form)
 
 
+def history_operands(history, B: int, H: int, dummy: torch.Tensor) -> tuple:
+    """The window kernel's HISTORY, STEP, its stride over steps and HAS_HISTORY, from fused_qada's or fused_pages'
+    `history`: (labels (S, B, H) bool or int8, each step's (B, H) block contiguous; step (1,) int64, on the device),
+    or None (dummies, off)."""
+    if history is None:
+        return dummy, dummy, 0, False
+    labels, step = history
+    if (labels.dtype not in (torch.bool, torch.int8) or labels.shape[1:] != (B, H) or labels.stride()[1:] != (H, 1)
+            or step.dtype != torch.int64 or step.numel() != 1):
+        raise ValueError(f"history: labels (S, {B}, {H}) bool or int8, each step's block contiguous, and a (1,) int64 "
+                         f"step; got {labels.dtype} {tuple(labels.shape)} strides {labels.stride()}, {step.dtype} "
+                         f"{tuple(step.shape)}")
+    return labels.view(torch.int8), step, labels.stride(0), True
+
+
 def _launch_checks(q: torch.Tensor, out: torch.Tensor | None, name: str) -> None:
     """What both fused entry points need before any launch: triton, and the head dim contiguous in q and out."""
     if triton is None:
@@ -599,7 +618,7 @@ def attend_ranges(q, k, v, rows, start, length, len_per_row: int, read, labels, 
 
 def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None,
                correction: Correction | None = None, length: torch.Tensor | None = None, split: int | None = None,
-               block_n: int | None = None, count_reads: bool = False, out=None):
+               block_n: int | None = None, count_reads: bool = False, history=None, out=None):
     """QAdA for one layer and n rows in two Triton kernels: the same labels and output as the `qada` path of each
     row, up to fp32 rounding. q (n, H, D), any strides but the last; k, v (B, Hkv, T_max, D), views of the cache (any
     stride over T), of which row rows[i] is query i's (integers, (n,)); start (n,), each row's first filled position
@@ -614,7 +633,10 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     `length`: the filled length T, an int32 device tensor, 0-d or (1,) for every row or (n,) for each query's row;
     the views may then run to the cache's capacity T_max > T (model.KVCache's whole buffer), and nothing the kernels
     are launched with changes as T grows: one step captured in a CUDA graph is replayed as the cache fills, T advanced
-    in place. Without it, T is the views' own length (T_max), put into a device tensor here."""
+    in place. Without it, T is the views' own length (T_max), put into a device tensor here.
+
+    `history`: (record (S, n, H) bool or int8, step (1,) long), the labels also written at record[step], the step read
+    from device memory: a static decode loop's record of every step's labels, with no launch of its own."""
     _launch_checks(q, out, "fused_qada")
     B, H, D = q.shape
     Hkv, T_max = k.shape[1], k.shape[2]
@@ -646,14 +668,15 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     w_pad = max(16, triton.next_power_of_2(n_local))
     y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
     arrived = torch.empty(B, Hkv, device=dev, dtype=torch.int32)  # the window kernel sets it to 0
+    record, step, sts, has_history = history_operands(history, B, H, dummy)
     _window_decide_kernel[(B, Hkv)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
         cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
-        dummy, dummy, dummy, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-        v.stride(1), v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0), y.stride(1),
-        0, 0, 0, 0, 0, 0, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
+        dummy, dummy, dummy, record, step, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0),
+        y.stride(1), 0, 0, 0, 0, 0, 0, sts, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
         W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
-        DECIDE=True, BY_ROW=out is not None, PDL=pdl(q), **window_launch(w_pad, q, k, v))
+        DECIDE=True, BY_ROW=out is not None, PDL=pdl(q), HAS_HISTORY=has_history, **window_launch(w_pad, q, k, v))
     m_part = attend_ranges(q, k, v, rows, start, length, len_per_row, read, labels, arrived, y, split, block_n,
                            out is not None, mark_unread=count_reads, after_window=True)
     labels = labels.view(torch.bool)  # 0 / 1 bytes reinterpreted, no launch
@@ -701,7 +724,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
                 budget_frac: float | None = None, form=None, tau=None, correction: Correction | None = None,
                 combine: str = "max", length: torch.Tensor | None = None, split: int | None = None,
                 block_n: int | None = None, fold: bool = False, with_read: bool = False, inspect: bool = False,
-                out=None):
+                history=None, out=None):
     """Token-level page selection for one layer and n rows, on the device with nothing read back to the host: the same
     labels and output as attention.qada_pages (given `form` and `tau`) or attention.quest (`form` None) of each row, up
     to fp32 rounding. q, k, v, rows, start, length and out as fused_qada's; `bounds` = (lo, hi), each (n, Hkv, NP, D):
@@ -736,7 +759,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     paths' third value, counted by the kernels as they load them: the window's positions, one entry per candidate
     page whose statistics were scored, and the chosen pages' bulk positions; with `inspect` (for tests) also the
     pages each query head attends to (n, H, W) bool (W the candidates at T_max). `split`: list entries (pages) per
-    program, a multiple of block_n // P (default: enough programs to fill the GPU, as split_size)."""
+    program, a multiple of block_n // P (default: enough programs to fill the GPU, as split_size). `history` as
+    fused_qada's: the labels also written at a step read from device memory."""
     _launch_checks(q, out, "fused_pages")
     B, H, D = q.shape
     Hkv, T_max = k.shape[1], k.shape[2]
@@ -787,16 +811,18 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     # with_read: the KV entries each (row, KV head) read, counted by the kernels as they load them (the window kernel
     # sets it: its window; the bound kernel adds the statistics it scores, the split kernel the bulk positions)
     counts = torch.empty(B, Hkv, device=dev, dtype=torch.int64) if with_read else dummy
+    record, step, sts, has_history = history_operands(history, B, H, dummy)
     _window_decide_kernel[(B, Hkv)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
         cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
-        lo, hi, counts, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-        v.stride(1), v.stride(2), A.stride(0) if not quest else 0, A.stride(1) if not quest else 0,
+        lo, hi, counts, record, step, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), A.stride(0) if not quest else 0, A.stride(1) if not quest else 0,
         bvec.stride(0) if not quest else 0, bvec.stride(1) if not quest else 0, y.stride(0), y.stride(1),
-        lo.stride(0), lo.stride(1), lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2),
+        lo.stride(0), lo.stride(1), lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2), sts,
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local, W_PAD=w_pad,
         RULE=RULES["mean"], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
-        DECIDE=not quest, BY_ROW=out is not None, FOLD=fold, PAGE=P, COUNT=with_read, **window_launch(w_pad, q, k, v))
+        DECIDE=not quest, BY_ROW=out is not None, FOLD=fold, PAGE=P, COUNT=with_read, HAS_HISTORY=has_history,
+        **window_launch(w_pad, q, k, v))
 
     # 2. and 3. the long groups' candidate pages scored, the top ones chosen
     if n_sel > 0:
@@ -853,8 +879,8 @@ def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: in
     group's heads all read its pages. Fixed shapes throughout (topk's k is n_sel): nothing is read back to the host.
     `ranked` False: n_read is n_sel or more in every row (a budget in tokens), so that no ranking is cut short of its
     n_sel and Quest's topk need not sort what it picks (its union takes them in any order; a group's list must keep
-    its valid entries, the finite scores, first, so it is sorted). Quest's union is one launch, _page_union_kernel
-    (in torch it took some fifteen small operations: a scatter of the heads' bits, a cumsum for the slots, a gather)."""
+    its valid entries, the finite scores, first, so it is sorted). Quest's union is one launch, _page_union_kernel,
+    where a scatter of the heads' bits, a cumsum for the slots and a gather would be some fifteen torch operations."""
     n, R, W = scores.shape
     top, ids = scores.topk(n_sel, dim=-1, sorted=ranked or R == Hkv)  # (n, R, n_sel), highest first where sorted
     if R == Hkv:
@@ -867,9 +893,12 @@ def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: in
     heads = torch.empty(n, Hkv, U, dtype=torch.int32, device=dev)
     n_valid = torch.empty(n, Hkv, dtype=torch.int32, device=dev)
     bits = torch.empty(n, Hkv, W, dtype=torch.int32, device=dev)  # the kernel's scratch: each candidate's heads
+    W_pad = triton.next_power_of_2(W)
+    # topk's outputs are contiguous (n, H, n_sel), as the kernel reads them; its W-long rows spread over more warps at
+    # long contexts (W 8k at 128k) rather than more registers per thread
     _page_union_kernel[(n, Hkv)](top, ids, n_read, bits, union, heads, n_valid, n_sel, W, U, H=R, HKV=Hkv, G=G,
-                                 SEL_PAD=triton.next_power_of_2(n_sel), W_PAD=triton.next_power_of_2(W),
-                                 RANKED=ranked)
+                                 SEL_PAD=triton.next_power_of_2(n_sel), W_PAD=W_pad, RANKED=ranked,
+                                 num_warps=min(16, max(4, W_pad // 512)))
     return union, heads, n_valid
 
 

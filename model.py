@@ -124,11 +124,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RoPE(nn.Module):
-    """A step's queries and keys rotated (apply_rope). A module without parameters only so that
-    Llama.compile_pointwise compiles it as it does the norms and the MLP: the two rotations become one kernel."""
+    """A step's queries and keys rotated (apply_rope), as one tensor: their heads side by side, so that eager runs one
+    rotation's seven operations, not two, and compiled (Llama.compile_pointwise, which is why this is a module) it is
+    one kernel. q and k come back as views of it."""
 
-    def forward(self, q, k, cos, sin):
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)  # (B, H + Hkv, T, D)
+        return qk.split([q.shape[1], k.shape[1]], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -359,9 +362,9 @@ class Llama(nn.Module):
 
     def compile_pointwise(self) -> None:
         """torch.compile the arithmetic between each layer's matmuls: its two norms, RoPE and the gated MLP, and the
-        final norm. Eager in bf16, a decode step launches 44 kernels per layer, 34 of them small elementwise ones (a
-        norm is eight, RoPE seven per tensor); at batches of 1-8 on a GPU each costs a few microseconds however
-        little it computes. Compiled, each of these modules is one fused kernel beside its matmuls (gpt-fast compiles
+        final norm. Eager in bf16, a decode step launches 38 kernels per layer, 28 of them small elementwise ones (a
+        norm is eight, RoPE eight); at batches of 1-8 on a GPU each costs a few microseconds however little it
+        computes. Compiled, each of these modules is one fused kernel beside its matmuls (gpt-fast compiles
         its whole step; here the attention stays eager, since the decode hook may be any Python). The modules' code is
         unchanged and every layer's instance shares one compiled graph per shape; the first call at a new shape
         compiles (seconds), and the fused sums may round otherwise than eager's."""

@@ -390,10 +390,11 @@ def test_bad_input_is_one_line_found_before_loading(tiny_dir, tmp_path, capsys, 
 def test_compile_without_a_compiler_says_so_before_loading(tiny_dir, tmp_path, capsys, monkeypatch):
     """--compile on, on the CPU with no C++ compiler on PATH: one line naming what is missing, exit 2, nothing
     loaded."""
+    monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(generate.shutil, "which", lambda name: None)
     monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     argv = ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir), "--device", "cpu"]
-    assert "torch.compile needs a C++ compiler" in error_of(capsys, argv + ["--compile", "on"])
+    assert "torch.compile needs a C++ compiler (g++, or $CXX)" in error_of(capsys, argv + ["--compile", "on"])
 
 
 def test_prompt_files_binary_or_not_utf8_are_refused_and_a_bom_is_read(tiny_dir, tmp_path, capsys):

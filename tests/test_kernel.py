@@ -148,6 +148,37 @@ def test_rows_that_share_a_form_read_one_copy_of_it():
     assert own[0].stride(0) == Hkv * D * D and torch.equal(own[0], A)
 
 
+@pytest.mark.parametrize("path", ["qada", "pages"])
+def test_the_labels_are_also_written_at_the_step_the_device_holds(path):
+    """fused_qada's and fused_pages' `history`: a record (S, L, B, H) of every step's labels, as the static decode loop
+    keeps it, gets this call's labels at [step, layer] for the step in device memory, and nothing anywhere else (its
+    other entries keep a sentinel); a record of the wrong shape is refused before any launch."""
+    B, H, Hkv, D, T = 3, 6, 2, 16, 300
+    q, k, v, A, b = case(B, H, Hkv, D, T, seed=2)
+    rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([0, 5, 40], dtype=torch.int32)
+    tau = torch.tensor([0.6, 0.3, 0.9], dtype=torch.float64)
+    record = torch.full((4, 2, B, H), 7, dtype=torch.int8)  # (S, L, B, H): 7 where nothing is written
+    step = torch.tensor([2])
+    if path == "qada":
+        def call(history):
+            return fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, "mean", split=64, block_n=16,
+                              history=history)[1]
+    else:
+        from tests.test_kernel_pages import page_bounds
+        bounds = page_bounds(k, start, torch.full((B,), T, dtype=torch.int32), 16)
+
+        def call(history):
+            return kernels.fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, bounds, 16, budget=48, form=(A, b),
+                                       tau=tau, history=history)[1]
+    labels = call((record[:, 1], step))
+    assert torch.equal(labels, call(None)) and 0 < labels.sum() < labels.numel()
+    assert torch.equal(record[2, 1], labels.to(torch.int8))
+    record[2, 1] = 7
+    assert (record == 7).all()
+    with pytest.raises(ValueError, match="history"):
+        call((record[:, 1, :, :4], step))
+
+
 @pytest.mark.parametrize("per_row, dtype, chunk", [(False, torch.float32, 8), (True, torch.float32, 8),
                                                    (True, torch.bfloat16, 8), (True, torch.float32, 2)])
 def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row, dtype, chunk, monkeypatch):

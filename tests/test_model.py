@@ -2,6 +2,7 @@
 and strict loading."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -81,13 +82,13 @@ def test_half_precision_runs_close(tmp_path):
         assert diff < 0.1
 
 
-@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++")), reason="torch.compile on the CPU needs a "
-                    "C++ compiler")
+@pytest.mark.skipif(not shutil.which(os.environ.get("CXX", "g++")), reason="torch.compile on the CPU needs a C++ "
+                    "compiler")
 def test_compiled_pointwise_decodes_as_the_eager_modules(tmp_path):
     """Llama.compile_pointwise after prefill, as generate.py --compile on calls it: every norm, RoPE and MLP is
-    compiled, all layers' instances share one graph per module kind and shape (a decode step adds at most four:
-    the layers' norms, the final norm, RoPE, the MLP; nine instances), and decode steps give the eager modules'
-    logits to fp32 rounding."""
+    compiled, all layers' instances share one graph per module kind and shape (decoding compiles four: the layers'
+    norms, the final norm, RoPE, the MLP; nine instances), and decode steps give the eager modules' logits to fp32
+    rounding."""
     from torch._dynamo.utils import counters
     save_tiny("qwen2-bias", tmp_path)
     models = [load_model(str(tmp_path)), load_model(str(tmp_path))]
@@ -95,6 +96,7 @@ def test_compiled_pointwise_decodes_as_the_eager_modules(tmp_path):
     caches = [m.new_cache(40, 3) for m in models]
     logits = [m.prefill(ids, c) for m, c in zip(models, caches)]
     eager, compiled = models
+    torch._dynamo.reset()  # no graph left from another test: this decode compiles its own
     compiled.compile_pointwise()
     pointwise = [m for m in compiled.modules() if isinstance(m, (RMSNorm, RoPE, MLP))]
     assert len(pointwise) == 9 and all(m._compiled_call_impl is not None for m in pointwise)
@@ -104,7 +106,7 @@ def test_compiled_pointwise_decodes_as_the_eager_modules(tmp_path):
         logits = [m.decode_step(t, c) for m, t, c in zip(models, tokens, caches)]
         assert (logits[0] - logits[1]).abs().max().item() < 1e-5
         tokens = [logits[0].argmax(-1)] * 2
-    assert counters["stats"]["unique_graphs"] - graphs <= 4
+    assert counters["stats"]["unique_graphs"] - graphs == 4
 
 
 def test_rope_theta_override_changes_logits(tmp_path):

@@ -84,12 +84,18 @@ from tests.test_generate import make_tiny_dir
 path = Path(sys.argv[1]); path.mkdir(parents=True, exist_ok=True); make_tiny_dir(path)
 (path.parent / "prompt.txt").write_text(" ".join(f"w{i % 97}" for i in range(400)))
 PY
+cli() {  # cli METHOD FLAG...: generate.py on the tiny model, its tokens, labels and decode loop in one line
+  local m=$1; shift
+  timeout 60 python3 generate.py --device cuda --model "$FILES/tiny" --prompt "$FILES/prompt.txt" --no-chat \
+    --max-new-tokens 8 --method $m --json $([ $m = quest ] && echo --set budget=64) "$@" \
+    | python3 -c "import json, sys; r = json.loads(sys.stdin.read())
+print(r['method'], r['new_token_ids'], r['sparsity'], r['kv_read'], r['cuda_graphs'], 'compiled' * r['compiled'])"
+  echo " <- generate $m $* rc=${PIPESTATUS[0]}"
+}
 for m in dense qada qada_kv_all quest; do
-  for g in auto off "auto --compile on"; do
-    timeout 60 python3 generate.py --device cuda --model "$FILES/tiny" --prompt "$FILES/prompt.txt" --no-chat \
-      --max-new-tokens 8 --method $m --cuda-graphs $g --json $([ $m = quest ] && echo --set budget=64) \
-      | python3 -c "import json, sys; r = json.loads(sys.stdin.read()); print(r['method'], r['new_token_ids'], r['sparsity'], r['kv_read'], r['cuda_graphs'], 'compiled' if r['compiled'] else '')"
-    echo " <- generate $m --cuda-graphs $g rc=${PIPESTATUS[0]}"
+  for g in auto off; do
+    cli $m --cuda-graphs $g
   done
 done
+cli qada --cuda-graphs auto --compile on
 pack
