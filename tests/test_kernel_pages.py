@@ -501,7 +501,8 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     kernels.SPLIT_LAUNCH's PDL launches it (griddepcontrol, which the interpreter cannot run), "qada-unroll" with the
     window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores), "qada-spread" with the
     split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD); the page steps as the static loop runs them,
-    the appended key folded into its page and the entries read counted (int64 atomic adds)."""
+    the appended key folded into its page and the entries read counted (int64 atomic adds); and each with the labels
+    written into a record of every step at a device step index, as the static loop has them written."""
     launches = []
     for name in KERNELS:
         monkeypatch.setattr(kernels, name, Launch(launches, getattr(kernels, name)))
@@ -512,13 +513,14 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     monkeypatch.setitem(kernels.WINDOW_LAUNCH, "UNROLL", 4 if method == "qada-unroll" else 1)
     monkeypatch.setitem(kernels.SPLIT_LAUNCH, "SPREAD", 4 if method == "qada-spread" else 0)
     q, k, v, start, length = batch(0, dtype=torch.bfloat16)
+    history = (torch.zeros(3, len(ROWS), H, dtype=torch.bool), torch.ones(1, dtype=torch.long))  # as the static loop
     if method.startswith("qada-") or method == "qada":
         rows = torch.arange(len(ROWS), dtype=torch.int32)
         A, b = torch.zeros(len(ROWS), HKV, D, D), torch.zeros(len(ROWS), HKV, D)
         fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), torch.full((len(ROWS),), 0.5, dtype=torch.float64),
-                   length=length, block_n=32)
+                   length=length, block_n=32, history=history)
     else:
-        run_kernel(method, q, k, v, start, length, 16, 48, split(True), fold=True, with_read=True)
+        run_kernel(method, q, k, v, start, length, 16, 48, split(True), fold=True, with_read=True, history=history)
     assert [kernel.fn.__name__ for kernel, *_ in launches] == \
         [n for n in KERNELS if (method == "quest" or n != "_page_union_kernel") and
          (not method.startswith("qada") or method.startswith("qada_pages") or n != "_page_bound_kernel")]
