@@ -405,7 +405,8 @@ if triton is not None:
                            shp, ssb, ssr, W, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                            D: tl.constexpr, PAGE: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
                            BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, COMBINE: tl.constexpr,
-                           LEN_PER_ROW: tl.constexpr, LOW: tl.constexpr, COUNT: tl.constexpr = False):
+                           LEN_PER_ROW: tl.constexpr, LOW: tl.constexpr, COUNT: tl.constexpr = False,
+                           N_READ_ALL: tl.constexpr = -1):
         # Quest's bound of BLOCK_P candidate pages for the G heads of a (row, KV head): sum_d max(q_d min_d, q_d max_d)
         # = q+ . max + q- . min (pages.upper_bounds), unscaled, in exact fp32 products as the torch path ranks them:
         # "ieee" tl.dot, or with LOW (a 16-bit query and statistics) tensor-core products of the stored values, which
@@ -415,7 +416,10 @@ if triton is not None:
         b, g, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_ctx = tl.load(LENGTH + b * LEN_PER_ROW) - tl.load(START + b)
         m = tl.cdiv(tl.maximum(n_ctx - (N_LOCAL - N_SINK), N_SINK) - N_SINK, PAGE)  # pages.candidates
-        n_read = tl.load(N_READ + b)
+        if N_READ_ALL >= 0:  # a budget in tokens: every row's pages, a constant
+            n_read = N_READ_ALL
+        else:  # a budget_frac's, each row's own
+            n_read = tl.load(N_READ + b)
         h = tl.arange(0, G_PAD)
         h_ok = h < G
         p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -466,12 +470,11 @@ if triton is not None:
         tl.store(bits_at + w, tl.zeros((W_PAD,), tl.int32), mask=w < W)
         tl.debug_barrier()  # every thread's zeros stored before any or
         r = tl.arange(0, SEL_PAD)
-        n_read = tl.load(N_READ + b)
         for h in tl.static_range(G):
             head = (b * H + g * G + h) * n_sel
             chose = tl.load(TOP + head + r, mask=r < n_sel, other=float("-inf")) > float("-inf")
             if RANKED:  # each ranking's first n_read
-                chose = chose & (r < n_read)
+                chose = chose & (r < tl.load(N_READ + b))
             page = tl.load(IDS + head + r, mask=chose, other=0)
             tl.atomic_or(bits_at + page, tl.full((SEL_PAD,), 1 << h, tl.int32), mask=chose)
         tl.debug_barrier()  # every or done before the bits are read back (from L2, where the atomics land)
@@ -785,7 +788,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     # pages each group (Quest: each head) reads: budget // P, or floor(budget_frac T) // P of each row's own T
     n_max = page_count(T_max, P, budget, budget_frac)  # at the capacity: the most any row reads
     if budget_frac is None:
-        n_read = torch.full((B,), n_max, dtype=torch.int32, device=dev)
+        n_read = None  # every row n_max: a constant of the bound kernel, no tensor to fill each call
     else:
         n_ctx = length.view(-1).long() - start.long()  # (n,)
         n_read = (torch.floor(budget_frac * n_ctx.double()).long() // P).int()
@@ -830,10 +833,11 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         scores = torch.empty(B, H if per_head else Hkv, W, device=dev, dtype=f32)
         block_p = min(64, max(16, triton.next_power_of_2(W)))
         _page_bound_kernel[(B, Hkv, triton.cdiv(W, block_p))](
-            q, lo, hi, start, length, read, n_read, scores, counts, q.stride(0), q.stride(1), lo.stride(0),
-            lo.stride(1), lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2), scores.stride(0), scores.stride(1), W,
-            H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, PAGE=P, N_SINK=n_sink, N_LOCAL=n_local, BLOCK_P=block_p,
-            PER_HEAD=per_head, COMBINE=int(combine == "sum"), LEN_PER_ROW=len_per_row, COUNT=with_read,
+            q, lo, hi, start, length, read, n_read if n_read is not None else dummy, scores, counts, q.stride(0),
+            q.stride(1), lo.stride(0), lo.stride(1), lo.stride(2), hi.stride(0), hi.stride(1), hi.stride(2),
+            scores.stride(0), scores.stride(1), W, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, PAGE=P, N_SINK=n_sink,
+            N_LOCAL=n_local, BLOCK_P=block_p, PER_HEAD=per_head, COMBINE=int(combine == "sum"),
+            LEN_PER_ROW=len_per_row, COUNT=with_read, N_READ_ALL=n_max if n_read is None else -1,
             num_warps=BOUND_LAUNCH["num_warps"], LOW=low(BOUND_LAUNCH, q, lo, hi))
         if combine == "share" and not quest:  # one ranking per group: the most any head's share could be (n, Hkv, W)
             scores = group_ranking(scores.view(B * Hkv, G, W), combine, log_local.view(B * Hkv, G), P,
@@ -871,16 +875,17 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     return result
 
 
-def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: int, ranked: bool = True):
-    """The pages each (row, KV head) reads, from the candidates' scores (n, R, W) (-inf: not a candidate): the n_read
-    (n,) highest of each ranking, R = Hkv rankings (one per group) or H (one per query head: Quest), n_sel >= n_read
-    the budget's pages at the capacity. Returns page numbers ids (n, Hkv, U), of which the first n_valid (n, Hkv) are
-    read, each once, and per entry the bits of the query heads that chose it (n, Hkv, U) int32, or None when a
-    group's heads all read its pages. Fixed shapes throughout (topk's k is n_sel): nothing is read back to the host.
-    `ranked` False: n_read is n_sel or more in every row (a budget in tokens), so that no ranking is cut short of its
-    n_sel and Quest's topk need not sort what it picks (its union takes them in any order; a group's list must keep
-    its valid entries, the finite scores, first, so it is sorted). Quest's union is one launch, _page_union_kernel,
-    where a scatter of the heads' bits, a cumsum for the slots and a gather would be some fifteen torch operations."""
+def choose_pages(scores: torch.Tensor, n_read: torch.Tensor | None, n_sel: int, Hkv: int, ranked: bool = True):
+    """The pages each (row, KV head) reads, from the candidates' scores (n, R, W) (-inf: not a candidate): the
+    n_read (n,) highest of each ranking, R = Hkv rankings (one per group) or H (one per query head: Quest), n_sel >=
+    n_read the budget's pages at the capacity. Returns page numbers ids (n, Hkv, U), of which the first n_valid (n,
+    Hkv) are read, each once, and per entry the bits of the query heads that chose it (n, Hkv, U) int32, or None
+    when a group's heads all read its pages. Fixed shapes throughout (topk's k is n_sel): nothing is read back to
+    the host. `ranked` False: n_read (None will do) is n_sel or more in every row (a budget in tokens), so that no
+    ranking is cut short of its n_sel and Quest's topk need not sort what it picks (its union takes them in any
+    order; a group's list must keep its valid entries, the finite scores, first, so it is sorted). Quest's union is
+    one launch, _page_union_kernel, where a scatter of the heads' bits, a cumsum for the slots and a gather would be
+    some fifteen torch operations."""
     n, R, W = scores.shape
     top, ids = scores.topk(n_sel, dim=-1, sorted=ranked or R == Hkv)  # (n, R, n_sel), highest first where sorted
     if R == Hkv:
@@ -896,7 +901,8 @@ def choose_pages(scores: torch.Tensor, n_read: torch.Tensor, n_sel: int, Hkv: in
     W_pad = triton.next_power_of_2(W)
     # topk's outputs are contiguous (n, H, n_sel), as the kernel reads them; its W-long rows spread over more warps at
     # long contexts (W 8k at 128k) rather than more registers per thread
-    _page_union_kernel[(n, Hkv)](top, ids, n_read, bits, union, heads, n_valid, n_sel, W, U, H=R, HKV=Hkv, G=G,
+    _page_union_kernel[(n, Hkv)](top, ids, n_read if ranked else n_valid, bits, union, heads, n_valid, n_sel, W, U,
+                                 H=R, HKV=Hkv, G=G,
                                  SEL_PAD=triton.next_power_of_2(n_sel), W_PAD=W_pad, RANKED=ranked,
                                  num_warps=min(16, max(4, W_pad // 512)))
     return union, heads, n_valid
