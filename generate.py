@@ -464,8 +464,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         moments_source = c.settings.get("moments_source", "random-words") if c is not None else "random-words"
     tau, tau_from = (tau, "given") if tau is not None else default_tau(method, sources["calibration"])
     device = torch.device(pick_device(device))
-    if compiled == "on" and compiler_missing(device):
-        raise ValueError(compiler_missing(device))
+    if compiled == "on" and (why := compiler_missing(device)):
+        raise ValueError(why)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -628,8 +628,9 @@ def main(argv=None) -> int:
                    "paths on the fused kernels; the report says when it is off and why (default: %(default)s)")
     p.add_argument("--compile", dest="compiled", default="off", metavar="{off,on}", help="on: torch.compile the "
                    "model's norms, RoPE and MLP for decoding, each one fused kernel where eager launches 2-8 (a "
-                   "dense bf16 step: 16 launches per layer in place of 38); the first step compiles (seconds), and the eager loop once more "
-                   "when a batch shrinks; needs a C++ compiler on the CPU (default: %(default)s)")
+                   "dense bf16 step: 16 launches per layer in place of 38); the first step compiles (seconds), and "
+                   "the eager loop once more when a batch shrinks; needs a C++ compiler on the CPU (default: "
+                   "%(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text and report")
     p.error = lambda message: p.exit(2, f"error: {message} (see --help)\n")  # one line, not the usage block

@@ -212,7 +212,7 @@ if triton is not None:
             local = local | (tl.zeros((G_PAD,), tl.int32) + short.to(tl.int32) != 0)  # no bulk: all exact on the window
             group_reads = tl.sum(tl.where(h_ok & ~local, 1, 0), 0) > 0
         tl.store(LABELS + b * H + g * G + h, local.to(tl.int8), mask=h_ok)
-        if HAS_HISTORY:  # (the `history` of fused_qada, fused_pages) and at the step STEP of a record of every step's
+        if HAS_HISTORY:  # and into a record of every step's labels, at the step STEP holds (fused_qada's `history`)
             tl.store(HISTORY + tl.load(STEP) * sts + b * H + g * G + h, local.to(tl.int8), mask=h_ok)
         tl.store(READ + b * HKV + g, group_reads.to(tl.int8))
         # The heads whose output is the window's (local, or in a group that reads no cache) are written here, in the
@@ -901,6 +901,7 @@ def choose_pages(scores: torch.Tensor, n_read: torch.Tensor | None, n_sel: int, 
     W_pad = triton.next_power_of_2(W)
     # topk's outputs are contiguous (n, H, n_sel), as the kernel reads them; its W-long rows spread over more warps at
     # long contexts (W 8k at 128k) rather than more registers per thread
+    # (unranked, N_READ is never read: any int32 pointer will do)
     _page_union_kernel[(n, Hkv)](top, ids, n_read if ranked else n_valid, bits, union, heads, n_valid, n_sel, W, U,
                                  H=R, HKV=Hkv, G=G,
                                  SEL_PAD=triton.next_power_of_2(n_sel), W_PAD=W_pad, RANKED=ranked,

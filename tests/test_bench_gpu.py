@@ -129,9 +129,9 @@ def test_fixed_labels_read_the_share_asked_for(small_e2e, monkeypatch):
 
 
 def test_the_compiled_rows_compile_the_model_once_and_are_held_to_their_own_dense(small_e2e, monkeypatch):
-    """--compiled: dense, kv E2E_PAGES_F and kv 0.0 again after every other row was timed, the model's pointwise arithmetic compiled
-    once before the first of them (a spy here), the same labels read, and their speedups against the compiled dense,
-    not the eager modules' (every compiled step is timed at half the others' here)."""
+    """--compiled: dense, kv E2E_PAGES_F and kv 0.0 again after every other row was timed, the model's pointwise
+    arithmetic compiled once before the first of them (a spy here), the same labels read, and their speedups against
+    the compiled dense, not the eager modules' (every compiled step is timed at half the others' here)."""
     timed, compiled_after = [], []
     monkeypatch.setattr(bench_gpu.Llama, "compile_pointwise", lambda self: compiled_after.append(len(timed)))
     monkeypatch.setattr(bench_gpu, "step_ms", lambda decode, reset, n: timed.append(n) or (

@@ -20,6 +20,7 @@ from criterion import Calibration, save_calibration
 from model import KVCache, Llama, load_model
 from pages import PageIndex
 from tests.test_generate import make_tiny_dir, write_prompt
+from tests.test_kernel_pages import KERNELS  # every kernel a step may launch
 
 pytest.importorskip("triton")
 N_SINK, N_LOCAL = 4, 16
@@ -211,10 +212,6 @@ class NoSync(TorchDispatchMode):
             raise AssertionError(f"the step read a value back to the host: {func}")
         self.trace.append((str(func), self.describe(args), self.describe(kwargs or {})))
         return func(*args, **(kwargs or {}))
-
-
-KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_page_union_kernel",
-           "_split_attention_kernel")
 
 
 class Launches:

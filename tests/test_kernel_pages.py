@@ -30,6 +30,7 @@ triton = pytest.importorskip("triton")
 H, HKV, D = 6, 2, 16
 G = H // HKV
 N_SINK, N_LOCAL = 4, 32
+# every kernel a step launches (test_graph_decode's graph emulation records these too)
 KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_page_union_kernel",
            "_split_attention_kernel")
 # Rows of a batch, (first position, context length): a long context not a multiple of any page, one just past the
