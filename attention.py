@@ -978,11 +978,12 @@ class StaticAttention:
     The qada paths run kernels.fused_qada on views that reach past the filled length (the cache's `view`), T read
     from `length`: a local group's cache is still not read. The page paths run kernels.fused_pages on the same views,
     with every row's page statistics stacked in one buffer per layer (pages.stacked), into which each step's window
-    kernel folds the key it appended (fused_pages' `fold`), and the entries each (row, KV head) read written to a
-    buffer beside the labels. Dense (where kernels.fused says the kernel runs; else generate.step_attention gives the
-    model its own dense decoding instead of this) runs kernels.fused_dense on the same views, every group read and no
-    decision, its labels all False (kernels.dense_flags, made once). BatchAttention's rows keep their statistics:
-    `stats` hands each row its live steps once decoding is over."""
+    kernel folds the key it appended (fused_pages' `fold`), and the entries each (row, KV head) read counted by the
+    kernels into one step's buffer (fused_pages' `read_out`), copied into a record beside the labels once per step.
+    Dense (where kernels.fused says the kernel runs; else generate.step_attention gives the model its own dense
+    decoding instead of this) runs kernels.fused_dense on the same views, every group read and no decision, its labels
+    all False (kernels.dense_flags, made once). BatchAttention's rows keep their statistics: `stats` hands each row
+    its live steps once decoding is over."""
     method: str
     n_sink: int
     n_local: int
@@ -998,6 +999,7 @@ class StaticAttention:
     pages: list = field(default_factory=list)  # page paths, per layer: (lo, hi) (B, Hkv, NP, D), kept current
     page: dict = field(default_factory=dict)  # page paths: fused_pages' page_size, budget or budget_frac, combine
     reads: torch.Tensor | None = None  # page paths: (S, L, B, Hkv) int64, the KV entries each step read
+    read_now: torch.Tensor | None = None  # page paths: (L, B, Hkv) int64, this step's, each layer's counted into
     flags: tuple = ()  # dense: kernels.dense_flags, one set for every layer and step (the kernel leaves them as found)
 
     @classmethod
@@ -1010,7 +1012,7 @@ class StaticAttention:
         first, dev, B = rows[0], cache.k.device, len(rows)
         L, Hkv = cache.k.shape[0], cache.k.shape[2]
         kind = page_kind(first.method)
-        forms, thresholds, corrections, rule, pages, page, reads = [], (), [], None, [], {}, None
+        forms, thresholds, corrections, rule, pages, page, reads, read_now = [], (), [], None, [], {}, None, None
         if first.method != "dense" and kind is not quest:  # the paths that decide: a form and a tau per row
             rule = qada_rule(first.method)[1]
             for layer in range(L):  # one stack per layer, made once: a step only indexes the list
@@ -1024,12 +1026,13 @@ class StaticAttention:
                      for layer in range(L)]
             page = page_options(first.method, first.inputs)
             reads = torch.zeros(steps, L, B, Hkv, dtype=torch.long, device=dev)
+            read_now = torch.zeros(L, B, Hkv, dtype=torch.long, device=dev)
         flags = dense_flags(B, n_heads, Hkv, dev) if first.method == "dense" else ()
         return cls(first.method, first.n_sink, first.n_local, rule, forms, thresholds, corrections,
                    torch.arange(B, dtype=torch.int32, device=dev),
                    torch.tensor(starts, dtype=torch.int32, device=dev), cache.filled,
                    torch.zeros(steps, L, B, n_heads, dtype=torch.bool, device=dev),
-                   torch.zeros(1, dtype=torch.long, device=dev), pages, page, reads, flags)
+                   torch.zeros(1, dtype=torch.long, device=dev), pages, page, reads, read_now, flags)
 
     def __call__(self, q, k, v, layer: int) -> torch.Tensor:
         """q (B, H, 1, D), k/v (B, Hkv, view, D), views of the static cache past its filled length -> (B, H, 1, D)."""
@@ -1045,10 +1048,11 @@ class StaticAttention:
             decide = dict(form=self.forms[layer], tau=self.thresholds, correction=self.corrections[layer])
         history = (self.labels[:, layer], self.step)  # the window kernel writes the labels at the device step index
         if self.pages:  # the key just appended into its page's statistics, then the chosen pages read
-            _, _, read = fused_pages(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local,
-                                     self.pages[layer], **self.page, **decide, length=self.length, fold=True,
-                                     with_read=True, history=history, out=y[:, :, 0])
-            self.reads[:, layer].index_copy_(0, self.step, read[None])
+            fused_pages(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local, self.pages[layer],
+                        **self.page, **decide, length=self.length, fold=True, with_read=True, history=history,
+                        read_out=self.read_now[layer], out=y[:, :, 0])
+            if layer == self.labels.shape[1] - 1:  # every layer counted: the step's reads recorded in one copy
+                self.reads.index_copy_(0, self.step, self.read_now[None])
         else:
             fused_qada(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local, decide["form"],
                        decide["tau"], self.rule, decide["correction"], length=self.length, history=history,

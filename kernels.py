@@ -14,9 +14,10 @@ Two kernels, each a fixed grid:
 
 `fused_pages` is token-level page selection (attention.quest, attention.qada_pages) in the same kernels: QAdA's
 long-context groups, or every group for Quest alone, read their window and their chosen pages only. A third kernel,
-`_page_bound_kernel`, scores the candidate pages by Quest's bound from the page statistics (pages.PageIndex); torch's
-topk picks the top ones under the budget (for Quest, whose query heads choose their own, `_page_union_kernel` makes
-each KV head's list of them); the split programs then walk a list of page numbers instead of a range.
+`_page_bound_kernel`, scores the candidate pages by Quest's bound from the page statistics (pages.PageIndex); a
+fourth, `_page_select_kernel`, picks the top ones under the budget and makes each KV head's list of them (for Quest,
+whose query heads choose their own, their union); the split programs then walk a list of page numbers instead of a
+range.
 The step's upkeep rides in the same launches: the window kernel folds the key just appended into its page's
 statistics, and the kernels count the KV entries they load.
 
@@ -32,6 +33,7 @@ interpreter (TRITON_INTERPRET=1, read when they are defined), which is how the t
 
 import math
 import os
+import struct
 
 import torch
 
@@ -406,7 +408,7 @@ if triton is not None:
                            D: tl.constexpr, PAGE: tl.constexpr, N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
                            BLOCK_P: tl.constexpr, PER_HEAD: tl.constexpr, COMBINE: tl.constexpr,
                            LEN_PER_ROW: tl.constexpr, LOW: tl.constexpr, COUNT: tl.constexpr = False,
-                           N_READ_ALL: tl.constexpr = -1):
+                           N_READ_ALL: tl.constexpr = -1, FRAC_BITS: tl.constexpr = 0):
         # Quest's bound of BLOCK_P candidate pages for the G heads of a (row, KV head): sum_d max(q_d min_d, q_d max_d)
         # = q+ . max + q- . min (pages.upper_bounds), unscaled, in exact fp32 products as the torch path ranks them:
         # "ieee" tl.dot, or with LOW (a 16-bit query and statistics) tensor-core products of the stored values, which
@@ -418,8 +420,12 @@ if triton is not None:
         m = tl.cdiv(tl.maximum(n_ctx - (N_LOCAL - N_SINK), N_SINK) - N_SINK, PAGE)  # pages.candidates
         if N_READ_ALL >= 0:  # a budget in tokens: every row's pages, a constant
             n_read = N_READ_ALL
-        else:  # a budget_frac's, each row's own
-            n_read = tl.load(N_READ + b)
+        else:  # a budget_frac's, each row's own: floor(budget_frac T) // P in float64 as pages.page_count, the
+            # fraction's float64 bits a constant (a float constexpr would be rounded to fp32); kept for the choice
+            frac = tl.full((1,), FRAC_BITS, tl.int64).to(tl.float64, bitcast=True)
+            n_read = tl.sum((tl.floor(n_ctx.to(tl.float64) * frac).to(tl.int32) // PAGE), 0)
+            if (g == 0) & (pb == 0):
+                tl.store(N_READ + b, n_read)
         h = tl.arange(0, G_PAD)
         h_ok = h < G
         p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -456,38 +462,53 @@ if triton is not None:
             tl.store(SCORES + b * ssb + g * ssr + p, group, mask=p < W)
 
     @triton.jit
-    def _page_union_kernel(TOP, IDS, N_READ, BITS, UNION, HEADS, N_VALID, n_sel, W, U, H: tl.constexpr,
-                           HKV: tl.constexpr, G: tl.constexpr, SEL_PAD: tl.constexpr, W_PAD: tl.constexpr,
-                           RANKED: tl.constexpr):
-        # Quest's list for one (row, KV head): the union of the pages its G heads chose (topk's scores and page
-        # numbers, (n, H, n_sel); a score of -inf, or with RANKED a rank from the row's n_read on, chose nothing),
-        # each page once, in page order, with the bits of the heads that chose it. The bits gather in BITS, this
-        # program's own row of W int32, by atomic ors (a head chooses a page once: an or of distinct bits); then a
-        # cumsum over the W candidates gives each chosen page its slot. Entries from n_valid to U: no page (W), no head.
+    def _page_select_kernel(SCORES, N_READ, IDS, HEADS, N_VALID, n_sel, W, U, ssb, ssr, HKV: tl.constexpr,
+                            G: tl.constexpr, R_PAD: tl.constexpr, W_PAD: tl.constexpr, PER_HEAD: tl.constexpr,
+                            RANKED: tl.constexpr):
+        # The pages one (row, KV head) reads, from its candidates' scores (-inf: no candidate): each ranking's k best
+        # finite ones, k = n_sel, or with RANKED the row's n_read (at most n_sel). One ranking, or with PER_HEAD
+        # (Quest) one per query head of the group, the list then their union, each page with the bits of the heads
+        # that chose it. Written in page order, each page once; entries from n_valid to U: no page (W), no head.
+        # The k-th best score is found by bisection on the scores' bits, all rankings at once: a float's bits, the
+        # rest flipped where the sign is set, order as signed integers as the floats do; 32 halvings of the int32
+        # range leave the largest t with at least k keys >= t, which is the k-th key. Ties at t go to the lowest pages.
         b, g = tl.program_id(0), tl.program_id(1)
         w = tl.arange(0, W_PAD)
-        bits_at = BITS + (b * HKV + g) * W
-        tl.store(bits_at + w, tl.zeros((W_PAD,), tl.int32), mask=w < W)
-        tl.debug_barrier()  # every thread's zeros stored before any or
-        r = tl.arange(0, SEL_PAD)
-        for h in tl.static_range(G):
-            head = (b * H + g * G + h) * n_sel
-            chose = tl.load(TOP + head + r, mask=r < n_sel, other=float("-inf")) > float("-inf")
-            if RANKED:  # each ranking's first n_read
-                chose = chose & (r < tl.load(N_READ + b))
-            page = tl.load(IDS + head + r, mask=chose, other=0)
-            tl.atomic_or(bits_at + page, tl.full((SEL_PAD,), 1 << h, tl.int32), mask=chose)
-        tl.debug_barrier()  # every or done before the bits are read back (from L2, where the atomics land)
-        bits = tl.load(bits_at + w, mask=w < W, other=0, cache_modifier=".cg")
-        chosen = bits != 0
+        r = tl.arange(0, R_PAD)
+        n_rank = G if PER_HEAD else 1
+        at = SCORES + b * ssb + (g * n_rank + r)[:, None] * ssr + w[None, :]
+        score = tl.load(at, mask=(r < n_rank)[:, None] & (w < W)[None, :], other=float("-inf"))  # (R_PAD, W_PAD)
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 as +0.0: equal floats, which their bits would not tie
+        bits = score.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # >> of a signed int is arithmetic: all ones where negative
+        k = n_sel
+        if RANKED:
+            k = tl.minimum(tl.load(N_READ + b), n_sel)
+        finite = score > float("-inf")
+        lo = tl.full((R_PAD,), -2147483648, tl.int64)  # at least k keys >= lo (every key is)
+        hi = tl.full((R_PAD,), 2147483648, tl.int64)  # fewer than k keys >= hi (none is)
+        if tl.max(tl.sum(finite.to(tl.int32), 1), 0) > k:  # else every ranking's candidates fit: all are chosen
+            for _ in range(32):
+                mid = (lo + hi) >> 1
+                up = tl.sum((key >= mid.to(tl.int32)[:, None]).to(tl.int32), 1) >= k
+                lo = tl.where(up, mid, lo)
+                hi = tl.where(up, hi, mid)
+        t = lo.to(tl.int32)[:, None]  # the k-th key; -2^31 where all fit: every key is above it
+        above = key > t
+        tie = key == t
+        room = k - tl.sum(above.to(tl.int32), 1)  # (R_PAD,): the ties that still fit
+        chose = (above | (tie & (tl.cumsum(tie.to(tl.int32), 1) <= room[:, None]))) & finite
+        heads = tl.sum(tl.where(chose, (1 << r)[:, None], 0), 0)  # (W_PAD,) int32: the bits of the heads that chose
+        chosen = heads != 0
         slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
         n_valid = tl.sum(chosen.to(tl.int32), 0)
         out = (b * HKV + g) * U
-        tl.store(UNION + out + slot, w.to(tl.int64), mask=chosen)
-        tl.store(HEADS + out + slot, bits, mask=chosen)
         rest = (w >= n_valid) & (w < U)
-        tl.store(UNION + out + w, tl.full((W_PAD,), W, tl.int64), mask=rest)
-        tl.store(HEADS + out + w, tl.zeros((W_PAD,), tl.int32), mask=rest)
+        tl.store(IDS + out + slot, w.to(tl.int64), mask=chosen)
+        tl.store(IDS + out + w, tl.full((W_PAD,), W, tl.int64), mask=rest)
+        if PER_HEAD:
+            tl.store(HEADS + out + slot, heads, mask=chosen)
+            tl.store(HEADS + out + w, tl.zeros((W_PAD,), tl.int32), mask=rest)
         tl.store(N_VALID + b * HKV + g, n_valid)
 
 
@@ -551,6 +572,11 @@ def filled_length(length: torch.Tensor | None, B: int, T_max: int, device: torch
         raise ValueError(f"length: an int32 tensor of 1 or {B} elements on {device}, got {length.dtype} "
                          f"{tuple(length.shape)} on {length.device}")
     return length, int(length.numel() == B > 1)
+
+
+def float64_bits(x: float) -> int:
+    """x's IEEE float64 bits as a signed integer, which a kernel bitcasts back: a float constant at full precision."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
 def kernel_thresholds(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -727,7 +753,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
                 budget_frac: float | None = None, form=None, tau=None, correction: Correction | None = None,
                 combine: str = "max", length: torch.Tensor | None = None, split: int | None = None,
                 block_n: int | None = None, fold: bool = False, with_read: bool = False, inspect: bool = False,
-                history=None, out=None):
+                history=None, read_out=None, out=None):
     """Token-level page selection for one layer and n rows, on the device with nothing read back to the host: the same
     labels and output as attention.qada_pages (given `form` and `tau`) or attention.quest (`form` None) of each row, up
     to fp32 rounding. q, k, v, rows, start, length and out as fused_qada's; `bounds` = (lo, hi), each (n, Hkv, NP, D):
@@ -744,17 +770,19 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
       2. per (row, KV head, block of pages), `_page_bound_kernel`: the long groups' candidate pages scored by Quest's
          bound, per query head (Quest) or per group, its heads' bounds combined by `combine` ("max" or "sum"; for
          "share", pages.page_shares of each head's bounds against its window's mass, then their max, in torch);
-      3. `choose_pages`: torch's topk, the top budget // P pages of each ranking; a KV head's list of the pages it
-         reads, each once (Quest: the union of its heads', each page with the heads that chose it, gathered by
-         `_page_union_kernel` per (row, KV head));
+      3. per (row, KV head), `_page_select_kernel` (choose_pages): the top budget // P pages of each ranking, and
+         the KV head's list of the pages it reads, each once, in page order (Quest: the union of its heads', each
+         page with the heads that chose it);
       4. per (row, KV head, split of that list), `_split_attention_kernel` walking page numbers instead of a range,
          so a long group reads its chosen pages' bulk positions and no others; its last program to finish merges
          them, the window's output as one more part.
 
-    Why the ranking is torch's topk and not a Triton kernel: top-k under a budget is a selection over the candidates'
-    scores (W floats per ranking, 1/(P D) of the keys), for which topk is the library's tuned and graph-capturable
-    primitive (its k is the budget's, fixed); the scoring is Triton because torch could score the long groups' pages
-    up to T only after reading the labels and T back to the host, or else score every group's pages up to the capacity.
+    Why the choice is a kernel and not torch's topk: topk took 21-33 us per layer on an H200 (Llama-3-8B at 32k,
+    batch 1 and 8), more than any kernel of QAdA + pages' step, for rankings of some two thousand candidates, plus
+    the operations that count its finite picks or make Quest's union. One program per (row, KV head) holds its
+    rankings in registers and finds each k-th score in 32 halvings of a count, the union and the count in the
+    same pass. The scoring is Triton because torch could score the long groups' pages up to T only after reading
+    the labels and T back to the host, or else score every group's pages up to the capacity.
 
     The grids and every launch's values depend on T_max, the budget and P only (a budget_frac's on T_max's pages): with
     `length`, one step captured in a CUDA graph is replayed as the cache fills. Returns y (n, H, D) (or `out`) and
@@ -763,7 +791,9 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     page whose statistics were scored, and the chosen pages' bulk positions; with `inspect` (for tests) also the
     pages each query head attends to (n, H, W) bool (W the candidates at T_max). `split`: list entries (pages) per
     program, a multiple of block_n // P (default: enough programs to fill the GPU, as split_size). `history` as
-    fused_qada's: the labels also written at a step read from device memory."""
+    fused_qada's: the labels also written at a step read from device memory. `read_out`: with `with_read`, the
+    (n, Hkv) int64 tensor the kernels count into and which is returned (a caller's buffer, kept from step to step so
+    that a static loop records it once per step rather than copying each layer's; default: a new one)."""
     _launch_checks(q, out, "fused_pages")
     B, H, D = q.shape
     Hkv, T_max = k.shape[1], k.shape[2]
@@ -787,11 +817,9 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
                          f"{tuple(hi.shape)}")
     # pages each group (Quest: each head) reads: budget // P, or floor(budget_frac T) // P of each row's own T
     n_max = page_count(T_max, P, budget, budget_frac)  # at the capacity: the most any row reads
-    if budget_frac is None:
-        n_read = None  # every row n_max: a constant of the bound kernel, no tensor to fill each call
-    else:
-        n_ctx = length.view(-1).long() - start.long()  # (n,)
-        n_read = (torch.floor(budget_frac * n_ctx.double()).long() // P).int()
+    n_read = None  # a budget in tokens: every row n_max, a constant of the bound kernel
+    if budget_frac is not None:  # each row's, written by the bound kernel for the choice
+        n_read = torch.empty(B, dtype=torch.int32, device=dev)
     n_sel = min(n_max, W)
 
     # 1. the window, and which groups read pages
@@ -813,7 +841,14 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     arrived = torch.empty(B, Hkv, device=dev, dtype=torch.int32)  # the window kernel sets it to 0
     # with_read: the KV entries each (row, KV head) read, counted by the kernels as they load them (the window kernel
     # sets it: its window; the bound kernel adds the statistics it scores, the split kernel the bulk positions)
-    counts = torch.empty(B, Hkv, device=dev, dtype=torch.int64) if with_read else dummy
+    counts = dummy
+    if read_out is not None and not with_read:
+        raise ValueError("read_out is counted into with with_read only")
+    if with_read:
+        counts = torch.empty(B, Hkv, device=dev, dtype=torch.int64) if read_out is None else read_out
+        if counts.shape != (B, Hkv) or counts.dtype != torch.int64 or not counts.is_contiguous():
+            raise ValueError(f"read_out: a contiguous ({B}, {Hkv}) int64 tensor, got {counts.dtype} "
+                             f"{tuple(counts.shape)}")
     record, step, sts, has_history = history_operands(history, B, H, dummy)
     _window_decide_kernel[(B, Hkv)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
@@ -838,6 +873,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
             scores.stride(0), scores.stride(1), W, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, PAGE=P, N_SINK=n_sink,
             N_LOCAL=n_local, BLOCK_P=block_p, PER_HEAD=per_head, COMBINE=int(combine == "sum"),
             LEN_PER_ROW=len_per_row, COUNT=with_read, N_READ_ALL=n_max if n_read is None else -1,
+            FRAC_BITS=0 if budget_frac is None else float64_bits(budget_frac),
             num_warps=BOUND_LAUNCH["num_warps"], LOW=low(BOUND_LAUNCH, q, lo, hi))
         if combine == "share" and not quest:  # one ranking per group: the most any head's share could be (n, Hkv, W)
             scores = group_ranking(scores.view(B * Hkv, G, W), combine, log_local.view(B * Hkv, G), P,
@@ -877,36 +913,30 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
 
 def choose_pages(scores: torch.Tensor, n_read: torch.Tensor | None, n_sel: int, Hkv: int, ranked: bool = True):
     """The pages each (row, KV head) reads, from the candidates' scores (n, R, W) (-inf: not a candidate): the
-    n_read (n,) highest of each ranking, R = Hkv rankings (one per group) or H (one per query head: Quest), n_sel >=
-    n_read the budget's pages at the capacity. Returns page numbers ids (n, Hkv, U), of which the first n_valid (n,
-    Hkv) are read, each once, and per entry the bits of the query heads that chose it (n, Hkv, U) int32, or None
-    when a group's heads all read its pages. Fixed shapes throughout (topk's k is n_sel): nothing is read back to
-    the host. `ranked` False: n_read (None will do) is n_sel or more in every row (a budget in tokens), so that no
-    ranking is cut short of its n_sel and Quest's topk need not sort what it picks (its union takes them in any
-    order; a group's list must keep its valid entries, the finite scores, first, so it is sorted). Quest's union is
-    one launch, _page_union_kernel, where a scatter of the heads' bits, a cumsum for the slots and a gather would be
-    some fifteen torch operations."""
+    n_read (n,) highest finite ones of each ranking, R = Hkv rankings (one per group) or H (one per query head:
+    Quest), n_sel >= n_read the budget's pages at the capacity. Returns page numbers ids (n, Hkv, U), of which the
+    first n_valid (n, Hkv) are read, each once, in page order, and per entry the bits of the query heads that chose
+    it (n, Hkv, U) int32, or None when a group's heads all read its pages. One launch of _page_select_kernel per
+    call, with fixed shapes: nothing is read back to the host. `ranked` False: every ranking takes its n_sel (a budget
+    in tokens; n_read is not read and None will do)."""
     n, R, W = scores.shape
-    top, ids = scores.topk(n_sel, dim=-1, sorted=ranked or R == Hkv)  # (n, R, n_sel), highest first where sorted
-    if R == Hkv:
-        valid = top > -math.inf
-        if ranked:  # each ranking's first n_read: a prefix
-            valid &= torch.arange(n_sel, device=scores.device) < n_read.view(n, 1, 1)
-        return ids, None, valid.sum(-1, dtype=torch.int32)
-    G, U, dev = R // Hkv, min(R // Hkv * n_sel, W), scores.device
-    union = torch.empty(n, Hkv, U, dtype=torch.int64, device=dev)
-    heads = torch.empty(n, Hkv, U, dtype=torch.int32, device=dev)
+    if scores.dtype != torch.float32 or scores.stride(2) != 1:
+        raise ValueError(f"choose_pages reads fp32 scores with unit stride over each ranking, got {scores.dtype} "
+                         f"with strides {scores.stride()}")
+    per_head = R != Hkv
+    G, dev = R // Hkv, scores.device
+    U = min(G * n_sel, W) if per_head else n_sel
+    ids = torch.empty(n, Hkv, U, dtype=torch.int64, device=dev)
+    heads = torch.empty(n, Hkv, U, dtype=torch.int32, device=dev) if per_head else None
     n_valid = torch.empty(n, Hkv, dtype=torch.int32, device=dev)
-    bits = torch.empty(n, Hkv, W, dtype=torch.int32, device=dev)  # the kernel's scratch: each candidate's heads
-    W_pad = triton.next_power_of_2(W)
-    # topk's outputs are contiguous (n, H, n_sel), as the kernel reads them; its W-long rows spread over more warps at
-    # long contexts (W 8k at 128k) rather than more registers per thread
-    # (unranked, N_READ is never read: any int32 pointer will do)
-    _page_union_kernel[(n, Hkv)](top, ids, n_read if ranked else n_valid, bits, union, heads, n_valid, n_sel, W, U,
-                                 H=R, HKV=Hkv, G=G,
-                                 SEL_PAD=triton.next_power_of_2(n_sel), W_PAD=W_pad, RANKED=ranked,
-                                 num_warps=min(16, max(4, W_pad // 512)))
-    return union, heads, n_valid
+    r_pad, w_pad = triton.next_power_of_2(G) if per_head else 1, triton.next_power_of_2(W)
+    # the unread pointers (N_READ unranked, HEADS of a group) are any int32 tensor; the (R_PAD, W_PAD) tile spreads
+    # over more warps at long contexts (W 8k at 128k) rather than more registers per thread
+    _page_select_kernel[(n, Hkv)](scores, n_read if ranked else n_valid, ids, heads if per_head else n_valid, n_valid,
+                                  n_sel, W, U, scores.stride(0), scores.stride(1), HKV=Hkv, G=G, R_PAD=r_pad,
+                                  W_PAD=w_pad, PER_HEAD=per_head, RANKED=ranked,
+                                  num_warps=min(16, max(4, r_pad * w_pad // 1024)))
+    return ids, heads, n_valid
 
 
 def chosen_mask(ids: torch.Tensor, heads: torch.Tensor | None, n_valid: torch.Tensor, G: int, W: int) -> torch.Tensor:

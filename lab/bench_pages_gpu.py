@@ -21,7 +21,9 @@ Each call is captured as one CUDA graph and its replays timed with CUDA events, 
             reading the union of its heads' pages;
   exact     +pages and quest again with the window's and the page bounds' products in exact fp32 ("ieee", EXACT:
             LOW off) instead of the default's tensor cores, and the share of query heads that attend to the same pages
-            with the same label as at the default launch.
+            with the same label as at the default launch;
+  choice    the choice of pages alone, kernels.choose_pages (one kernel: each ranking's top pages and the KV head's
+            list of them), in us, beside torch's topk of the same scores (what the choice took before).
 On CUDA each step's kernels are also profiled (a second table: each kernel's device time per call, eager).
 The labels come out of the real criterion: per (row, KV head) a bulk mean of +-100 along the group's queries (as
 lab.bench.pattern_moments) puts its estimated bulk mass far above or below the window's; they are checked before
@@ -257,7 +259,9 @@ COLUMNS = [("shape", "shape", "{}"), ("T", "T", "{}"), ("B", "B", "{}"), ("budge
            ("quest_read", "quest read", "{:.3f}"), ("quest_ms", "quest ms", "{:.3f}"), ("quest_x", "quest x", "{:.2f}"),
            ("pages_vs_quest", "+pages / quest", "{:.2f}"), ("no_sync", "no host sync", "{}"),
            ("pages_exact_ms", "+pages ms, exact", "{:.3f}"), ("pages_exact_same", "+pages same pages", "{:.3f}"),
-           ("quest_exact_ms", "quest ms, exact", "{:.3f}"), ("quest_exact_same", "quest same pages", "{:.3f}")]
+           ("quest_exact_ms", "quest ms, exact", "{:.3f}"), ("quest_exact_same", "quest same pages", "{:.3f}"),
+           ("pages_choice_us", "+pages choice us", "{:.1f}"), ("pages_topk_us", "+pages topk us", "{:.1f}"),
+           ("quest_choice_us", "quest choice us", "{:.1f}"), ("quest_topk_us", "quest topk us", "{:.1f}")]
 
 
 def bench(shapes: dict, lengths: list[int], batches: list[int], budgets: list[int], f: float, P: int,
@@ -291,6 +295,7 @@ def bench(shapes: dict, lengths: list[int], batches: list[int], budgets: list[in
                         r[f"{name}_kernels"] = named_us(kernel_us(step, device)) if device.type == "cuda" else ""
                         r[f"{name}_exact_ms"], r[f"{name}_exact_same"] = exact_launch(layer, step, budget, quest,
                                                                                       device, reps)
+                        r[f"{name}_choice_us"], r[f"{name}_topk_us"] = choice_us(layer, budget, quest, device, reps)
                     r["pages_vs_quest"] = r["quest_ms"] / r["pages_ms"]
                     r["no_sync"] = "yes" if sync_free(layer.qada, device) and r["pages_sync_free"] and \
                         r["quest_sync_free"] else "NO"
@@ -321,6 +326,24 @@ def exact_launch(layer: Layer, step, budget: int, quest: bool, device: torch.dev
     return ms, float(same.float().mean())
 
 
+def choice_us(layer: Layer, budget: int, quest: bool, device: torch.device, reps: int) -> tuple[float, float]:
+    """The choice of pages alone, us: kernels.choose_pages (one _page_select_kernel: each ranking's top budget // P
+    pages and the KV head's list of them) beside torch.topk of the same scores, which it replaced (topk alone: without
+    the count of its finite picks or Quest's union that came after it). The scores are random, -inf outside the long
+    groups' candidates, as the bound kernel leaves them; both take time by the shapes, not the values."""
+    W = candidates(layer.T, N_SINK, N_LOCAL, layer.P)
+    n_sel = min(budget // layer.P, W)
+    if n_sel == 0:
+        return math.nan, math.nan
+    R = layer.H if quest else layer.Hkv
+    scores = torch.randn(layer.B, R, W, device=device, generator=torch.Generator(device=device).manual_seed(0))
+    long = torch.ones_like(layer.full) if quest else layer.full  # (B, Hkv)
+    scores.masked_fill_(~long.repeat_interleave(R // layer.Hkv, 1)[..., None], -math.inf)
+    select = lambda: kernels.choose_pages(scores, None, n_sel, layer.Hkv, ranked=False)  # noqa: E731
+    topk = lambda: scores.topk(n_sel, dim=-1, sorted=not quest)  # noqa: E731 (Quest's union took them unsorted)
+    return 1e3 * timed_ms(select, device, reps), 1e3 * timed_ms(topk, device, reps)
+
+
 def format_row(r: dict) -> str:
     return "| " + " | ".join(fmt.format(r[key]) for key, _, fmt in COLUMNS) + " |"
 
@@ -346,7 +369,9 @@ def write(out: Path, rows: list[dict], checks: list[str], device: torch.device, 
              "over the best of flash and packed dense; bound: 1 / read. CUDA graphs replayed, CUDA events, L2 "
              "flushed, median. exact: the window's and the bounds' products in exact fp32 off the tensor cores "
              "(kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW off); same pages: the share of query heads whose pages "
-             "and label are the default launch's.", "", *checks, "", header, "|" + "---|" * len(COLUMNS),
+             "and label are the default launch's. choice us: the choice of pages alone (kernels.choose_pages), "
+             "beside torch's topk of the same scores, which it replaced.", "", *checks, "", header,
+             "|" + "---|" * len(COLUMNS),
              *(format_row(r) for r in rows), ""]
     if any(r["pages_kernels"] for r in rows):  # profiled on CUDA only
         lines += ["Where a call's time goes: each kernel's device us per call, eager (torch.profiler over 20 calls run "

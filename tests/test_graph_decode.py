@@ -270,7 +270,8 @@ def test_the_step_reads_no_host_value_that_changes(tiny, method, monkeypatch):
         buffers = [("k", c.k), ("v", c.v), ("filled", c.filled), ("position", c.position), ("token", token),
                    ("labels", static.labels), ("step", static.step), ("start", static.start), ("rows", static.rows)]
         if static.pages:  # a page path's statistics, each layer's, and its reads
-            buffers += [("reads", static.reads), *((f"pages {i}", x) for i, x in enumerate(sum(static.pages, ())))]
+            buffers += [("reads", static.reads), ("read_now", static.read_now),
+                        *((f"pages {i}", x) for i, x in enumerate(sum(static.pages, ())))]
         named = {x.data_ptr(): name for name, x in buffers}
         before = len(launches.records)
         with contextlib.ExitStack() as stack:

@@ -31,7 +31,7 @@ H, HKV, D = 6, 2, 16
 G = H // HKV
 N_SINK, N_LOCAL = 4, 32
 # every kernel a step launches (test_graph_decode's graph emulation records these too)
-KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_page_union_kernel",
+KERNELS = ("_window_decide_kernel", "_page_bound_kernel", "_page_select_kernel",
            "_split_attention_kernel")
 # Rows of a batch, (first position, context length): a long context not a multiple of any page, one just past the
 # window (a single candidate page, reaching into the window), one in between, and one within the window.
@@ -192,9 +192,10 @@ def test_qada_pages_decides_as_the_torch_path_with_other_corrections(method, whi
 
 
 @pytest.mark.parametrize("method", ["quest", "qada_pages"])
-@pytest.mark.parametrize("frac", [0.1, 0.5])
+@pytest.mark.parametrize("frac", [0.1, 0.5, 0.32])
 def test_a_budget_as_a_fraction_of_each_rows_context(method, frac):
-    """budget_frac: each row reads floor(frac T) // P pages of its own T, the grid set by the capacity's."""
+    """budget_frac: each row reads floor(frac T) // P pages of its own T, the grid set by the capacity's, counted in
+    float64 as pages.page_count counts them (0.32 of the 150-token row is 48 tokens, three pages; in float32, 47.99)."""
     check_against_torch(method, 16, None, split(True), budget_frac=frac, seed=4)
 
 
@@ -304,40 +305,65 @@ def qada_inputs(k, start, length, calibration, tau=0.3):
                 tau=torch.full((k.shape[0],), tau, dtype=torch.float64), correction=calibration.layer(0))
 
 
+@pytest.mark.parametrize("method", ["quest", "qada_pages"])
+def test_the_entries_read_are_counted_into_a_callers_buffer_whatever_it_held(method):
+    """fused_pages' read_out (the static loop's buffer of the step, reused every step): the kernels count into it, the
+    window kernel setting what the others add to, and it is what the call returns."""
+    q, k, v, start, length = batch(3)
+    want = run_kernel(method, q, k, v, start, length, 16, 48, split(True), with_read=True)[2]
+    held = torch.full((len(ROWS), HKV), 10**6, dtype=torch.int64)  # a previous step's, or anything
+    got = run_kernel(method, q, k, v, start, length, 16, 48, split(True), with_read=True, read_out=held)[2]
+    assert got is held and torch.equal(held, want)
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["quest", "groups"])
 @pytest.mark.parametrize("ranked", [False, True], ids=["tokens", "fraction"])
-def test_quests_union_lists_each_chosen_page_once_in_page_order_with_its_heads(ranked):
-    """kernels.choose_pages for Quest (one ranking per query head): each KV head's list is the set of pages its G heads
-    chose, by hand from the scores (each head's n_read best finite ones; every n_sel with a budget in tokens), in page
-    order, each with the bits of exactly the heads that chose it; past the list, no page (W) and no head. Rows with
-    few candidates, none, and more chosen pages than one head's budget."""
+def test_the_chosen_pages_are_each_rankings_best_listed_once_in_page_order(ranked, per_head):
+    """kernels.choose_pages, one ranking per query head (Quest) or per group: each KV head's list is the set of pages
+    its rankings chose, by hand from the scores (each ranking's n_read best finite ones, ties to the lower page; every
+    n_sel with a budget in tokens), in page order, each with the bits of exactly the heads that chose it (Quest); past
+    the list, no page (W) and no head. Rows with few candidates, none, more chosen pages than one head's budget, and
+    equal scores across the cut, zeros of both signs among them."""
     g = torch.Generator().manual_seed(5)
-    n, W, n_sel = 4, 37, 6
-    scores = torch.randn(n, H, W, generator=g)
+    n, W, n_sel = 5, 37, 6
+    R = H if per_head else HKV
+    scores = torch.randn(n, R, W, generator=g)
     scores[0, :, 9:] = -math.inf  # 9 candidates
     scores[1] = -math.inf  # a local row: none
     scores[2, :, 4:] = -math.inf  # fewer candidates than n_sel
-    n_read = torch.tensor([6, 6, 3, 5] if ranked else [6] * 4, dtype=torch.int32)
+    scores[3, :, [2, 5, 11, 30]] = 5.0  # four best, tied
+    scores[3, :, [7, 8, 20, 21, 33]] = torch.tensor([0.0, -0.0, 0.0, -0.0, 0.0])  # five equal, across every cut
+    # from 5 to 8 (a zero's sign is no order), the rest below them
+    scores[3, :, [0, 1, 3, 4]] = -3.0 - torch.rand(R, 4, generator=g)
+    scores[3, :, 34:] = -math.inf
+    others = [p for p in range(34) if p not in (0, 1, 2, 3, 4, 5, 7, 8, 11, 20, 21, 30, 33)]
+    scores[3, :, others] = -5.0 - torch.rand(R, len(others), generator=g)
+    n_read = torch.tensor([6, 6, 3, 5, 2] if ranked else [6] * n, dtype=torch.int32)
     ids, heads, n_valid = kernels.choose_pages(scores, n_read, n_sel, HKV, ranked=ranked)
     U = ids.shape[2]
-    assert U == min(G * n_sel, W) and heads.shape == ids.shape
+    assert U == (min(G * n_sel, W) if per_head else n_sel) and (heads is None) != per_head
+    per_kv = R // HKV
     for b in range(n):
         for kv in range(HKV):
-            chose = {}  # page -> the bits of the heads that chose it
-            for j in range(G):
-                row = scores[b, kv * G + j]
-                best = [int(p) for p in row.argsort(descending=True)[:int(n_read[b])] if row[p] > -math.inf]
-                for p in best:
+            chose = {}  # page -> the bits of the rankings that chose it
+            for j in range(per_kv):
+                row = scores[b, kv * per_kv + j]
+                order = row.argsort(descending=True, stable=True)[:int(n_read[b])]
+                for p in [int(p) for p in order if row[p] > -math.inf]:
                     chose[p] = chose.get(p, 0) | 1 << j
             m = int(n_valid[b, kv])
-            assert m == len(chose)
-            assert ids[b, kv, :m].tolist() == sorted(chose)
-            assert heads[b, kv, :m].tolist() == [chose[p] for p in sorted(chose)]
-            assert ids[b, kv, m:].tolist() == [W] * (U - m) and heads[b, kv, m:].tolist() == [0] * (U - m)
+            assert m == len(chose), (b, kv)
+            assert ids[b, kv, :m].tolist() == sorted(chose), (b, kv)
+            assert ids[b, kv, m:].tolist() == [W] * (U - m)
+            if per_head:
+                assert heads[b, kv, :m].tolist() == [chose[p] for p in sorted(chose)]
+                assert heads[b, kv, m:].tolist() == [0] * (U - m)
+    assert n_valid[3].tolist() == [int(n_read[3])] * HKV  # the ties cut to fit, not all of them taken
 
 
 def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     """With the kernels stubbed out, every Tensor method that reads a value back to the host raises, and both modes
-    still go through: the choice of pages (topk, the union) and the count of what was read stay on the device."""
+    still go through: the choice of pages and the count of what was read stay on the device."""
     q, k, v, start, length = batch(1)
     pages = page_bounds(k, start, length, 16)
     inputs = qada_inputs(k, start, length, split(True))
@@ -354,7 +380,7 @@ def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
         for budget in (dict(budget=48), dict(budget_frac=0.2)):
             fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, length=length, with_read=True, **budget,
                         **extra)
-    assert len(launches) == 14  # Quest: four kernels (its union of the heads' pages one), QAdA + pages three
+    assert len(launches) == 16  # four kernels each: window, bounds, choice, split
 
 
 @pytest.mark.parametrize("method", ["quest", "qada_pages"])
@@ -379,7 +405,7 @@ def test_a_step_over_the_capacity_launches_the_same_whatever_T(method, budget, m
                                 **extra)
         outputs.append((y.clone(), labels.clone(), length.clone()))
         length.add_(1)
-    n = 4 if method == "quest" else 3  # Quest's union of its heads' pages: a kernel of its own
+    n = len(KERNELS)  # window, bounds, choice, split
     assert len(launches) == 2 * n and launches[:n] == launches[n:]
     monkeypatch.undo()
     for y, labels, lengths in outputs:
@@ -434,6 +460,9 @@ def test_bad_arguments_are_refused():
         fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, budget=48, budget_frac=0.1)
     with pytest.raises(ValueError, match="combine"):
         fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, budget=48, combine="mean")
+    with pytest.raises(ValueError, match="read_out"):
+        fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, 16, budget=48, with_read=True,
+                    read_out=torch.zeros(len(ROWS), HKV, dtype=torch.int32))
 
 
 # --- the tensor-core launches, compiled for a GPU without one -------------------------------------------------
@@ -493,7 +522,8 @@ def ptxas() -> bool:
 
 
 @pytest.mark.skipif(not ptxas(), reason="this Triton has no NVIDIA backend or finds no ptxas")
-@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada", "qada-pdl", "qada-unroll", "qada-spread"])
+@pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_frac", "qada", "qada-pdl", "qada-unroll",
+                                    "qada-spread"])
 def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     """The launches a GPU runs with a bf16 query and cache (kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW, the split
     kernel on tensor cores) compile for an H100 here, where the interpreter never runs them: the bounds' LOW form once
@@ -503,7 +533,8 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores), "qada-spread" with the
     split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD); the page steps as the static loop runs them,
     the appended key folded into its page and the entries read counted (int64 atomic adds); and each with the labels
-    written into a record of every step at a device step index, as the static loop has them written."""
+    written into a record of every step at a device step index, as the static loop has them written; "_frac" with a
+    budget_frac, each row's page count worked out in float64 by the bound kernel."""
     launches = []
     for name in KERNELS:
         monkeypatch.setattr(kernels, name, Launch(launches, getattr(kernels, name)))
@@ -521,12 +552,14 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
         fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), torch.full((len(ROWS),), 0.5, dtype=torch.float64),
                    length=length, block_n=32, history=history)
     else:
-        run_kernel(method, q, k, v, start, length, 16, 48, split(True), fold=True, with_read=True, history=history)
+        budget = dict(budget=None, budget_frac=0.3) if method.endswith("_frac") else dict(budget=48)
+        run_kernel(method, q, k, v, start, length, 16, calibration=split(True), fold=True, with_read=True,
+                   history=history, **budget)
     assert [kernel.fn.__name__ for kernel, *_ in launches] == \
-        [n for n in KERNELS if (method == "quest" or n != "_page_union_kernel") and
-         (not method.startswith("qada") or method.startswith("qada_pages") or n != "_page_bound_kernel")]
+        [n for n in KERNELS if not method.startswith("qada") or method.startswith("qada_pages") or
+         n not in ("_page_bound_kernel", "_page_select_kernel")]
     assert all(kwargs.get("LOW") is True for kernel, *_, kwargs in launches  # the products' kernels
-               if kernel.fn.__name__ != "_page_union_kernel")
+               if kernel.fn.__name__ != "_page_select_kernel")
     assert all(kwargs.get("PDL", False) == (method == "qada-pdl") for *_, kwargs in launches)
     status, errors = compile_for_gpu(launches)
     assert status == 0, errors[-3000:]
