@@ -33,6 +33,7 @@ from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, StaticAttention, bu
 from criterion import TAU, Calibration, check_calibration, check_tau, load_calibration, load_labels
 from model import KVCache
 from moments import SOURCES, ReferenceKeys, reference_words
+from pages import page_count
 from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, shipped_calibration
 from weights.downloads import cache_dir
 
@@ -319,6 +320,8 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
     if unread:
         raise ValueError(f"--set {unread[0]}: the {method} path does not read it (it reads "
                          f"{', '.join(reads) or 'nothing'})")
+    if {"budget", "budget_frac"} & set(inputs):  # a page budget that is no number (--set budget=true), said now
+        page_count(1, 1, inputs.get("budget"), inputs.get("budget_frac"))
 
 
 def graph_refusal(cuda_graphs: str, device: torch.device, rows: list, prompt_lengths: list[int], model) -> str | None:

@@ -24,6 +24,7 @@ built from the prefilled cache, then following the cache from the `k` (Hkv, T, D
 """
 
 import math
+import numbers
 
 import torch
 
@@ -168,6 +169,9 @@ def page_count(T: int, page_size: int, budget: float | None, budget_frac: float 
     if (budget is None) == (budget_frac is None):
         raise ValueError("give a page budget in tokens (budget) or as a fraction of the context (budget_frac), "
                          f"one of them; got budget={budget}, budget_frac={budget_frac}")
+    number = budget if budget is not None else budget_frac
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):  # --set budget=true or =abc: no number
+        raise ValueError(f"{'budget' if budget is not None else 'budget_frac'} is a number, got {number!r}")
     if budget is not None:
         if not (float(budget).is_integer() and budget >= 0):
             raise ValueError(f"budget is a number of tokens >= 0, got {budget}")

@@ -373,6 +373,9 @@ BEFORE_LOAD = [
     (["--compile", "yes"], "--compile takes off or on, got 'yes'"),
     (["--method", "nope"], "error: argument --method: invalid choice: 'nope'"),  # argparse's own, as one line
     (["--threads", "two"], "error: argument --threads: invalid int value: 'two'"),
+    (["--method", "quest", "--set", "budget=true"], "budget is a number, got True"),  # not one token
+    (["--method", "quest_frac", "--set", "budget_frac=abc"], "budget_frac is a number, got 'abc'"),
+    (["--method", "quest", "--set", "budget=-16"], "budget is a number of tokens >= 0, got -16"),
 ]
 
 
