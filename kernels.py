@@ -53,11 +53,12 @@ from pages import candidates, group_ranking, page_count, pages_upto
 
 RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
 assert set(RULES) == {None, *GROUP_RULES}
-# How the window kernel is launched: warps per program, its tiles (window positions, columns of the quadratic form;
-# capped by the window and the head dim), tl.dot's precision for the fp32 quadratic form ("ieee": exact fp32
-# products), LOW, and how many times its two loops are unrolled (1: not); lab.bench_gpu --parts kernels times the
-# alternatives beside it.
-WINDOW_LAUNCH = dict(num_warps=4, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=True, UNROLL=1)
+# How the window kernel is launched: warps per program, the loads its loops keep in flight (num_stages, Triton's
+# default; 1: none ahead, fewer registers), its tiles (window positions, columns of the quadratic form; capped by the
+# window and the head dim), tl.dot's precision for the fp32 quadratic form ("ieee": exact fp32 products), LOW, and
+# how many times its two loops are unrolled (1: not); lab.bench_gpu --parts kernels times the alternatives beside it
+# and lab.kernel_resources says the registers each takes.
+WINDOW_LAUNCH = dict(num_warps=4, num_stages=3, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=True, UNROLL=1)
 # LOW: with a bf16 or fp16 query and cache, the window's products (WINDOW_LAUNCH) and the page bounds' (BOUND_LAUNCH)
 # on tensor cores in the stored dtype, in place of "ieee" fp32 products that do not use them (on an H200 the window
 # kernel took 33-35 us at 32k so, 10-12 us with LOW). The products are exact in fp32 either way; their sums are not

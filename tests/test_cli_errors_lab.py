@@ -376,7 +376,8 @@ def test_bench_gpu_arguments_are_one_line_and_exit_2(capsys, argv, message):
     one_line(capsys, bench_gpu.main(argv), message)
 
 
-@pytest.mark.parametrize("cli", ["sweep", "report", "calibrate", "bench", "bench_gpu", "bench_pages_gpu", "peers"])
+@pytest.mark.parametrize("cli", ["sweep", "report", "calibrate", "bench", "bench_gpu", "bench_pages_gpu", "peers",
+                                 "kernel_resources"])
 def test_help_shows_each_default_once_and_no_flag_default(cli, capsys):
     module = pytest.importorskip(f"lab.{cli}")
     assert module.main(["--help"]) == 0

@@ -5,13 +5,8 @@ chosen pages' bulk positions and nothing else (counted, and a cache poisoned wit
 needle's page is chosen; and one step over the cache's capacity launches the same whatever T. On a machine without
 CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py), on CPU tensors."""
 
-import inspect
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +14,8 @@ import torch
 import attention
 import kernels
 from kernels import fused_pages, fused_qada
-from lab import bench_pages_gpu
+from lab import bench_pages_gpu, kernel_resources
+from lab.kernel_resources import compile_launches, nvidia_backend
 from moments import bulk_end
 from pages import PageIndex, candidates, page_count, stacked
 from tests.test_kernel import Launch, Recorded
@@ -468,60 +464,7 @@ def test_bad_arguments_are_refused():
 # --- the tensor-core launches, compiled for a GPU without one -------------------------------------------------
 
 
-# Run in a fresh interpreter without TRITON_INTERPRET: Triton built under its interpreter (as the tests' is) cannot
-# compile for a GPU in the same process.
-COMPILE = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import kernels
-for name, signature, constexprs, options in json.load(sys.stdin):
-    fn = getattr(kernels, name)
-    index = {p.name: i for i, p in enumerate(fn.params)}
-    source = ASTSource(fn, signature, constexprs={(index[k],): v for k, v in constexprs.items()})
-    triton.compile(source, target=GPUTarget("cuda", int(sys.argv[1]), 32), options=options)
-"""
-
-
-def compile_for_gpu(launches, arch=90):
-    """Compile captured launches for an NVIDIA GPU of compute capability `arch` with the installed Triton, from each
-    launch's own values: a tensor as a pointer to its dtype, a constexpr as its value, num_warps, num_stages and
-    launch_pdl as the options.
-    Returns the compiler's exit status and its error output."""
-    dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-              torch.int32: "i32", torch.int8: "i8"}
-    specs = []
-    for kernel, _, args, kwargs in launches:
-        params = inspect.signature(kernel.fn).parameters  # the Python function, compiled or interpreted
-        values = dict(zip(params, args)) | kwargs
-        signature, constexprs = {}, {}
-        for name, p in params.items():
-            x = values[name] if name in values else p.default  # a constexpr left at its default
-            if p.annotation is triton.language.constexpr:
-                signature[name], constexprs[name] = "constexpr", x
-            elif isinstance(x, torch.Tensor):
-                signature[name] = "*" + dtypes[x.dtype]
-            else:
-                signature[name] = "fp32" if isinstance(x, float) else "i32"
-        options = {k: kwargs[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
-        specs.append((kernel.fn.__name__, signature, constexprs, options))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE, str(arch)], input=json.dumps(specs), text=True, env=env,
-                          capture_output=True, cwd=Path(kernels.__file__).parent, timeout=600)
-    return done.returncode, done.stderr
-
-
-def ptxas() -> bool:
-    """Whether Triton finds NVIDIA's assembler here: its own copy, TRITON_PTXAS_PATH, or one on the PATH."""
-    import shutil
-    from triton import backends
-    bundled = Path(backends.__file__).parent / "nvidia" / "bin" / "ptxas"
-    return "nvidia" in backends.backends and (bundled.exists() or bool(os.environ.get("TRITON_PTXAS_PATH")) or
-                                              shutil.which("ptxas") is not None)
-
-
-@pytest.mark.skipif(not ptxas(), reason="this Triton has no NVIDIA backend or finds no ptxas")
+@pytest.mark.skipif(nvidia_backend() is None, reason="this Triton has no NVIDIA backend or finds no ptxas")
 @pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_frac", "qada", "qada-pdl", "qada-unroll",
                                     "qada-spread"])
 def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
@@ -561,8 +504,22 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     assert all(kwargs.get("LOW") is True for kernel, *_, kwargs in launches  # the products' kernels
                if kernel.fn.__name__ != "_page_select_kernel")
     assert all(kwargs.get("PDL", False) == (method == "qada-pdl") for *_, kwargs in launches)
-    status, errors = compile_for_gpu(launches)
+    status, errors = compile_launches(launches)
     assert status == 0, errors[-3000:]
+
+
+@pytest.mark.skipif(nvidia_backend() is None, reason="this Triton has no NVIDIA backend or finds no ptxas")
+def test_the_kernels_resources_are_read_from_their_compile_for_a_gpu(tmp_path, monkeypatch, capsys):
+    """lab.kernel_resources: each kernel of the two fused steps at the default launch, and the window kernel at each
+    launch the GPU benchmark times beside it (here one), compiled for sm_90 and its registers read from the cubin."""
+    monkeypatch.setattr("lab.bench_gpu.WINDOW_VARIANTS", [dict(num_stages=1)])
+    assert kernel_resources.main(["--out", str(tmp_path)]) == 0
+    rows = [line.split(" | ") for line in (tmp_path / "kernel_resources.md").read_text().splitlines()
+            if line.startswith("| _")]
+    steps = ["_window_decide_kernel", "_split_attention_kernel", "_page_bound_kernel", "_page_select_kernel"]
+    assert [(r[0][2:], r[1]) for r in rows] == [(name, "default") for name in steps] + [
+        ("_window_decide_kernel", '{"num_stages": 1}')]
+    assert all(0 < int(r[2]) <= 255 and int(r[3].rstrip(" |")) >= 0 for r in rows)  # registers, stack bytes
 
 
 # --- the GPU benchmark's script ----------------------------------------------------------------------------

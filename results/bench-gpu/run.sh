@@ -40,9 +40,9 @@ QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$FILES/tests-cuda.txt" | cut -c1-220 | tail -40
 pack
 
-echo "== the kernels' tests again at a launch to adopt if they pass and it is faster: the window kernel in tiles of 64,"
-echo "   its loops unrolled (kernels.md's window columns w=64,d=64 and unroll=2 time them)"
-QADA_TEST_LAUNCH='{"window": {"BLOCK_W": 64, "BLOCK_D": 64, "UNROLL": 2}}' QADA_TEST_DEVICE=cuda \
+echo "== the kernels' tests again at a launch to adopt if they pass and it is faster: the window kernel in tiles of 64"
+echo "   (kernels.md's window column w=64,d=64 times it)"
+QADA_TEST_LAUNCH='{"window": {"BLOCK_W": 64, "BLOCK_D": 64}}' QADA_TEST_DEVICE=cuda \
   timeout 120 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
   tests/test_kernel.py tests/test_kernel_pages.py tests/test_batch.py > "$FILES/tests-cuda-tiles64.txt" 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$FILES/tests-cuda-tiles64.txt" | cut -c1-220 | tail -30
