@@ -687,6 +687,8 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
         device = torch.device(pick_device(device))
         methods, batch_sizes = parse_methods(e2e_methods), [int(b) for b in ints(batches).split(",") if b.strip()]
         given = [int(x) for x in ints(lengths).split(",") if x.strip()] if lengths else None
+        if given and min(given) <= N_LOCAL:  # no bulk to estimate: the criterion's log of T_bulk would fail
+            raise ValueError(f"--lengths: each length must exceed the window ({N_LOCAL}), got {lengths!r}")
         if prefill_only and not prefill_cache:
             raise ValueError("--prefill-only fills --prefill-cache DIR: give it one")
         if prefill_only and parts != "e2e":

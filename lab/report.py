@@ -781,7 +781,8 @@ def main(argv=None) -> int:
     try:
         for folder in [a.out] + ([a.compare] if a.compare else []) + a.baselines:
             if not Path(folder).is_dir():
-                raise FileNotFoundError(f"{folder}: no such run folder")
+                what = "a file, not a run folder" if Path(folder).exists() else "no such run folder"
+                raise FileNotFoundError(f"{folder}: {what}")
             if not (a.dense_table and folder == a.out) and not is_run_folder(folder):
                 raise ValueError(f"{folder} is not a run folder: no run.json and no samples*.jsonl[.xz] (lab.sweep "
                                  "--out writes them; for a folder of run folders: --dense-table)")

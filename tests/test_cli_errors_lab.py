@@ -313,6 +313,7 @@ SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
 ]
 REPORT = [  # (argv, what the line names)
     (["{missing}"], "no such run folder"),
+    (["{a_file}"], "a file, not a run folder"),
     (["{empty}"], "is not a run folder"),
     (["{run}", "--with", "{empty}"], "{empty} is not a run folder"),
     (["{run}", "--tasks", "vt"], "--tasks vt: no record of it"),
@@ -347,6 +348,7 @@ BENCH = [  # (argv after --device cpu, what the line names)
     (["--e2e-methods", "qada_cal@0.2", "--calibration", "{missing}"], "no such file or folder"),
     (["--prefill-only", "--parts", "e2e"], "--prefill-only fills --prefill-cache"),
     (["--out", "{a_file}"], "is a file"),
+    (["--lengths", "2048,50"], "--lengths: each length must exceed the window (128)"),
 ]
 CASES = ([("sweep", a, m) for a, m in SWEEP] + [("report", a, m) for a, m in REPORT]
          + [("calibrate", a, m) for a, m in CALIBRATE] + [("bench", a, m) for a, m in BENCH])
