@@ -512,7 +512,12 @@ def _fitted_knob(task: str, length: int, tokenizer, seed: int, lo: int, hi: int)
     hit = _fitted.get(key)
     if hit is not None and hit[0]() is tokenizer:  # the weakref guards against a recycled id()
         return hit[1]
-    budget = length - FAMILIES[TASK_CONFIGS[task]["family"]]["max_new_tokens"]
+    answer = FAMILIES[TASK_CONFIGS[task]["family"]]["max_new_tokens"]
+    budget = length - answer
+    smallest = _build(task, 0, length, tokenizer, seed, lo).n_prompt_tokens
+    if smallest > budget:  # the length is the prompt's and the answer's: say what it would take
+        raise ValueError(f"a length of {length} tokens is too short for {task}: its smallest prompt takes {smallest} "
+                         f"and its answer {answer}; give at least {smallest + answer}")
     knob = fit_knob(lambda k: _build(task, 0, length, tokenizer, seed, k).n_prompt_tokens, budget, lo, hi)
     try:
         ref = weakref.ref(tokenizer)

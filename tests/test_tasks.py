@@ -71,6 +71,17 @@ def test_fits_budget(task, tok):
         assert s.input == s.messages[-1]["content"] and s.input in s.prompt
 
 
+def test_a_length_too_short_for_the_task_says_what_it_needs(tok):
+    """A length below the task's smallest prompt plus its answer is refused with the length it would take, which
+    then fits."""
+    with pytest.raises(ValueError, match=r"a length of 100 tokens is too short for niah_single_1: .*give at least (\d+)"
+                       ) as e:
+        tasks.make_sample("niah_single_1", 0, 100, tok)
+    need = int(e.value.args[0].rsplit(" ", 1)[1])
+    sample = tasks.make_sample("niah_single_1", 0, need, tok)
+    assert sample.n_prompt_tokens + sample.max_new_tokens <= need
+
+
 def test_reproducible_and_distinct(task, tok):
     length = _length(task)
     a = tasks.make_sample(task, 2, length, tok)
