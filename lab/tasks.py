@@ -555,7 +555,9 @@ def make_sample(task: str, index: int, length: int, tokenizer, seed: int = 42) -
     step = max(1, knob // 50)
     while sample.n_prompt_tokens > budget:
         if knob == lo:
-            raise ValueError(f"{task} sample {index} does not fit in {length} tokens")
+            raise ValueError(f"{task} sample {index} does not fit in a length of {length} tokens: at its smallest its "
+                             f"prompt takes {sample.n_prompt_tokens} and its answer {family['max_new_tokens']}; give "
+                             "a longer length")
         knob = max(lo, knob - step)
         sample = _build(task, index, length, tokenizer, seed, knob)
     # A sample well short of the budget (QA documents vary a lot in length) gets its own fit, starting from
