@@ -676,6 +676,15 @@ def setup_line(device: torch.device, dtype: str = "float32") -> str:
     return f"{device.type} ({where}), {dtype}, torch {torch.__version__}"
 
 
+def lengths_above_window(text: str) -> list[int]:
+    """--lengths (an argparse type): comma-separated context lengths, each above the window (no bulk to estimate
+    else: the criterion's log of T_bulk would fail)."""
+    values = [int(x) for x in ints(text).split(",") if x.strip()]
+    if min(values) <= N_LOCAL:
+        raise argparse.ArgumentTypeError(f"each length must exceed the window ({N_LOCAL}), got {text!r}")
+    return values
+
+
 def run(device: str | None, threads: int | None, repeats: int | None, parts: str, lengths: str | None,
         quick: bool, decode_tokens: int, rope_theta: float, out: str | None, model: str, batches: str, e2e_methods: str,
         dtype: str, compile_decision: bool, calibration: str | None = None, prefill_cache: str | None = None,
@@ -686,9 +695,7 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
     try:  # bad input: one line, before anything runs
         device = torch.device(pick_device(device))
         methods, batch_sizes = parse_methods(e2e_methods), [int(b) for b in ints(batches).split(",") if b.strip()]
-        given = [int(x) for x in ints(lengths).split(",") if x.strip()] if lengths else None
-        if given and min(given) <= N_LOCAL:  # no bulk to estimate: the criterion's log of T_bulk would fail
-            raise ValueError(f"--lengths: each length must exceed the window ({N_LOCAL}), got {lengths!r}")
+        given = lengths_above_window(lengths) if lengths else None
         if prefill_only and not prefill_cache:
             raise ValueError("--prefill-only fills --prefill-cache DIR: give it one")
         if prefill_only and parts != "e2e":

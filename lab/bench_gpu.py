@@ -91,7 +91,7 @@ from attention import (BatchAttention, DecodeAttention, HeadStats, StaticAttenti
                        qada_rule)
 from criterion import TAU, Calibration
 from generate import decode_batch, decode_static, graph_view, pick_device, step_attention
-from lab.bench import full_pattern, ideal_speedup, pattern_moments, qada_kernel
+from lab.bench import full_pattern, ideal_speedup, lengths_above_window, pattern_moments, qada_kernel
 from lab.cli import Parser, at_least, fail, fresh_folder, ints
 from model import KVCache, Llama, LlamaConfig
 from moments import FixedMoments, bulk_end, mean_cov
@@ -623,14 +623,6 @@ def write(out: Path, part: str, setup: str, columns, rows, command: str) -> None
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{part}.json").write_text(json.dumps(dict(setup=setup, command=command, rows=rows), indent=1))
     (out / f"{part}.md").write_text(f"{setup}\n\n`{command}`\n\n{table(columns, rows)}\n")
-
-
-def lengths_above_window(text: str) -> list[int]:
-    """--lengths (an argparse type): comma-separated context lengths, each above the window."""
-    values = [int(x) for x in ints(text).split(",") if x.strip()]
-    if min(values) <= N_LOCAL:
-        raise argparse.ArgumentTypeError(f"each length must exceed the window ({N_LOCAL}), got {text!r}")
-    return values
 
 
 def int_list(text: str) -> list[int]:

@@ -102,11 +102,12 @@ def usage(cubin: Path, tools: Path) -> dict:
     return {key: int(value) for key, value in re.findall(r"\b(REG|STACK):(\d+)", text.split("Function")[-1])}
 
 
-class Recorder:
-    """A stand-in for a Triton kernel: `kernel[grid](...)` records the launch and runs nothing."""
+class Launch:
+    """A stand-in for a Triton kernel: `kernel[grid](...)` records the launch, (kernel, grid, args, kwargs), and runs
+    nothing (`kernel`: the one it stands for, for those that compile what was launched; the tests' stubs too)."""
 
-    def __init__(self, kernel, launches: list):
-        self.kernel, self.launches, self.fn = kernel, launches, kernel.fn
+    def __init__(self, launches: list, kernel=None):
+        self.launches, self.kernel = launches, kernel
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launches.append((self.kernel, grid, args, kwargs))
@@ -120,7 +121,7 @@ def recorded(launches: list):
     try:
         kernels.INTERPRETED = False
         for name in names:
-            setattr(kernels, name, Recorder(kept[name], launches))
+            setattr(kernels, name, Launch(launches, kept[name]))
         yield
     finally:
         for name, value in kept.items():

@@ -514,11 +514,12 @@ def _fitted_knob(task: str, length: int, tokenizer, seed: int, lo: int, hi: int)
         return hit[1]
     answer = FAMILIES[TASK_CONFIGS[task]["family"]]["max_new_tokens"]
     budget = length - answer
-    smallest = _build(task, 0, length, tokenizer, seed, lo).n_prompt_tokens
+    tokens_at = functools.cache(lambda k: _build(task, 0, length, tokenizer, seed, k).n_prompt_tokens)
+    smallest = tokens_at(lo)  # built once: the fit starts from it
     if smallest > budget:  # the length is the prompt's and the answer's: say what it would take
         raise ValueError(f"a length of {length} tokens is too short for {task}: its smallest prompt takes {smallest} "
                          f"and its answer {answer}; give at least {smallest + answer}")
-    knob = fit_knob(lambda k: _build(task, 0, length, tokenizer, seed, k).n_prompt_tokens, budget, lo, hi)
+    knob = fit_knob(tokens_at, budget, lo, hi)
     try:
         ref = weakref.ref(tokenizer)
     except TypeError:  # objects without weakref support are simply kept alive

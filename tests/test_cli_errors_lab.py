@@ -348,7 +348,7 @@ BENCH = [  # (argv after --device cpu, what the line names)
     (["--e2e-methods", "qada_cal@0.2", "--calibration", "{missing}"], "no such file or folder"),
     (["--prefill-only", "--parts", "e2e"], "--prefill-only fills --prefill-cache"),
     (["--out", "{a_file}"], "is a file"),
-    (["--lengths", "2048,50"], "--lengths: each length must exceed the window (128)"),
+    (["--lengths", "2048,50"], "each length must exceed the window (128), got '2048,50'"),
 ]
 CASES = ([("sweep", a, m) for a, m in SWEEP] + [("report", a, m) for a, m in REPORT]
          + [("calibrate", a, m) for a, m in CALIBRATE] + [("bench", a, m) for a, m in BENCH])

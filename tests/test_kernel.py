@@ -12,6 +12,7 @@ import kernels
 from attention import BatchAttention, DecodeAttention, qada, reference_attention
 from criterion import Calibration, Correction, gaussian_form
 from kernels import fused_qada
+from lab.kernel_resources import Launch  # a recording stand-in for a kernel
 from moments import FixedMoments
 from tests.test_qada import random_cov
 
@@ -397,17 +398,6 @@ def test_a_launch_change_is_checked_whole_before_any_of_it_applies(monkeypatch):
     assert kernels.SPLIT_LAUNCH["SPREAD"] == 8 and kernels.SPLIT_LAUNCH["PDL"]
     assert kernels.WINDOW_LAUNCH["BLOCK_W"] == 64
     assert kernels.SPLIT_LAUNCH["BLOCK_N"] == before["split"]["BLOCK_N"]  # the rest as it was
-
-
-class Launch:
-    """A stand-in for a Triton kernel: `kernel[grid](...)` records the launch, (kernel, grid, args, kwargs), and runs
-    nothing (`kernel`: the one it stands for, for those that compile what was launched)."""
-
-    def __init__(self, launches, kernel=None):
-        self.launches, self.kernel = launches, kernel
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((self.kernel, grid, args, kwargs))
 
 
 def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
