@@ -9,9 +9,10 @@ window kernel at every launch lab.bench_gpu times beside it (WINDOW_VARIANTS), a
 The numbers are the compiler's, so they follow the Triton version: run it with the one the GPU has (for the H200
 machine, Triton 3.6: `pip install --target /tmp/t36 triton==3.6.0`, then `PYTHONPATH=/tmp/t36 python -m
 lab.kernel_resources`). Each launch is captured as the step makes it on CPU tensors (the kernels replaced by a
-recorder, tensor cores on as on a GPU), compiled in a fresh interpreter without TRITON_INTERPRET (Triton set up for
-its interpreter cannot compile for a GPU in the same process), and read from the cubin by the cuobjdump Triton
-bundles. The tests compile every kernel of a step this way too (tests/test_kernel_pages.py), so that a launch the
+recorder, tensor cores on as on a GPU), its arguments specialized as the JIT specializes them on a GPU (specs: the
+alignment marks decide whether a loop's loads are asynchronous copies, and so its registers), compiled in a fresh
+interpreter without TRITON_INTERPRET (Triton set up for its interpreter cannot compile for a GPU in the same
+process), and read from the cubin by the cuobjdump Triton bundles. The tests compile every kernel of a step this way too (tests/test_kernel_pages.py), so that a launch the
 interpreter runs but the GPU compiler refuses is found without a GPU.
 """
 
@@ -31,7 +32,7 @@ import kernels
 from lab.cli import Parser, fail
 
 # The compile, in a fresh interpreter: each spec's kernel compiled for sys.argv[1]; with a folder as sys.argv[2],
-# each cubin written there as <i>.cubin.
+# each cubin written there as <i>.cubin. `aligned`: the arguments the JIT would mark divisible by 16.
 COMPILE = """
 import json, sys
 from pathlib import Path
@@ -39,16 +40,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels
-for i, (name, signature, constexprs, options) in enumerate(json.load(sys.stdin)):
+for i, (name, signature, constexprs, aligned, options) in enumerate(json.load(sys.stdin)):
     fn = getattr(kernels, name)
     index = {p.name: i for i, p in enumerate(fn.params)}
-    source = ASTSource(fn, signature, constexprs={(index[k],): v for k, v in constexprs.items()})
+    source = ASTSource(fn, signature, constexprs={(index[k],): v for k, v in constexprs.items()},
+                       attrs={(index[k],): [["tt.divisibility", 16]] for k in aligned})
     compiled = triton.compile(source, target=GPUTarget("cuda", int(sys.argv[1]), 32), options=options)
     if len(sys.argv) > 2:
         (Path(sys.argv[2]) / f"{i}.cubin").write_bytes(compiled.asm["cubin"])
 """
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-          torch.int32: "i32", torch.int8: "i8"}
 
 
 def nvidia_backend() -> Path | None:
@@ -63,25 +63,34 @@ def nvidia_backend() -> Path | None:
 
 
 def specs(launches: list) -> list:
-    """Captured launches (kernel, grid, args, kwargs) as COMPILE takes them: a tensor as a pointer to its dtype, a
-    constexpr as its value (its default where the launch left it), num_warps, num_stages and launch_pdl as the
-    options."""
+    """Captured launches (kernel, grid, args, kwargs) as COMPILE takes them, each argument specialized as Triton's JIT
+    does at a launch on a GPU: a tensor as a pointer to its dtype, an int as i32 or i64, an int equal to 1 (a unit
+    stride) as a constant, and a tensor at a 16-byte aligned address or an int divisible by 16 marked so (which
+    decides, among others, whether a load can be an asynchronous copy and so whether a loop is software-pipelined);
+    a constexpr as its value (its default where the launch left it); num_warps, num_stages and launch_pdl as the
+    options. The CPU tensors stand for the GPU's: torch aligns both allocators' storage, and a view's offset is the
+    same on either."""
     import triton
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
     out = []
     for kernel, _, args, kwargs in launches:
         params = inspect.signature(kernel.fn).parameters  # the Python function, compiled or interpreted
         values = dict(zip(params, args)) | kwargs
-        signature, constexprs = {}, {}
+        signature, constexprs, aligned = {}, {}, []
         for name, p in params.items():
             x = values[name] if name in values else p.default
             if p.annotation is triton.language.constexpr:
                 signature[name], constexprs[name] = "constexpr", x
-            elif isinstance(x, torch.Tensor):
-                signature[name] = "*" + DTYPES[x.dtype]
-            else:
-                signature[name] = "fp32" if isinstance(x, float) else "i32"
+                continue
+            kind, attribute = native_specialize_impl(BaseBackend, x, False, True, True)  # (value, is_const,
+            signature[name] = kind                                                   # specialize, align)
+            if kind == "constexpr":
+                constexprs[name] = x
+            elif attribute == "D":
+                aligned.append(name)
         options = {k: kwargs[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
-        out.append((kernel.fn.__name__, signature, constexprs, options))
+        out.append((kernel.fn.__name__, signature, constexprs, aligned, options))
     return out
 
 

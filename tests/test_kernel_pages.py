@@ -5,6 +5,7 @@ chosen pages' bulk positions and nothing else (counted, and a cache poisoned wit
 needle's page is chosen; and one step over the cache's capacity launches the same whatever T. On a machine without
 CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py), on CPU tensors."""
 
+import inspect
 import json
 import math
 
@@ -506,6 +507,23 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     assert all(kwargs.get("PDL", False) == (method == "qada-pdl") for *_, kwargs in launches)
     status, errors = compile_launches(launches)
     assert status == 0, errors[-3000:]
+
+
+def test_a_launch_is_compiled_as_the_jit_specializes_it_on_a_gpu():
+    """lab.kernel_resources.specs marks what Triton's JIT marks at a launch: a 16-byte aligned tensor and an int
+    divisible by 16 as such, an int of 1 as a constant, an unaligned view and other ints as neither. Compiled without
+    these, the window kernel's loop was not software-pipelined (its bf16 loads not provably 4-byte aligned, no
+    asynchronous copies), and its registers and spills differed from the GPU's."""
+    kernel, grid, args, kwargs = kernel_resources.step_launches()[0]
+    names = list(inspect.signature(kernel.fn).parameters)
+    values = dict(zip(names, args)) | kwargs
+    name, signature, constexprs, aligned, options = kernel_resources.specs([(kernel, grid, args, kwargs)])[0]
+    assert name == "_window_decide_kernel" and values["skt"] == 128 and {"K", "V", "Q", "skt"} <= set(aligned)
+    assert signature["K"] == "*bf16" and signature["skt"] == "i32" and "skt" not in constexprs
+    values.update(K=values["K"].view(-1)[1:], skt=1, svt=7)  # a view one element in, a unit and an odd stride
+    name, signature, constexprs, aligned, options = kernel_resources.specs([(kernel, grid, (), values)])[0]
+    assert "K" not in aligned and "V" in aligned and "svt" not in aligned and signature["svt"] == "i32"
+    assert signature["skt"] == "constexpr" and constexprs["skt"] == 1
 
 
 @pytest.mark.skipif(nvidia_backend() is None, reason="this Triton has no NVIDIA backend or finds no ptxas")
