@@ -55,10 +55,12 @@ RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the 
 assert set(RULES) == {None, *GROUP_RULES}
 # How the window kernel is launched: warps per program, the loads its loops keep in flight (num_stages, Triton's
 # default; 1: none ahead, fewer registers), its tiles (window positions, columns of the quadratic form; capped by the
-# window and the head dim), tl.dot's precision for the fp32 quadratic form ("ieee": exact fp32 products), LOW, and
-# how many times its two loops are unrolled (1: not); lab.bench_gpu --parts kernels times the alternatives beside it
-# and lab.kernel_resources says the registers each takes.
-WINDOW_LAUNCH = dict(num_warps=4, num_stages=3, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=True, UNROLL=1)
+# window and the head dim), tl.dot's precision for the fp32 quadratic form ("ieee": exact fp32 products), LOW, how
+# many times its two loops are unrolled (1: not), and whether the form (Eq. 6) is computed before the window rather
+# than after it (FORM_FIRST); lab.bench_gpu --parts kernels times the alternatives beside it and
+# lab.kernel_resources says the registers each takes.
+WINDOW_LAUNCH = dict(num_warps=4, num_stages=3, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=True, UNROLL=1,
+                     FORM_FIRST=False)
 # LOW: with a bf16 or fp16 query and cache, the window's products (WINDOW_LAUNCH) and the page bounds' (BOUND_LAUNCH)
 # on tensor cores in the stored dtype, in place of "ieee" fp32 products that do not use them (on an H200 the window
 # kernel took 33-35 us at 32k so, 10-12 us with LOW). The products are exact in fp32 either way; their sums are not
@@ -122,6 +124,24 @@ def fused(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _bulk_exponent(q, q_rows, h_ok, A, BV, CS, b, g, sab, sah, sbb, sbh, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UNROLL: tl.constexpr):
+        # Eq. 6 for a group's heads, q A q^T + q b (G_PAD,), with A read BLOCK_D columns at a time; q (G_PAD, D) fp32,
+        # q_rows its heads' rows in memory. The small loads first, so that their reads overlap the form's.
+        d = tl.arange(0, D)
+        bv = tl.load(BV + b * sbb + g * sbh + d)
+        scale = 1.0
+        if HAS_SCALE:  # the variance term (q A q^T: A is Sigma / 2D) scaled per KV head
+            scale = tl.load(CS + g)
+        quad = tl.zeros((q.shape[0],), tl.float32)
+        for j0 in tl.range(0, D, BLOCK_D, loop_unroll_factor=UNROLL):
+            j = j0 + tl.arange(0, BLOCK_D)
+            a_cols = tl.load(A + b * sab + g * sah + d[:, None] * D + j[None, :])  # (D, BLOCK_D) fp32
+            q_j = tl.load(q_rows + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, BLOCK_D)
+            quad += tl.sum(tl.dot(q, a_cols, input_precision=PRECISION) * q_j, 1)
+        return quad * scale + tl.sum(q * bv[None, :], 1)
+
+    @triton.jit
     def _window_decide_kernel(Q, K, V, ROWS, START, LENGTH, A, BV, TAU, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL,
                               LABELS, READ, Y, ARRIVED, LO, HI, COUNTS, HISTORY, STEP, sm_scale, sqb, sqh, skb, skh,
                               skt, svb, svh, svt, sab, sah, sbb, sbh, syb, syh, slb, slh, slp, shb, shh, shp, sts,
@@ -133,7 +153,7 @@ if triton is not None:
                               DECIDE: tl.constexpr, BY_ROW: tl.constexpr, PRECISION: tl.constexpr,
                               LOW: tl.constexpr, FOLD: tl.constexpr = False, PAGE: tl.constexpr = 1,
                               COUNT: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-                              HAS_HISTORY: tl.constexpr = False):
+                              HAS_HISTORY: tl.constexpr = False, FORM_FIRST: tl.constexpr = False):
         if PDL:  # the split grid after this one may be scheduled now; its programs wait for this grid's writes
             gdc_launch_dependents()
         b, g = tl.program_id(0), tl.program_id(1)
@@ -147,6 +167,9 @@ if triton is not None:
         q_rows = Q + b * sqb + (g * G + h)[:, None] * sqh
         q_stored = tl.load(q_rows + d[None, :], mask=h_ok[:, None], other=0.0)  # (G_PAD, D)
         q = q_stored.to(tl.float32)
+        if DECIDE and FORM_FIRST:  # (WINDOW_LAUNCH's) Eq. 6 before the window: the form's reads, which need no row,
+            expo = _bulk_exponent(q, q_rows, h_ok, A, BV, CS, b, g, sab, sah, sbb, sbh, D, BLOCK_D, HAS_SCALE,
+                                  PRECISION, UNROLL)  # start with the program, overlapping the row's and T's
         # The window, the first N_SINK and the last N_LOCAL - N_SINK positions (or the whole context if shorter), in
         # blocks of BLOCK_W with a running softmax: small tiles keep the program in registers. With LOW
         # (WINDOW_LAUNCH's, where the query and cache are one 16-bit dtype): tensor-core products of the stored
@@ -186,17 +209,9 @@ if triton is not None:
             local = tl.zeros((G_PAD,), tl.int32) != 0
             group_reads = n_ctx > N_LOCAL
         else:
-            # Eq. 6: q A q^T + q b, with A read BLOCK_D columns at a time
-            quad = tl.zeros((G_PAD,), tl.float32)
-            for j0 in tl.range(0, D, BLOCK_D, loop_unroll_factor=UNROLL):
-                j = j0 + tl.arange(0, BLOCK_D)
-                a_cols = tl.load(A + b * sab + g * sah + d[:, None] * D + j[None, :])  # (D, BLOCK_D) fp32
-                q_j = tl.load(q_rows + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, BLOCK_D)
-                quad += tl.sum(tl.dot(q, a_cols, input_precision=PRECISION) * q_j, 1)
-            if HAS_SCALE:  # the variance term (q A q^T: A is Sigma / 2D) scaled per KV head
-                quad = quad * tl.load(CS + g)
-            bv = tl.load(BV + b * sbb + g * sbh + d)
-            expo = quad + tl.sum(q * bv[None, :], 1)
+            if not FORM_FIRST:
+                expo = _bulk_exponent(q, q_rows, h_ok, A, BV, CS, b, g, sab, sah, sbb, sbh, D, BLOCK_D, HAS_SCALE,
+                                      PRECISION, UNROLL)
             # Eq. 7: log A_bulk = log T_bulk + the exponent, corrected, against the threshold
             log_bulk = expo + tl.log(tl.maximum(n_ctx - N_LOCAL, 1).to(tl.float32))
             if HAS_CAL:

@@ -1,7 +1,8 @@
 """What the fused step's kernels take of an NVIDIA GPU, from Triton's own compile for one that need not be here:
 registers per thread and the stack frame (bytes per thread that did not fit in registers, spilled to local memory),
-for each kernel at the default launch (kernels.WINDOW_LAUNCH, BOUND_LAUNCH, SPLIT_LAUNCH) and the
-window kernel at every launch lab.bench_gpu times beside it (WINDOW_VARIANTS), at Llama-3-8B's shapes in bf16, 32k.
+for each kernel of QAdA's fused step and of QAdA + pages' at the default launch (kernels.WINDOW_LAUNCH,
+BOUND_LAUNCH, SPLIT_LAUNCH) and the window kernel of both at every launch lab.bench_gpu times beside it
+(WINDOW_VARIANTS), at Llama-3-8B's shapes in bf16, 32k.
 
     python -m lab.kernel_resources                     # sm_90 (H100, H200), with the installed Triton
     python -m lab.kernel_resources --arch 80 --out DIR # kernel_resources.md in DIR
@@ -137,9 +138,10 @@ def recorded(launches: list):
             setattr(kernels, name, value)
 
 
-def step_launches(window_change: dict | None = None) -> list:
-    """The launches of QAdA's fused step (window and split kernels) and of QAdA + pages' (bound and select kernels
-    beside them), Llama-3-8B in bf16 at 32k, with the window kernel's launch changed by `window_change`."""
+def step_launches(window_change: dict | None = None) -> dict[str, list]:
+    """The launches of QAdA's fused step ("qada": window and split kernels) and of QAdA + pages' as the static loop
+    runs it ("qada_pages": window, bound, select and split kernels, the appended key folded, the entries read
+    counted), Llama-3-8B in bf16 at 32k, with the window kernel's launch changed by `window_change`."""
     from lab.bench_gpu import launch
     H, Hkv, D, T, P = 32, 8, 128, 32768, 16
     q = torch.zeros(1, H, D, dtype=torch.bfloat16)
@@ -150,35 +152,36 @@ def step_launches(window_change: dict | None = None) -> list:
     tau = torch.full((1,), 0.6, dtype=torch.float64)
     n_pages = (T - 16) // P + 1
     bounds = (torch.zeros(1, Hkv, n_pages, D, dtype=torch.bfloat16),) * 2
-    launches = []
-    with recorded(launches), launch(kernels.WINDOW_LAUNCH, **(window_change or {})):
-        kernels.fused_qada(q, k, v, rows, start, 16, 128, form, tau, "mean", length=length)
-        kernels.fused_pages(q, k, v, rows, start, 16, 128, bounds, P, budget=1024, form=form, tau=tau,
-                            length=length, fold=True, with_read=True)
-    return launches
+    steps = {"qada": [], "qada_pages": []}
+    with launch(kernels.WINDOW_LAUNCH, **(window_change or {})):
+        with recorded(steps["qada"]):
+            kernels.fused_qada(q, k, v, rows, start, 16, 128, form, tau, "mean", length=length)
+        with recorded(steps["qada_pages"]):
+            kernels.fused_pages(q, k, v, rows, start, 16, 128, bounds, P, budget=1024, form=form, tau=tau,
+                                length=length, fold=True, with_read=True)
+    return steps
 
 
 def table(arch: int) -> list[str]:
+    """Rows of kernel, step, launch, registers and stack bytes: every kernel of both steps at the default launch,
+    then the window kernel of both at each of WINDOW_VARIANTS."""
     from lab.bench_gpu import WINDOW_VARIANTS
     tools = nvidia_backend()
     if tools is None:
         raise RuntimeError("this Triton has no NVIDIA backend or finds no ptxas: nothing to compile for a GPU with")
-    rows = [("default", step_launches())] + [(json.dumps(change), step_launches(change)[:1])
-                                             for change in WINDOW_VARIANTS]
-    lines = ["| kernel | launch | registers | stack bytes |", "|---|---|---:|---:|"]
-    for name, launches in rows:
+    lines = ["| kernel | step | launch | registers | stack bytes |", "|---|---|---|---:|---:|"]
+    for change in [None] + WINDOW_VARIANTS:
+        name = json.dumps(change) if change else "default"
+        launches = [(step, launch) for step, made in step_launches(change).items() for launch in made
+                    if change is None or launch[0].fn.__name__ == "_window_decide_kernel"]
         with tempfile.TemporaryDirectory() as folder:
             out = Path(folder)
-            status, errors = compile_launches(launches, arch, out)
+            status, errors = compile_launches([launch for _, launch in launches], arch, out)
             if status:
                 raise RuntimeError(f"the {name} launch did not compile: {errors.strip().splitlines()[-1]}")
-            seen = set()
-            for i, (kernel, *_rest) in enumerate(launches):
-                if kernel.fn.__name__ in seen:  # the window kernel, once per launch
-                    continue
-                seen.add(kernel.fn.__name__)
+            for i, (step, (kernel, *_rest)) in enumerate(launches):
                 got = usage(out / f"{i}.cubin", tools)
-                lines.append(f"| {kernel.fn.__name__} | {name} | {got['REG']} | {got['STACK']} |")
+                lines.append(f"| {kernel.fn.__name__} | {step} | {name} | {got['REG']} | {got['STACK']} |")
     return lines
 
 

@@ -130,6 +130,30 @@ def test_spread_programs_decide_and_attend_as_the_fixed_splits(rule, taus, sprea
     torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
 
 
+def test_the_form_computed_before_the_window_decides_and_attends_alike(monkeypatch):
+    """WINDOW_LAUNCH's FORM_FIRST moves Eq. 6 ahead of the window's loop and nothing else: the same labels and output,
+    bit for bit, with a correction's variance scale, at each row's tau that splits its heads most evenly (where a
+    wrong form, scale or b flips some) over rows of every kind (long, just past the window, short)."""
+    B, H, Hkv, D, T = 3, 8, 2, 64, 300
+    q, k, v, A, b = case(B, H, Hkv, D, T, seed=11)
+    A = A * 10  # the variance term large enough that its scale moves labels
+    rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([5, 40, T - N_LOCAL + 4], dtype=torch.int32)
+    correction = Correction(torch.zeros(H), torch.ones(H), torch.tensor([0.6, 1.4]))
+
+    def step(tau):
+        return fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, None, correction, split=64,
+                          block_n=16)
+
+    grid = torch.linspace(0.02, 0.98, 25)
+    share = torch.stack([step(torch.full((B,), float(t)))[1].float().mean(1) for t in grid])  # (25, B)
+    tau = grid[(share - 0.5).abs().argmin(0)]
+    want = step(tau)
+    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_FIRST", True)
+    got = step(tau)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert 0 < want[1][:2].float().mean() < 1 and want[1][2].all()  # both kinds of head; a short row all local
+
+
 def test_rows_that_share_a_form_read_one_copy_of_it():
     """attention.stacked_forms: rows whose moments are one object get their layer's form broadcast over them (a row
     stride of 0: no copy per row, the window kernel reads it once), and fused_qada decides and attends with it bit

@@ -467,7 +467,7 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.skipif(nvidia_backend() is None, reason="this Triton has no NVIDIA backend or finds no ptxas")
 @pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_frac", "qada", "qada-pdl", "qada-unroll",
-                                    "qada-spread"])
+                                    "qada-spread", "qada-form-first"])
 def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     """The launches a GPU runs with a bf16 query and cache (kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW, the split
     kernel on tensor cores) compile for an H100 here, where the interpreter never runs them: the bounds' LOW form once
@@ -475,7 +475,8 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     operands). Each kernel of the step is captured at its real launch and compiled from it; "qada-pdl" as an H100 with
     kernels.SPLIT_LAUNCH's PDL launches it (griddepcontrol, which the interpreter cannot run), "qada-unroll" with the
     window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores), "qada-spread" with the
-    split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD); the page steps as the static loop runs them,
+    split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD), "qada-form-first" with the form computed
+    before the window (WINDOW_LAUNCH's FORM_FIRST); the page steps as the static loop runs them,
     the appended key folded into its page and the entries read counted (int64 atomic adds); and each with the labels
     written into a record of every step at a device step index, as the static loop has them written; "_frac" with a
     budget_frac, each row's page count worked out in float64 by the bound kernel."""
@@ -488,6 +489,7 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     monkeypatch.setattr(kernels, "pdl", lambda q: method == "qada-pdl")
     monkeypatch.setitem(kernels.WINDOW_LAUNCH, "UNROLL", 4 if method == "qada-unroll" else 1)
     monkeypatch.setitem(kernels.SPLIT_LAUNCH, "SPREAD", 4 if method == "qada-spread" else 0)
+    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_FIRST", method == "qada-form-first")
     q, k, v, start, length = batch(0, dtype=torch.bfloat16)
     history = (torch.zeros(3, len(ROWS), H, dtype=torch.bool), torch.ones(1, dtype=torch.long))  # as the static loop
     if method.startswith("qada-") or method == "qada":
@@ -514,7 +516,7 @@ def test_a_launch_is_compiled_as_the_jit_specializes_it_on_a_gpu():
     divisible by 16 as such, an int of 1 as a constant, an unaligned view and other ints as neither. Compiled without
     these, the window kernel's loop was not software-pipelined (its bf16 loads not provably 4-byte aligned, no
     asynchronous copies), and its registers and spills differed from the GPU's."""
-    kernel, grid, args, kwargs = kernel_resources.step_launches()[0]
+    kernel, grid, args, kwargs = kernel_resources.step_launches()["qada"][0]
     names = list(inspect.signature(kernel.fn).parameters)
     values = dict(zip(names, args)) | kwargs
     name, signature, constexprs, aligned, options = kernel_resources.specs([(kernel, grid, args, kwargs)])[0]
@@ -528,16 +530,19 @@ def test_a_launch_is_compiled_as_the_jit_specializes_it_on_a_gpu():
 
 @pytest.mark.skipif(nvidia_backend() is None, reason="this Triton has no NVIDIA backend or finds no ptxas")
 def test_the_kernels_resources_are_read_from_their_compile_for_a_gpu(tmp_path, monkeypatch, capsys):
-    """lab.kernel_resources: each kernel of the two fused steps at the default launch, and the window kernel at each
-    launch the GPU benchmark times beside it (here one), compiled for sm_90 and its registers read from the cubin."""
+    """lab.kernel_resources: each kernel of the two fused steps at the default launch, and both steps' window kernel
+    at each launch the GPU benchmark times beside it (here one), compiled for sm_90 and its registers read from the
+    cubin."""
     monkeypatch.setattr("lab.bench_gpu.WINDOW_VARIANTS", [dict(num_stages=1)])
     assert kernel_resources.main(["--out", str(tmp_path)]) == 0
     rows = [line.split(" | ") for line in (tmp_path / "kernel_resources.md").read_text().splitlines()
             if line.startswith("| _")]
-    steps = ["_window_decide_kernel", "_split_attention_kernel", "_page_bound_kernel", "_page_select_kernel"]
-    assert [(r[0][2:], r[1]) for r in rows] == [(name, "default") for name in steps] + [
-        ("_window_decide_kernel", '{"num_stages": 1}')]
-    assert all(0 < int(r[2]) <= 255 and int(r[3].rstrip(" |")) >= 0 for r in rows)  # registers, stack bytes
+    steps = ["_window_decide_kernel", "_page_bound_kernel", "_page_select_kernel", "_split_attention_kernel"]
+    assert [(r[0][2:], r[1], r[2]) for r in rows] == [
+        ("_window_decide_kernel", "qada", "default"), ("_split_attention_kernel", "qada", "default")] + [
+        (name, "qada_pages", "default") for name in steps] + [
+        ("_window_decide_kernel", step, '{"num_stages": 1}') for step in ("qada", "qada_pages")]
+    assert all(0 < int(r[3]) <= 255 and int(r[4].rstrip(" |")) >= 0 for r in rows)  # registers, stack bytes
 
 
 # --- the GPU benchmark's script ----------------------------------------------------------------------------
