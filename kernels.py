@@ -54,7 +54,7 @@ from pages import candidates, group_ranking, page_count, pages_upto
 RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
 assert set(RULES) == {None, *GROUP_RULES}
 # How the window kernel is launched: warps per program, the loads its loops keep in flight (num_stages, Triton's
-# default; 1: none ahead, fewer registers), its tiles (window positions, columns of the quadratic form; capped by the
+# default; 1: none ahead), its tiles (window positions, columns of the quadratic form; capped by the
 # window and the head dim), tl.dot's precision for the fp32 quadratic form ("ieee": exact fp32 products), LOW, how
 # many times its two loops are unrolled (1: not), and whether the form (Eq. 6) is computed before the window rather
 # than after it (FORM_FIRST); lab.bench_gpu --parts kernels times the alternatives beside it and
@@ -505,16 +505,17 @@ if triton is not None:
         lo = tl.full((R_PAD,), -2147483648, tl.int64)  # at least k keys >= lo (every key is)
         hi = tl.full((R_PAD,), 2147483648, tl.int64)  # fewer than k keys >= hi (none is)
         # A ranking is done once exactly k keys are >= its lo: those k are its choice, with no tie to break (more
-        # halvings, while others go on, keep it so). The loop ends when all are: on distinct scores after ~17 halvings
-        # at W 2k-8k and k 64 (a simulation), not 32. A ranking whose candidates all fit, or a padding row
+        # halvings, while others go on, keep it so). The loop ends when all are: on distinct scores after about
+        # log2(W) and a few halvings, not 32. A ranking whose candidates all fit, or a padding row
         # (r >= n_rank), is done from the start: where all are, lo stays below every key.
         done = (r >= n_rank) | (tl.sum(finite.to(tl.int32), 1) <= k)
         halvings = 0
         while (halvings < 32) & (tl.min(done.to(tl.int32), 0) == 0):
             mid = (lo + hi) >> 1
             count = tl.sum((key >= mid.to(tl.int32)[:, None]).to(tl.int32), 1)
-            lo = tl.where(count >= k, mid, lo)
-            hi = tl.where(count >= k, hi, mid)
+            up = count >= k
+            lo = tl.where(up, mid, lo)
+            hi = tl.where(up, hi, mid)
             done = done | (count == k)
             halvings += 1
         t = lo.to(tl.int32)[:, None]  # the k-th key, or below it with exactly k keys above; -2^31 where all fit

@@ -13,8 +13,9 @@ lab.kernel_resources`). Each launch is captured as the step makes it on CPU tens
 recorder, tensor cores on as on a GPU), its arguments specialized as the JIT specializes them on a GPU (specs: the
 alignment marks decide whether a loop's loads are asynchronous copies, and so its registers), compiled in a fresh
 interpreter without TRITON_INTERPRET (Triton set up for its interpreter cannot compile for a GPU in the same
-process), and read from the cubin by the cuobjdump Triton bundles. The tests compile every kernel of a step this way too (tests/test_kernel_pages.py), so that a launch the
-interpreter runs but the GPU compiler refuses is found without a GPU.
+process), and read from the cubin by the cuobjdump Triton bundles. The tests compile every kernel of a step this way
+too (tests/test_kernel_pages.py), so that a launch the interpreter runs but the GPU compiler refuses is found without
+a GPU.
 """
 
 import contextlib
@@ -84,8 +85,9 @@ def specs(launches: list) -> list:
             if p.annotation is triton.language.constexpr:
                 signature[name], constexprs[name] = "constexpr", x
                 continue
-            kind, attribute = native_specialize_impl(BaseBackend, x, False, True, True)  # (value, is_const,
-            signature[name] = kind                                                   # specialize, align)
+            # the JIT's own rule: (value, is_const, specialize, align) -> ("*bf16", "i32", ... or "constexpr", "D")
+            kind, attribute = native_specialize_impl(BaseBackend, x, False, True, True)
+            signature[name] = kind
             if kind == "constexpr":
                 constexprs[name] = x
             elif attribute == "D":
