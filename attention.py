@@ -1001,6 +1001,7 @@ class StaticAttention:
     reads: torch.Tensor | None = None  # page paths: (S, L, B, Hkv) int64, the KV entries each step read
     read_now: torch.Tensor | None = None  # page paths: (L, B, Hkv) int64, this step's, each layer's counted into
     flags: tuple = ()  # dense: kernels.dense_flags, one set for every layer and step (the kernel leaves them as found)
+    arrived: torch.Tensor | None = None  # the rest: (B, Hkv) int32 arrival counts at zero, which the kernels leave so
 
     @classmethod
     def of(cls, rows: list[DecodeAttention], cache, steps: int, n_heads: int) -> "StaticAttention":
@@ -1028,11 +1029,12 @@ class StaticAttention:
             reads = torch.zeros(steps, L, B, Hkv, dtype=torch.long, device=dev)
             read_now = torch.zeros(L, B, Hkv, dtype=torch.long, device=dev)
         flags = dense_flags(B, n_heads, Hkv, dev) if first.method == "dense" else ()
+        arrived = None if first.method == "dense" else torch.zeros(B, Hkv, dtype=torch.int32, device=dev)
         return cls(first.method, first.n_sink, first.n_local, rule, forms, thresholds, corrections,
                    torch.arange(B, dtype=torch.int32, device=dev),
                    torch.tensor(starts, dtype=torch.int32, device=dev), cache.filled,
                    torch.zeros(steps, L, B, n_heads, dtype=torch.bool, device=dev),
-                   torch.zeros(1, dtype=torch.long, device=dev), pages, page, reads, read_now, flags)
+                   torch.zeros(1, dtype=torch.long, device=dev), pages, page, reads, read_now, flags, arrived)
 
     def __call__(self, q, k, v, layer: int) -> torch.Tensor:
         """q (B, H, 1, D), k/v (B, Hkv, view, D), views of the static cache past its filled length -> (B, H, 1, D)."""
@@ -1050,13 +1052,13 @@ class StaticAttention:
         if self.pages:  # the key just appended into its page's statistics, then the chosen pages read
             fused_pages(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local, self.pages[layer],
                         **self.page, **decide, length=self.length, fold=True, with_read=True, history=history,
-                        read_out=self.read_now[layer], out=y[:, :, 0])
+                        read_out=self.read_now[layer], arrived=self.arrived, out=y[:, :, 0])
             if layer == self.labels.shape[1] - 1:  # every layer counted: the step's reads recorded in one copy
                 self.reads.index_copy_(0, self.step, self.read_now[None])
         else:
             fused_qada(q[:, :, 0], k, v, self.rows, self.start, self.n_sink, self.n_local, decide["form"],
                        decide["tau"], self.rule, decide["correction"], length=self.length, history=history,
-                       out=y[:, :, 0])  # (B, H, D): written into y in place
+                       arrived=self.arrived, out=y[:, :, 0])  # (B, H, D): written into y in place
         if layer == self.labels.shape[1] - 1:
             self.step.add_(1)
         return y

@@ -4,7 +4,8 @@ rows, with nothing read back to the host (the same labels and output as attentio
 Two kernels, each a fixed grid:
   1. per (row, KV head), `_window_decide_kernel`: the window's attention and log mass for the G query heads together,
      Eq. 6's Gaussian term, the calibration's correction, the threshold of Eq. 7, and the group's flag "read the cache";
-     it writes the output of every head whose output is its window's (the local ones), so a local group is done here;
+     it writes the output of every head whose output is its window's (the local ones), so a local group is done here
+     (with WINDOW_LAUNCH's FORM_APART, per (row, KV head, part): the window and slices of the form side by side);
   2. per (row, KV head, split of the context), `_split_attention_kernel`: flash-decoding's partial attention, a program
      returning at once when its group reads no cache (every head local), so that group's cache is never read. The
      merge of the splits by their log-sum-exp has no launch of its own: the group's last split program to finish
@@ -56,11 +57,13 @@ assert set(RULES) == {None, *GROUP_RULES}
 # How the window kernel is launched: warps per program, the loads its loops keep in flight (num_stages, Triton's
 # default; 1: none ahead), its tiles (window positions, columns of the quadratic form; capped by the
 # window and the head dim), tl.dot's precision for the fp32 quadratic form ("ieee": exact fp32 products), LOW, how
-# many times its two loops are unrolled (1: not), and whether the form (Eq. 6) is computed before the window rather
-# than after it (FORM_FIRST); lab.bench_gpu --parts kernels times the alternatives beside it and
-# lab.kernel_resources says the registers each takes.
+# many times its two loops are unrolled (1: not), whether the form (Eq. 6) is computed before the window rather
+# than after it (FORM_FIRST), or beside it by a second program per (row, KV head) (FORM_APART: the two halves of the
+# kernel's time at once, on two multiprocessors where the small grids of batch 1 and 8 leave most of them idle);
+# lab.bench_gpu --parts kernels times the alternatives beside it and lab.kernel_resources says the registers each
+# takes.
 WINDOW_LAUNCH = dict(num_warps=4, num_stages=3, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=True, UNROLL=1,
-                     FORM_FIRST=False)
+                     FORM_FIRST=False, FORM_APART=False)
 # LOW: with a bf16 or fp16 query and cache, the window's products (WINDOW_LAUNCH) and the page bounds' (BOUND_LAUNCH)
 # on tensor cores in the stored dtype, in place of "ieee" fp32 products that do not use them (on an H200 the window
 # kernel took 33-35 us at 32k so, 10-12 us with LOW). The products are exact in fp32 either way; their sums are not
@@ -124,64 +127,58 @@ def fused(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _bulk_exponent(q, q_rows, h_ok, A, BV, CS, b, g, sab, sah, sbb, sbh, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UNROLL: tl.constexpr):
-        # Eq. 6 for a group's heads, q A q^T + q b (G_PAD,), with A read BLOCK_D columns at a time; q (G_PAD, D) fp32,
-        # q_rows its heads' rows in memory. The small loads first, so that their reads overlap the form's.
+    def _form_columns(q, q_rows, h_ok, A, b, g, j0, sab, sah, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        # BLOCK_D columns from j0 of Eq. 6's quadratic term, q A[:, j] . q[:, j] for a group's heads (G_PAD,); q
+        # (G_PAD, D) fp32, q_rows its heads' rows in memory
+        d = tl.arange(0, D)
+        j = j0 + tl.arange(0, BLOCK_D)
+        a_cols = tl.load(A + b * sab + g * sah + d[:, None] * D + j[None, :])  # (D, BLOCK_D) fp32
+        q_j = tl.load(q_rows + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, BLOCK_D)
+        return tl.sum(tl.dot(q, a_cols, input_precision=PRECISION) * q_j, 1)
+
+    @triton.jit
+    def _bulk_exponent(q, q_rows, h_ok, A, BV, CS, SUMS, b, g, sab, sah, sbb, sbh, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UNROLL: tl.constexpr,
+                       FROM_PARTS: tl.constexpr = False):
+        # Eq. 6 for a group's heads, q A q^T + q b (G_PAD,), its quadratic term summed BLOCK_D columns at a time in
+        # column order: computed here, or with FROM_PARTS read back, each BLOCK_D columns' sum from its own
+        # program (WINDOW_LAUNCH's FORM_APART), at SUMS (G_PAD,) pointers to each head's D // BLOCK_D sums. The same
+        # additions in the same order either way: the same bits. The small loads first, so that their reads overlap
+        # the form's.
         d = tl.arange(0, D)
         bv = tl.load(BV + b * sbb + g * sbh + d)
         scale = 1.0
         if HAS_SCALE:  # the variance term (q A q^T: A is Sigma / 2D) scaled per KV head
             scale = tl.load(CS + g)
         quad = tl.zeros((q.shape[0],), tl.float32)
-        for j0 in tl.range(0, D, BLOCK_D, loop_unroll_factor=UNROLL):
-            j = j0 + tl.arange(0, BLOCK_D)
-            a_cols = tl.load(A + b * sab + g * sah + d[:, None] * D + j[None, :])  # (D, BLOCK_D) fp32
-            q_j = tl.load(q_rows + j[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)  # (G_PAD, BLOCK_D)
-            quad += tl.sum(tl.dot(q, a_cols, input_precision=PRECISION) * q_j, 1)
+        if FROM_PARTS:
+            for c in tl.static_range(D // BLOCK_D):
+                quad += tl.load(SUMS + c, mask=h_ok, other=0.0, cache_modifier=".cg")  # from L2, not a stale L1
+        else:
+            for j0 in tl.range(0, D, BLOCK_D, loop_unroll_factor=UNROLL):
+                quad += _form_columns(q, q_rows, h_ok, A, b, g, j0, sab, sah, D, BLOCK_D, PRECISION)
         return quad * scale + tl.sum(q * bv[None, :], 1)
 
     @triton.jit
-    def _window_decide_kernel(Q, K, V, ROWS, START, LENGTH, A, BV, TAU, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL,
-                              LABELS, READ, Y, ARRIVED, LO, HI, COUNTS, HISTORY, STEP, sm_scale, sqb, sqh, skb, skh,
-                              skt, svb, svh, svt, sab, sah, sbb, sbh, syb, syh, slb, slh, slp, shb, shh, shp, sts,
-                              H: tl.constexpr,
-                              HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                              N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
-                              W_PAD: tl.constexpr, RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
-                              BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr,
-                              DECIDE: tl.constexpr, BY_ROW: tl.constexpr, PRECISION: tl.constexpr,
-                              LOW: tl.constexpr, FOLD: tl.constexpr = False, PAGE: tl.constexpr = 1,
-                              COUNT: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
-                              HAS_HISTORY: tl.constexpr = False, FORM_FIRST: tl.constexpr = False):
-        if PDL:  # the split grid after this one may be scheduled now; its programs wait for this grid's writes
-            gdc_launch_dependents()
-        b, g = tl.program_id(0), tl.program_id(1)
-        row = tl.load(ROWS + b)  # the cache row of this program's query
-        start = tl.load(START + b)
-        T = tl.load(LENGTH + b * LEN_PER_ROW)  # the filled length, from device memory (one for all rows, or each's)
-        n_ctx = T - start
-        h = tl.arange(0, G_PAD)
-        h_ok = h < G
+    def _window_attention(q, q_stored, K, V, Y_WIN, LOG_LOCAL, b, g, h, h_ok, row, start, T, n_ctx, sm_scale, skb, skh,
+                          skt, svb, svh, svt, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                          N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, W_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
+                          PRECISION: tl.constexpr, LOW: tl.constexpr, UNROLL: tl.constexpr):
+        # A group's attention to its window, the first N_SINK and the last N_LOCAL - N_SINK positions (or the whole
+        # context if shorter), in blocks of BLOCK_W with a running softmax: small tiles keep the program in registers.
+        # With LOW (WINDOW_LAUNCH's, where the query and cache are one 16-bit dtype): tensor-core products of the
+        # stored values, exact in fp32, and p rounded to the cache's dtype for the values, as the split kernel does;
+        # otherwise fp32 products at PRECISION, "ieee" being exact, not TF32. Either way the labels are the torch
+        # path's up to how the sums are ordered and rounded. Its output and log mass written to Y_WIN and LOG_LOCAL
+        # (G_PAD, D), (G_PAD,), and returned.
         d = tl.arange(0, D)
-        q_rows = Q + b * sqb + (g * G + h)[:, None] * sqh
-        q_stored = tl.load(q_rows + d[None, :], mask=h_ok[:, None], other=0.0)  # (G_PAD, D)
-        q = q_stored.to(tl.float32)
-        if DECIDE and FORM_FIRST:  # (WINDOW_LAUNCH's) Eq. 6 before the window: the form's reads, which need no row,
-            expo = _bulk_exponent(q, q_rows, h_ok, A, BV, CS, b, g, sab, sah, sbb, sbh, D, BLOCK_D, HAS_SCALE,
-                                  PRECISION, UNROLL)  # start with the program, overlapping the row's and T's
-        # The window, the first N_SINK and the last N_LOCAL - N_SINK positions (or the whole context if shorter), in
-        # blocks of BLOCK_W with a running softmax: small tiles keep the program in registers. With LOW
-        # (WINDOW_LAUNCH's, where the query and cache are one 16-bit dtype): tensor-core products of the stored
-        # values, exact in fp32, and p rounded to the cache's dtype for the values, as the split kernel does; otherwise
-        # fp32 products at PRECISION, "ieee" being exact, not TF32. Either way the labels are the torch path's up to
-        # how the sums are ordered and rounded.
         short = n_ctx <= N_LOCAL
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_sum = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
         # UNROLL (WINDOW_LAUNCH's): this loop's and the form's unrolled so many times, their loads issued together
-        for w0 in tl.range(0, W_PAD, BLOCK_W, loop_unroll_factor=UNROLL):  # block 0 holds position 0: m finite after
+        for w0 in tl.range(0, W_PAD, BLOCK_W, loop_unroll_factor=UNROLL):  # block 0 holds position 0: m finite
             w = w0 + tl.arange(0, BLOCK_W)
             pos = tl.where(short | (w < N_SINK), start + w, T - N_LOCAL + w)
             w_ok = tl.where(short, w < n_ctx, w < N_LOCAL)
@@ -205,13 +202,88 @@ if triton is not None:
         log_local = m + tl.log(l_sum)
         tl.store(Y_WIN + (b * H + g * G + h)[:, None] * D + d[None, :], y, mask=h_ok[:, None])
         tl.store(LOG_LOCAL + b * H + g * G + h, log_local, mask=h_ok)
+        return y, log_local
+
+    @triton.jit
+    def _window_decide_kernel(Q, K, V, ROWS, START, LENGTH, A, BV, TAU, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL,
+                              LABELS, READ, Y, ARRIVED, LO, HI, COUNTS, HISTORY, STEP, sm_scale, sqb, sqh, skb, skh,
+                              skt, svb, svh, svt, sab, sah, sbb, sbh, syb, syh, slb, slh, slp, shb, shh, shp, sts,
+                              H: tl.constexpr,
+                              HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                              N_SINK: tl.constexpr, N_LOCAL: tl.constexpr,
+                              W_PAD: tl.constexpr, RULE: tl.constexpr, HAS_CAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+                              BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, LEN_PER_ROW: tl.constexpr,
+                              DECIDE: tl.constexpr, BY_ROW: tl.constexpr, PRECISION: tl.constexpr,
+                              LOW: tl.constexpr, FOLD: tl.constexpr = False, PAGE: tl.constexpr = 1,
+                              COUNT: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+                              HAS_HISTORY: tl.constexpr = False, FORM_FIRST: tl.constexpr = False,
+                              FORM_SUMS=None, FORM_APART: tl.constexpr = False):
+        if PDL:  # the split grid after this one may be scheduled now; its programs wait for this grid's writes
+            gdc_launch_dependents()
+        b, g = tl.program_id(0), tl.program_id(1)
+        # FORM_APART (WINDOW_LAUNCH's, where the kernel decides): 1 + D // BLOCK_D programs per (row, KV head), the
+        # window's (part 0) and one per BLOCK_D columns of Eq. 6's form (a sixteenth to a half of its 64 KB at
+        # Llama-3-8B's head dim), side by side, each writing its results to memory; the last to finish reads the
+        # others' back and decides. Else one program does it all, one part after the other.
+        row = tl.load(ROWS + b)  # the cache row of this program's query
+        start = tl.load(START + b)
+        T = tl.load(LENGTH + b * LEN_PER_ROW)  # the filled length, from device memory (one for all rows, or each's)
+        n_ctx = T - start
+        h = tl.arange(0, G_PAD)
+        h_ok = h < G
+        d = tl.arange(0, D)
+        q_rows = Q + b * sqb + (g * G + h)[:, None] * sqh
+        q_stored = tl.load(q_rows + d[None, :], mask=h_ok[:, None], other=0.0)  # (G_PAD, D)
+        q = q_stored.to(tl.float32)
+        sums = FORM_SUMS
+        if FORM_APART:
+            sums = FORM_SUMS + (b * H + g * G + h) * (D // BLOCK_D)  # (G_PAD,): each head's sums of the columns
+            if tl.program_id(2) == 0:
+                _window_attention(q, q_stored, K, V, Y_WIN, LOG_LOCAL, b, g, h, h_ok, row, start, T, n_ctx, sm_scale,
+                                  skb, skh, skt, svb, svh, svt, H, G, G_PAD, D, N_SINK, N_LOCAL, W_PAD, BLOCK_W,
+                                  PRECISION, LOW, UNROLL)
+            else:  # part c + 1: the form's columns [c BLOCK_D, (c + 1) BLOCK_D), its sum kept for the decision
+                c = tl.program_id(2) - 1
+                tl.store(sums + c, _form_columns(q, q_rows, h_ok, A, b, g, c * BLOCK_D, sab, sah, D, BLOCK_D,
+                                                  PRECISION), mask=h_ok)
+        else:
+            if DECIDE and FORM_FIRST:  # (WINDOW_LAUNCH's) Eq. 6 before the window: the form's reads, which need no
+                expo = _bulk_exponent(q, q_rows, h_ok, A, BV, CS, sums, b, g, sab, sah, sbb, sbh, D, BLOCK_D,
+                                      HAS_SCALE, PRECISION, UNROLL)  # row, start with the program, overlapping T's
+            y, log_local = _window_attention(q, q_stored, K, V, Y_WIN, LOG_LOCAL, b, g, h, h_ok, row, start, T,
+                                             n_ctx, sm_scale, skb, skh, skt, svb, svh, svt, H, G, G_PAD, D, N_SINK,
+                                             N_LOCAL, W_PAD, BLOCK_W, PRECISION, LOW, UNROLL)
+        short = n_ctx <= N_LOCAL
+        if tl.program_id(2) == 0:  # the window's part: the step's upkeep
+            if COUNT:  # (fused_pages' with_read) the entries read, as each kernel loads them: the window's first
+                tl.store(COUNTS + b * HKV + g, tl.minimum(n_ctx, N_LOCAL).to(tl.int64))
+            if FOLD:  # (fused_pages' fold) the key appended at T - 1 into its page's min and max (LO, HI), in place:
+                # what pages.PageIndex.update does on the host, here with no launch of its own; a key among the sinks
+                # has no page, and folding a key twice leaves what once does (a graph's warm-up repeats a step)
+                rel = T - 1 - start - N_SINK
+                if rel >= 0:
+                    # in fp32: exact for any stored dtype (Triton's interpreter mis-orders 16-bit floats in tl.minimum)
+                    key = tl.load(K + row * skb + g * skh + (T - 1) * skt + d).to(tl.float32)  # (D,)
+                    lo_at = LO + b * slb + g * slh + (rel // PAGE) * slp + d
+                    hi_at = HI + b * shb + g * shh + (rel // PAGE) * shp + d
+                    tl.store(lo_at, tl.minimum(tl.load(lo_at).to(tl.float32), key).to(LO.dtype.element_ty))
+                    tl.store(hi_at, tl.maximum(tl.load(hi_at).to(tl.float32), key).to(HI.dtype.element_ty))
+        if FORM_APART:  # the last part to finish decides, with the others' results read back from L2 (.cg): the
+            # barrier orders this program's stores before the count's release; the count is zero at the launch
+            # (fused_qada's `arrived`) and the decision zeroes it again
+            tl.debug_barrier()
+            if tl.atomic_add(ARRIVED + b * HKV + g, 1, sem="acq_rel", scope="gpu") != D // BLOCK_D:
+                return
+            y = tl.load(Y_WIN + (b * H + g * G + h)[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0,
+                        cache_modifier=".cg")
+            log_local = tl.load(LOG_LOCAL + b * H + g * G + h, mask=h_ok, other=0.0, cache_modifier=".cg")
         if not DECIDE:  # Quest alone: no decision, every head long-context; the cache read past a short window
             local = tl.zeros((G_PAD,), tl.int32) != 0
             group_reads = n_ctx > N_LOCAL
         else:
-            if not FORM_FIRST:
-                expo = _bulk_exponent(q, q_rows, h_ok, A, BV, CS, b, g, sab, sah, sbb, sbh, D, BLOCK_D, HAS_SCALE,
-                                      PRECISION, UNROLL)
+            if FORM_APART or not FORM_FIRST:  # (FORM_APART's sums, whatever FORM_FIRST says)
+                expo = _bulk_exponent(q, q_rows, h_ok, A, BV, CS, sums, b, g, sab, sah, sbb, sbh, D, BLOCK_D,
+                                      HAS_SCALE, PRECISION, UNROLL, FROM_PARTS=FORM_APART)
             # Eq. 7: log A_bulk = log T_bulk + the exponent, corrected, against the threshold
             log_bulk = expo + tl.log(tl.maximum(n_ctx - N_LOCAL, 1).to(tl.float32))
             if HAS_CAL:
@@ -242,19 +314,6 @@ if triton is not None:
         tl.store(Y + y_b * syb + (g * G + h)[:, None] * syh + d[None, :], y.to(Y.dtype.element_ty),
                  mask=(h_ok & window_only)[:, None])
         tl.store(ARRIVED + b * HKV + g, 0)
-        if COUNT:  # (fused_pages' with_read) the entries read, counted as each kernel loads them: first the window's
-            tl.store(COUNTS + b * HKV + g, tl.minimum(n_ctx, N_LOCAL).to(tl.int64))
-        if FOLD:  # (fused_pages' fold) the key appended at T - 1 into its page's min and max (LO, HI), in place: what
-            # pages.PageIndex.update does on the host, here with no launch of its own; a key among the sinks has no
-            # page, and folding a key twice leaves what once does (a graph's warm-up repeats a step)
-            rel = T - 1 - start - N_SINK
-            if rel >= 0:
-                # in fp32: exact for any stored dtype (Triton's interpreter mis-orders 16-bit floats in tl.minimum)
-                key = tl.load(K + row * skb + g * skh + (T - 1) * skt + d).to(tl.float32)  # (D,)
-                lo_at = LO + b * slb + g * slh + (rel // PAGE) * slp + d
-                hi_at = HI + b * shb + g * shh + (rel // PAGE) * shp + d
-                tl.store(lo_at, tl.minimum(tl.load(lo_at).to(tl.float32), key).to(LO.dtype.element_ty))
-                tl.store(hi_at, tl.maximum(tl.load(hi_at).to(tl.float32), key).to(HI.dtype.element_ty))
 
     @triton.jit
     def _split_attention_kernel(Q, K, V, ROWS, START, LENGTH, READ, LABELS, Y_WIN, LOG_LOCAL, O_PART, M_PART, L_PART,
@@ -557,13 +616,30 @@ def pdl(q: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(q.device)[0] >= 9)
 
 
-def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decide: bool = True) -> dict:
     """WINDOW_LAUNCH for a window padded to w_pad positions and query q: tiles no larger than the window and the head
-    dim, LOW where it applies."""
+    dim, LOW where it applies, FORM_APART where the kernel decides (Quest alone has no form)."""
     launch = dict(WINDOW_LAUNCH)
     launch["BLOCK_W"], launch["BLOCK_D"] = min(launch["BLOCK_W"], w_pad), min(launch["BLOCK_D"], q.shape[-1])
     launch["LOW"] = low(WINDOW_LAUNCH, q, k, v)
+    launch["FORM_APART"] = launch["FORM_APART"] and decide
     return launch
+
+
+def window_counts(launch: dict, B: int, Hkv: int, D: int, arrived: torch.Tensor | None, device
+                  ) -> tuple[torch.Tensor, int]:
+    """The groups' arrival counts (B, Hkv) int32 the window kernel hands the split kernel, and the programs it runs
+    per group: with FORM_APART 1 + D // BLOCK_D, which count themselves in the same counts, so these must be zero at
+    the launch: the caller's `arrived` (kept from call to call: both kernels leave it at zero, and a static loop needs
+    no fill per step), else a new zeroed one. Without it one program, which zeroes them itself."""
+    parts = 1 + (D // launch["BLOCK_D"] if launch["FORM_APART"] else 0)
+    if arrived is not None:
+        if arrived.shape != (B, Hkv) or arrived.dtype != torch.int32 or not arrived.is_contiguous():
+            raise ValueError(f"arrived: a contiguous ({B}, {Hkv}) int32 tensor at zero, got {arrived.dtype} "
+                             f"{tuple(arrived.shape)}")
+        return arrived, parts
+    make = torch.zeros if launch["FORM_APART"] else torch.empty
+    return make(B, Hkv, device=device, dtype=torch.int32), parts
 
 
 def split_launch(G: int) -> dict:
@@ -672,7 +748,7 @@ def attend_ranges(q, k, v, rows, start, length, len_per_row: int, read, labels, 
 
 def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule: str | None = None,
                correction: Correction | None = None, length: torch.Tensor | None = None, split: int | None = None,
-               block_n: int | None = None, count_reads: bool = False, history=None, out=None):
+               block_n: int | None = None, count_reads: bool = False, history=None, arrived=None, out=None):
     """QAdA for one layer and n rows in two Triton kernels: the same labels and output as the `qada` path of each
     row, up to fp32 rounding. q (n, H, D), any strides but the last; k, v (B, Hkv, T_max, D), views of the cache (any
     stride over T), of which row rows[i] is query i's (integers, (n,)); start (n,), each row's first filled position
@@ -690,7 +766,10 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     in place. Without it, T is the views' own length (T_max), put into a device tensor here.
 
     `history`: (record (S, n, H) bool or int8, step (1,) long), the labels also written at record[step], the step read
-    from device memory: a static decode loop's record of every step's labels, with no launch of its own."""
+    from device memory: a static decode loop's record of every step's labels, with no launch of its own.
+
+    `arrived`: (n, Hkv) int32 at zero, the groups' arrival counts, which the kernels leave at zero: a caller's buffer
+    kept from call to call, so that WINDOW_LAUNCH's FORM_APART needs no zeroed one each call (window_counts)."""
     _launch_checks(q, out, "fused_qada")
     B, H, D = q.shape
     Hkv, T_max = k.shape[1], k.shape[2]
@@ -721,16 +800,18 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     sm_scale = 1 / math.sqrt(D)
     w_pad = max(16, triton.next_power_of_2(n_local))
     y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
-    arrived = torch.empty(B, Hkv, device=dev, dtype=torch.int32)  # the window kernel sets it to 0
+    launch = window_launch(w_pad, q, k, v)
+    arrived, parts = window_counts(launch, B, Hkv, D, arrived, dev)
+    form_sums = torch.empty(B, H, parts - 1, device=dev, dtype=f32) if parts > 1 else dummy  # FORM_APART's
     record, step, sts, has_history = history_operands(history, B, H, dummy)
-    _window_decide_kernel[(B, Hkv)](
+    _window_decide_kernel[(B, Hkv, parts)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
         cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
         dummy, dummy, dummy, record, step, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0),
         y.stride(1), 0, 0, 0, 0, 0, 0, sts, H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local,
         W_PAD=w_pad, RULE=RULES[rule], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
-        DECIDE=True, BY_ROW=out is not None, PDL=pdl(q), HAS_HISTORY=has_history, **window_launch(w_pad, q, k, v))
+        DECIDE=True, BY_ROW=out is not None, PDL=pdl(q), HAS_HISTORY=has_history, FORM_SUMS=form_sums, **launch)
     m_part = attend_ranges(q, k, v, rows, start, length, len_per_row, read, labels, arrived, y, split, block_n,
                            out is not None, mark_unread=count_reads, after_window=True)
     labels = labels.view(torch.bool)  # 0 / 1 bytes reinterpreted, no launch
@@ -778,7 +859,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
                 budget_frac: float | None = None, form=None, tau=None, correction: Correction | None = None,
                 combine: str = "max", length: torch.Tensor | None = None, split: int | None = None,
                 block_n: int | None = None, fold: bool = False, with_read: bool = False, inspect: bool = False,
-                history=None, read_out=None, out=None):
+                history=None, read_out=None, arrived=None, out=None):
     """Token-level page selection for one layer and n rows, on the device with nothing read back to the host: the same
     labels and output as attention.qada_pages (given `form` and `tau`) or attention.quest (`form` None) of each row, up
     to fp32 rounding. q, k, v, rows, start, length and out as fused_qada's; `bounds` = (lo, hi), each (n, Hkv, NP, D):
@@ -818,7 +899,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     program, a multiple of block_n // P (default: enough programs to fill the GPU, as split_size). `history` as
     fused_qada's: the labels also written at a step read from device memory. `read_out`: with `with_read`, the
     (n, Hkv) int64 tensor the kernels count into and which is returned (a caller's buffer, kept from step to step so
-    that a static loop records it once per step rather than copying each layer's; default: a new one)."""
+    that a static loop records it once per step rather than copying each layer's; default: a new one). `arrived` as
+    fused_qada's."""
     _launch_checks(q, out, "fused_pages")
     B, H, D = q.shape
     Hkv, T_max = k.shape[1], k.shape[2]
@@ -863,7 +945,9 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     sm_scale = 1 / math.sqrt(D)
     w_pad = max(16, triton.next_power_of_2(n_local))
     y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
-    arrived = torch.empty(B, Hkv, device=dev, dtype=torch.int32)  # the window kernel sets it to 0
+    launch = window_launch(w_pad, q, k, v, decide=not quest)
+    arrived, parts = window_counts(launch, B, Hkv, D, arrived, dev)
+    form_sums = torch.empty(B, H, parts - 1, device=dev, dtype=f32) if parts > 1 else dummy  # FORM_APART's
     # with_read: the KV entries each (row, KV head) read, counted by the kernels as they load them (the window kernel
     # sets it: its window; the bound kernel adds the statistics it scores, the split kernel the bulk positions)
     counts = dummy
@@ -875,7 +959,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
             raise ValueError(f"read_out: a contiguous ({B}, {Hkv}) int64 tensor, got {counts.dtype} "
                              f"{tuple(counts.shape)}")
     record, step, sts, has_history = history_operands(history, B, H, dummy)
-    _window_decide_kernel[(B, Hkv)](
+    _window_decide_kernel[(B, Hkv, parts)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
         cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
         lo, hi, counts, record, step, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
@@ -885,7 +969,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
         H=H, HKV=Hkv, G=G, G_PAD=G_pad, D=D, N_SINK=n_sink, N_LOCAL=n_local, W_PAD=w_pad,
         RULE=RULES["mean"], HAS_CAL=ca is not None, HAS_SCALE=cs is not None, LEN_PER_ROW=len_per_row,
         DECIDE=not quest, BY_ROW=out is not None, FOLD=fold, PAGE=P, COUNT=with_read, HAS_HISTORY=has_history,
-        **window_launch(w_pad, q, k, v))
+        FORM_SUMS=form_sums, **launch)
 
     # 2. and 3. the long groups' candidate pages scored, the top ones chosen
     if n_sel > 0:

@@ -446,13 +446,15 @@ def named_us(per_kernel: dict[str, float]) -> str:
 # idle, so a program's time is its loops' sequential steps: on an H200 the window took ~5 us of its ~10 and the form
 # the rest (Quest's window kernel, which does not decide, against QAdA's: h200/pages), and tiles of 64 (2 + 2 steps,
 # not 4 + 4) were the fastest. The form in tiles of 64 alone isolates that half. FORM_FIRST computes the form before
-# the window, so that its reads start with the program. QAdA's window kernel, the one timed here, spills at none of
+# the window, so that its reads start with the program; FORM_APART in a program of its own, beside the window's, the
+# second to finish deciding (alone, and in tiles of 64). QAdA's window kernel, the one timed here, spills at none of
 # these under Triton 3.6 (lab.kernel_resources; FORM_FIRST with tiles of 64 spills 2.8 KB, so it is not timed). The
 # benchmark's labels are too clear-cut to flip; the table gives the largest change of the step's output instead.
 # (Tiles of 16, the form at tf32 or tf32x3, LOW off, and 2 warps lost on an H200: results/bench-gpu/h200/kernels.md.)
 WINDOW_VARIANTS = [dict(num_warps=8), dict(BLOCK_W=64, BLOCK_D=64), dict(BLOCK_W=32, BLOCK_D=64),
                    dict(BLOCK_W=64, BLOCK_D=64, num_warps=8), dict(BLOCK_W=128, BLOCK_D=64, num_warps=8),
-                   dict(BLOCK_W=128, BLOCK_D=128, num_warps=8), dict(FORM_FIRST=True)]
+                   dict(BLOCK_W=128, BLOCK_D=128, num_warps=8), dict(FORM_FIRST=True), dict(FORM_APART=True),
+                   dict(FORM_APART=True, BLOCK_W=64, BLOCK_D=64)]
 
 
 @contextmanager
@@ -501,9 +503,10 @@ def static_step(batch: BatchAttention, layer: Layer):
     length = torch.full((1,), layer.T, dtype=torch.int32, device=layer.q.device)
     rows, start = rows.int(), start.int()
     y = torch.empty_like(layer.q)
+    arrived = torch.zeros(len(rows), layer.Hkv, dtype=torch.int32, device=layer.q.device)  # the loop's, kept at zero
     rule = qada_rule(batch.rows[0].method)[1]
     return lambda: kernels.fused_qada(layer.q[:, :, 0], layer.k, layer.v, rows, start, N_SINK, N_LOCAL, (A, b),
-                                      thresholds, rule, None, length=length, out=y[:, :, 0])[0]
+                                      thresholds, rule, None, length=length, arrived=arrived, out=y[:, :, 0])[0]
 
 
 def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:

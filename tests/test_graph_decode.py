@@ -388,6 +388,35 @@ def test_an_emulated_graph_decodes_as_the_eager_loop(tiny, method, batch, monkey
 
 
 @needs_kernel
+@pytest.mark.parametrize("method", ["qada_cal", "qada_pages"])
+def test_the_form_apart_decodes_through_the_static_loop_with_no_fill_per_step(tiny, method, monkeypatch):
+    """WINDOW_LAUNCH's FORM_APART through the static loop: the eager loop's tokens, logits and labels, with its parts'
+    arrival counts the loop's one buffer (StaticAttention.arrived), back at zero after every step; and no step fills
+    a tensor, as a zeroed buffer made per call would (a node of its own in the graph)."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_APART", True)
+    Launches(monkeypatch)  # the kernels run outside the mode below: the interpreter's own copies are not the step's
+    made, ops, call = keep_static(monkeypatch), [], StaticAttention.__call__
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    def step(static, *args):
+        with Ops():
+            out = call(static, *args)
+        assert not static.arrived.any()
+        return out
+
+    monkeypatch.setattr(StaticAttention, "__call__", step)
+    eager, static = eager_and_static(tiny, method, 3)
+    assert_same(eager, static, method, 3)
+    assert made[0][0].arrived is not None and ops
+    assert not {op for op in ops if "fill" in op or "zero" in op}, sorted(set(ops))
+
+
+@needs_kernel
 @pytest.mark.parametrize("method", ["dense", "qada_kv_cal", "qada_pages"])
 def test_generate_reports_the_same_through_the_static_loop(tiny_dir, tmp_path, method, monkeypatch):
     """run_batch with the static loop (graph_refusal made to find nothing: on the CPU the step runs eagerly, on CUDA

@@ -130,27 +130,47 @@ def test_spread_programs_decide_and_attend_as_the_fixed_splits(rule, taus, sprea
     torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
 
 
-def test_the_form_computed_before_the_window_decides_and_attends_alike(monkeypatch):
-    """WINDOW_LAUNCH's FORM_FIRST moves Eq. 6 ahead of the window's loop and nothing else: the same labels and output,
-    bit for bit, with a correction's variance scale, at each row's tau that splits its heads most evenly (where a
-    wrong form, scale or b flips some) over rows of every kind (long, just past the window, short)."""
+def parts_reversed(monkeypatch) -> None:
+    """Triton's interpreter runs a grid's programs one after another, its last axis fastest: from here on, that axis
+    in the other order (the window kernel's FORM_APART parts, the form's first; the split programs last to first)."""
+    from triton.runtime import interpreter
+    builder = interpreter.interpreter_builder
+    set_index = type(builder).set_grid_idx
+    monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: set_index(builder, x, y, builder.grid_dim[2] - 1 - z))
+
+
+@pytest.mark.parametrize("where", ["FORM_FIRST", "FORM_APART", "FORM_APART, the form's part first"])
+def test_the_form_computed_before_or_beside_the_window_decides_and_attends_alike(where, monkeypatch):
+    """WINDOW_LAUNCH's FORM_FIRST moves Eq. 6 ahead of the window's loop, and FORM_APART into a second program per
+    (row, KV head) whose results the second to finish reads back to decide: the same labels and output as the default,
+    bit for bit, with a correction's variance scale, at each row's tau that splits its heads most evenly (where a wrong
+    form, scale or b flips some) over rows of every kind (long, just past the window, short), whichever part finishes
+    second; with FORM_APART a caller's arrival counts are left at zero, ready for the next call. (The interpreter runs
+    one program at a time: that the first part to finish leaves the decision to the other, a GPU's race, only the
+    CUDA suite at FORM_APART sees.)"""
     B, H, Hkv, D, T = 3, 8, 2, 64, 300
     q, k, v, A, b = case(B, H, Hkv, D, T, seed=11)
     A = A * 10  # the variance term large enough that its scale moves labels
     rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([5, 40, T - N_LOCAL + 4], dtype=torch.int32)
     correction = Correction(torch.zeros(H), torch.ones(H), torch.tensor([0.6, 1.4]))
 
-    def step(tau):
+    def step(tau, arrived=None):
         return fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, None, correction, split=64,
-                          block_n=16)
+                          block_n=16, arrived=arrived)
 
     grid = torch.linspace(0.02, 0.98, 25)
     share = torch.stack([step(torch.full((B,), float(t)))[1].float().mean(1) for t in grid])  # (25, B)
     tau = grid[(share - 0.5).abs().argmin(0)]
     want = step(tau)
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_FIRST", True)
-    got = step(tau)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    monkeypatch.setitem(kernels.WINDOW_LAUNCH, where.split(",")[0], True)
+    if where.endswith("first"):
+        parts_reversed(monkeypatch)
+    arrived = torch.zeros(B, Hkv, dtype=torch.int32)
+    for _ in range(2):  # the second call on the counts the first left
+        got = step(tau, arrived)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+        assert not arrived.any()
+    assert torch.equal(step(tau)[0], want[0])  # and on zeroed counts of its own
     assert 0 < want[1][:2].float().mean() < 1 and want[1][2].all()  # both kinds of head; a short row all local
 
 
@@ -445,8 +465,11 @@ def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     launches.clear()
     batch(q[:, :, None], k, v, 0)
     rows[0](q[:1, :, None], k[:1], v[:1], 0)
-    # two kernels per step, fixed grids (split_size: 256 positions per split, two splits of T = 300)
-    assert [grid for _, grid, _, _ in launches] == [(2, 2), (2, 2, 2), (1, 2), (1, 2, 2)]
+    # two kernels per step, fixed grids (split_size: 256 positions per split, two splits of T = 300); the window
+    # kernel's third axis its parts: 1, or with FORM_APART (QADA_TEST_LAUNCH's) the window and one per BLOCK_D columns
+    launch = kernels.WINDOW_LAUNCH
+    parts = 1 + (16 // min(16, launch["BLOCK_D"]) if launch["FORM_APART"] else 0)
+    assert [grid for _, grid, _, _ in launches] == [(2, 2, parts), (2, 2, 2), (1, 2, parts), (1, 2, 2)]
     assert len(rows[0].stats.labels) == 3 and rows[0].stats.labels[-1][0].device == q.device
 
 

@@ -467,7 +467,7 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.skipif(nvidia_backend() is None, reason="this Triton has no NVIDIA backend or finds no ptxas")
 @pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_frac", "qada", "qada-pdl", "qada-unroll",
-                                    "qada-spread", "qada-form-first"])
+                                    "qada-spread", "qada-form-first", "qada-form-apart", "qada_pages-form-apart"])
 def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     """The launches a GPU runs with a bf16 query and cache (kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW, the split
     kernel on tensor cores) compile for an H100 here, where the interpreter never runs them: the bounds' LOW form once
@@ -476,7 +476,8 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     kernels.SPLIT_LAUNCH's PDL launches it (griddepcontrol, which the interpreter cannot run), "qada-unroll" with the
     window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores), "qada-spread" with the
     split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD), "qada-form-first" with the form computed
-    before the window (WINDOW_LAUNCH's FORM_FIRST); the page steps as the static loop runs them,
+    before the window (WINDOW_LAUNCH's FORM_FIRST), "-form-apart" beside it, by a program of its own (FORM_APART:
+    an acquire-release count decides which part decides); the page steps as the static loop runs them,
     the appended key folded into its page and the entries read counted (int64 atomic adds); and each with the labels
     written into a record of every step at a device step index, as the static loop has them written; "_frac" with a
     budget_frac, each row's page count worked out in float64 by the bound kernel."""
@@ -490,6 +491,8 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     monkeypatch.setitem(kernels.WINDOW_LAUNCH, "UNROLL", 4 if method == "qada-unroll" else 1)
     monkeypatch.setitem(kernels.SPLIT_LAUNCH, "SPREAD", 4 if method == "qada-spread" else 0)
     monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_FIRST", method == "qada-form-first")
+    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_APART", method.endswith("-form-apart"))
+    method = method.replace("qada_pages-form-apart", "qada_pages")  # its step as qada_pages', FORM_APART set above
     q, k, v, start, length = batch(0, dtype=torch.bfloat16)
     history = (torch.zeros(3, len(ROWS), H, dtype=torch.bool), torch.ones(1, dtype=torch.long))  # as the static loop
     if method.startswith("qada-") or method == "qada":

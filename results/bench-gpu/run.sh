@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# What this project checks and measures on an NVIDIA GPU, in one device call of under ten minutes (~9 on an H200): the
-# kernels' and the graph-replayed loop's tests on CUDA, the kernels' tests again at a launch to adopt (QADA_TEST_LAUNCH),
-# each kernel's device time in a step, generate.py's loops end to end (lab/bench_gpu.py says what each table is), and
-# again at a launch to adopt (--launch), page selection in the fused kernel (lab/bench_pages_gpu.py --quick), the CLI
-# with --cuda-graphs auto and off, and --compile on (16k and 4k of a 32k cache end to end with T16K=1, T4K=1,
-# batch 32 with B32=1). On a machine
-# without internet, gguf and wonderwords come as wheels in .whl/ (pip download, see README).
+# What this project checks and measures on an NVIDIA GPU, in one device call of under ten minutes (~9 on an H200), in
+# the order it matters (a call cut short keeps what it measured): the kernels' and the graph-replayed loop's tests on
+# CUDA, the same tests again at the launches to adopt (QADA_TEST_LAUNCH), each kernel's device time in a step and at
+# other launches, page selection in the fused kernel (lab/bench_pages_gpu.py --quick), generate.py's loops end to end
+# (lab/bench_gpu.py says what each table is), and the CLI with --cuda-graphs auto and off and --compile on. Optional:
+# 16k and 4k of a 32k cache end to end (T16K=1, T4K=1), batch 32 (B32=1), attention alone (ATTENTION=1), and end to
+# end at every launch to adopt at once (CANDIDATES=1). On a machine without internet, gguf and wonderwords come as
+# wheels in .whl/ (pip download, see README).
 #   bash results/bench-gpu/run.sh [OUT]     # default OUT: /tmp/bench-gpu; results.tar.gz and log.txt land there
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,12 +41,14 @@ QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$FILES/tests-cuda.txt" | cut -c1-220 | tail -40
 pack
 
-echo "== the kernels' tests again at a launch to adopt if they pass and it is faster: the window kernel in tiles of 64"
-echo "   (kernels.md's window column w=64,d=64 times it)"
-QADA_TEST_LAUNCH='{"window": {"BLOCK_W": 64, "BLOCK_D": 64}}' QADA_TEST_DEVICE=cuda \
-  timeout 120 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
-  tests/test_kernel.py tests/test_kernel_pages.py tests/test_batch.py > "$FILES/tests-cuda-tiles64.txt" 2>&1
-echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$FILES/tests-cuda-tiles64.txt" | cut -c1-220 | tail -30
+echo "== the kernels' tests again at launches to adopt if they pass and are faster: the window kernel in tiles of 64,"
+echo "   its form in programs of their own (FORM_APART: the decision left to the last part to finish, a race only a GPU"
+echo "   runs; kernels.md's window column times both)"
+QADA_TEST_LAUNCH='{"window": {"BLOCK_W": 64, "BLOCK_D": 64, "FORM_APART": true}}' QADA_TEST_DEVICE=cuda \
+  timeout 130 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
+  tests/test_kernel.py tests/test_kernel_pages.py tests/test_batch.py tests/test_graph_decode.py \
+  > "$FILES/tests-cuda-apart.txt" 2>&1
+echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$FILES/tests-cuda-apart.txt" | cut -c1-220 | tail -30
 pack
 
 echo "== where a fused step's time goes: each kernel's device time, and the graph's, Llama-3-8B shapes at 32k;"
@@ -62,10 +65,6 @@ timeout 330 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8
 if [ -n "${B32:-}" ]; then  # batch 32, 8 of the 32 layers (~1.5 min)
   timeout 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 32x8 --out "$FILES/b32"; pack
 fi
-echo "== the same at batch 1 and 8 with the split programs dealt out to the long groups (SPREAD 8) and launched"
-echo "   dependent on the window kernel (PDL): the launch to adopt if it wins here and in kernels.md (${SECONDS}s in)"
-timeout 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 \
-  --launch '{"split": {"SPREAD": 8, "PDL": true}}' --out "$FILES/spread8-pdl"; pack
 if [ -n "${T16K:-}" ]; then  # at T_max / 2 (capacity 32k): the graph's view follows T, not the capacity
   timeout 100 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 fi
@@ -92,10 +91,16 @@ cli() {  # cli METHOD FLAG...: generate.py on the tiny model, its tokens, labels
 print(r['method'], r['new_token_ids'], r['sparsity'], r['kv_read'], r['cuda_graphs'], 'compiled' * r['compiled'])"
   echo " <- generate $m $* rc=${PIPESTATUS[0]}"
 }
-for m in dense qada qada_kv_all quest; do
-  for g in auto off; do
-    cli $m --cuda-graphs $g
-  done
+for m in dense qada quest; do
+  cli $m --cuda-graphs auto
 done
+cli qada --cuda-graphs off
 cli qada --cuda-graphs auto --compile on
 pack
+
+if [ -n "${CANDIDATES:-}" ]; then  # (~2 min) batch 1 and 8 at 32k end to end with every launch to adopt at once: the
+  # split programs dealt out to the long groups (SPREAD 8) and launched dependent on the window kernel (PDL), the form
+  # in programs of its own (FORM_APART)
+  timeout 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 \
+    --launch '{"split": {"SPREAD": 8, "PDL": true}, "window": {"FORM_APART": true}}' --out "$FILES/candidates"; pack
+fi
