@@ -58,8 +58,8 @@ assert set(RULES) == {None, *GROUP_RULES}
 # default; 1: none ahead), its tiles (window positions, columns of the quadratic form; capped by the
 # window and the head dim), tl.dot's precision for the fp32 quadratic form ("ieee": exact fp32 products), LOW, how
 # many times its two loops are unrolled (1: not), whether the form (Eq. 6) is computed before the window rather
-# than after it (FORM_FIRST), or beside it by a second program per (row, KV head) (FORM_APART: the two halves of the
-# kernel's time at once, on two multiprocessors where the small grids of batch 1 and 8 leave most of them idle);
+# than after it (FORM_FIRST), or beside it by programs of its own, one per BLOCK_D columns (FORM_APART: the two
+# halves of the kernel's time at once, on multiprocessors that the small grids of batch 1 and 8 leave idle);
 # lab.bench_gpu --parts kernels times the alternatives beside it and lab.kernel_resources says the registers each
 # takes.
 WINDOW_LAUNCH = dict(num_warps=4, num_stages=3, BLOCK_W=32, BLOCK_D=32, PRECISION="ieee", LOW=True, UNROLL=1,
@@ -222,9 +222,10 @@ if triton is not None:
             gdc_launch_dependents()
         b, g = tl.program_id(0), tl.program_id(1)
         # FORM_APART (WINDOW_LAUNCH's, where the kernel decides): 1 + D // BLOCK_D programs per (row, KV head), the
-        # window's (part 0) and one per BLOCK_D columns of Eq. 6's form (a sixteenth to a half of its 64 KB at
-        # Llama-3-8B's head dim), side by side, each writing its results to memory; the last to finish reads the
+        # window's (part 0) and one per BLOCK_D columns of Eq. 6's form (a quarter of its 64 KB at Llama-3-8B's head
+        # dim and the default tiles), side by side, each writing its results to memory; the last to finish reads the
         # others' back and decides. Else one program does it all, one part after the other.
+        tl.static_assert(DECIDE or not FORM_APART, "FORM_APART needs a form: Quest alone has none")
         row = tl.load(ROWS + b)  # the cache row of this program's query
         start = tl.load(START + b)
         T = tl.load(LENGTH + b * LEN_PER_ROW)  # the filled length, from device memory (one for all rows, or each's)
@@ -769,7 +770,9 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     from device memory: a static decode loop's record of every step's labels, with no launch of its own.
 
     `arrived`: (n, Hkv) int32 at zero, the groups' arrival counts, which the kernels leave at zero: a caller's buffer
-    kept from call to call, so that WINDOW_LAUNCH's FORM_APART needs no zeroed one each call (window_counts)."""
+    kept from call to call, so that WINDOW_LAUNCH's FORM_APART needs no zeroed one each call (window_counts). It must
+    be zero: with FORM_APART a count left at k > 0 would have a part decide before the others' results are in, and
+    every later call would go on deciding early."""
     _launch_checks(q, out, "fused_qada")
     B, H, D = q.shape
     Hkv, T_max = k.shape[1], k.shape[2]

@@ -476,8 +476,8 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     kernels.SPLIT_LAUNCH's PDL launches it (griddepcontrol, which the interpreter cannot run), "qada-unroll" with the
     window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores), "qada-spread" with the
     split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD), "qada-form-first" with the form computed
-    before the window (WINDOW_LAUNCH's FORM_FIRST), "-form-apart" beside it, by a program of its own (FORM_APART:
-    an acquire-release count decides which part decides); the page steps as the static loop runs them,
+    before the window (WINDOW_LAUNCH's FORM_FIRST), "-form-apart" beside it, by programs of their own (FORM_APART:
+    an acquire-release count says which part is the last to finish, the one that decides); the page steps as the static loop runs them,
     the appended key folded into its page and the entries read counted (int64 atomic adds); and each with the labels
     written into a record of every step at a device step index, as the static loop has them written; "_frac" with a
     budget_frac, each row's page count worked out in float64 by the bound kernel."""
@@ -491,7 +491,8 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     monkeypatch.setitem(kernels.WINDOW_LAUNCH, "UNROLL", 4 if method == "qada-unroll" else 1)
     monkeypatch.setitem(kernels.SPLIT_LAUNCH, "SPREAD", 4 if method == "qada-spread" else 0)
     monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_FIRST", method == "qada-form-first")
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_APART", method.endswith("-form-apart"))
+    apart = method.endswith("-form-apart")
+    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_APART", apart)
     method = method.replace("qada_pages-form-apart", "qada_pages")  # its step as qada_pages', FORM_APART set above
     q, k, v, start, length = batch(0, dtype=torch.bfloat16)
     history = (torch.zeros(3, len(ROWS), H, dtype=torch.bool), torch.ones(1, dtype=torch.long))  # as the static loop
@@ -510,6 +511,8 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     assert all(kwargs.get("LOW") is True for kernel, *_, kwargs in launches  # the products' kernels
                if kernel.fn.__name__ != "_page_select_kernel")
     assert all(kwargs.get("PDL", False) == (method == "qada-pdl") for *_, kwargs in launches)
+    window = next(launch for launch in launches if launch[0].fn.__name__ == "_window_decide_kernel")
+    assert window[3]["FORM_APART"] == apart and (window[1][2] > 1) == apart  # the launch asked for, its grid's parts
     status, errors = compile_launches(launches)
     assert status == 0, errors[-3000:]
 
