@@ -141,45 +141,58 @@ def parts_rotated(monkeypatch, r: int) -> None:
                         lambda x, y, z: set_index(builder, x, y, (z + r) % builder.grid_dim[2]))
 
 
+FORM_CASE = dict(B=3, H=8, Hkv=2, D=64, T=300)
+
+
+def form_step(tau, arrived=None):
+    """fused_qada on FORM_CASE's rows (long, just past the window, short), its variance term large enough (A times 10)
+    that a correction's scale moves labels."""
+    B, T = FORM_CASE["B"], FORM_CASE["T"]
+    q, k, v, A, b = case(*FORM_CASE.values(), seed=11)
+    rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([5, 40, T - N_LOCAL + 4], dtype=torch.int32)
+    correction = Correction(torch.zeros(FORM_CASE["H"]), torch.ones(FORM_CASE["H"]), torch.tensor([0.6, 1.4]))
+    return fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A * 10, b), tau, None, correction, split=64,
+                      block_n=16, arrived=arrived)
+
+
+@pytest.fixture(scope="module")
+def form_default():
+    """Each FORM_CASE row's tau that splits its heads most evenly (where a wrong form, scale or b flips some), and the
+    default launch's labels and output there, whatever QADA_TEST_LAUNCH says."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key in ("FORM_FIRST", "FORM_APART"):
+            patch.setitem(kernels.WINDOW_LAUNCH, key, False)
+        grid = torch.linspace(0.1, 0.9, 9)
+        share = torch.stack([form_step(torch.full((FORM_CASE["B"],), float(t)))[1].float().mean(1) for t in grid])
+        tau = grid[(share - 0.5).abs().argmin(0)]  # (B,)
+        return tau, form_step(tau)
+
+
 @pytest.mark.parametrize("where", ["FORM_FIRST", "FORM_APART", "FORM_APART, rotated 1", "FORM_APART, rotated 2"])
-def test_the_form_computed_before_or_beside_the_window_decides_and_attends_alike(where, monkeypatch):
+def test_the_form_computed_before_or_beside_the_window_decides_and_attends_alike(where, form_default, monkeypatch):
     """WINDOW_LAUNCH's FORM_FIRST moves Eq. 6 ahead of the window's loop, and FORM_APART into programs of their own,
     one per BLOCK_D columns, beside the window's, the last of them to finish reading the others' results back to
     decide: the same labels and output as the default launch, bit for bit, with a correction's variance scale, at each
-    row's tau that splits its heads most evenly (where a wrong form, scale or b flips some) over rows of every kind
-    (long, just past the window, short); under the interpreter with each of the three parts in turn the last to run;
-    with FORM_APART a caller's arrival counts are left at zero, ready for the next call. (The interpreter runs one
-    program at a time, so that the parts that finish first leave the decision to the last, a GPU's race, only this
-    test on CUDA sees; there each slice's own sum may also compile to another order of its additions than the one
-    program's, which would flip a label only within fp32 rounding of its threshold.)"""
+    row's tau that splits its heads most evenly, over rows of every kind (form_default); under the interpreter with
+    each of the three parts in turn the last to run; with FORM_APART a caller's arrival counts are left at zero, ready
+    for the next call. (The interpreter runs one program at a time, so that the parts that finish first leave the
+    decision to the last, a GPU's race, only this test on CUDA sees; there each slice's own sum may also compile to
+    another order of its additions than the one program's, which would flip a label only within fp32 rounding of its
+    threshold.)"""
     rotation = int(where[-1]) if "rotated" in where else 0
     if rotation and not kernels.INTERPRETED:
         pytest.skip("the order of a grid's programs is the interpreter's to rotate")
-    for key in ("FORM_FIRST", "FORM_APART"):  # the default launch first, whatever QADA_TEST_LAUNCH says
-        monkeypatch.setitem(kernels.WINDOW_LAUNCH, key, False)
-    B, H, Hkv, D, T = 3, 8, 2, 64, 300
-    q, k, v, A, b = case(B, H, Hkv, D, T, seed=11)
-    A = A * 10  # the variance term large enough that its scale moves labels
-    rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([5, 40, T - N_LOCAL + 4], dtype=torch.int32)
-    correction = Correction(torch.zeros(H), torch.ones(H), torch.tensor([0.6, 1.4]))
-
-    def step(tau, arrived=None):
-        return fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, None, correction, split=64,
-                          block_n=16, arrived=arrived)
-
-    grid = torch.linspace(0.02, 0.98, 25)
-    share = torch.stack([step(torch.full((B,), float(t)))[1].float().mean(1) for t in grid])  # (25, B)
-    tau = grid[(share - 0.5).abs().argmin(0)]
-    want = step(tau)
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, where.split(",")[0], True)
+    tau, want = form_default
+    for key in ("FORM_FIRST", "FORM_APART"):
+        monkeypatch.setitem(kernels.WINDOW_LAUNCH, key, key == where.split(",")[0])
     if rotation:
         parts_rotated(monkeypatch, rotation)
-    arrived = torch.zeros(B, Hkv, dtype=torch.int32)
+    arrived = torch.zeros(FORM_CASE["B"], FORM_CASE["Hkv"], dtype=torch.int32)
     for _ in range(2):  # the second call on the counts the first left
-        got = step(tau, arrived)
+        got = form_step(tau, arrived)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
         assert not arrived.any()
-    assert torch.equal(step(tau)[0], want[0])  # and on zeroed counts of its own
+    assert torch.equal(form_step(tau)[0], want[0])  # and on zeroed counts of its own
     assert 0 < want[1][:2].float().mean() < 1 and want[1][2].all()  # both kinds of head; a short row all local
 
 
