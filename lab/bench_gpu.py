@@ -61,7 +61,10 @@ small torch operation by its CUDA kernel's name), their sum, and the step replay
 it, with kernels.split_size's split and with each of SPLITS (context positions per split program; batch 1 fills the
 GPU only with small ones). The graph's time exceeds the sum by the gaps between its kernels, and by the L2 being
 flushed before each timed replay, not before each profiled step: at KV read 0 the step's data fit in L2, so there
-the difference is mostly gaps, and at read 1 it is mostly the cache read from memory.
+the difference is mostly gaps, and at read 1 it is mostly the cache read from memory. A graph of one layer's step
+also pays the launch's fixed cost, which a decoder's graph of all its layers spreads over them: at KV read 0 and
+0.3 the step of STACK layers, each its own cache and forms, is captured in one graph too (stacked_step), and its
+time given per layer.
 At KV read 0.3 (0.25 at batch 1) the window kernel (its device time) and the split kernel (the step's graph time)
 are also timed at other launches (WINDOW_VARIANTS, SPLIT_VARIANTS: warps, tiles, precision, pipeline depth), each with
 the largest change of the output.
@@ -509,10 +512,26 @@ def static_step(batch: BatchAttention, layer: Layer):
                                       thresholds, rule, None, length=length, arrived=arrived, out=y[:, :, 0])[0]
 
 
+STACK = 4  # layers, each its own cache and forms, in one graph for the kernels table's per-layer graph time
+
+
+def stacked_step(layers: list, full: torch.Tensor):
+    """The fused step of each of `layers` (Layer, each its own queries, cache and forms) at the labels of full, one
+    after another, as a decoder's graph replays a model's layers, where a graph of one layer's step pays the launch's
+    fixed cost for that step alone. Returns the callable, which returns each layer's output."""
+    steps = []
+    for layer in layers:
+        batch = layer.attention(full)
+        layer.check(batch, full)  # one eager step: the labels are the pattern's, and the rows' forms cached
+        steps.append(static_step(batch, layer))
+    return lambda: [step() for step in steps]
+
+
 def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
     """Rows of the kernels table (the module's docstring, part 3) for Llama-3-8B shapes at T and B."""
     rows = []
     layer = Layer(**SHAPES["Llama-3-8B"], B=B, T=T, device=device)
+    stack = [layer] + [Layer(**SHAPES["Llama-3-8B"], B=B, T=T, device=device) for _ in range(STACK - 1)]
     for f in (0.0, 0.3, 1.0):
         full = full_pattern(B, layer.Hkv, f)
         batch = layer.attention(full)
@@ -525,6 +544,9 @@ def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
             for split in SPLITS:  # the same step at each split size, for the choice split_size makes
                 with fixed_split(split):
                     by_split[split] = 1e3 * graph_ms(step, device)
+            stacked = math.nan  # where the targets are read: deciding alone (read 0), and read 0.3
+            if f < 1:
+                stacked = 1e3 * graph_ms(stacked_step(stack, full), device) / STACK
             window = split_launches = ""
             if 0 < f < 1:
                 window = launch_variants(step, kernels.WINDOW_LAUNCH, WINDOW_VARIANTS, lambda fn: kernel_us(
@@ -536,11 +558,11 @@ def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
         for row in batch.rows:
             row.stats = HeadStats(N_LOCAL)
         rows.append(dict(T=T, B=B, f=float(full.float().mean()), device_us=sum(per_kernel.values()),
-                         graph_us=1e3 * graph, split=kernels.split_size(B * layer.Hkv, T, device),
+                         graph_us=1e3 * graph, stacked_us=stacked, split=kernels.split_size(B * layer.Hkv, T, device),
                          splits=", ".join(f"{s}: {us:.1f}" for s, us in by_split.items()),
                          kernels=named_us(per_kernel), window=window, split_launches=split_launches))
         print(format_row(KERNEL_COLUMNS, rows[-1]), flush=True)
-    del layer
+    del layer, stack
     torch.cuda.empty_cache()
     return rows
 
@@ -558,6 +580,7 @@ ATTENTION_COLUMNS = [("shape", "shape", "{}"), ("T", "T", "{}"), ("B", "B", "{}"
                      ("torch_of_bound", "torch % of bound", "{:.0%}"), ("decision", "decision / dense", "{:.1%}")]
 KERNEL_COLUMNS = [("T", "T", "{}"), ("B", "B", "{}"), ("f", "KV read", "{:.2f}"),
                   ("device_us", "kernels' device us", "{:.1f}"), ("graph_us", "graph us", "{:.1f}"),
+                  ("stacked_us", f"graph us per layer, {STACK} layers in one graph", "{:.1f}"),
                   ("split", "split_size", "{}"), ("splits", "graph us at each split size", "{}"),
                   ("kernels", "each kernel's device us per step (eager)", "{}"),
                   ("window", "window kernel us at other launches (read 0.3)", "{}"),

@@ -48,6 +48,48 @@ def test_the_kernels_table_times_the_step_batch_attention_takes(f, monkeypatch):
     assert torch.equal(bench_gpu.static_step(batch, layer)(), want)
 
 
+def test_the_stacked_step_runs_each_layers_own_step(monkeypatch):
+    """stacked_step, which the kernels table captures in one graph for its per-layer time, runs the fused step of
+    every layer it is given on that layer's own queries, cache and forms, one after another."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    layers = [bench_gpu.Layer(8, 2, 16, B=2, T=400, device=torch.device("cpu"), dtype=torch.float32)
+              for _ in range(3)]
+    for i, layer in enumerate(layers):  # (Layer seeds its data alike) queries of their own
+        layer.q = layer.q * (1 + i)
+    full = full_pattern(2, 2, 0.5)
+    got = bench_gpu.stacked_step(layers, full)()
+    want = [layer.attention(full)(layer.q, layer.k, layer.v, 0)[:, :, 0] for layer in layers]
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[0], got[1])
+
+
+def test_the_kernels_table_runs_through_the_interpreter(monkeypatch):
+    """bench_kernels, which only a GPU times, run at tiny shapes on the CPU with its GPU-only parts stubbed (the
+    profiler's per-kernel times, the device's compute capability, its allocator): every row and column of its table
+    is made, the stacked graph's per-layer time where the targets are read (KV read 0 and 0.3, not 1), and each
+    window and split launch it times beside the default (here one of each) runs, so that the device call's table
+    has run before."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    ticks = iter(range(1, 10_000))
+    monkeypatch.setattr(bench_gpu, "SHAPES", {"Llama-3-8B": dict(H=8, Hkv=2, D=16)})
+    monkeypatch.setattr(bench_gpu, "timed_ms", lambda fn, device, quick=False: (fn(), float(next(ticks)))[1])
+    monkeypatch.setattr(bench_gpu, "kernel_us", lambda step, device: {"_window_decide_kernel": 1.0, "split": 2.0})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench_gpu, "SPLITS", (256,))
+    monkeypatch.setattr(bench_gpu, "STACK", 2)
+    monkeypatch.setattr(bench_gpu, "WINDOW_VARIANTS", [dict(FORM_APART=True)])
+    monkeypatch.setattr(bench_gpu, "SPLIT_VARIANTS", [dict(SPREAD=2)])
+    rows = bench_gpu.bench_kernels(300, 1, torch.device("cpu"))
+    assert [r["f"] for r in rows] == [0.0, 0.5, 1.0]  # of 2 KV heads
+    assert [math.isnan(r["stacked_us"]) for r in rows] == [False, False, True]
+    # timed_ms's ticks: the step's graph 1, the split size's 2, the stacked graph's 3, over its 2 layers
+    assert (rows[0]["graph_us"], rows[0]["stacked_us"]) == (1e3, 1.5e3)
+    assert "form_apart=True: 1.0 (|dy| 0e+00)" in rows[1]["window"] and "spread=2: " in rows[1]["split_launches"]
+    assert all(bench_gpu.format_row(bench_gpu.KERNEL_COLUMNS, r).count(" | ") == len(bench_gpu.KERNEL_COLUMNS) - 1
+               for r in rows)
+
+
 def test_the_attention_table_compares_with_the_best_dense(tiny_shapes, monkeypatch):
     times = iter(range(1, 1000))
     monkeypatch.setattr(bench_gpu, "timed_ms", lambda fn, device, quick=False: (fn(), float(next(times)))[1])
