@@ -627,20 +627,24 @@ def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return launch
 
 
-def window_counts(launch: dict, B: int, Hkv: int, D: int, arrived: torch.Tensor | None, device
-                  ) -> tuple[torch.Tensor, int]:
-    """The groups' arrival counts (B, Hkv) int32 the window kernel hands the split kernel, and the programs it runs
-    per group: with FORM_APART 1 + D // BLOCK_D, which count themselves in the same counts, so these must be zero at
-    the launch: the caller's `arrived` (kept from call to call: both kernels leave it at zero, and a static loop needs
-    no fill per step), else a new zeroed one. Without it one program, which zeroes them itself."""
-    parts = 1 + (D // launch["BLOCK_D"] if launch["FORM_APART"] else 0)
+def window_buffers(launch: dict, B: int, H: int, Hkv: int, D: int, arrived: torch.Tensor | None, dummy: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What the window kernel's launch needs beyond the step's own buffers: the groups' arrival counts (B, Hkv) int32
+    it hands the split kernel, FORM_APART's sums of the form's columns (B, H, D // BLOCK_D) fp32 (else `dummy`), and
+    the programs it runs per group. With FORM_APART 1 + D // BLOCK_D, which count themselves in the same counts, so
+    these must be zero at the launch: the caller's `arrived` (kept from call to call: both kernels leave it at zero,
+    and a static loop needs no fill per step), else a new zeroed one. Without it one program, which zeroes them
+    itself."""
+    apart = launch["FORM_APART"]
+    parts = 1 + (D // launch["BLOCK_D"] if apart else 0)
+    sums = torch.empty(B, H, parts - 1, device=dummy.device, dtype=torch.float32) if apart else dummy
     if arrived is not None:
         if arrived.shape != (B, Hkv) or arrived.dtype != torch.int32 or not arrived.is_contiguous():
             raise ValueError(f"arrived: a contiguous ({B}, {Hkv}) int32 tensor at zero, got {arrived.dtype} "
                              f"{tuple(arrived.shape)}")
-        return arrived, parts
-    make = torch.zeros if launch["FORM_APART"] else torch.empty
-    return make(B, Hkv, device=device, dtype=torch.int32), parts
+        return arrived, sums, parts
+    make = torch.zeros if apart else torch.empty
+    return make(B, Hkv, device=dummy.device, dtype=torch.int32), sums, parts
 
 
 def split_launch(G: int) -> dict:
@@ -770,7 +774,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     from device memory: a static decode loop's record of every step's labels, with no launch of its own.
 
     `arrived`: (n, Hkv) int32 at zero, the groups' arrival counts, which the kernels leave at zero: a caller's buffer
-    kept from call to call, so that WINDOW_LAUNCH's FORM_APART needs no zeroed one each call (window_counts). It must
+    kept from call to call, so that WINDOW_LAUNCH's FORM_APART needs no zeroed one each call (window_buffers). It must
     be zero: with FORM_APART a count left at k > 0 would have a part decide before the others' results are in, and
     every later call would go on deciding early."""
     _launch_checks(q, out, "fused_qada")
@@ -804,8 +808,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     w_pad = max(16, triton.next_power_of_2(n_local))
     y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
     launch = window_launch(w_pad, q, k, v)
-    arrived, parts = window_counts(launch, B, Hkv, D, arrived, dev)
-    form_sums = torch.empty(B, H, parts - 1, device=dev, dtype=f32) if parts > 1 else dummy  # FORM_APART's
+    arrived, form_sums, parts = window_buffers(launch, B, H, Hkv, D, arrived, dummy)
     record, step, sts, has_history = history_operands(history, B, H, dummy)
     _window_decide_kernel[(B, Hkv, parts)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
@@ -949,8 +952,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     w_pad = max(16, triton.next_power_of_2(n_local))
     y = torch.empty(B, H, D, device=dev, dtype=q.dtype) if out is None else out
     launch = window_launch(w_pad, q, k, v, decide=not quest)
-    arrived, parts = window_counts(launch, B, Hkv, D, arrived, dev)
-    form_sums = torch.empty(B, H, parts - 1, device=dev, dtype=f32) if parts > 1 else dummy  # FORM_APART's
+    arrived, form_sums, parts = window_buffers(launch, B, H, Hkv, D, arrived, dummy)
     # with_read: the KV entries each (row, KV head) read, counted by the kernels as they load them (the window kernel
     # sets it: its window; the bound kernel adds the statistics it scores, the split kernel the bulk positions)
     counts = dummy

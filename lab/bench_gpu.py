@@ -450,9 +450,10 @@ def named_us(per_kernel: dict[str, float]) -> str:
 # the rest (Quest's window kernel, which does not decide, against QAdA's: h200/pages), and tiles of 64 (2 + 2 steps,
 # not 4 + 4) were the fastest. The form in tiles of 64 alone isolates that half. FORM_FIRST computes the form before
 # the window, so that its reads start with the program; FORM_APART in programs of its own, one per tile of columns,
-# beside the window's, the last to finish deciding (at the default tiles and in tiles of 64). QAdA's window kernel, the one timed here, spills at none of
-# these under Triton 3.6 (lab.kernel_resources; FORM_FIRST with tiles of 64 spills 2.8 KB, so it is not timed). The
-# benchmark's labels are too clear-cut to flip; the table gives the largest change of the step's output instead.
+# beside the window's, the last to finish deciding (at the default tiles and in tiles of 64). QAdA's window kernel,
+# the one timed here, spills at none of these under Triton 3.6 (lab.kernel_resources; FORM_FIRST with tiles of 64
+# spills 2.8 KB, so it is not timed). The benchmark's labels are too clear-cut to flip; the table gives the largest
+# change of the step's output instead.
 # (Tiles of 16, the form at tf32 or tf32x3, LOW off, and 2 warps lost on an H200: results/bench-gpu/h200/kernels.md.)
 WINDOW_VARIANTS = [dict(num_warps=8), dict(BLOCK_W=64, BLOCK_D=64), dict(BLOCK_W=32, BLOCK_D=64),
                    dict(BLOCK_W=64, BLOCK_D=64, num_warps=8), dict(BLOCK_W=128, BLOCK_D=64, num_warps=8),

@@ -196,6 +196,17 @@ def test_the_form_computed_before_or_beside_the_window_decides_and_attends_alike
     assert 0 < want[1][:2].float().mean() < 1 and want[1][2].all()  # both kinds of head; a short row all local
 
 
+@pytest.mark.parametrize("bad", ["int64", "shape", "strided"])
+def test_arrival_counts_of_the_wrong_kind_are_refused(bad):
+    """fused_qada's `arrived` is the kernels' own count buffer: (n, Hkv) int32 and contiguous, else a ValueError
+    that says so, before any launch."""
+    B, Hkv = FORM_CASE["B"], FORM_CASE["Hkv"]
+    arrived = {"int64": torch.zeros(B, Hkv, dtype=torch.int64), "shape": torch.zeros(B + 1, Hkv, dtype=torch.int32),
+               "strided": torch.zeros(Hkv, B, dtype=torch.int32).t()}[bad]
+    with pytest.raises(ValueError, match="arrived: a contiguous"):
+        form_step(torch.full((B,), 0.5), arrived)
+
+
 def test_rows_that_share_a_form_read_one_copy_of_it():
     """attention.stacked_forms: rows whose moments are one object get their layer's form broadcast over them (a row
     stride of 0: no copy per row, the window kernel reads it once), and fused_qada decides and attends with it bit

@@ -477,10 +477,10 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores), "qada-spread" with the
     split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD), "qada-form-first" with the form computed
     before the window (WINDOW_LAUNCH's FORM_FIRST), "-form-apart" beside it, by programs of their own (FORM_APART:
-    an acquire-release count says which part is the last to finish, the one that decides); the page steps as the static loop runs them,
-    the appended key folded into its page and the entries read counted (int64 atomic adds); and each with the labels
-    written into a record of every step at a device step index, as the static loop has them written; "_frac" with a
-    budget_frac, each row's page count worked out in float64 by the bound kernel."""
+    an acquire-release count says which part is the last to finish, the one that decides); the page steps as the
+    static loop runs them, the appended key folded into its page and the entries read counted (int64 atomic adds);
+    and each with the labels written into a record of every step at a device step index, as the static loop has
+    them written; "_frac" with a budget_frac, each row's page count worked out in float64 by the bound kernel."""
     launches = []
     for name in KERNELS:
         monkeypatch.setattr(kernels, name, Launch(launches, getattr(kernels, name)))
