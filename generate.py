@@ -46,7 +46,10 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     """Next token (B,) from logits (B, V): greedy at temperature 0."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    # in float64 and from the row's max down: a tiny temperature underflows fp32 (a logit over it then inf or NaN);
+    # relative to the max the best token's logit stays 0 and the others' go at worst to -inf
+    logits = logits.double()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -277,7 +280,7 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
                top_k: int | None, static_sparsity: float, rope_theta: float | None, max_context: int | None,
                threads: int | None, method: str, moments_source: str | None, static_labels: str | None,
                calibration: str | None, inputs: dict, cuda_graphs: str = "auto", compiled: str = "off",
-               **_) -> None:
+               model: str | None = None, seed: int = 0, **_) -> None:
     """Validate the flags before anything is loaded; ValueError carries one clear line. `calibration` and `tau` are
     what the user gave (None: not given)."""
     if method not in PATHS:
@@ -295,6 +298,12 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"--top-k must be >= 1, got {top_k}")
+    if top_k is not None and temperature == 0:
+        raise ValueError("--top-k samples among the k most likely tokens: it needs --temperature > 0 (0 is greedy)")
+    if not 0 <= seed < 2 ** 64:  # what torch.Generator.manual_seed takes
+        raise ValueError(f"--seed must lie in [0, 2**64), got {seed}")
+    if model is not None and not model.strip():
+        raise ValueError("--model is empty: give a named model, a model folder or a hub id (or leave it out)")
     if not 0 <= static_sparsity <= 1:
         raise ValueError(f"--static-sparsity must lie in [0, 1], got {static_sparsity}")
     if rope_theta is not None and not (math.isfinite(rope_theta) and rope_theta > 0):
@@ -302,8 +311,8 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
     if max_context is not None and max_context <= max_new_tokens:
         raise ValueError(f"--max-context must exceed --max-new-tokens ({max_new_tokens}): it bounds prompt + "
                          f"generation, got {max_context}")
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {threads}")
+    if threads is not None and not 1 <= threads <= (os.cpu_count() or 1):  # torch crashes far above the cores
+        raise ValueError(f"--threads must lie in [1, {os.cpu_count() or 1}] (this machine's CPUs), got {threads}")
     if cuda_graphs not in GRAPH_CHOICES:
         raise ValueError(f"--cuda-graphs takes {' or '.join(GRAPH_CHOICES)}, got {cuda_graphs!r}")
     if compiled not in COMPILE_CHOICES:
@@ -311,7 +320,8 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
     if moments_source is not None and "moments" not in reads:
         raise ValueError(f"--moments: the {method} path reads no key moments (the qada paths do)")
     if calibration is not None and "calibration" not in reads:
-        raise ValueError(f"--calibration: the {method} path reads no calibration (the qada*_cal paths do)")
+        raise ValueError(f"--calibration: the {method} path reads no calibration (the calibrated paths do: "
+                         "qada*_cal and qada_pages*)")
     if static_labels is not None and "static_local" not in reads:
         raise ValueError(f"--static-labels: the {method} path reads no static labels (--method static does)")
     if "static_local" in reads and static_labels is None:
@@ -416,10 +426,11 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
         except UnicodeDecodeError as e:
             raise ValueError(f"prompt file {path} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
                              "convert it, e.g. iconv -t UTF-8") from None
-        if path.suffix != ".jsonl":
+        if path.suffix.lower() != ".jsonl":
             prompts.append((str(path), text))
             continue
-        for i, line in enumerate(text.splitlines(), 1):
+        for i, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028 and the like
+            line = line.removesuffix("\r")
             if not line.strip():
                 continue
             try:
@@ -527,7 +538,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         new = decode_batch(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator,
                            progress)
     times["decode_s"] = time.perf_counter() - t0
-    steps = max(len(n) for n in new)  # batch decode steps: the rows share each one
+    # the batch's decode steps, which the rows share: each row's first token came from its prefill's logits
+    steps = max(len(n) for n in new) - 1
 
     reports = []
     for (name, _), (ids, _, prefill_s, att), out in zip(named, rows, new):
@@ -541,8 +553,9 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
             "moments_s": round(times["moments_s"], 2), "batch": len(rows), "prompt_tokens": len(ids),
             "prefill_s": round(prefill_s, 2), "batch_prefill_s": round(times["prefill_s"], 2),
             "decode_s": round(times["decode_s"], 2), "new_tokens": len(out),
-            "decode_tok_s": round(len(out) / times["decode_s"], 2) if times["decode_s"] > 0 else None,
-            "decode_ms_per_token": round(1000 * times["decode_s"] / steps, 1),
+            # per row (a step decodes every live row at once), over the decode steps: None when none ran
+            "decode_tok_s": round(steps / times["decode_s"], 2) if steps and times["decode_s"] > 0 else None,
+            "decode_ms_per_token": round(1000 * times["decode_s"] / steps, 1) if steps else None,
             "peak_memory_mb": round(peak_memory_mb(device)), "sparsity": stats["sparsity"], "kv_read": stats["kv_read"],
             "decode_steps": stats["steps"], "layer_sparsity": stats.get("layer_sparsity"), "new_token_ids": out,
             "cuda_graphs": "on: one graph per bucket of lengths" if refusal is None else f"off: {refusal}",
@@ -567,20 +580,25 @@ def print_report(r: dict) -> None:
           + (f", {r['moments']} moments" if r["moments"] else "")
           + (f", calibration {Path(r['calibration']).name}" if r.get("calibration") else "")
           + f" | {r['device']} {r['dtype']} | peak memory {r['peak_memory_mb']} MB")
-    speed = "n/a" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}"
-    print(f"prompt {r['prompt_tokens']} tokens | {r['new_tokens']} new tokens, {speed} tok/s "
-          f"({r['decode_ms_per_token']:.0f} ms/token)")
+    if r["decode_ms_per_token"] is None:  # one new token, from the prefill's logits
+        speed = "no decode step"
+    else:
+        per_step = f", a step of all {r['batch']} rows" if r["batch"] > 1 else ""
+        speed = "n/a" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}"
+        speed = f"{speed} tok/s ({r['decode_ms_per_token']:.0f} ms/token{per_step})"
+    print(f"prompt {r['prompt_tokens']} tokens | {r['new_tokens']} new tokens, {speed}")
     prefill = r["batch_prefill_s"] if r["batch"] > 1 else r["prefill_s"]
     total = r["load_s"] + r["moments_s"] + prefill + r["decode_s"]
     print(f"decode loop: CUDA graphs {r['cuda_graphs']}"
           + (" | norms, RoPE and MLP compiled (the first steps compile)" if r["compiled"] else ""))
     print(f"time {total:.1f} s: load {r['load_s']:.1f} s | reference moments {r['moments_s']:.1f} s | prefill "
           f"{prefill:.1f} s{' (all prompts)' if r['batch'] > 1 else ''} | decode {r['decode_s']:.1f} s")
-    implied = " (implied by the labels; the oracle path itself reads every entry)" if r["method"] in ANALYSIS_ONLY else ""
+    implied = " (what its choice implies; the oracle path itself reads every entry)" if r["method"] in ANALYSIS_ONLY \
+        else ""
     if r["decode_steps"]:
         print(f"heads labelled local (sparsity) {sparsity} | KV entries read {kv}{implied}")
     else:
-        print("no decode step ran (the first token ended the answer): no heads labelled")
+        print("no decode step ran for this prompt (its one token came from the prefill): no heads labelled")
 
 
 def main(argv=None) -> int:

@@ -134,7 +134,7 @@ def test_text_report(tiny_dir, tmp_path, capsys, built, method):
     assert f"heads labelled local (sparsity) {labels.double().mean().item():.3f}" in out
     assert "KV entries read" in out and "prefill" in out and "3 new tokens" in out
     assert "reference moments" in out and "load" in out  # every part of the time is accounted for
-    assert ("implied" in out) == (method == "oracle")  # the oracle reads every entry to find its labels
+    assert ("what its choice implies" in out) == (method == "oracle")  # the oracle reads every entry to choose
     assert ("prompt moments" in out) == (method == "qada")
 
 
@@ -234,6 +234,18 @@ def test_bad_prompt_files_name_the_real_cause(tiny_dir, tmp_path, capsys):
     assert "line 2: expected a JSON string or an object" in error_of(capsys, ["--prompt", str(prompts)] + model)
 
 
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028, U+2029 or U+0085 unescaped (json.dumps with ensure_ascii=False writes them so),
+    which str.splitlines would take for line ends; a CRLF file's lines lose their CR."""
+    prompts = tmp_path / "prompts.jsonl"
+    text = "a\u2028b\u2029c\x85d"
+    prompts.write_text(json.dumps({"prompt": text}, ensure_ascii=False) + "\r\n" + json.dumps("two") + "\r\n",
+                       encoding="utf-8", newline="")
+    assert generate.read_prompts([str(prompts)]) == [(f"{prompts}:1", text), (f"{prompts}:2", "two")]
+    upper = prompts.rename(tmp_path / "PROMPTS.JSONL")  # the suffix in capitals is JSONL too, not one text prompt
+    assert [name for name, _ in generate.read_prompts([str(upper)])] == [f"{upper}:1", f"{upper}:2"]
+
+
 def test_corrupt_weights(tiny_dir, tmp_path, capsys):
     import shutil
     broken = tmp_path / "broken"
@@ -267,8 +279,35 @@ def test_zero_decode_steps_report_instead_of_crashing(tiny_dir, tmp_path, capsys
         assert len(reports) == len(files)
         for r in reports:
             assert r["new_tokens"] == 1 and r["decode_steps"] == 0 and r["sparsity"] is None and r["kv_read"] is None
+            assert r["decode_tok_s"] is None and r["decode_ms_per_token"] is None  # no speed made up
     assert generate.main(["--prompt", prompts[0], "--model", str(tiny_dir), "--max-new-tokens", "1"]) == 0
-    assert "no decode step ran" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 new tokens, no decode step\n" in out and "no decode step ran for this prompt" in out
+
+
+def test_decode_speed_counts_decode_steps(tiny_dir, tmp_path, capsys, monkeypatch):
+    """tok/s and ms/token are over the decode steps, which the rows of a batch share, not the new tokens: the first
+    comes from the prefill's logits. A clock that advances 1 s a reading makes the decode take 1 s."""
+    clock = iter(range(10 ** 6))
+    monkeypatch.setattr(generate, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(clock))}))
+    prompts = [str(write_prompt(tmp_path, 40)), str(write_prompt(tmp_path, 60))]
+    for files in (prompts[:1], prompts):
+        argv = ["--prompt", *files, "--model", str(tiny_dir), "--max-new-tokens", "5", "--method", "dense"]
+        assert generate.main(argv + ["--json"]) == 0
+        for r in map(json.loads, capsys.readouterr().out.splitlines()):
+            assert (r["decode_s"], r["new_tokens"], r["decode_steps"]) == (1.0, 5, 4)
+            assert (r["decode_tok_s"], r["decode_ms_per_token"]) == (4.0, 250.0)
+        assert generate.main(argv) == 0
+        batch = ", a step of all 2 rows" if len(files) == 2 else ""
+        assert f"5 new tokens, 4.0 tok/s (250 ms/token{batch})" in capsys.readouterr().out
+
+
+def test_sampling_at_a_tiny_temperature_is_greedy_not_a_crash():
+    """Logits over a temperature of 1e-40 overflow fp32; taken from the row's max they leave the best token alone."""
+    logits = torch.randn(4, 1000) * 5
+    for t in (1e-40, 1e-300):
+        assert torch.equal(generate.sample(logits, t, generator=torch.Generator().manual_seed(0)), logits.argmax(-1))
+    assert torch.equal(generate.sample(logits, 1e-40, top_k=3), logits.argmax(-1))
 
 
 def test_each_method_runs_at_its_own_operating_point(tiny_dir, tmp_path, capsys):
@@ -355,8 +394,13 @@ def bom_jsonl(path):
 BEFORE_LOAD = [
     (["--temperature", "nan"], "--temperature must be a finite number"),
     (["--temperature", "inf"], "--temperature must be a finite number"),
-    (["--threads", "-1"], "--threads must be at least 1"),
-    (["--threads", "0"], "--threads must be at least 1"),
+    (["--threads", "-1"], "--threads must lie in [1, "),
+    (["--threads", "0"], "--threads must lie in [1, "),
+    (["--threads", "100000"], "--threads must lie in [1, "),  # torch.set_num_threads crashes the process there
+    (["--seed", "99999999999999999999999"], "--seed must lie in [0, 2**64)"),
+    (["--seed", "-1"], "--seed must lie in [0, 2**64)"),
+    (["--top-k", "5"], "--top-k samples among the k most likely tokens: it needs --temperature > 0"),
+    (["--model", ""], "--model is empty"),
     (["--max-context", "-5"], "--max-context must exceed --max-new-tokens"),
     (["--max-context", "0"], "--max-context must exceed --max-new-tokens"),
     (["--rope-theta", "nan"], "--rope-theta must be a positive number"),
