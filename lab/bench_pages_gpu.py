@@ -408,8 +408,7 @@ def main(argv=None) -> int:
     if smoke and not kernels.INTERPRETED:
         return fail("--interpret-smoke runs the kernels through Triton's interpreter: set TRITON_INTERPRET=1")
     if not smoke and not torch.cuda.is_available():
-        print("no CUDA", file=sys.stderr)
-        return 2
+        return fail("no CUDA here; --interpret-smoke (with TRITON_INTERPRET=1) runs the code paths on the CPU")
     device = torch.device("cpu" if smoke else "cuda")
     lengths, batches, budgets = ([int(x) for x in s.split(",")] for s in (args.lengths, args.batches, args.budgets))
     shapes, reps = SHAPES, args.reps

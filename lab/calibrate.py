@@ -72,6 +72,14 @@ def task_names(text: str) -> list[str]:
     return names
 
 
+def some_tasks(text: str) -> list[str]:
+    """lab.calibrate's --tasks: task_names, at least one (a calibration is fitted on some)."""
+    names = task_names(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"names no task, got {text!r}; give comma-separated names, e.g. fwe,vt")
+    return names
+
+
 def open_fraction(text: str) -> float:
     """--eps: a number in (0, 1) (an argparse type)."""
     try:
@@ -361,7 +369,7 @@ def main(argv=None) -> int:
     p = Parser(prog="python -m lab.calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for TASK.json and ruler.json (with --qada: masses.pt and "
                    "KIND.json); what it holds from other settings is refused unless --force")
-    p.add_argument("--tasks", required=True, type=task_names, help="comma-separated tasks")
+    p.add_argument("--tasks", required=True, type=some_tasks, help="comma-separated tasks")
     p.add_argument("--length", type=at_least(1), default=4096, help="prompt + answer token budget")
     p.add_argument("--samples", type=at_least(1), default=4, help="calibration prompts per task")
     p.add_argument("--seed", type=int, default=1, help="task seed (keep it different from the evaluation's 42)")

@@ -418,7 +418,7 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
 
 
 def main(argv=None) -> int:
-    p = Parser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m lab.peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="run folder for the records")
     p.add_argument("--tasks", required=True, help="comma-separated tasks (lab.tasks.TASKS)")
     p.add_argument("--length", type=int, default=8192, help="prompt token budget, as the sweep's")

@@ -81,7 +81,7 @@ from tqdm import tqdm
 
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, bulk_estimate,
                        path_inputs, summarize)
-from criterion import TAU, check_calibration, load_calibration, static_labels
+from criterion import TAU, check_calibration, check_tau, load_calibration, static_labels
 from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
@@ -132,7 +132,7 @@ def path_and_source(name: str) -> tuple[str, str | None]:
     if name in METHODS:
         return METHODS[name]
     if name not in PATHS:
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(list(PATHS) + list(METHODS))}")
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(dict.fromkeys([*PATHS, *METHODS]))}")
     reads = [i for i in DEFAULT_SOURCE if i in path_inputs(name)]
     return name, DEFAULT_SOURCE[reads[0]] if reads else None
 
@@ -686,6 +686,20 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         if not any(name in path_inputs(path_and_source(c.method)[0]) for c in configs + abl):
             raise ValueError(f"--set {name}: no path of --methods reads it")
     every = configs + abl + (ctxfree if ctxfree_samples else [])
+    if not every:
+        raise ValueError("nothing to run: --methods and --ablations give no configuration (an empty grid?) and "
+                         "--ctxfree-samples is 0")
+    graded = {c.method for c in configs if c.threshold is not None} | ({"qada_rw"} if ctxfree_samples else set())
+    for name in grids:  # a grid that no configuration takes is refused, not silently left unused
+        if name not in graded:
+            raise ValueError(f"--grid {name}=...: {name} is not among --methods with a threshold (the context-free "
+                             "runs take qada_rw's), so its grid would not be used")
+    for c in every:  # a tau of 0 passes the grids' [0, 1]: refused now, not once the model is loaded
+        if threshold_kind(c.method) == "tau":
+            try:
+                check_tau(c.threshold)
+            except ValueError as e:
+                raise ValueError(f"{c.method} (--taus, --ablation-taus or --grid): {e}") from None
     read = calibration_files(every, {"": calibration, "transfer-": calibration_transfer})
     for flag, given, prefix in (("--calibration", calibration, ""), ("--calibration-transfer", calibration_transfer,
                                                                       "transfer-")):
@@ -864,6 +878,8 @@ def main(argv=None) -> int:
         for k, v in QUICK.items():
             if k not in given:
                 setattr(args, k, v)
+        if "grid" not in given:  # the quick grids of the methods run
+            args.grid = [g for g in args.grid if g.split("=")[0] in args.methods.split(",")]
     try:
         args.device = pick_device(args.device)
         with process_group(args.device):

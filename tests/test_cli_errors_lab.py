@@ -296,6 +296,10 @@ SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
     (["--shard", "2/2"], "argument --shard: takes K/N"),
     (["--n-sink", "128"], "--n-sink"),
     (["--tasks", "", "--ctxfree-samples", "0"], "nothing to decode"),
+    (["--methods", "qada", "--taus", "", "--track", ""], "nothing to run: --methods and --ablations give no"),
+    (["--grid", "oracle=0.6"], "--grid oracle=...: oracle is not among --methods with a threshold"),
+    (["--methods", "dense,qada", "--taus", "0,0.6"], "qada (--taus, --ablation-taus or --grid): tau must lie in"),
+    (["--ablations", "oracle", "--ablation-taus", "0"], "oracle (--taus, --ablation-taus or --grid): tau must"),
     (["--methods", "dense,qada_cal"], "qada_cal reads the affine calibration: give --calibration"),
     (["--methods", "dense,qada_cal", "--calibration", "{empty}"], "{empty}: the folder holds no affine.json"),
     (["--methods", "dense,qada_cal", "--calibration", "{missing}"], "{missing}: no such file or folder"),
@@ -326,6 +330,8 @@ REPORT = [  # (argv, what the line names)
 CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
     (["--out", "{empty}"], "the following arguments are required: --tasks"),
     (["--tasks", "nope", "--out", "{empty}"], "unknown task 'nope'"),
+    (["--tasks", "", "--out", "{empty}"], "argument --tasks: names no task"),
+    (["--tasks", ",", "--qada", "--out", "{empty}"], "argument --tasks: names no task"),
     (["--tasks", "fwe", "--samples", "0", "--out", "{empty}"], "argument --samples: must be at least 1"),
     (["--tasks", "fwe", "--threads", "-1", "--out", "{empty}"], "argument --threads"),
     (["--tasks", "fwe", "--eps", "nan", "--out", "{empty}"], "argument --eps: must lie in (0, 1)"),
@@ -387,3 +393,18 @@ def test_help_shows_each_default_once_and_no_flag_default(cli, capsys):
     assert "(default: True)" not in text and "(default: False)" not in text and "(default: None)" not in text
     for option in text.split(" --")[1:]:  # each option's entry, roughly
         assert option.count("default") <= 1, option
+
+
+def test_quick_keeps_the_grids_of_the_methods_it_runs(tmp_path, tiny_dir, no_model, capsys):
+    """--quick's own grids (oracle, qada_prompt) go with its default methods: with --methods of others they are
+    dropped, not refused as grids no configuration takes (the calibration's refusal comes next instead)."""
+    rc = sweep.main(["--quick", "--methods", "dense,local", "--out", str(tmp_path / "out"), "--model", str(tiny_dir),
+                     "--device", "cpu", "--calibration", str(tmp_path)])
+    one_line(capsys, rc, "no method of --methods reads it")
+
+
+def test_an_unknown_method_lists_each_choice_once():
+    with pytest.raises(ValueError) as e:
+        sweep.path_and_source("nope")
+    names = str(e.value).split("choose from ")[1].split(", ")
+    assert len(names) == len(set(names)) and {"qada_cal", "static", "static_oracle"} <= set(names)
