@@ -770,7 +770,8 @@ class DecodeAttention:
         missing = [name for name in reads if name != "layer" and given.get(name) is None]
         if missing:
             raise ValueError(f"the {self.method} path reads {', '.join(missing)}; give "
-                             + ", ".join(f"--set {m}=VALUE" for m in missing) + " (or build_attention's keywords)")
+                             + ", ".join(f"--set {m}=VALUE" for m in missing) + " on the command line (in Python: "
+                             "build_attention's keywords)")
         self.with_layer = "layer" in reads
         self.inputs = {name: given[name] for name in reads if name != "layer"}  # exactly what the path reads
         if "tau" in self.inputs:

@@ -317,7 +317,9 @@ def load_local_freq(path: str | Path) -> tuple[torch.Tensor, dict]:
     try:
         data = json.loads(path.read_text())
         return torch.tensor(data["local_freq"], dtype=torch.float32), dict(data["settings"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except KeyError as e:
+        raise ValueError(f"{path} is not a static labels file: it has no {e} entry") from None
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
         raise ValueError(f"{path} is not a static labels file: {e}") from None
 
 

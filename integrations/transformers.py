@@ -126,6 +126,11 @@ class HFAttention:
             inputs["tau"] = self.tau
         if inputs.get("static_local") is not None:
             inputs["static_local"] = inputs["static_local"].to(device)
+        made_here = ("layer", "n_sink", "n_local", "tau", "moments", "calibration", "pages")  # the rest is the caller's
+        missing = [name for name in reads if name not in made_here and inputs.get(name) is None]
+        if missing:  # said now, not at the first generate
+            raise ValueError(f"the {method} path reads {', '.join(missing)}: give enable(model, {method!r}, "
+                             + ", ".join(f"{name}=..." for name in missing) + ")")
         words = reference_words(self.moments_source) if "moments" in reads and self.moments_source else None
         self.reference = None  # Option 2: the reference prompt's keys, run through this very function
         if words:

@@ -213,6 +213,9 @@ def test_what_enable_and_disable_refuse(sharp_dir):
                             (dict(method="qada"), "give enable\\(model, tokenizer=...\\)"),
                             (dict(method="qada", tau=1.5, moments="prompt"), "tau"),
                             (dict(method="qada", moments="other"), "unknown moments source"),
+                            (dict(method="quest"), "the quest path reads budget: give enable\\(model, 'quest', "
+                                                   "budget=...\\)"),
+                            (dict(method="static"), "the static path reads static_local: give"),
                             (dict(method="qada_cal", tokenizer=tok, calibration=random_calibration(L=3)),
                              "the model has \\(2, 4\\)")]:
         with pytest.raises(ValueError, match=message):

@@ -217,6 +217,9 @@ def test_static_labels_pick_the_most_often_local_heads(tmp_path):
     assert settings == {"tau": 0.6, "model": "x"} and labels.sum() == 3 and labels[0, 0] and labels[1, 1]
     with pytest.raises(FileNotFoundError):
         load_labels(tmp_path / "missing.json", 0.5)
+    (tmp_path / "other.json").write_text('{"settings": {}}')  # some other JSON: the entry it lacks, named in words
+    with pytest.raises(ValueError, match="other.json is not a static labels file: it has no 'local_freq' entry$"):
+        load_labels(tmp_path / "other.json", 0.5)
 
 
 # --- statistics ----------------------------------------------------------------------------------------------
