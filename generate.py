@@ -40,6 +40,7 @@ from weights.downloads import cache_dir
 
 GRAPH_CHOICES = ("auto", "off")  # --cuda-graphs
 COMPILE_CHOICES = ("off", "on")  # --compile
+STATIC_SPARSITY = 0.5  # --method static's share of local heads when --static-sparsity is not given
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
@@ -277,7 +278,7 @@ def default_tau(method: str, calibration) -> tuple[float | None, str]:
 
 
 def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int, temperature: float,
-               top_k: int | None, static_sparsity: float, rope_theta: float | None, max_context: int | None,
+               top_k: int | None, static_sparsity: float | None, rope_theta: float | None, max_context: int | None,
                threads: int | None, method: str, moments_source: str | None, static_labels: str | None,
                calibration: str | None, inputs: dict, cuda_graphs: str = "auto", compiled: str = "off",
                model: str | None = None, seed: int = 0, **_) -> None:
@@ -304,7 +305,9 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
         raise ValueError(f"--seed must lie in [0, 2**64), got {seed}")
     if model is not None and not model.strip():
         raise ValueError("--model is empty: give a named model, a model folder or a hub id (or leave it out)")
-    if not 0 <= static_sparsity <= 1:
+    if static_sparsity is not None and "static_local" not in reads:
+        raise ValueError(f"--static-sparsity: the {method} path reads no static labels (--method static does)")
+    if static_sparsity is not None and not 0 <= static_sparsity <= 1:
         raise ValueError(f"--static-sparsity must lie in [0, 1], got {static_sparsity}")
     if rope_theta is not None and not (math.isfinite(rope_theta) and rope_theta > 0):
         raise ValueError(f"--rope-theta must be a positive number, got {rope_theta}")
@@ -453,7 +456,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
               device: str | None = None, dtype: str = "float32", rope_theta: float | None = None,
               max_context: int | None = None, seed: int = 0, temperature: float = 0.0, top_k: int | None = None,
               method: str = "qada", tau: float | None = None, moments_source: str | None = None, n_sink: int = 16,
-              n_local: int = 128, static_labels: str | None = None, static_sparsity: float = 0.5,
+              n_local: int = 128, static_labels: str | None = None, static_sparsity: float | None = None,
               calibration: str | None = None, threads: int | None = None, progress: bool = True,
               cuda_graphs: str = "auto", compiled: str = "off", **inputs) -> list[dict]:
     """Everything the CLI does for the prompt files `prompts`, decoded as one batch: a report per prompt.
@@ -472,7 +475,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         if calibration is None:
             raise ValueError(f"--method {method} needs --calibration FILE (made by python -m lab.calibrate --qada); "
                              "the named models that ship one use it by default")
-    sources = read_sources(method, static_labels, static_sparsity, calibration, moments_source, n_sink, n_local)
+    sources = read_sources(method, static_labels, STATIC_SPARSITY if static_sparsity is None else static_sparsity,
+                           calibration, moments_source, n_sink, n_local)
     if moments_source is None:  # a correction fixes the moments it corrects; else the paper's default, Option 2
         c = sources["calibration"]
         moments_source = c.settings.get("moments_source", "random-words") if c is not None else "random-words"
@@ -634,8 +638,8 @@ def main(argv=None) -> int:
                    "(default: %(default)s)")
     p.add_argument("--static-labels", default=None, metavar="FILE_OR_DIR", help="oracle statistics for --method "
                    "static: a file, or a folder of python -m lab.calibrate (its ruler.json)")
-    p.add_argument("--static-sparsity", type=float, default=0.5, help="fraction of heads made local by --method static "
-                   "(default: %(default)s)")
+    p.add_argument("--static-sparsity", type=float, default=None, help="fraction of heads made local by --method "
+                   f"static (default: {STATIC_SPARSITY})")
     p.add_argument("--calibration", default=None, metavar="FILE_OR_DIR", help="QAdA's correction for the qada*_cal "
                    "paths: a file, or a folder of python -m lab.calibrate --qada (its affine.json; sampled.json for "
                    "the sampled paths); default: the one a named model ships with")

@@ -401,6 +401,8 @@ BEFORE_LOAD = [
     (["--seed", "-1"], "--seed must lie in [0, 2**64)"),
     (["--top-k", "5"], "--top-k samples among the k most likely tokens: it needs --temperature > 0"),
     (["--model", ""], "--model is empty"),
+    (["--static-sparsity", "0.7"], "--static-sparsity: the qada path reads no static labels"),  # not ignored
+    (["--method", "static", "--static-sparsity", "1.5"], "--static-sparsity must lie in [0, 1]"),
     (["--max-context", "-5"], "--max-context must exceed --max-new-tokens"),
     (["--max-context", "0"], "--max-context must exceed --max-new-tokens"),
     (["--rope-theta", "nan"], "--rope-theta must be a positive number"),
