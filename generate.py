@@ -534,16 +534,27 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     refusal = graph_refusal(cuda_graphs, device, [r[3] for r in rows], [len(r[0]) for r in rows], net)
     if compiled == "on":
         net.compile_pointwise()  # compiles at the first step, inside the decode time
+    read_at = {}  # new tokens a row holds -> when the step that made the last was read back (the first row asked)
+
+    def clock(new_ids: list[int]) -> bool:  # the loops' stop rule, asked once a step's tokens are on the host
+        read_at.setdefault(len(new_ids), time.perf_counter())
+        return False  # never ends a row
+
     t0 = time.perf_counter()
     if refusal is None:  # the first step at each view includes its capture
         new = decode_static(net, cache, logits, max_new_tokens, [r[3] for r in rows], tok.eos_ids, temperature, top_k,
-                            generator, progress, capture=device.type == "cuda")
+                            generator, progress, finished=clock, capture=device.type == "cuda")
     else:
         new = decode_batch(net, cache, logits, max_new_tokens, attention, tok.eos_ids, temperature, top_k, generator,
-                           progress)
-    times["decode_s"] = time.perf_counter() - t0
-    # the batch's decode steps, which the rows share: each row's first token came from its prefill's logits
+                           progress, finished=clock)
+    end = time.perf_counter()
+    times["decode_s"] = end - t0
+    # the batch's decode steps, which the rows share: each row's first token came from its prefill's logits. The
+    # first step is timed apart: on a GPU it compiles the kernels (and captures the first graph), seconds that a
+    # longer generation spreads thinner; the speed is the steps' after it (or the first's, when it is the only one)
     steps = max(len(n) for n in new) - 1
+    first_s = (read_at.get(2, end) - t0) if steps else None
+    step_s = (end - read_at[2]) / (steps - 1) if steps > 1 else first_s
 
     reports = []
     for (name, _), (ids, _, prefill_s, att), out in zip(named, rows, new):
@@ -557,9 +568,11 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
             "moments_s": round(times["moments_s"], 2), "batch": len(rows), "prompt_tokens": len(ids),
             "prefill_s": round(prefill_s, 2), "batch_prefill_s": round(times["prefill_s"], 2),
             "decode_s": round(times["decode_s"], 2), "new_tokens": len(out),
-            # per row (a step decodes every live row at once), over the decode steps: None when none ran
-            "decode_tok_s": round(steps / times["decode_s"], 2) if steps and times["decode_s"] > 0 else None,
-            "decode_ms_per_token": round(1000 * times["decode_s"] / steps, 1) if steps else None,
+            # per row (a step decodes every live row at once), over the decode steps after the first: None when
+            # none ran
+            "decode_tok_s": round(1 / step_s, 2) if step_s else None,
+            "decode_ms_per_token": round(1000 * step_s, 1) if steps else None,
+            "decode_first_step_ms": round(1000 * first_s, 1) if steps else None,
             "peak_memory_mb": round(peak_memory_mb(device)), "sparsity": stats["sparsity"], "kv_read": stats["kv_read"],
             "decode_steps": stats["steps"], "layer_sparsity": stats.get("layer_sparsity"), "new_token_ids": out,
             "cuda_graphs": "on: one graph per bucket of lengths" if refusal is None else f"off: {refusal}",
@@ -589,7 +602,8 @@ def print_report(r: dict) -> None:
     else:
         per_step = f", a step of all {r['batch']} rows" if r["batch"] > 1 else ""
         speed = "n/a" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}"
-        speed = f"{speed} tok/s ({r['decode_ms_per_token']:.0f} ms/token{per_step})"
+        speed = (f"{speed} tok/s ({r['decode_ms_per_token']:.0f} ms/token{per_step}; the first step "
+                 f"{r['decode_first_step_ms']:.0f} ms)")
     print(f"prompt {r['prompt_tokens']} tokens | {r['new_tokens']} new tokens, {speed}")
     prefill = r["batch_prefill_s"] if r["batch"] > 1 else r["prefill_s"]
     total = r["load_s"] + r["moments_s"] + prefill + r["decode_s"]

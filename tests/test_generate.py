@@ -285,21 +285,39 @@ def test_zero_decode_steps_report_instead_of_crashing(tiny_dir, tmp_path, capsys
     assert "1 new tokens, no decode step\n" in out and "no decode step ran for this prompt" in out
 
 
-def test_decode_speed_counts_decode_steps(tiny_dir, tmp_path, capsys, monkeypatch):
-    """tok/s and ms/token are over the decode steps, which the rows of a batch share, not the new tokens: the first
-    comes from the prefill's logits. A clock that advances 1 s a reading makes the decode take 1 s."""
-    clock = iter(range(10 ** 6))
-    monkeypatch.setattr(generate, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(clock))}))
+def test_decode_speed_counts_decode_steps_after_the_first(tiny_dir, tmp_path, capsys, monkeypatch):
+    """tok/s and ms/token are over the decode steps, which the rows of a batch share, not the new tokens (the first
+    comes from the prefill's logits), and after the first step, which is reported apart (on a GPU it compiles the
+    kernels and captures a graph). A clock that only the model's decode steps advance: 10 s the first, 1 s each
+    after it."""
+    import model as model_module
+    now = [0.0]
+    monkeypatch.setattr(generate, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    step = model_module.Llama.decode_step
+
+    def timed_step(self, *args, **kwargs):
+        now[0] += 1.0 if now[0] else 10.0
+        return step(self, *args, **kwargs)
+    monkeypatch.setattr(model_module.Llama, "decode_step", timed_step)
     prompts = [str(write_prompt(tmp_path, 40)), str(write_prompt(tmp_path, 60))]
     for files in (prompts[:1], prompts):
         argv = ["--prompt", *files, "--model", str(tiny_dir), "--max-new-tokens", "5", "--method", "dense"]
-        assert generate.main(argv + ["--json"]) == 0
-        for r in map(json.loads, capsys.readouterr().out.splitlines()):
-            assert (r["decode_s"], r["new_tokens"], r["decode_steps"]) == (1.0, 5, 4)
-            assert (r["decode_tok_s"], r["decode_ms_per_token"]) == (4.0, 250.0)
-        assert generate.main(argv) == 0
-        batch = ", a step of all 2 rows" if len(files) == 2 else ""
-        assert f"5 new tokens, 4.0 tok/s (250 ms/token{batch})" in capsys.readouterr().out
+        for as_json in (True, False):
+            now[0] = 0.0
+            assert generate.main(argv + ["--json"] * as_json) == 0
+            out = capsys.readouterr().out
+            if as_json:
+                for r in map(json.loads, out.splitlines()):
+                    assert (r["decode_s"], r["new_tokens"], r["decode_steps"]) == (13.0, 5, 4)
+                    assert (r["decode_first_step_ms"], r["decode_tok_s"], r["decode_ms_per_token"]) == (
+                        10000.0, 1.0, 1000.0)
+            else:
+                batch = ", a step of all 2 rows" if len(files) == 2 else ""
+                assert f"5 new tokens, 1.0 tok/s (1000 ms/token{batch}; the first step 10000 ms)" in out
+    now[0] = 0.0  # one decode step: the speed is its own
+    assert generate.main(["--prompt", prompts[0], "--model", str(tiny_dir), "--max-new-tokens", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["decode_first_step_ms"], r["decode_ms_per_token"], r["decode_tok_s"]) == (10000.0, 10000.0, 0.1)
 
 
 def test_sampling_at_a_tiny_temperature_is_greedy_not_a_crash():
