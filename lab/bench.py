@@ -84,7 +84,7 @@ from lab.calibrate import calibration_file
 from lab.cli import Parser, at_least, fail, fresh_folder, ints, positive_float
 from model import KVCache, LlamaConfig
 from moments import FixedMoments, ReferenceKeys
-from weights.checkpoints import DEFAULT, DTYPES, load, shipped_calibration
+from weights.checkpoints import DEFAULT, DTYPES, load, resolve, shipped_calibration
 from weights.downloads import cache_dir
 
 N_SINK, N_LOCAL = 16, 128
@@ -705,6 +705,8 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
             raise ValueError(f"--out {out} is a file; give a folder")
         if prefill_cache and Path(prefill_cache).exists() and not Path(prefill_cache).is_dir():
             raise ValueError(f"--prefill-cache {prefill_cache} is a file; give a folder")
+        if parts in ("e2e", "all"):  # a model that is not to be had: said now, not after the attention part's minutes
+            resolve(model, progress=False)
         if threads:
             torch.set_num_threads(threads)
     except (OSError, ValueError, argparse.ArgumentTypeError) as e:

@@ -355,6 +355,8 @@ BENCH = [  # (argv after --device cpu, what the line names)
     (["--prefill-only", "--parts", "e2e"], "--prefill-only fills --prefill-cache"),
     (["--out", "{a_file}"], "is a file"),
     (["--lengths", "2048,50"], "each length must exceed the window (128), got '2048,50'"),
+    (["--model", "{missing}"], "no such folder"),  # before the attention part runs (no_model fails it)
+    (["--model", "{empty}", "--parts", "e2e"], "has no config.json"),
 ]
 CASES = ([("sweep", a, m) for a, m in SWEEP] + [("report", a, m) for a, m in REPORT]
          + [("calibrate", a, m) for a, m in CALIBRATE] + [("bench", a, m) for a, m in BENCH])
