@@ -709,10 +709,13 @@ def dense_table(root: str | Path, on_damage=None) -> str:
         settings = read_run(meta.parent)["settings"]
         rows = [r for r in read_records(meta.parent, on_damage) if r.get("method") == "dense" and r.get("score") is not None]
         if rows:
-            runs.append((settings.get("model") or "smollm2-135m", settings["length"], settings.get("dtype", "float32"), rows))
+            runs.append((settings.get("model") or "smollm2-135m", settings["length"], settings.get("dtype", "float32"),
+                         rows, meta.parent.name))
     runs.sort(key=lambda run: (run[0], run[1]))
+    runs, folders = [run[:4] for run in runs], [run[4] for run in runs]
     tasks = [t for t in TASK_ORDER if any(r["task"] == t for *_, rows in runs for r in rows)]
-    head = [f"{m} {n // 1024}k" for m, n, _, _ in runs]
+    names = [f"{m} {n // 1024}k" if n % 1024 == 0 else f"{m} {n}" for m, n, _, _ in runs]
+    head = [f"{name} ({folder})" if names.count(name) > 1 else name for name, folder in zip(names, folders)]
     lines = ["# Dense score per task (x100, mean over n samples) and seconds per sample", "",
              f"`python -m lab.report --dense-table {root}`; dtype {', '.join(sorted({d for _, _, d, _ in runs}))}. "
              "s/sample = median of prefill + decode seconds.", "",

@@ -410,3 +410,13 @@ def test_an_unknown_method_lists_each_choice_once():
         sweep.path_and_source("nope")
     names = str(e.value).split("choose from ")[1].split(", ")
     assert len(names) == len(set(names)) and {"qada_cal", "static", "static_oracle"} <= set(names)
+
+
+def test_the_dense_table_names_each_run_apart(tmp_path):
+    """lab.report --dense-table: a length that is no multiple of 1024 in tokens (not 512 as "0k"), and runs of one
+    model and length told apart by their folders."""
+    body = b"".join(LINES)
+    for folder, length in (("a", 512), ("b", 2048), ("c", 2048)):
+        run_folder(tmp_path / folder, body, settings={"tasks": ["fwe"], "model": "m", "length": length})
+    head = report.dense_table(tmp_path).splitlines()[4]
+    assert head == "| task | m 512 | m 2k (b) | m 2k (c) |", head
