@@ -627,6 +627,15 @@ def window_launch(w_pad: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return launch
 
 
+def caller_buffer(name: str, x: torch.Tensor, shape: tuple, dtype: torch.dtype, what: str = "") -> torch.Tensor:
+    """x, a caller's buffer that the kernels write in place (fused_qada's `arrived`, fused_pages' `read_out`):
+    ValueError unless it is contiguous, of `shape` and `dtype`."""
+    if x.shape != shape or x.dtype != dtype or not x.is_contiguous():
+        raise ValueError(f"{name}: a contiguous {shape} {str(dtype).removeprefix('torch.')} tensor{what}, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    return x
+
+
 def window_buffers(launch: dict, B: int, H: int, Hkv: int, D: int, arrived: torch.Tensor | None, dummy: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """What the window kernel's launch needs beyond the step's own buffers: the groups' arrival counts (B, Hkv) int32
@@ -639,10 +648,7 @@ def window_buffers(launch: dict, B: int, H: int, Hkv: int, D: int, arrived: torc
     parts = 1 + (D // launch["BLOCK_D"] if apart else 0)
     sums = torch.empty(B, H, parts - 1, device=dummy.device, dtype=torch.float32) if apart else dummy
     if arrived is not None:
-        if arrived.shape != (B, Hkv) or arrived.dtype != torch.int32 or not arrived.is_contiguous():
-            raise ValueError(f"arrived: a contiguous ({B}, {Hkv}) int32 tensor at zero, got {arrived.dtype} "
-                             f"{tuple(arrived.shape)}")
-        return arrived, sums, parts
+        return caller_buffer("arrived", arrived, (B, Hkv), torch.int32, " at zero"), sums, parts
     make = torch.zeros if apart else torch.empty
     return make(B, Hkv, device=dummy.device, dtype=torch.int32), sums, parts
 
@@ -959,10 +965,8 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     if read_out is not None and not with_read:
         raise ValueError("read_out is counted into with with_read only")
     if with_read:
-        counts = torch.empty(B, Hkv, device=dev, dtype=torch.int64) if read_out is None else read_out
-        if counts.shape != (B, Hkv) or counts.dtype != torch.int64 or not counts.is_contiguous():
-            raise ValueError(f"read_out: a contiguous ({B}, {Hkv}) int64 tensor, got {counts.dtype} "
-                             f"{tuple(counts.shape)}")
+        counts = torch.empty(B, Hkv, device=dev, dtype=torch.int64) if read_out is None else \
+            caller_buffer("read_out", read_out, (B, Hkv), torch.int64)
     record, step, sts, has_history = history_operands(history, B, H, dummy)
     _window_decide_kernel[(B, Hkv, parts)](
         q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
