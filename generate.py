@@ -22,6 +22,7 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -164,6 +165,20 @@ def decode_static(model, cache, logits, max_new_tokens: int, rows: list, eos_ids
     lengths = [[T0 + 1 + s - (start[b] if start else 0) for s in range(n)] for b in range(B)]  # T per step, per row
     static.stats(rows, [max(len(out) - 1, 0) for out in outs], lengths)
     return outs
+
+
+def step_clock() -> tuple[dict[int, float], Callable[[list[int]], bool]]:
+    """(read_at, clock): `clock` a stop rule for decode_batch and decode_static (their `finished`) that ends no row,
+    asked once a step's tokens are on the host, and notes in read_at {new tokens a row holds: when the step that made
+    the last was read back} (the first row asked): one time per step, with no sync of its own (how run_batch and
+    lab.bench_gpu time the steps)."""
+    read_at = {}
+
+    def clock(new_ids: list[int]) -> bool:
+        read_at.setdefault(len(new_ids), time.perf_counter())
+        return False
+
+    return read_at, clock
 
 
 def step_attention(static: StaticAttention, head_dim: int, device: torch.device) -> StaticAttention | None:
@@ -534,12 +549,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     refusal = graph_refusal(cuda_graphs, device, [r[3] for r in rows], [len(r[0]) for r in rows], net)
     if compiled == "on":
         net.compile_pointwise()  # compiles at the first step, inside the decode time
-    read_at = {}  # new tokens a row holds -> when the step that made the last was read back (the first row asked)
-
-    def clock(new_ids: list[int]) -> bool:  # the loops' stop rule, asked once a step's tokens are on the host
-        read_at.setdefault(len(new_ids), time.perf_counter())
-        return False  # never ends a row
-
+    read_at, clock = step_clock()
     t0 = time.perf_counter()
     if refusal is None:  # the first step at each view includes its capture
         new = decode_static(net, cache, logits, max_new_tokens, [r[3] for r in rows], tok.eos_ids, temperature, top_k,

@@ -93,7 +93,7 @@ import kernels
 from attention import (BatchAttention, DecodeAttention, HeadStats, StaticAttention, page_size, path_inputs,
                        qada_rule)
 from criterion import TAU, Calibration
-from generate import decode_batch, decode_static, graph_view, pick_device, step_attention
+from generate import decode_batch, decode_static, graph_view, pick_device, step_attention, step_clock
 from lab.bench import full_pattern, ideal_speedup, lengths_above_window, pattern_moments, qada_kernel
 from lab.cli import Parser, at_least, fail, fresh_folder, ints
 from model import KVCache, Llama, LlamaConfig
@@ -264,12 +264,7 @@ def step_ms(decode, reset, n: int) -> tuple[float, float, float]:
     the n steps after the first, which pays a graph's capture (the steps the tables time replay it). One run: the
     capture's cost, which pairs of runs were meant to cancel, never enters. An untimed run of 2 tokens first compiles
     what the loop launches; reset() rolls the cache back to T before each run."""
-    stamps = {}  # tokens each row holds -> when the step that gave the last was read (by the first row's call)
-
-    def clock(new_ids: list[int]) -> bool:
-        stamps.setdefault(len(new_ids), time.perf_counter())
-        return False  # never ends a row
-
+    stamps, clock = step_clock()  # tokens each row holds -> when the step that gave the last was read
     reset()
     decode(2)
     reset()
