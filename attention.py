@@ -4,7 +4,7 @@ oracle decided per KV group, QAdA with a calibrated estimate and QAdA with the b
 selection, Quest (Tang et al. 2024) alone and inside calibrated QAdA's long-context groups (ours), over pages.py.
 
 Reading order: `qada` (Listing 1) -> criterion.qada_labels (Eq. 7) -> moments.KeyMoments.quadratic_form (Eq. 6) ->
-`window_attention` and `mixed_attention` (what is read). kernels.py is the same decode step fused in Triton.
+`window_attention` and `mixed_attention` (what is read). decode_kernels.py is the same decode step fused in Triton.
 
 A path is one function `path(q, k, v, **inputs) -> (y, labels)` for one layer and one decoded token of one row:
 q (H, D) is the rotated query, k and v (Hkv, T, D) are the layer's filled KV cache, y (H, D) is the attention
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussian_log_bulk, local_labels,
                        oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
-from kernels import dense_flags, fused, fused_dense, fused_pages, fused_qada, kernel_thresholds
+from decode_kernels import dense_flags, fused, fused_dense, fused_pages, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 from pages import PAGE_SIZE, PageIndex, candidates, group_ranking, page_count, page_positions, stacked, upper_bounds
 
@@ -84,7 +84,7 @@ def qada(q, k, v, *, layer, n_sink, n_local, tau, moments, rule=None, correction
     """Listing 1: the window's scores, the Gaussian estimate of the bulk (Eq. 7), then full attention for the
     long-context heads only. With a `rule`, one decision per KV group (ours): a group labelled long-context reads
     its KV head once for all G query heads, a local group reads its window only. `correction`: qada_cal's.
-    (run_path takes the same step fused, kernels.fused_qada, where kernels.fused says so.)"""
+    (run_path takes the same step fused, decode_kernels.fused_qada, where decode_kernels.fused says so.)"""
     y_window, log_local = window_attention(q, k, v, n_sink, n_local)
     T = k.shape[1]
     if T <= n_local:  # no bulk: the window is the whole context, every head is exact and local
@@ -698,9 +698,9 @@ def reference_attention(q, k, v, labels, n_sink, n_local):
 def run_path(method: str, q, k, v, **inputs) -> tuple[torch.Tensor, ...]:
     """One row's decode step through the path registered as `method`, given what it reads (path_inputs, layer
     included): (y, labels), or (y, labels, read) from a path that reports its read. A qada path (qada_rule) with a
-    bulk to decide on takes the fused kernel where kernels.fused says so: the same labels and output, decided and
+    bulk to decide on takes the fused kernel where decode_kernels.fused says so: the same labels and output, decided and
     skipped on the device with nothing read back to the host; so does a page path (page_kind), its pages chosen and
-    gathered there (kernels.fused_pages)."""
+    gathered there (decode_kernels.fused_pages)."""
     is_qada, rule = qada_rule(method)
     if is_qada and fused(q) and k.shape[1] > inputs["n_local"]:
         layer, calibration = inputs["layer"], inputs.get("calibration")
@@ -723,22 +723,23 @@ def _one_row(device: torch.device, tau: float | None) -> tuple[torch.Tensor, tor
 
 def page_kind(method: str):
     """quest or qada_pages when the path registered as `method` is one of them (any page size, budget unit or
-    combination of bounds), the page paths kernels.fused_pages runs; else None."""
+    combination of bounds), the page paths decode_kernels.fused_pages runs; else None."""
     path = getattr(PATHS[method], "func", PATHS[method])  # a registry entry is the function or a partial of it
     return path if path in (quest, qada_pages) else None
 
 
 def page_options(method: str, inputs: dict) -> dict:
-    """kernels.fused_pages' page settings for the page path registered as `method`, given the inputs it reads: its
-    page_size, its budget (tokens) or budget_frac, and how a group combines its heads' bounds (Quest ignores it)."""
+    """decode_kernels.fused_pages' page settings for the page path registered as `method`, given the inputs it reads:
+    its page_size, its budget (tokens) or budget_frac, and how a group combines its heads' bounds (Quest ignores it)."""
     return dict(page_size=page_size(method), budget=inputs.get("budget"), budget_frac=inputs.get("budget_frac"),
                 combine=getattr(PATHS[method], "keywords", {}).get("combine", "max"))
 
 
 def fused_page_step(method: str, q, k, v, *, layer, n_sink, n_local, pages, budget=None, budget_frac=None, tau=None,
                     moments=None, calibration=None):
-    """One row's step of a page path (Quest alone, or QAdA + pages) in kernels.fused_pages: the same labels, pages and
-    read as the torch path, the choice and the gather on the device. (y, labels, read) as the path returns them."""
+    """One row's step of a page path (Quest alone, or QAdA + pages) in decode_kernels.fused_pages: the same labels,
+    pages and read as the torch path, the choice and the gather on the device. (y, labels, read) as the path returns
+    them."""
     options = page_options(method, dict(budget=budget, budget_frac=budget_frac))
     P = options["page_size"]
     lo, hi = index_bounds(pages, P, layer, k, candidates(k.shape[1], n_sink, n_local, P))  # (Hkv, m, D) each
@@ -831,7 +832,7 @@ class BatchAttention:
     When every row runs the same `qada` or `qada_cal` path (qada_rule) with fixed moments (and one calibration), the
     decision is taken for all rows at once (qada_rows): one window pass and one Gaussian term for the batch instead of
     one per row, each row with its own moments, context length and tau; each row's full heads are then read on its
-    own (or every row in kernels.fused_qada). Likewise every row on one page path (page_batchable: quest or
+    own (or every row in decode_kernels.fused_qada). Likewise every row on one page path (page_batchable: quest or
     qada_pages, any entry) takes its step in page_rows, all rows' windows, decisions and pages at once. `batched=False`
     keeps the row-by-row path, which the tests hold the batched ones to."""
     rows: list[DecodeAttention]
@@ -976,21 +977,21 @@ class StaticAttention:
     model), and a labels buffer that each step's window kernel writes at a device step index (the kernels'
     `history`) instead of appending to Python lists.
 
-    The qada paths run kernels.fused_qada on views that reach past the filled length (the cache's `view`), T read
-    from `length`: a local group's cache is still not read. The page paths run kernels.fused_pages on the same views,
-    with every row's page statistics stacked in one buffer per layer (pages.stacked), into which each step's window
-    kernel folds the key it appended (fused_pages' `fold`), and the entries each (row, KV head) read counted by the
-    kernels into one step's buffer (fused_pages' `read_out`), copied into a record beside the labels once per step.
-    Dense (where kernels.fused says the kernel runs; else generate.step_attention gives the model its own dense
-    decoding instead of this) runs kernels.fused_dense on the same views, every group read and no decision, its labels
-    all False (kernels.dense_flags, made once). BatchAttention's rows keep their statistics: `stats` hands each row
-    its live steps once decoding is over."""
+    The qada paths run decode_kernels.fused_qada on views that reach past the filled length (the cache's `view`), T read
+    from `length`: a local group's cache is still not read. The page paths run decode_kernels.fused_pages on the same
+    views, with every row's page statistics stacked in one buffer per layer (pages.stacked), into which each step's
+    window kernel folds the key it appended (fused_pages' `fold`), and the entries each (row, KV head) read counted by
+    the kernels into one step's buffer (fused_pages' `read_out`), copied into a record beside the labels once per step.
+    Dense (where decode_kernels.fused says the kernel runs; else generate.step_attention gives the model its own dense
+    decoding instead of this) runs decode_kernels.fused_dense on the same views, every group read and no decision, its
+    labels all False (decode_kernels.dense_flags, made once). BatchAttention's rows keep their statistics: `stats` hands
+    each row its live steps once decoding is over."""
     method: str
     n_sink: int
     n_local: int
     rule: str | None
     forms: list  # per layer: (A (B, Hkv, D, D), b (B, Hkv, D)) fp32, each row's Eq. 6 form
-    thresholds: tuple  # kernels.kernel_thresholds of the rows' taus, (B,) each
+    thresholds: tuple  # decode_kernels.kernel_thresholds of the rows' taus, (B,) each
     corrections: list  # per layer: criterion.Correction, or None
     rows: torch.Tensor  # (B,) int32: query b reads cache row b
     start: torch.Tensor  # (B,) int32: each row's first filled position
@@ -1001,7 +1002,8 @@ class StaticAttention:
     page: dict = field(default_factory=dict)  # page paths: fused_pages' page_size, budget or budget_frac, combine
     reads: torch.Tensor | None = None  # page paths: (S, L, B, Hkv) int64, the KV entries each step read
     read_now: torch.Tensor | None = None  # page paths: (L, B, Hkv) int64, this step's, each layer's counted into
-    flags: tuple = ()  # dense: kernels.dense_flags, one set for every layer and step (the kernel leaves them as found)
+    flags: tuple = ()  # dense: decode_kernels.dense_flags, one set for every layer and step (the kernel leaves them
+    # as found)
     arrived: torch.Tensor | None = None  # the rest: (B, Hkv) int32 arrival counts at zero, which the kernels leave so
 
     @classmethod

@@ -160,9 +160,9 @@ def qada_labels(q: torch.Tensor, log_local: torch.Tensor, form: tuple[torch.Tens
                 rule: str | None = None, correction: Correction | None = None) -> torch.Tensor:
     """Eq. 7, the only place it is written: local_labels with the window's true log mass log_local (..., H) and the
     Gaussian estimate of the bulk's from the query q (..., H, D) and the bulk keys' `gaussian_form`: (..., H) bool.
-    Per query head (rule None, the paper's) or per KV group (rule "all" or "mean", ours). kernels.fused_qada computes
-    the same in one Triton kernel, held to this by tests/test_kernel.py. `correction` (ours): calibrated QAdA's,
-    fitted on calibration prompts where the true r is known."""
+    Per query head (rule None, the paper's) or per KV group (rule "all" or "mean", ours). decode_kernels.fused_qada
+    computes the same in one Triton kernel, held to this by tests/test_kernel.py. `correction` (ours): calibrated
+    QAdA's, fitted on calibration prompts where the true r is known."""
     if correction is not None and correction.s is not None:
         form = (form[0] * correction.s[..., None, None], form[1])  # A = Sigma_K / 2d scaled per KV head
     log_bulk = gaussian_log_bulk(q, form, n_bulk)

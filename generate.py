@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import kernels
+import decode_kernels
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, StaticAttention, build_attention, bulk_estimate,
                        path_inputs, static_refusal)
 from criterion import TAU, Calibration, check_calibration, check_tau, load_calibration, load_labels
@@ -183,8 +183,8 @@ def step_clock() -> tuple[dict[int, float], Callable[[list[int]], bool]]:
 
 def step_attention(static: StaticAttention, head_dim: int, device: torch.device) -> StaticAttention | None:
     """The decode attention a static step hands the model: `static`, except for dense where the kernel does not run
-    (kernels.fused), which gets None, the model's own (SDPA over the whole view, masked past T)."""
-    if static.method == "dense" and not kernels.fused(torch.empty(1, head_dim, device=device)):
+    (decode_kernels.fused), which gets None, the model's own (SDPA over the whole view, masked past T)."""
+    if static.method == "dense" and not decode_kernels.fused(torch.empty(1, head_dim, device=device)):
         return None
     return static
 
@@ -366,7 +366,7 @@ def graph_refusal(cuda_graphs: str, device: torch.device, rows: list, prompt_len
         return why
     if rows[0].method != "dense":
         probe = torch.empty(1, model.cfg.head_dim, device=device)
-        if not kernels.fused(probe):
+        if not decode_kernels.fused(probe):
             return (f"the {rows[0].method} path takes the torch path here (QADA_KERNEL=torch, no triton, or a head dim "
                     "that is not a power of two from 16)")
         if min(prompt_lengths) <= rows[0].n_local:
@@ -377,7 +377,7 @@ def graph_refusal(cuda_graphs: str, device: torch.device, rows: list, prompt_len
 def compiler_missing(device: torch.device) -> str | None:
     """Why --compile on cannot run on `device`, or None: torch.compile writes Triton kernels for a GPU and C++ for the
     CPU, which a C++ compiler on PATH must build."""
-    if device.type == "cuda" and kernels.triton is None:
+    if device.type == "cuda" and decode_kernels.triton is None:
         return "--compile on: on CUDA torch.compile needs triton (pip install triton)"
     cxx = os.environ.get("CXX", "g++")  # the compiler inductor calls
     if device.type == "cpu" and not shutil.which(cxx):
@@ -402,7 +402,7 @@ def pick_device(device: str | None) -> str:
 
 def triton_missing() -> str | None:
     """Why the fused kernel cannot run here, or None."""
-    if kernels.triton is None:
+    if decode_kernels.triton is None:
         return "--kernel triton: triton is not installed (pip install triton)"
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "--kernel triton: no CUDA; on the CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1)"

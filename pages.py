@@ -16,8 +16,8 @@ the cache's dtype (a min and a max are exact in any dtype). Upkeep: `bounds` cal
 appended since the last call: the part-filled page in place, then whole pages at once (a prefill's); decoding appends
 one key per step, which updates the page being filled in place, O(D).
 Decoding from fixed device buffers (a CUDA graph) keeps a batch's statistics in one stacked copy instead (`stacked`,
-twice the memory while it decodes), which each step updates on the device (kernels.fused_pages' `fold`: the window
-kernel folds the key just appended into its page).
+twice the memory while it decodes), which each step updates on the device (decode_kernels.fused_pages' `fold`: the
+window kernel folds the key just appended into its page).
 
 `PageIndex` is an input of the page paths (attention.quest, attention.qada_pages), as moments.KeyMoments is of qada:
 built from the prefilled cache, then following the cache from the `k` (Hkv, T, D) it is handed each step.
@@ -109,9 +109,10 @@ def stacked(indexes: list[PageIndex], layer: int, k: torch.Tensor, start: list[i
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The min and max keys of B rows' page indexes, (B, Hkv, NP, D) each, for a cache k (B, Hkv, capacity, D) whose
     row b is filled over [start[b], T) (NP: the capacity's pages): row b's index brought up to date with its keys
-    (PageIndex.bounds), then empty pages (min +inf, max -inf), which decoding fills in place (kernels.fused_pages'
-    `fold`). Fixed-size buffers that a captured decode step updates and reads (attention.StaticAttention); the rows'
-    own indexes are not kept current meanwhile (a later eager call catches them up from where they stopped)."""
+    (PageIndex.bounds), then empty pages (min +inf, max -inf), which decoding fills in place
+    (decode_kernels.fused_pages' `fold`). Fixed-size buffers that a captured decode step updates and reads
+    (attention.StaticAttention); the rows' own indexes are not kept current meanwhile (a later eager call catches them
+    up from where they stopped)."""
     B, Hkv, capacity, D = k.shape
     lo = torch.full((B, Hkv, indexes[0].n_pages(capacity), D), math.inf, dtype=k.dtype, device=k.device)
     hi = torch.full_like(lo, -math.inf)

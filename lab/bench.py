@@ -76,7 +76,7 @@ from pathlib import Path
 import torch
 
 import attention
-import kernels
+import decode_kernels
 from attention import BatchAttention, build_attention
 from criterion import TAU, check_calibration, load_calibration, qada_labels
 from generate import pick_device
@@ -221,7 +221,8 @@ def sdpa_gqa(q, k, v):
 
 @contextlib.contextmanager
 def qada_kernel(choice: str):
-    """The qada paths called inside take `choice` (kernels.fused: "torch" or "triton"); restored on the way out."""
+    """The qada paths called inside take `choice` (decode_kernels.fused: "torch" or "triton"); restored on the way
+    out."""
     old = os.environ.get("QADA_KERNEL")
     os.environ["QADA_KERNEL"] = choice
     try:
@@ -241,7 +242,7 @@ def with_kernel(choice: str, fn):
 def bench_attention(lengths, repeats: int, device: torch.device, timer: Timer) -> list[dict]:
     """qada on the torch path, and on CUDA with triton also the fused kernel (column fused), against dense."""
     rows = []
-    kernel = device.type == "cuda" and kernels.triton is not None
+    kernel = device.type == "cuda" and decode_kernels.triton is not None
     for shape, dims in SHAPES.items():
         for T in lengths:
             stack = Stack(**dims, T=T, device=device)

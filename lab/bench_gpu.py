@@ -35,8 +35,8 @@ tokens to the next (the loop reads them to end its rows), the first step (a grap
 n = --steps, graph n = 4 --steps, with the quartiles of its steps. --capacity sets the cache's T_max (default just
 enough): the steps at T = T_max / 2 or T_max / 8 replay a graph whose view is graph_view's, not the capacity. Methods:
   dense      generate's dense: eager, DecodeAttention("dense") per row (one prompt: SDPA on the filled cache);
-             graph, kernels.fused_dense over the graph's view (the split kernel alone, every group read, T read on
-             the device);
+             graph, decode_kernels.fused_dense over the graph's view (the split kernel alone, every group read, T read
+             on the device);
   kv F       qada_cal on the fused kernel with a correction that fixes the labels (b = 0, a = +-50), so that a
              share F of the (layer, KV head) pairs is long-context for every row: the decision is computed as always,
              the labels are those of a static choice at the KV read QAdA reaches on the research model (kv 1.0: every
@@ -58,8 +58,8 @@ Part 3, --parts kernels (not in "all"): where a fused step's time goes, Llama-3-
 --batches, KV read 0, 0.3 and 1, the step as generate's static loop calls it (static_step: the two kernels, T in a
 device tensor). Each kernel's device time per step from torch.profiler over 20 eager steps run back to back (any
 small torch operation by its CUDA kernel's name), their sum, and the step replayed from a CUDA graph as part 1 times
-it, with kernels.split_size's split and with each of SPLITS (context positions per split program; batch 1 fills the
-GPU only with small ones). The graph's time exceeds the sum by the gaps between its kernels, and by the L2 being
+it, with decode_kernels.split_size's split and with each of SPLITS (context positions per split program; batch 1 fills
+the GPU only with small ones). The graph's time exceeds the sum by the gaps between its kernels, and by the L2 being
 flushed before each timed replay, not before each profiled step: at KV read 0 the step's data fit in L2, so there
 the difference is mostly gaps, and at read 1 it is mostly the cache read from memory. A graph of one layer's step
 also pays the launch's fixed cost, which a decoder's graph of all its layers spreads over them: at KV read 0 and
@@ -89,7 +89,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import kernels
+import decode_kernels
 from attention import (BatchAttention, DecodeAttention, HeadStats, StaticAttention, page_size, path_inputs,
                        qada_rule)
 from criterion import TAU, Calibration
@@ -413,13 +413,14 @@ SPLITS = (256, 512, 1024, 2048, 4096)  # context positions per split program, ti
 
 @contextmanager
 def fixed_split(split: int):
-    """kernels.split_size answering `split` inside the block: the fused step's split programs at a chosen size."""
-    chosen = kernels.split_size
-    kernels.split_size = lambda *args, **kwargs: split
+    """decode_kernels.split_size answering `split` inside the block: the fused step's split programs at a chosen
+    size."""
+    chosen = decode_kernels.split_size
+    decode_kernels.split_size = lambda *args, **kwargs: split
     try:
         yield
     finally:
-        kernels.split_size = chosen
+        decode_kernels.split_size = chosen
 
 
 def kernel_us(step, device: torch.device, n: int = 20) -> dict[str, float]:
@@ -439,7 +440,7 @@ def named_us(per_kernel: dict[str, float]) -> str:
     return "; ".join(f"{name[:60]} {us:.1f}" for name, us in top)
 
 
-# The window kernel's launches timed beside kernels.WINDOW_LAUNCH at KV read 0.3: warps, and tile sizes (window
+# The window kernel's launches timed beside decode_kernels.WINDOW_LAUNCH at KV read 0.3: warps, and tile sizes (window
 # positions, form columns) down to one tile of each. At batch 1 and 8 its 8 and 64 programs leave the GPU mostly
 # idle, so a program's time is its loops' sequential steps: on an H200 the window took ~5 us of its ~10 and the form
 # the rest (Quest's window kernel, which does not decide, against QAdA's: h200/pages), and tiles of 64 (2 + 2 steps,
@@ -458,7 +459,8 @@ WINDOW_VARIANTS = [dict(num_warps=8), dict(BLOCK_W=64, BLOCK_D=64), dict(BLOCK_W
 
 @contextmanager
 def launch(config: dict, **change):
-    """A kernel's launch config (kernels.WINDOW_LAUNCH, BOUND_LAUNCH, SPLIT_LAUNCH) with `change` inside the block."""
+    """A kernel's launch config (decode_kernels.WINDOW_LAUNCH, BOUND_LAUNCH, SPLIT_LAUNCH) with `change` inside the
+    block."""
     kept = dict(config)
     config.update(change)
     try:
@@ -468,7 +470,7 @@ def launch(config: dict, **change):
         config.update(kept)
 
 
-# The split kernel's launches timed beside kernels.SPLIT_LAUNCH at the same read: positions per tile, warps per
+# The split kernel's launches timed beside decode_kernels.SPLIT_LAUNCH at the same read: positions per tile, warps per
 # program, pipeline depth, programmatic dependent launch, programs dealt out to the long groups. Timed as the whole
 # step's graph with the L2 flushed: at batch 1 the long groups' cache would fit in L2 across back-to-back eager steps.
 SPLIT_VARIANTS = [dict(BLOCK_N=128), dict(num_warps=8), dict(num_stages=4), dict(PDL=True), dict(SPREAD=2),
@@ -476,7 +478,7 @@ SPLIT_VARIANTS = [dict(BLOCK_N=128), dict(num_warps=8), dict(num_stages=4), dict
 
 
 def launch_variants(step, config: dict, changes: list[dict], timer) -> str:
-    """timer(step) (us) with a kernel's launch `config` (kernels.WINDOW_LAUNCH, SPLIT_LAUNCH) changed as each of
+    """timer(step) (us) with a kernel's launch `config` (decode_kernels.WINDOW_LAUNCH, SPLIT_LAUNCH) changed as each of
     `changes` says, and the largest change of the step's output against the default launch's (a variant that fails
     to compile says so)."""
     cells = []
@@ -494,18 +496,18 @@ def launch_variants(step, config: dict, changes: list[dict], timer) -> str:
 
 
 def static_step(batch: BatchAttention, layer: Layer):
-    """The fused step as generate's static loop calls it (attention.StaticAttention): kernels.fused_qada on the rows'
-    stacked forms and thresholds, T in a device tensor made once, the output written into a buffer: the two kernels
-    and nothing around them (BatchAttention's eager call also makes T a device tensor, one small launch per layer).
-    batch must have run once (its cache of the rows' forms)."""
+    """The fused step as generate's static loop calls it (attention.StaticAttention): decode_kernels.fused_qada on the
+    rows' stacked forms and thresholds, T in a device tensor made once, the output written into a buffer: the two
+    kernels and nothing around them (BatchAttention's eager call also makes T a device tensor, one small launch per
+    layer). batch must have run once (its cache of the rows' forms)."""
     (A, b, _, thresholds, start, rows), = batch.cached.values()
     length = torch.full((1,), layer.T, dtype=torch.int32, device=layer.q.device)
     rows, start = rows.int(), start.int()
     y = torch.empty_like(layer.q)
     arrived = torch.zeros(len(rows), layer.Hkv, dtype=torch.int32, device=layer.q.device)  # the loop's, kept at zero
     rule = qada_rule(batch.rows[0].method)[1]
-    return lambda: kernels.fused_qada(layer.q[:, :, 0], layer.k, layer.v, rows, start, N_SINK, N_LOCAL, (A, b),
-                                      thresholds, rule, None, length=length, arrived=arrived, out=y[:, :, 0])[0]
+    return lambda: decode_kernels.fused_qada(layer.q[:, :, 0], layer.k, layer.v, rows, start, N_SINK, N_LOCAL, (A, b),
+                                             thresholds, rule, None, length=length, arrived=arrived, out=y[:, :, 0])[0]
 
 
 STACK = 4  # layers, each its own cache and forms, in one graph for the kernels table's per-layer graph time
@@ -545,16 +547,17 @@ def bench_kernels(T: int, B: int, device: torch.device) -> list[dict]:
                 stacked = 1e3 * graph_ms(stacked_step(stack, full), device) / STACK
             window = split_launches = ""
             if 0 < f < 1:
-                window = launch_variants(step, kernels.WINDOW_LAUNCH, WINDOW_VARIANTS, lambda fn: kernel_us(
+                window = launch_variants(step, decode_kernels.WINDOW_LAUNCH, WINDOW_VARIANTS, lambda fn: kernel_us(
                     fn, device).get("_window_decide_kernel", math.nan))
-                pdl = torch.cuda.get_device_capability(device)[0] >= 9  # else kernels.pdl launches it without
-                split_launches = launch_variants(step, kernels.SPLIT_LAUNCH,
+                pdl = torch.cuda.get_device_capability(device)[0] >= 9  # else decode_kernels.pdl launches it without
+                split_launches = launch_variants(step, decode_kernels.SPLIT_LAUNCH,
                                                  [v for v in SPLIT_VARIANTS if pdl or "PDL" not in v],
                                                  lambda fn: 1e3 * graph_ms(fn, device))
         for row in batch.rows:
             row.stats = HeadStats(N_LOCAL)
         rows.append(dict(T=T, B=B, f=float(full.float().mean()), device_us=sum(per_kernel.values()),
-                         graph_us=1e3 * graph, stacked_us=stacked, split=kernels.split_size(B * layer.Hkv, T, device),
+                         graph_us=1e3 * graph, stacked_us=stacked,
+                         split=decode_kernels.split_size(B * layer.Hkv, T, device),
                          splits=", ".join(f"{s}: {us:.1f}" for s, us in by_split.items()),
                          kernels=named_us(per_kernel), window=window, split_launches=split_launches))
         print(format_row(KERNEL_COLUMNS, rows[-1]), flush=True)
@@ -612,7 +615,7 @@ def setup_line(device: torch.device) -> str:
                f"CUDA {torch.version.cuda}")
     else:
         gpu = f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
-    triton_version = kernels.triton.__version__ if kernels.triton is not None else "none"
+    triton_version = decode_kernels.triton.__version__ if decode_kernels.triton is not None else "none"
     return f"{gpu}; torch {torch.__version__}, triton {triton_version}, Python {platform.python_version()}"
 
 
@@ -657,10 +660,10 @@ def int_list(text: str) -> list[int]:
 
 
 def launch_change(text: str) -> dict:
-    """An argparse type: a launch change for kernels.set_launch, in JSON, checked (main applies it)."""
+    """An argparse type: a launch change for decode_kernels.set_launch, in JSON, checked (main applies it)."""
     try:
         change = json.loads(text)
-        kernels.check_launch(change)
+        decode_kernels.check_launch(change)
     except ValueError as e:  # json's errors are ValueErrors too
         raise argparse.ArgumentTypeError(str(e)) from None
     return change
@@ -701,8 +704,8 @@ def main(argv=None) -> int:
     p.add_argument("--compiled", action="store_true", help="end to end: the dense, kv 0.35 and all-local rows again "
                    "with the model's norms, RoPE and MLP compiled (generate.py --compile on), in the same table")
     p.add_argument("--launch", type=launch_change, default={}, help="the kernels launched otherwise, as "
-                   "kernels.set_launch takes it, in JSON: '{\"split\": {\"SPREAD\": 8}}' times a launch end to end "
-                   "before it is adopted (default: the kernels' own)")
+                   "decode_kernels.set_launch takes it, in JSON: '{\"split\": {\"SPREAD\": 8}}' times a launch end to "
+                   "end before it is adopted (default: the kernels' own)")
     p.add_argument("--quick", action="store_true", help="fewer timed calls")
     p.add_argument("--out", default=None, help="output folder (default: a new folder runs/bench-gpu/<time>, so that no "
                    "run overwrites another's; results/bench-gpu holds the committed tables)")
@@ -712,7 +715,7 @@ def main(argv=None) -> int:
     lengths, batches = args.lengths, args.batches
     try:  # what this machine lacks: one line, exit 2
         device = torch.device(pick_device(args.device))
-        if kernels.triton is None:
+        if decode_kernels.triton is None:
             raise ValueError("the fused kernel needs triton (pip install triton)")
         if device.type != "cuda" and args.parts != "attention":
             raise ValueError(f"the {'kernels' if args.parts == 'kernels' else 'end-to-end'} part needs a GPU: no "
@@ -723,7 +726,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--out {args.out} is a file; give a folder")
     except ValueError as e:
         return fail(e)
-    kernels.set_launch(args.launch)
+    decode_kernels.set_launch(args.launch)
     setup = setup_line(device)
     command = "python -m lab.bench_gpu " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(setup, flush=True)

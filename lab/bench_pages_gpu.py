@@ -1,6 +1,6 @@
 """Attention-only decode speed of page selection on an NVIDIA GPU: QAdA + pages and Quest alone, both in the fused
-kernel (kernels.fused_pages), against the best dense and QAdA's head-level fused step (kernels.fused_qada), at the
-shapes of 7-8B models and long contexts.
+kernel (decode_kernels.fused_pages), against the best dense and QAdA's head-level fused step
+(decode_kernels.fused_qada), at the shapes of 7-8B models and long contexts.
 
     python -m lab.bench_pages_gpu --out results/bench-gpu-pages          # the full grid (2 shapes x 32k/128k x 1/8/32)
     python -m lab.bench_pages_gpu --quick --out /tmp/pages               # Llama-3-8B, 32k, batch 1 and 8: < 2 min
@@ -13,17 +13,17 @@ Each call is captured as one CUDA graph and its replays timed with CUDA events, 
 (median ms); a decoder replaying its captured step runs it so. Columns:
   flash     SDPA with enable_gqa under the flash backend: FlashAttention's decoding;
   packed    SDPA with a group's query heads as the query positions of its KV head (each KV head read once);
-  qada      kernels.fused_qada with the labels fixed so that a fraction f of the (row, KV head) pairs is long-context
-            (--fraction, default 0.35: calibrated group QAdA's lossless KV read on the research model);
-  +pages    kernels.fused_pages, QAdA + pages: the same labels, and a long group reads its window and the top
+  qada      decode_kernels.fused_qada with the labels fixed so that a fraction f of the (row, KV head) pairs is
+            long-context (--fraction, default 0.35: calibrated group QAdA's lossless KV read on the research model);
+  +pages    decode_kernels.fused_pages, QAdA + pages: the same labels, and a long group reads its window and the top
             budget // P pages of its group bound instead of its whole cache;
-  quest     kernels.fused_pages, Quest alone: every group long-context, each query head its own top pages, a KV head
-            reading the union of its heads' pages;
+  quest     decode_kernels.fused_pages, Quest alone: every group long-context, each query head its own top pages, a
+            KV head reading the union of its heads' pages;
   exact     +pages and quest again with the window's and the page bounds' products in exact fp32 ("ieee", EXACT:
             LOW off) instead of the default's tensor cores, and the share of query heads that attend to the same pages
             with the same label as at the default launch;
-  choice    the choice of pages alone, kernels.choose_pages (one kernel: each ranking's top pages and the KV head's
-            list of them), in us, beside torch's topk of the same scores (what the choice took before).
+  choice    the choice of pages alone, decode_kernels.choose_pages (one kernel: each ranking's top pages and the KV
+            head's list of them), in us, beside torch's topk of the same scores (what the choice took before).
 On CUDA each step's kernels are also profiled (a second table: each kernel's device time per call, eager).
 The labels come out of the real criterion: per (row, KV head) a bulk mean of +-100 along the group's queries (as
 lab.bench.pattern_moments) puts its estimated bulk mass far above or below the window's; they are checked before
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 import attention
-import kernels
+import decode_kernels
 from criterion import Calibration, gaussian_form
 from lab.bench import full_pattern
 from lab.bench_gpu import kernel_us, launch, named_us
@@ -90,7 +90,7 @@ class Layer:
         direction = qg / qg.norm(dim=-1, keepdim=True)
         mean = 100.0 * (self.full.float() * 2 - 1)[..., None] * direction  # (B, Hkv, D)
         self.form = gaussian_form(mean, torch.zeros(B, Hkv, D, D, device=device))
-        self.tau = kernels.kernel_thresholds(torch.full((B,), 0.5, dtype=torch.float64, device=device))
+        self.tau = decode_kernels.kernel_thresholds(torch.full((B,), 0.5, dtype=torch.float64, device=device))
         self.rows = torch.arange(B, dtype=torch.int32, device=device)
         self.start = torch.zeros(B, dtype=torch.int32, device=device)
         self.length = torch.full((1,), T, dtype=torch.int32, device=device)
@@ -103,13 +103,13 @@ class Layer:
         return F.scaled_dot_product_attention(self.q.view(self.B, self.Hkv, self.G, self.D), self.k, self.v)
 
     def qada(self):
-        return kernels.fused_qada(self.q, self.k, self.v, self.rows, self.start, N_SINK, N_LOCAL, self.form,
-                                  self.tau, "mean", length=self.length)
+        return decode_kernels.fused_qada(self.q, self.k, self.v, self.rows, self.start, N_SINK, N_LOCAL, self.form,
+                                         self.tau, "mean", length=self.length)
 
     def pages(self, budget: int, quest: bool, inspect: bool = False):
         qada = {} if quest else dict(form=self.form, tau=self.tau)
-        return kernels.fused_pages(self.q, self.k, self.v, self.rows, self.start, N_SINK, N_LOCAL, self.bounds,
-                                   self.P, budget=budget, length=self.length, inspect=inspect, **qada)
+        return decode_kernels.fused_pages(self.q, self.k, self.v, self.rows, self.start, N_SINK, N_LOCAL, self.bounds,
+                                          self.P, budget=budget, length=self.length, inspect=inspect, **qada)
 
     def check_labels(self, labels: torch.Tensor, quest: bool = False) -> None:
         want = torch.zeros_like(labels) if quest else ~self.full.repeat_interleave(self.G, 1)
@@ -216,8 +216,8 @@ def self_check(device: torch.device, dims: dict, P: int) -> list[str]:
         rows = torch.arange(2, dtype=torch.int32, device=device)
         for name in ("quest", "qada_pages"):
             qada = {} if name == "quest" else dict(form=form, tau=tau, correction=calibration.layer(0))
-            y, labels, chosen = kernels.fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, (lo, hi), P,
-                                                    budget=8 * P, inspect=True, **qada)
+            y, labels, chosen = decode_kernels.fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, (lo, hi), P,
+                                                           budget=8 * P, inspect=True, **qada)
             err = 0.0
             for i in range(2):
                 kk, vv = k[i, :, int(start[i]):], v[i, :, int(start[i]):]
@@ -312,11 +312,12 @@ EXACT = dict(window=dict(LOW=False), bound=dict(LOW=False))  # the launches time
 
 def exact_launch(layer: Layer, step, budget: int, quest: bool, device: torch.device, reps: int) -> tuple[float, float]:
     """The step with the window's and the bounds' products in exact fp32, off the tensor cores (EXACT:
-    kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW off): its ms, and the share of query heads that attend to the same
-    pages with the same labels as at the default launch. NaN for a launch that fails to compile."""
+    decode_kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW off): its ms, and the share of query heads that attend to the
+    same pages with the same labels as at the default launch. NaN for a launch that fails to compile."""
     _, labels, chosen = layer.pages(budget, quest, inspect=True)
     try:
-        with launch(kernels.WINDOW_LAUNCH, **EXACT["window"]), launch(kernels.BOUND_LAUNCH, **EXACT["bound"]):
+        with (launch(decode_kernels.WINDOW_LAUNCH, **EXACT["window"]),
+              launch(decode_kernels.BOUND_LAUNCH, **EXACT["bound"])):
             _, exact_labels, exact_chosen = layer.pages(budget, quest, inspect=True)
             ms = timed_ms(step, device, reps)
     except Exception as e:  # noqa: BLE001 (a launch the compiler refuses is a finding, not a crash of the table)
@@ -327,8 +328,8 @@ def exact_launch(layer: Layer, step, budget: int, quest: bool, device: torch.dev
 
 
 def choice_us(layer: Layer, budget: int, quest: bool, device: torch.device, reps: int) -> tuple[float, float]:
-    """The choice of pages alone, us: kernels.choose_pages (one _page_select_kernel: each ranking's top budget // P
-    pages and the KV head's list of them) beside torch.topk of the same scores, which it replaced (topk alone: without
+    """The choice of pages alone, us: decode_kernels.choose_pages (one _page_select_kernel: each ranking's top budget //
+    P pages and the KV head's list of them) beside torch.topk of the same scores, which it replaced (topk alone: without
     the count of its finite picks or Quest's union that came after it). The scores are random, -inf outside the long
     groups' candidates, as the bound kernel leaves them; both take time by the shapes, not the values."""
     W = candidates(layer.T, N_SINK, N_LOCAL, layer.P)
@@ -339,7 +340,7 @@ def choice_us(layer: Layer, budget: int, quest: bool, device: torch.device, reps
     scores = torch.randn(layer.B, R, W, device=device, generator=torch.Generator(device=device).manual_seed(0))
     long = torch.ones_like(layer.full) if quest else layer.full  # (B, Hkv)
     scores.masked_fill_(~long.repeat_interleave(R // layer.Hkv, 1)[..., None], -math.inf)
-    select = lambda: kernels.choose_pages(scores, None, n_sel, layer.Hkv, ranked=False)  # noqa: E731
+    select = lambda: decode_kernels.choose_pages(scores, None, n_sel, layer.Hkv, ranked=False)  # noqa: E731
     topk = lambda: scores.topk(n_sel, dim=-1, sorted=not quest)  # noqa: E731 (Quest's union took them unsorted)
     return 1e3 * timed_ms(select, device, reps), 1e3 * timed_ms(topk, device, reps)
 
@@ -368,8 +369,8 @@ def write(out: Path, rows: list[dict], checks: list[str], device: torch.device, 
              "pair. read: KV entries read per (row, KV head) over T (window, pages, scored statistics); x: speedup "
              "over the best of flash and packed dense; bound: 1 / read. CUDA graphs replayed, CUDA events, L2 "
              "flushed, median. exact: the window's and the bounds' products in exact fp32 off the tensor cores "
-             "(kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW off); same pages: the share of query heads whose pages "
-             "and label are the default launch's. choice us: the choice of pages alone (kernels.choose_pages), "
+             "(decode_kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW off); same pages: the share of query heads whose "
+             "pages and label are the default launch's. choice us: the choice of pages alone (decode_kernels.choose_pages), "
              "beside torch's topk of the same scores, which it replaced.", "", *checks, "", header,
              "|" + "---|" * len(COLUMNS),
              *(format_row(r) for r in rows), ""]
@@ -402,10 +403,10 @@ def main(argv=None) -> int:
         return args
     if not 0 <= args.fraction <= 1:
         return fail(f"--fraction takes a share in [0, 1], got {args.fraction}")
-    if kernels.triton is None:
+    if decode_kernels.triton is None:
         return fail("no triton (pip install triton)")
     smoke = args.interpret_smoke
-    if smoke and not kernels.INTERPRETED:
+    if smoke and not decode_kernels.INTERPRETED:
         return fail("--interpret-smoke runs the kernels through Triton's interpreter: set TRITON_INTERPRET=1")
     if not smoke and not torch.cuda.is_available():
         return fail("no CUDA here; --interpret-smoke (with TRITON_INTERPRET=1) runs the code paths on the CPU")

@@ -1,6 +1,6 @@
 """What the fused step's kernels take of an NVIDIA GPU, from Triton's own compile for one that need not be here:
 registers per thread and the stack frame (bytes per thread that did not fit in registers, spilled to local memory),
-for each kernel of QAdA's fused step and of QAdA + pages' at the default launch (kernels.WINDOW_LAUNCH,
+for each kernel of QAdA's fused step and of QAdA + pages' at the default launch (decode_kernels.WINDOW_LAUNCH,
 BOUND_LAUNCH, SPLIT_LAUNCH) and the window kernel of both at every launch lab.bench_gpu times beside it
 (WINDOW_VARIANTS), at Llama-3-8B's shapes in bf16, 32k.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-import kernels
+import decode_kernels
 from lab.cli import Parser, fail
 
 # The compile, in a fresh interpreter: each spec's kernel compiled for sys.argv[1]; with a folder as sys.argv[2],
@@ -41,9 +41,9 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import kernels
+import decode_kernels
 for i, (name, signature, constexprs, aligned, options) in enumerate(json.load(sys.stdin)):
-    fn = getattr(kernels, name)
+    fn = getattr(decode_kernels, name)
     index = {p.name: i for i, p in enumerate(fn.params)}
     source = ASTSource(fn, signature, constexprs={(index[k],): v for k, v in constexprs.items()},
                        attrs={(index[k],): [["tt.divisibility", 16]] for k in aligned})
@@ -103,7 +103,7 @@ def compile_launches(launches: list, arch: int = 90, cubins: Path | None = None)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     command = [sys.executable, "-c", COMPILE, str(arch)] + ([str(cubins)] if cubins is not None else [])
     done = subprocess.run(command, input=json.dumps(specs(launches)), text=True, env=env, capture_output=True,
-                          cwd=Path(kernels.__file__).parent, timeout=900)
+                          cwd=Path(decode_kernels.__file__).parent, timeout=900)
     return done.returncode, done.stderr
 
 
@@ -129,15 +129,15 @@ class Launch:
 def recorded(launches: list):
     """The step's kernels recorded into `launches` instead of run, tensor cores on as a GPU has them."""
     names = ("_window_decide_kernel", "_split_attention_kernel", "_page_bound_kernel", "_page_select_kernel")
-    kept = {name: getattr(kernels, name) for name in names} | {"INTERPRETED": kernels.INTERPRETED}
+    kept = {name: getattr(decode_kernels, name) for name in names} | {"INTERPRETED": decode_kernels.INTERPRETED}
     try:
-        kernels.INTERPRETED = False
+        decode_kernels.INTERPRETED = False
         for name in names:
-            setattr(kernels, name, Launch(launches, kept[name]))
+            setattr(decode_kernels, name, Launch(launches, kept[name]))
         yield
     finally:
         for name, value in kept.items():
-            setattr(kernels, name, value)
+            setattr(decode_kernels, name, value)
 
 
 def step_launches(window_change: dict | None = None) -> dict[str, list]:
@@ -155,12 +155,12 @@ def step_launches(window_change: dict | None = None) -> dict[str, list]:
     n_pages = (T - 16) // P + 1
     bounds = (torch.zeros(1, Hkv, n_pages, D, dtype=torch.bfloat16),) * 2
     steps = {"qada": [], "qada_pages": []}
-    with launch(kernels.WINDOW_LAUNCH, **(window_change or {})):
+    with launch(decode_kernels.WINDOW_LAUNCH, **(window_change or {})):
         with recorded(steps["qada"]):
-            kernels.fused_qada(q, k, v, rows, start, 16, 128, form, tau, "mean", length=length)
+            decode_kernels.fused_qada(q, k, v, rows, start, 16, 128, form, tau, "mean", length=length)
         with recorded(steps["qada_pages"]):
-            kernels.fused_pages(q, k, v, rows, start, 16, 128, bounds, P, budget=1024, form=form, tau=tau,
-                                length=length, fold=True, with_read=True)
+            decode_kernels.fused_pages(q, k, v, rows, start, 16, 128, bounds, P, budget=1024, form=form, tau=tau,
+                                       length=length, fold=True, with_read=True)
     return steps
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 # Without CUDA the fused kernel's tests run its Triton code on CPU tensors, through Triton's interpreter; it is chosen
-# when the kernels are defined, so before kernels.py is imported.
+# when the kernels are defined, so before decode_kernels.py is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -39,14 +39,14 @@ if TEST_DEVICE != "cpu":
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # QADA_TEST_LAUNCH='{"window": {...}, "bound": {...}, "split": {...}}' runs the suite with the kernels launched
-# otherwise (kernels.set_launch): how a GPU holds a faster launch to the torch paths before it becomes the default
-# (results/bench-gpu/run.sh).
+# otherwise (decode_kernels.set_launch): how a GPU holds a faster launch to the torch paths before it becomes the
+# default (results/bench-gpu/run.sh).
 if os.environ.get("QADA_TEST_LAUNCH"):
     import json
 
-    import kernels
+    import decode_kernels
     try:
-        kernels.set_launch(json.loads(os.environ["QADA_TEST_LAUNCH"]))
+        decode_kernels.set_launch(json.loads(os.environ["QADA_TEST_LAUNCH"]))
     except ValueError as e:  # json's errors are ValueErrors too
         raise pytest.UsageError(f"QADA_TEST_LAUNCH: {e}") from None
 

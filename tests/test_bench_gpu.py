@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 import attention  # noqa: E402
-import kernels  # noqa: E402
+import decode_kernels  # noqa: E402
 import pages  # noqa: E402
 from lab import bench_gpu  # noqa: E402
 from lab.bench import full_pattern, ideal_speedup  # noqa: E402
@@ -16,7 +16,8 @@ from model import LlamaConfig  # noqa: E402
 
 TINY = {"tiny": dict(H=4, Hkv=2, D=16)}
 # The benchmark's kernel path on CPU tensors: Triton's interpreter (conftest sets it where there is no CUDA).
-pytestmark = pytest.mark.skipif(not kernels.INTERPRETED, reason="needs TRITON_INTERPRET=1 to run kernels on the CPU")
+pytestmark = pytest.mark.skipif(not decode_kernels.INTERPRETED,
+                                reason="needs TRITON_INTERPRET=1 to run kernels on the CPU")
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import generate
-import kernels
+import decode_kernels
 from attention import BatchAttention, StaticAttention, build_attention, static_refusal
 from criterion import Calibration, save_calibration
 from model import KVCache, Llama, load_model
@@ -25,7 +25,7 @@ from tests.test_kernel_pages import KERNELS  # every kernel a step may launch
 pytest.importorskip("triton")
 N_SINK, N_LOCAL = 4, 16
 # the fused kernel on CPU tensors needs Triton's interpreter (conftest sets it where there is no CUDA)
-needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() or kernels.INTERPRETED),
+needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() or decode_kernels.INTERPRETED),
                                   reason="the fused kernel needs CUDA or TRITON_INTERPRET=1")
 
 
@@ -110,8 +110,8 @@ def assert_same(eager, static, method, batch):
     assert tokens_static == tokens
     for b, row in enumerate(tokens):  # each row's logits while it decoded (an ended row's are discarded)
         got, want = (torch.stack([step[b] for step in x[:len(row)]]) for x in (logits_static, logits))
-        if method == "dense":  # the static loop's dense (kernels.fused_dense where the kernel runs, else SDPA over the
-            # view, masked past T) against SDPA over the filled part
+        if method == "dense":  # the static loop's dense (decode_kernels.fused_dense where the kernel runs, else SDPA
+            # over the view, masked past T) against SDPA over the filled part
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4 if got.is_cuda else 1e-5)
         else:  # the same kernel reading the same T: bit for bit
             assert torch.equal(got, want)
@@ -223,7 +223,7 @@ class Launches:
     def __init__(self, monkeypatch):
         self.records, self.mode = [], None
         for name in KERNELS:
-            monkeypatch.setattr(kernels, name, self.wrap(getattr(kernels, name)))
+            monkeypatch.setattr(decode_kernels, name, self.wrap(getattr(decode_kernels, name)))
 
     def wrap(self, kernel):
         launches = self
@@ -300,7 +300,7 @@ def test_the_step_reads_no_host_value_that_changes(tiny, method, monkeypatch):
             k: v for k, v in first["cache"].items() if k != "view"}
         assert s["trace"] == first["trace"] and s["launches"] == first["launches"]
     assert steps[0]["launches"]  # every path runs its kernels
-    if method == "dense":  # the split kernel alone (kernels.fused_dense), once per layer
+    if method == "dense":  # the split kernel alone (decode_kernels.fused_dense), once per layer
         assert len(steps[0]["launches"]) == tiny.cfg.num_hidden_layers
     assert cache.length == T[-1] and cache.filled is None  # released: the host length is the device's again
 
@@ -316,7 +316,7 @@ class Tape(TorchDispatchMode):
         super().__init__()
         self.entries, self.recording = [], False
         for name in KERNELS:
-            monkeypatch.setattr(kernels, name, self.launcher(getattr(kernels, name)))
+            monkeypatch.setattr(decode_kernels, name, self.launcher(getattr(decode_kernels, name)))
 
     def launcher(self, kernel):
         tape = self
@@ -394,7 +394,7 @@ def test_the_form_apart_decodes_through_the_static_loop_with_no_fill_per_step(ti
     arrival counts the loop's one buffer (StaticAttention.arrived), back at zero after every step; and no step fills
     a tensor, as a zeroed buffer made per call would (a node of its own in the graph)."""
     monkeypatch.setenv("QADA_KERNEL", "triton")
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_APART", True)
+    monkeypatch.setitem(decode_kernels.WINDOW_LAUNCH, "FORM_APART", True)
     Launches(monkeypatch)  # the kernels run outside the mode below: the interpreter's own copies are not the step's
     made, ops, call = keep_static(monkeypatch), [], StaticAttention.__call__
 

@@ -1,5 +1,5 @@
-"""The fused Triton decode step (kernels.fused_qada) against the torch paths, and every path's skipping: a KV group
-labelled local must not be read. On a machine without CUDA the kernels run under Triton's interpreter
+"""The fused Triton decode step (decode_kernels.fused_qada) against the torch paths, and every path's skipping: a KV
+group labelled local must not be read. On a machine without CUDA the kernels run under Triton's interpreter
 (TRITON_INTERPRET=1, set by conftest.py), on CPU tensors."""
 
 import math
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import attention
-import kernels
+import decode_kernels
 from attention import BatchAttention, DecodeAttention, qada, reference_attention
 from criterion import Calibration, Correction, gaussian_form
-from kernels import fused_qada
+from decode_kernels import fused_qada
 from lab.kernel_resources import Launch  # a recording stand-in for a kernel
 from moments import FixedMoments
 from tests.test_qada import random_cov
@@ -119,11 +119,11 @@ def test_spread_programs_decide_and_attend_as_the_fixed_splits(rule, taus, sprea
     def both():  # into outputs of NaN: a head no program writes stays NaN
         y, labels = fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, rule, split=64, block_n=16,
                                out=torch.full_like(q, math.nan))
-        return y, labels, kernels.fused_dense(q, k, v, rows, start, split=64, block_n=16,
-                                              out=torch.full_like(q, math.nan))
+        return y, labels, decode_kernels.fused_dense(q, k, v, rows, start, split=64, block_n=16,
+                                                     out=torch.full_like(q, math.nan))
 
     want = both()
-    monkeypatch.setitem(kernels.SPLIT_LAUNCH, "SPREAD", spread)
+    monkeypatch.setitem(decode_kernels.SPLIT_LAUNCH, "SPREAD", spread)
     got = both()
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
@@ -161,7 +161,7 @@ def form_default():
     default launch's labels and output there, whatever QADA_TEST_LAUNCH says."""
     with pytest.MonkeyPatch.context() as patch:
         for key in ("FORM_FIRST", "FORM_APART"):
-            patch.setitem(kernels.WINDOW_LAUNCH, key, False)
+            patch.setitem(decode_kernels.WINDOW_LAUNCH, key, False)
         grid = torch.linspace(0.1, 0.9, 9)
         share = torch.stack([form_step(torch.full((FORM_CASE["B"],), float(t)))[1].float().mean(1) for t in grid])
         tau = grid[(share - 0.5).abs().argmin(0)]  # (B,)
@@ -180,11 +180,11 @@ def test_the_form_computed_before_or_beside_the_window_decides_and_attends_alike
     another order of its additions than the one program's, which would flip a label only within fp32 rounding of its
     threshold.)"""
     rotation = int(where[-1]) if "rotated" in where else 0
-    if rotation and not kernels.INTERPRETED:
+    if rotation and not decode_kernels.INTERPRETED:
         pytest.skip("the order of a grid's programs is the interpreter's to rotate")
     tau, want = form_default
     for key in ("FORM_FIRST", "FORM_APART"):
-        monkeypatch.setitem(kernels.WINDOW_LAUNCH, key, key == where.split(",")[0])
+        monkeypatch.setitem(decode_kernels.WINDOW_LAUNCH, key, key == where.split(",")[0])
     if rotation:
         parts_rotated(monkeypatch, rotation)
     arrived = torch.zeros(FORM_CASE["B"], FORM_CASE["Hkv"], dtype=torch.int32)
@@ -215,7 +215,7 @@ def test_rows_that_share_a_form_read_one_copy_of_it():
     q, k, v, A, b = case(B, H, Hkv, D, T, seed=4)
     shared = attention.stacked_forms([(A[0], b[0])] * B, q.device)
     assert shared[0].stride(0) == 0 and shared[1].stride(0) == 0
-    assert kernels.form_operands(shared)[0].stride(0) == 0  # the kernel is handed the broadcast, not a copy
+    assert decode_kernels.form_operands(shared)[0].stride(0) == 0  # the kernel is handed the broadcast, not a copy
     copies = (A[0].expand(B, -1, -1, -1).clone(), b[0].expand(B, -1, -1).clone())
     rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([0, 5, 40], dtype=torch.int32)
     tau = torch.tensor([0.6, 0.3, 0.9], dtype=torch.float64)
@@ -246,8 +246,8 @@ def test_the_labels_are_also_written_at_the_step_the_device_holds(path):
         bounds = page_bounds(k, start, torch.full((B,), T, dtype=torch.int32), 16)
 
         def call(history):
-            return kernels.fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, bounds, 16, budget=48, form=(A, b),
-                                       tau=tau, history=history)[1]
+            return decode_kernels.fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, bounds, 16, budget=48, form=(A, b),
+                                              tau=tau, history=history)[1]
     labels = call((record[:, 1], step))
     assert torch.equal(labels, call(None)) and 0 < labels.sum() < labels.numel()
     assert torch.equal(record[2, 1], labels.to(torch.int8))
@@ -260,11 +260,11 @@ def test_the_labels_are_also_written_at_the_step_the_device_holds(path):
 @pytest.mark.parametrize("per_row, dtype, chunk", [(False, torch.float32, 8), (True, torch.float32, 8),
                                                    (True, torch.bfloat16, 8), (True, torch.float32, 2)])
 def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row, dtype, chunk, monkeypatch):
-    """kernels.fused_dense: each query attends to its row's positions [start, T) and nothing past T (views to the
+    """decode_kernels.fused_dense: each query attends to its row's positions [start, T) and nothing past T (views to the
     capacity, T on the device, one for all rows or one per row), every head, written at its cache row with `out`;
     the merge reading its group's splits in chunks of MERGE_CHUNK (2, in splits of 32: a row's 7 splits in 4 chunks,
     the last one partial)."""
-    monkeypatch.setattr(kernels, "MERGE_CHUNK", chunk)
+    monkeypatch.setattr(decode_kernels, "MERGE_CHUNK", chunk)
     split = 32 if chunk == 2 else 64
     B, H, Hkv, D, T_max = 3, 8, 2, 16, 300
     g = torch.Generator().manual_seed(11)
@@ -275,8 +275,8 @@ def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row,
     length = torch.tensor(T[:1] if not per_row else T, dtype=torch.int32)
     rows = torch.tensor([2, 0, 1], dtype=torch.int32)  # query i reads cache row rows[i]
     out = torch.full((B, H, D), math.nan, dtype=dtype)
-    kernels.fused_dense(q.to(dtype), k.to(dtype), v.to(dtype), rows, start, length=length, split=split, block_n=16,
-                        out=out)
+    decode_kernels.fused_dense(q.to(dtype), k.to(dtype), v.to(dtype), rows, start, length=length, split=split,
+                               block_n=16, out=out)
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for i in range(B):
         r, s, t = int(rows[i]), int(start[i]), T[i]
@@ -287,7 +287,7 @@ def test_fused_dense_is_softmax_attention_over_each_rows_filled_context(per_row,
 
 
 def test_fused_dense_leaves_its_flags_as_it_found_them():
-    """One kernels.dense_flags serves call after call (the static loop's dense, a graph replaying one launch per
+    """One decode_kernels.dense_flags serves call after call (the static loop's dense, a graph replaying one launch per
     layer): the kernel leaves the groups' arrival counts at zero, so that a later call, at another length, merges
     its splits as a call with fresh flags does."""
     B, H, Hkv, D, T_max = 2, 4, 2, 16, 200
@@ -295,11 +295,11 @@ def test_fused_dense_leaves_its_flags_as_it_found_them():
     q = torch.randn(B, H, D, generator=g)
     k, v = torch.randn(B, Hkv, T_max, D, generator=g), torch.randn(B, Hkv, T_max, D, generator=g)
     rows, start = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
-    flags = kernels.dense_flags(B, H, Hkv, q.device)
+    flags = decode_kernels.dense_flags(B, H, Hkv, q.device)
     for T in (150, 199, 120):
         length = torch.tensor([T], dtype=torch.int32)
-        got = kernels.fused_dense(q, k, v, rows, start, length=length, split=32, block_n=16, flags=flags)
-        assert torch.equal(got, kernels.fused_dense(q, k, v, rows, start, length=length, split=32, block_n=16))
+        got = decode_kernels.fused_dense(q, k, v, rows, start, length=length, split=32, block_n=16, flags=flags)
+        assert torch.equal(got, decode_kernels.fused_dense(q, k, v, rows, start, length=length, split=32, block_n=16))
         assert not flags[2].any() and flags[0].all() and not flags[1].any()
 
 
@@ -308,26 +308,26 @@ def test_fused_dense_leaves_its_flags_as_it_found_them():
 def test_split_size_gives_each_group_16_to_32_splits_or_more_below_twice_that(T_max, n_programs):
     """A power of two with at least 16 splits per group (32 for a few groups) and fewer than twice that, whatever
     the capacity: one just past a power of two splits as that power does, not in half as many."""
-    split = kernels.split_size(n_programs, T_max, torch.device("cpu"))
+    split = decode_kernels.split_size(n_programs, T_max, torch.device("cpu"))
     per_group = 32 if n_programs == 1 else 16  # this CPU counts 8 multiprocessors: 32 slots
     assert split & (split - 1) == 0 and split >= 256
     assert per_group <= math.ceil(T_max / split) <= 2 * per_group
 
 
 def test_the_window_kernel_is_launched_as_window_launch_says(monkeypatch):
-    """kernels.WINDOW_LAUNCH is read at each launch: other tiles give the same labels and output up to fp32 rounding,
-    and a precision tl.dot does not know fails the launch."""
+    """decode_kernels.WINDOW_LAUNCH is read at each launch: other tiles give the same labels and output up to fp32
+    rounding, and a precision tl.dot does not know fails the launch."""
     B, H, Hkv, D, T = 2, 8, 2, 64, 301
     q, k, v, A, b = case(B, H, Hkv, D, T, seed=3)
     args = (q, k, v, torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), N_SINK, N_LOCAL, (A, b),
             torch.tensor([0.5, 0.5]))
     y, labels = fused_qada(*args)
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "BLOCK_W", 16)
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "BLOCK_D", 64)
+    monkeypatch.setitem(decode_kernels.WINDOW_LAUNCH, "BLOCK_W", 16)
+    monkeypatch.setitem(decode_kernels.WINDOW_LAUNCH, "BLOCK_D", 64)
     y2, labels2 = fused_qada(*args)
     assert torch.equal(labels, labels2)
     torch.testing.assert_close(y, y2, atol=1e-5, rtol=1e-5)
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "PRECISION", "no such precision")
+    monkeypatch.setitem(decode_kernels.WINDOW_LAUNCH, "PRECISION", "no such precision")
     with pytest.raises(Exception):
         fused_qada(*args)
 
@@ -335,19 +335,20 @@ def test_the_window_kernel_is_launched_as_window_launch_says(monkeypatch):
 def test_low_products_only_where_they_are_exact(monkeypatch):
     """A launch's LOW applies to a 16-bit query and stored operand of one dtype, compiled, and only when asked."""
     bf, f32 = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
-    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    monkeypatch.setattr(decode_kernels, "INTERPRETED", False)
     on, off = {"LOW": True}, {"LOW": False}
-    assert kernels.low(on, bf, bf) and kernels.low(on, bf.half(), bf.half())
-    assert not kernels.low(off, bf, bf) and not kernels.low(on, f32, f32) and not kernels.low(on, f32, bf)
-    assert not kernels.low(on, bf, bf.half()) and not kernels.low(on, bf, bf, bf.half())  # each operand: q's dtype
-    monkeypatch.setattr(kernels, "INTERPRETED", True)  # the interpreter multiplies 16-bit tiles wrongly
-    assert not kernels.low(on, bf, bf)
+    assert decode_kernels.low(on, bf, bf) and decode_kernels.low(on, bf.half(), bf.half())
+    low = decode_kernels.low
+    assert not low(off, bf, bf) and not low(on, f32, f32) and not low(on, f32, bf)
+    assert not low(on, bf, bf.half()) and not low(on, bf, bf, bf.half())  # each operand: q's dtype
+    monkeypatch.setattr(decode_kernels, "INTERPRETED", True)  # the interpreter multiplies 16-bit tiles wrongly
+    assert not decode_kernels.low(on, bf, bf)
 
 
 @pytest.mark.parametrize("method", ["qada", "qada_kv", "qada_cal", "qada_kv_all_cal"])
 def test_run_path_dispatches_a_qada_path_to_the_kernel_and_the_path_itself_stays_torch(method, monkeypatch):
     """The kernel dispatch lives in attention.run_path, outside `qada` (Listing 1): with QADA_KERNEL=triton run_path
-    calls kernels.fused_qada and gives the torch path's labels and output, while the registered path computes in
+    calls decode_kernels.fused_qada and gives the torch path's labels and output, while the registered path computes in
     torch whatever is set; a context that fits the window never reaches the kernel."""
     calls = []
     real = attention.fused_qada
@@ -456,25 +457,25 @@ def test_the_kernel_reads_the_splits_of_the_groups_it_needs_only(rule):
 
 
 def test_a_launch_change_is_checked_whole_before_any_of_it_applies(monkeypatch):
-    """kernels.set_launch (QADA_TEST_LAUNCH, lab.bench_gpu --launch): a change to a config the kernels have, with its
-    keys and their types, applies; a name or key they lack, or a value of another type, raises and changes nothing,
+    """decode_kernels.set_launch (QADA_TEST_LAUNCH, lab.bench_gpu --launch): a change to a config the kernels have, with
+    its keys and their types, applies; a name or key they lack, or a value of another type, raises and changes nothing,
     though an earlier part of the same change was good."""
-    for name, config in kernels.LAUNCHES.items():  # put back afterwards, whatever the test does
-        monkeypatch.setitem(kernels.LAUNCHES, name, config)
+    for name, config in decode_kernels.LAUNCHES.items():  # put back afterwards, whatever the test does
+        monkeypatch.setitem(decode_kernels.LAUNCHES, name, config)
         for key, value in config.items():
             monkeypatch.setitem(config, key, value)
-    before = {name: dict(config) for name, config in kernels.LAUNCHES.items()}
+    before = {name: dict(config) for name, config in decode_kernels.LAUNCHES.items()}
     for bad, match in [({"split": {"SPREAD": 8}, "splt": {}}, "names window, bound, split"),
                        ({"split": {"SPREAD": 8}, "window": {"TILE": 64}}, "window launch takes"),
                        ({"split": {"SPREAD": 8}, "window": {"LOW": 1}}, "LOW takes a bool"),
                        ({"split": 3}, "split launch takes"), ([1], "a mapping")]:
         with pytest.raises(ValueError, match=match):
-            kernels.set_launch(bad)
-        assert {name: dict(config) for name, config in kernels.LAUNCHES.items()} == before
-    kernels.set_launch({"split": {"SPREAD": 8, "PDL": True}, "window": {"BLOCK_W": 64}})
-    assert kernels.SPLIT_LAUNCH["SPREAD"] == 8 and kernels.SPLIT_LAUNCH["PDL"]
-    assert kernels.WINDOW_LAUNCH["BLOCK_W"] == 64
-    assert kernels.SPLIT_LAUNCH["BLOCK_N"] == before["split"]["BLOCK_N"]  # the rest as it was
+            decode_kernels.set_launch(bad)
+        assert {name: dict(config) for name, config in decode_kernels.LAUNCHES.items()} == before
+    decode_kernels.set_launch({"split": {"SPREAD": 8, "PDL": True}, "window": {"BLOCK_W": 64}})
+    assert decode_kernels.SPLIT_LAUNCH["SPREAD"] == 8 and decode_kernels.SPLIT_LAUNCH["PDL"]
+    assert decode_kernels.WINDOW_LAUNCH["BLOCK_W"] == 64
+    assert decode_kernels.SPLIT_LAUNCH["BLOCK_N"] == before["split"]["BLOCK_N"]  # the rest as it was
 
 
 def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
@@ -484,7 +485,7 @@ def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     monkeypatch.setenv("QADA_KERNEL", "triton")
     launches = []
     for name in ("_window_decide_kernel", "_split_attention_kernel"):
-        monkeypatch.setattr(kernels, name, Launch(launches))
+        monkeypatch.setattr(decode_kernels, name, Launch(launches))
     q, k, v, A, b = case(2, 6, 2, 16, 300)
     moments = FixedMoments(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16, 16), 1)
     rows = [DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.6, moments=moments)) for _ in range(2)]
@@ -500,7 +501,7 @@ def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     rows[0](q[:1, :, None], k[:1], v[:1], 0)
     # two kernels per step, fixed grids (split_size: 256 positions per split, two splits of T = 300); the window
     # kernel's third axis its parts: 1, or with FORM_APART (QADA_TEST_LAUNCH's) the window and one per BLOCK_D columns
-    launch = kernels.WINDOW_LAUNCH
+    launch = decode_kernels.WINDOW_LAUNCH
     parts = 1 + (16 // min(16, launch["BLOCK_D"]) if launch["FORM_APART"] else 0)
     assert [grid for _, grid, _, _ in launches] == [(2, 2, parts), (2, 2, 2), (1, 2, parts), (1, 2, 2)]
     assert len(rows[0].stats.labels) == 3 and rows[0].stats.labels[-1][0].device == q.device
@@ -577,7 +578,7 @@ def record_launches(monkeypatch, **named):
     launches = []
     names = {x.data_ptr(): name for name, x in named.items()}
     for name in ("_window_decide_kernel", "_split_attention_kernel"):
-        monkeypatch.setattr(kernels, name, Recorded(getattr(kernels, name), launches, names))
+        monkeypatch.setattr(decode_kernels, name, Recorded(getattr(decode_kernels, name), launches, names))
     return launches
 
 
@@ -591,7 +592,7 @@ def test_a_step_over_the_capacity_launches_the_same_whatever_T(length_shape, mon
     q, k, v, A, b = case(B, H, Hkv, D, T_max, seed=2)
     rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
     length = torch.full(length_shape, 1000, dtype=torch.int32)
-    tau = kernels.kernel_thresholds(torch.tensor([0.6, 0.4], dtype=torch.float64))
+    tau = decode_kernels.kernel_thresholds(torch.tensor([0.6, 0.4], dtype=torch.float64))
     y = torch.empty(B, H, D)
     launches = record_launches(monkeypatch, q=q, k=k, v=v, rows=rows, start=start, length=length, A=A, b=b,
                                tau=tau[0], tau_logit=tau[1], y=y)
@@ -601,7 +602,7 @@ def test_a_step_over_the_capacity_launches_the_same_whatever_T(length_shape, mon
         _, labels = fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, "mean", length=length, out=y)
         outputs.append((y.clone(), labels.clone()))
     assert len(launches) == 4 and launches[:2] == launches[2:]
-    split = kernels.split_size(B * Hkv, T_max, q.device)
+    split = decode_kernels.split_size(B * Hkv, T_max, q.device)
     assert launches[1][0] == (B, Hkv, math.ceil(T_max / split)) and math.ceil(1001 / split) < math.ceil(T_max / split)
     monkeypatch.undo()
     for i, T in enumerate((1000, 1001)):  # what T it read: the sliced views' output and labels, bit for bit
@@ -645,7 +646,7 @@ def test_decoding_through_fixed_buffers_matches_the_eager_steps(monkeypatch):
     g = torch.Generator().manual_seed(7)
     new_q, new_k, new_v = (torch.randn(steps, B, n, D, generator=g) for n in (H, Hkv, Hkv))
     rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([0, 11], dtype=torch.int32)
-    tau = kernels.kernel_thresholds(torch.tensor([0.6, 0.5], dtype=torch.float64))
+    tau = decode_kernels.kernel_thresholds(torch.tensor([0.6, 0.5], dtype=torch.float64))
 
     def query(t, y):  # the next step's query follows this step's output, so any difference would carry on
         return q0 + new_q[t] + 0.5 * y

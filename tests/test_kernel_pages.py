@@ -1,4 +1,4 @@
-"""Page selection on the device (kernels.fused_pages) against the torch page paths, attention.qada_pages and
+"""Page selection on the device (decode_kernels.fused_pages) against the torch page paths, attention.qada_pages and
 attention.quest: for a batch of left-padded rows of different lengths, the same labels, the same chosen pages (held
 against Quest's bound recomputed by its definition in float64) and the same output; the split programs read the
 chosen pages' bulk positions and nothing else (counted, and a cache poisoned with NaN everywhere else); a planted
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import attention
-import kernels
-from kernels import fused_pages, fused_qada
+import decode_kernels
+from decode_kernels import fused_pages, fused_qada
 from lab import bench_pages_gpu, kernel_resources
 from lab.kernel_resources import compile_launches, nvidia_backend
 from moments import bulk_end
@@ -167,9 +167,9 @@ def test_a_batch_of_rows_equals_the_torch_path(method, P, budget):
 @pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_share"])
 def test_a_bf16_batch_chooses_the_pages_of_the_exact_bound(method):
     """A bf16 query and cache, as a GPU decodes: there the window's and the bounds' products run on tensor cores
-    (kernels.WINDOW_LAUNCH and BOUND_LAUNCH, LOW), exact in fp32 like the interpreter's ieee products, so the labels
-    and the chosen pages are still those of Quest's bound in float64, and the output is the torch path's within bf16
-    rounding."""
+    (decode_kernels.WINDOW_LAUNCH and BOUND_LAUNCH, LOW), exact in fp32 like the interpreter's ieee products, so the
+    labels and the chosen pages are still those of Quest's bound in float64, and the output is the torch path's within
+    bf16 rounding."""
     check_against_torch(method, 16, 3 * 16, split(True), dtype=torch.bfloat16)
 
 
@@ -177,7 +177,7 @@ def test_a_bf16_batch_chooses_the_pages_of_the_exact_bound(method):
 def test_a_merge_over_several_chunks_of_splits(method, monkeypatch):
     """Each long group's pages in splits of two (one tile of block_n // P pages), merged with the window two splits
     at a time (MERGE_CHUNK): up to 18 pages in 9 splits, 5 chunks, the last one partial."""
-    monkeypatch.setattr(kernels, "MERGE_CHUNK", 2)
+    monkeypatch.setattr(decode_kernels, "MERGE_CHUNK", 2)
     check_against_torch(method, 16, 10_000, split(True), split=2)
 
 
@@ -316,11 +316,11 @@ def test_the_entries_read_are_counted_into_a_callers_buffer_whatever_it_held(met
 @pytest.mark.parametrize("per_head", [True, False], ids=["quest", "groups"])
 @pytest.mark.parametrize("ranked", [False, True], ids=["tokens", "fraction"])
 def test_the_chosen_pages_are_each_rankings_best_listed_once_in_page_order(ranked, per_head):
-    """kernels.choose_pages, one ranking per query head (Quest) or per group: each KV head's list is the set of pages
-    its rankings chose, by hand from the scores (each ranking's n_read best finite ones, ties to the lower page; every
-    n_sel with a budget in tokens), in page order, each with the bits of exactly the heads that chose it (Quest); past
-    the list, no page (W) and no head. Rows with few candidates, none, more chosen pages than one head's budget, and
-    equal scores across the cut, zeros of both signs among them."""
+    """decode_kernels.choose_pages, one ranking per query head (Quest) or per group: each KV head's list is the set of
+    pages its rankings chose, by hand from the scores (each ranking's n_read best finite ones, ties to the lower page;
+    every n_sel with a budget in tokens), in page order, each with the bits of exactly the heads that chose it (Quest);
+    past the list, no page (W) and no head. Rows with few candidates, none, more chosen pages than one head's budget,
+    and equal scores across the cut, zeros of both signs among them."""
     g = torch.Generator().manual_seed(5)
     n, W, n_sel = 5, 37, 6
     R = H if per_head else HKV
@@ -336,7 +336,7 @@ def test_the_chosen_pages_are_each_rankings_best_listed_once_in_page_order(ranke
     others = [p for p in range(34) if p not in (0, 1, 2, 3, 4, 5, 7, 8, 11, 20, 21, 30, 33)]
     scores[3, :, others] = -5.0 - torch.rand(R, len(others), generator=g)
     n_read = torch.tensor([6, 6, 3, 5, 2] if ranked else [6] * n, dtype=torch.int32)
-    ids, heads, n_valid = kernels.choose_pages(scores, n_read, n_sel, HKV, ranked=ranked)
+    ids, heads, n_valid = decode_kernels.choose_pages(scores, n_read, n_sel, HKV, ranked=ranked)
     U = ids.shape[2]
     assert U == (min(G * n_sel, W) if per_head else n_sel) and (heads is None) != per_head
     per_kv = R // HKV
@@ -366,7 +366,7 @@ def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
     inputs = qada_inputs(k, start, length, split(True))
     launches = []
     for name in KERNELS:
-        monkeypatch.setattr(kernels, name, Launch(launches))
+        monkeypatch.setattr(decode_kernels, name, Launch(launches))
 
     def no_sync(*args, **kwargs):
         raise AssertionError("a value was read back to the host")
@@ -395,7 +395,7 @@ def test_a_step_over_the_capacity_launches_the_same_whatever_T(method, budget, m
     named = {x.data_ptr(): name for name, x in dict(q=q, k=k, v=v, rows=rows, start=start, length=length,
                                                        lo=pages[0], hi=pages[1]).items()}
     for name in KERNELS:
-        monkeypatch.setattr(kernels, name, Recorded(getattr(kernels, name), launches, named))
+        monkeypatch.setattr(decode_kernels, name, Recorded(getattr(decode_kernels, name), launches, named))
     outputs = []
     for step in range(2):
         y, labels = fused_pages(q, k, v, rows, start, N_SINK, N_LOCAL, pages, P, length=length, block_n=32, **budget,
@@ -469,12 +469,12 @@ def test_bad_arguments_are_refused():
 @pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_frac", "qada", "qada-pdl", "qada-unroll",
                                     "qada-spread", "qada-form-first", "qada-form-apart", "qada_pages-form-apart"])
 def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
-    """The launches a GPU runs with a bf16 query and cache (kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW, the split
-    kernel on tensor cores) compile for an H100 here, where the interpreter never runs them: the bounds' LOW form once
-    failed to compile on the GPU only (tl.maximum of a bf16 tile gives fp32 in Triton 3.6, and tl.dot refuses mixed
+    """The launches a GPU runs with a bf16 query and cache (decode_kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW, the
+    split kernel on tensor cores) compile for an H100 here, where the interpreter never runs them: the bounds' LOW form
+    once failed to compile on the GPU only (tl.maximum of a bf16 tile gives fp32 in Triton 3.6, and tl.dot refuses mixed
     operands). Each kernel of the step is captured at its real launch and compiled from it; "qada-pdl" as an H100 with
-    kernels.SPLIT_LAUNCH's PDL launches it (griddepcontrol, which the interpreter cannot run), "qada-unroll" with the
-    window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores), "qada-spread" with the
+    decode_kernels.SPLIT_LAUNCH's PDL launches it (griddepcontrol, which the interpreter cannot run), "qada-unroll" with
+    the window kernel's loops unrolled (WINDOW_LAUNCH's UNROLL, which the interpreter ignores), "qada-spread" with the
     split programs dealt out to the long groups (SPLIT_LAUNCH's SPREAD), "qada-form-first" with the form computed
     before the window (WINDOW_LAUNCH's FORM_FIRST), "-form-apart" beside it, by programs of their own (FORM_APART:
     an acquire-release count says which part is the last to finish, the one that decides); the page steps as the
@@ -483,16 +483,16 @@ def test_the_tensor_core_launches_compile_for_a_gpu(method, monkeypatch):
     them written; "_frac" with a budget_frac, each row's page count worked out in float64 by the bound kernel."""
     launches = []
     for name in KERNELS:
-        monkeypatch.setattr(kernels, name, Launch(launches, getattr(kernels, name)))
-    monkeypatch.setattr(kernels, "INTERPRETED", False)  # tensor_cores: what a GPU would launch
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "LOW", True)  # whatever QADA_TEST_LAUNCH says
-    monkeypatch.setitem(kernels.BOUND_LAUNCH, "LOW", True)
-    monkeypatch.setattr(kernels, "pdl", lambda q: method == "qada-pdl")
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "UNROLL", 4 if method == "qada-unroll" else 1)
-    monkeypatch.setitem(kernels.SPLIT_LAUNCH, "SPREAD", 4 if method == "qada-spread" else 0)
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_FIRST", method == "qada-form-first")
+        monkeypatch.setattr(decode_kernels, name, Launch(launches, getattr(decode_kernels, name)))
+    monkeypatch.setattr(decode_kernels, "INTERPRETED", False)  # tensor_cores: what a GPU would launch
+    monkeypatch.setitem(decode_kernels.WINDOW_LAUNCH, "LOW", True)  # whatever QADA_TEST_LAUNCH says
+    monkeypatch.setitem(decode_kernels.BOUND_LAUNCH, "LOW", True)
+    monkeypatch.setattr(decode_kernels, "pdl", lambda q: method == "qada-pdl")
+    monkeypatch.setitem(decode_kernels.WINDOW_LAUNCH, "UNROLL", 4 if method == "qada-unroll" else 1)
+    monkeypatch.setitem(decode_kernels.SPLIT_LAUNCH, "SPREAD", 4 if method == "qada-spread" else 0)
+    monkeypatch.setitem(decode_kernels.WINDOW_LAUNCH, "FORM_FIRST", method == "qada-form-first")
     apart = method.endswith("-form-apart")
-    monkeypatch.setitem(kernels.WINDOW_LAUNCH, "FORM_APART", apart)
+    monkeypatch.setitem(decode_kernels.WINDOW_LAUNCH, "FORM_APART", apart)
     method = method.replace("qada_pages-form-apart", "qada_pages")  # its step as qada_pages', FORM_APART set above
     q, k, v, start, length = batch(0, dtype=torch.bfloat16)
     history = (torch.zeros(3, len(ROWS), H, dtype=torch.bool), torch.ones(1, dtype=torch.long))  # as the static loop
@@ -554,7 +554,7 @@ def test_the_kernels_resources_are_read_from_their_compile_for_a_gpu(tmp_path, m
 # --- the GPU benchmark's script ----------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not kernels.INTERPRETED, reason="the smoke run is the interpreter's")
+@pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="the smoke run is the interpreter's")
 def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, capsys):
     """lab.bench_pages_gpu --interpret-smoke: its self-check against the torch paths passes and its table is written,
     so the script a GPU session runs has run before; without CUDA and without the flag it stops in one line."""
@@ -573,8 +573,8 @@ def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, 
                                     "qada_pages_frac"])
 def test_run_path_dispatches_a_page_path_to_the_kernel(method, monkeypatch):
     """attention.run_path sends a page path (any registry entry of quest or qada_pages: page size, budget unit,
-    combination of bounds) to kernels.fused_pages under QADA_KERNEL=triton, with the same labels, read and output as
-    the torch path it replaces; a context within the window stays torch; the registered path itself is torch."""
+    combination of bounds) to decode_kernels.fused_pages under QADA_KERNEL=triton, with the same labels, read and output
+    as the torch path it replaces; a context within the window stays torch; the registered path itself is torch."""
     calls = []
     real = attention.fused_pages
     monkeypatch.setattr(attention, "fused_pages", lambda *a, **kw: calls.append(kw) or real(*a, **kw))

@@ -72,7 +72,8 @@ BUDGETS = {  # per row: none, a few pages (different per row), every candidate
 @pytest.fixture
 def chosen_spy(monkeypatch):
     """The pages chosen on each route: per call of the row's paged_attention, (T, (H, m) bool); per call of
-    row_pages, (n, H, M) bool. The rows' own paths run in torch on any device (not kernels.fused_pages on CUDA)."""
+    row_pages, (n, H, M) bool. The rows' own paths run in torch on any device (not decode_kernels.fused_pages on
+    CUDA)."""
     monkeypatch.setattr(attention, "fused", lambda q: False)
     alone, together = [], []
     one, many = attention.paged_attention, attention.row_pages
@@ -188,7 +189,7 @@ def tiny(tmp_path_factory):
 
 def routed(monkeypatch):
     """Counts BatchAttention's calls of page_rows (the live rows of each); the rows' own paths run in torch on any
-    device (not kernels.fused_pages, which BatchAttention leaves to each row's run_path)."""
+    device (not decode_kernels.fused_pages, which BatchAttention leaves to each row's run_path)."""
     monkeypatch.setattr(attention, "fused", lambda q: False)
     calls, original = [], attention.page_rows
 

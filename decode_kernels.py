@@ -30,6 +30,9 @@ captured in a CUDA graph can be replayed as the cache fills, with T a device ten
 builds of torch bring it, and the torch paths need nothing of it. On CPU tensors the kernels run under Triton's
 interpreter (TRITON_INTERPRET=1, read when they are defined), which is how the tests run them
 (tests/test_kernel.py, tests/test_kernel_pages.py).
+
+The file is not kernels.py: that is the import name of Hugging Face's `kernels` package, which transformers imports,
+and a module of that name here would take its place (tests/test_layout.py).
 """
 
 import math
