@@ -656,10 +656,9 @@ def main(argv=None) -> int:
                         "(Option 1: the prompt's own, fixed after prefill), prompt-online (Option 1 updated every "
                         "step; ours), one-word, random-words-full (ablations); see moments.py (default: the ones a "
                         "calibrated path's correction was fitted with, else random-words)")
-    p.add_argument("--n-sink", type=int, default=16, help="sink tokens at the start of the window (default: "
-                   "%(default)s)")
-    p.add_argument("--n-local", type=int, default=128, help="the window's size (the paper's T_local), sinks included "
-                   "(default: %(default)s)")
+    p.add_argument("--n-sink", type=int, default=None, help="sink tokens at the start of the window (default: 16)")
+    p.add_argument("--n-local", type=int, default=None, help="the window's size (the paper's T_local), sinks included "
+                   "(default: 128)")
     p.add_argument("--static-labels", default=None, metavar="FILE_OR_DIR", help="oracle statistics for --method "
                    "static: a file, or a folder of python -m lab.calibrate (its ruler.json)")
     p.add_argument("--static-sparsity", type=float, default=None, help="fraction of heads made local by --method "
@@ -690,13 +689,20 @@ def main(argv=None) -> int:
     as_json = args.pop("json")
     kernel = args.pop("kernel")
     if kernel:
-        os.environ["QADA_KERNEL"] = kernel  # read by kernels.fused at every step
+        os.environ["QADA_KERNEL"] = kernel  # read by decode_kernels.fused at every step
     if os.environ.get("QADA_KERNEL") == "triton" and triton_missing():
         print(f"error: {triton_missing()}", file=sys.stderr)
         return 2
     try:
-        inputs = parse_inputs(args.pop("set"), reserved=set(args) | {"moments", "static_local", "reference"})
-        reports = run_batch(args.pop("prompt"), **args, **inputs, progress=not as_json and sys.stderr.isatty())
+        window = {name: args.pop(name) for name in ("n_sink", "n_local")}
+        given = {name: n for name, n in window.items() if n is not None}  # the others: run_batch's, the paper's
+        if given and "n_sink" not in path_inputs(args["method"]):  # dense: a window it would not use
+            raise ValueError(f"--{next(iter(given)).replace('_', '-')}: the {args['method']} path has no window (it "
+                             "reads every entry)")
+        inputs = parse_inputs(args.pop("set"), reserved=set(args) | set(window) | {"moments", "static_local",
+                                                                                   "reference"})
+        reports = run_batch(args.pop("prompt"), **args, **given, **inputs,
+                            progress=not as_json and sys.stderr.isatty())
     except (OSError, ValueError) as e:  # bad input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -384,10 +384,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--qada", action="store_true", help="fit QAdA's correction (criterion.Calibration) instead of "
                    "static labels: masses.pt and one KIND.json per kind")
-    p.add_argument("--moments", dest="moments_source", default="random-words", choices=SOURCES,
-                   help="with --qada: the moments whose Gaussian estimate is corrected")
-    p.add_argument("--eps", type=open_fraction, default=0.05, help="with --qada: the quantile kind's fraction of calibration "
-                   "steps allowed a true log ratio below the corrected one")
+    p.add_argument("--moments", dest="moments_source", default=None, choices=SOURCES,
+                   help="with --qada: the moments whose Gaussian estimate is corrected (default: random-words)")
+    p.add_argument("--eps", type=open_fraction, default=None, help="with --qada: the quantile kind's fraction of "
+                   "calibration steps allowed a true log ratio below the corrected one (default: 0.05)")
     p.add_argument("--force", action="store_true", help="replace the labels, masses or corrections of other settings "
                    "that --out holds (without it they are refused, and files of the same settings are reused)")
     a = p.parse(argv)
@@ -395,6 +395,10 @@ def main(argv=None) -> int:
         return a
     out = Path(a.out)
     try:
+        unused = [flag for flag, value in (("--moments", a.moments_source), ("--eps", a.eps)) if value is not None]
+        if unused and not a.qada:  # the oracle's labels read neither
+            raise ValueError(f"{unused[0]} sets how --qada fits its correction; without --qada it is unused")
+        a.moments_source, a.eps = a.moments_source or "random-words", 0.05 if a.eps is None else a.eps
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file; give a folder")
         if a.hf is not None and a.model is not None:

@@ -336,6 +336,9 @@ CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
     (["--tasks", "fwe", "--threads", "-1", "--out", "{empty}"], "argument --threads"),
     (["--tasks", "fwe", "--eps", "nan", "--out", "{empty}"], "argument --eps: must lie in (0, 1)"),
     (["--tasks", "fwe", "--out", "{a_file}"], "is a file"),
+    (["--tasks", "fwe", "--eps", "0.1", "--out", "{empty}"], "--eps sets how --qada fits its correction; without "
+     "--qada it is unused"),
+    (["--tasks", "fwe", "--moments", "prompt", "--out", "{empty}"], "--moments sets how --qada fits"),
     (["--tasks", "fwe", "--length", "400", "--samples", "1", "--max-new-tokens", "4", "--out", "{labels}"],
      "holds static labels of other settings"),
 ]

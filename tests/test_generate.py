@@ -166,8 +166,9 @@ def test_short_prompt_grows_past_the_window(tiny_dir, tmp_path, capsys, monkeypa
     calibration = tmp_path / "calibration.json"  # a correction that shifts every head's estimated log ratio
     save_calibration(calibration, Calibration(torch.full((2, 4), 0.5), torch.ones(2, 4), None,
                                               {"moments_source": "random-words", "estimate": bulk_estimate(method)}))
-    argv = ["--prompt", str(write_prompt(tmp_path, 3)), "--model", str(tiny_dir), "--method", method, "--n-local",
-            "16", "--n-sink", "4", "--max-new-tokens", "30", "--json"]
+    argv = ["--prompt", str(write_prompt(tmp_path, 3)), "--model", str(tiny_dir), "--method", method,
+            "--max-new-tokens", "30", "--json"]
+    argv += ["--n-local", "16", "--n-sink", "4"] if "n_sink" in path_inputs(method) else []  # dense has no window
     argv += ["--static-labels", str(labels_file)] if "static_local" in path_inputs(method) else []
     argv += ["--calibration", str(calibration)] if "calibration" in path_inputs(method) else []
     argv += [f"--set={name}={value}" for name, value in (("budget", 32), ("budget_frac", 0.25))
@@ -218,6 +219,9 @@ def test_bad_inputs(tiny_dir, tmp_path, capsys):
     assert "tau" in error_of(capsys, ["--prompt", str(good), "--tau", "0"] + model)
     assert "max-new-tokens" in error_of(capsys, ["--prompt", str(good), "--max-new-tokens", "0"] + model)
     assert "--n-sink" in error_of(capsys, ["--prompt", str(good), "--n-sink", "200"] + model)
+    for flag in ("--n-sink", "--n-local"):  # dense reads every entry: a window given to it would go unused
+        assert error_of(capsys, ["--prompt", str(good), "--method", "dense", flag, "8"] + model) == \
+            f"error: {flag}: the dense path has no window (it reads every entry)"
     assert "no such folder" in error_of(capsys, ["--prompt", str(good), "--model", str(tmp_path / "nope")])
     assert "static-labels" in error_of(capsys, ["--prompt", str(good), "--method", "static"] + model)
 

@@ -558,10 +558,11 @@ def test_generate_on_cuda_decodes_through_graphs_as_eager(tiny_dir, tmp_path, me
     cal = tmp_path / "cal.json"
     c = calibration()
     save_calibration(cal, Calibration(c.a, c.b, c.s, {"moments_source": "prompt"}))
-    argv = ["--prompt", *files, "--model", str(tiny_dir), "--max-new-tokens", "6", "--method", method, "--n-sink",
-            str(N_SINK), "--n-local", str(N_LOCAL), "--device", "cuda", "--json"]
-    if method != "dense":
-        argv += ["--moments", "prompt", "--tau", "0.25", "--calibration", str(cal)]
+    argv = ["--prompt", *files, "--model", str(tiny_dir), "--max-new-tokens", "6", "--method", method, "--device",
+            "cuda", "--json"]
+    if method != "dense":  # dense has no window, moments, tau or calibration
+        argv += ["--n-sink", str(N_SINK), "--n-local", str(N_LOCAL), "--moments", "prompt", "--tau", "0.25",
+                 "--calibration", str(cal)]
     if method == "qada_pages":
         argv += ["--set", "budget=32"]
     reports = {}
