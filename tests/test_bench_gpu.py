@@ -156,8 +156,8 @@ def test_fixed_labels_read_the_share_asked_for(small_e2e, monkeypatch):
         return 1.0, 1.0, 1.0
 
     monkeypatch.setattr(bench_gpu, "step_ms", one_run)
-    T = 400
-    rows = {r["method"]: r for r in bench_gpu.bench_end_to_end(T, [(2, 4)], torch.device("cpu"), 1, budget=64)}
+    T = 300  # 2 rows of 2 layers: 4 (layer, KV head) pairs, half of them long-context at f = 0.5
+    rows = {r["method"]: r for r in bench_gpu.bench_end_to_end(T, [(2, 2)], torch.device("cpu"), 1, budget=64)}
     window = attention.kv_read_fraction(torch.ones(1, 1, 4), torch.tensor([T + 1]), 2, 128)  # all local
     for f in (1.0, 0.5, 0.0):
         assert rows[f"kv {f}"]["kv_read"] == pytest.approx(f + (1 - f) * window, abs=1e-6)
