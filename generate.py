@@ -389,6 +389,7 @@ def pick_device(device: str | None) -> str:
     """--device checked: cpu, cuda or cuda:N. The default is cuda if available (cuda:LOCAL_RANK under torchrun),
     else cpu; a bare "cuda" under torchrun is cuda:LOCAL_RANK too, so the ranks do not share one GPU."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cpu" if device == "cpu:0" else device  # torch's name for the one CPU device
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise ValueError(f"--device takes cpu, cuda or cuda:N; got {device!r}")
     if device == "cuda" and "LOCAL_RANK" in os.environ:

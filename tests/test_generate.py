@@ -226,6 +226,13 @@ def test_bad_inputs(tiny_dir, tmp_path, capsys):
     assert "static-labels" in error_of(capsys, ["--prompt", str(good), "--method", "static"] + model)
 
 
+def test_the_device_is_cpu_cuda_or_cuda_n():
+    assert generate.pick_device("cpu") == generate.pick_device("cpu:0") == "cpu"  # torch names the CPU cpu:0 too
+    for bad in ("cpu:1", "cpu0", "gpu", "cuda:x"):
+        with pytest.raises(ValueError, match="--device takes cpu, cuda or cuda:N"):
+            generate.pick_device(bad)
+
+
 def test_bad_prompt_files_name_the_real_cause(tiny_dir, tmp_path, capsys):
     model = ["--model", str(tiny_dir)]
     assert error_of(capsys, ["--prompt", "/dev/null"] + model) == "error: prompt file /dev/null is not a regular file"
