@@ -1001,10 +1001,12 @@ class StaticAttention:
     pages: list = field(default_factory=list)  # page paths, per layer: (lo, hi) (B, Hkv, NP, D), kept current
     page: dict = field(default_factory=dict)  # page paths: fused_pages' page_size, budget or budget_frac, combine
     reads: torch.Tensor | None = None  # page paths: (S, L, B, Hkv) int64, the KV entries each step read
-    read_now: torch.Tensor | None = None  # page paths: (L, B, Hkv) int64, this step's, each layer's counted into
-    flags: tuple = ()  # dense: decode_kernels.dense_flags, one set for every layer and step (the kernel leaves them
-    # as found)
-    arrived: torch.Tensor | None = None  # the rest: (B, Hkv) int32 arrival counts at zero, which the kernels leave so
+    # page paths: (L, B, Hkv) int64, this step's, each layer's counted into its row by the kernels (read_out), copied
+    # into `reads` after the last layer
+    read_now: torch.Tensor | None = None
+    flags: tuple = ()  # dense: decode_kernels.dense_flags, one set for every layer and step (left as found)
+    # the rest: (B, Hkv) int32 arrival counts at zero, which the kernels leave so for the next layer and step
+    arrived: torch.Tensor | None = None
 
     @classmethod
     def of(cls, rows: list[DecodeAttention], cache, steps: int, n_heads: int) -> "StaticAttention":
