@@ -17,7 +17,9 @@ Every source hands QAdA the same thing, a `KeyMoments`: for a layer, Eq. 6's qua
 Option 2's reference keys are computed by one dense forward pass and cached on disk (in the folder `root`). A
 causal model's keys at the first n positions depend on the first n tokens only, so the pass runs only as far as the prompts
 seen so far need (rounded up to a multiple of 1024 positions, so that a sweep of prompts of similar
-lengths computes it once) and is run again, longer, when a longer prompt comes.
+lengths computes it once) and is run again, longer, when a longer prompt comes. For the same reason one file serves
+every context length (--max-context): the reference prompt of a shorter context is a prefix of a longer one's, and
+the file keeps the ids its keys were computed from, so that a prefix that differs is never served.
 """
 
 import hashlib
@@ -34,7 +36,7 @@ import torch
 from criterion import gaussian_form
 
 SOURCES = ("random-words", "prompt", "prompt-online", "one-word", "random-words-full")
-REFERENCE_VERSION = 2  # bump when the file layout or the way the reference keys are computed changes
+REFERENCE_VERSION = 3  # bump when the file layout or the way the reference keys are computed changes
 LENGTH_MARGIN = 1024  # the paper's T - 1024
 ROUND = 1024  # the reference pass is run to a multiple of this many positions
 ONE_WORD = "the"
@@ -178,14 +180,16 @@ class ReferenceKeys:
         # The ids of the whole context are fixed first, so every length is a prefix of the same sequence.
         text = random_words_text(2 * n_max, seed) if words == "random" else " ".join([words] * (2 * n_max))
         self.ids = tokenizer.encode(text, add_special_tokens=True)[:n_max]
-        self.settings = {"version": REFERENCE_VERSION, "model": model_identity(model), "words": words, "seed": seed,
-                         "ids": hashlib.sha256(str(self.ids).encode()).hexdigest()[:16]}
+        # n_max is not among the settings: the file serves every context length, its ids checked on loading.
+        self.settings = {"version": REFERENCE_VERSION, "model": model_identity(model), "words": words, "seed": seed}
         key = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:20]
         self.path = Path(root) / f"{key}.pt" if root is not None else None
-        self.keys = None  # (L, Hkv, N, D) in the model's dtype, on the model's device
+        self.keys = None  # (L, Hkv, N, D) in the model's dtype, on the model's device; N may exceed len(self.ids)
         if self.path is not None and self.path.is_file():
             data = torch.load(self.path, map_location=model.device, weights_only=True)
-            if data["settings"] == json.loads(json.dumps(self.settings)):  # never serve other settings' keys
+            n = min(len(self.ids), data["ids"].numel())  # the file's keys cover data["ids"] (N,)
+            same_ids = data["ids"][:n].tolist() == self.ids[:n]  # another tokenizer's ids differ
+            if data["settings"] == json.loads(json.dumps(self.settings)) and same_ids:  # never serve other keys
                 self.keys = data["keys"]
         self.passes = 0  # forward passes run by this object (what a test checks the rule "only as needed" by)
         self.shared = {}  # (end, n_sink) -> FixedMoments, the last SHARED made (bulk_moments)
@@ -209,7 +213,8 @@ class ReferenceKeys:
                 return self.keys[:, :, :n]
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
-            torch.save({"settings": self.settings, "keys": self.keys.cpu()}, tmp)
+            ids = torch.tensor(self.ids[:n_run], dtype=torch.int32)
+            torch.save({"settings": self.settings, "ids": ids, "keys": self.keys.cpu()}, tmp)
             os.replace(tmp, self.path)  # atomic: a reader sees the old file or the whole new one
         return self.keys[:, :, :n]
 

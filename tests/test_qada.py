@@ -404,6 +404,27 @@ def test_reference_keys_follow_the_exact_rule_and_run_only_as_far_as_needed(tiny
         tiny.cfg.rope_theta = saved
 
 
+def test_one_reference_file_serves_every_context_length(tiny, tmp_path):
+    """The reference prompt of a shorter context is a prefix of a longer one's, so the keys a context of 2048
+    computed serve a context of 4096 (and one of 1100) from the disk, with no pass; another tokenizer's ids are
+    never served them."""
+    tok = WordTokenizer()
+    short = ReferenceKeys(tiny, tok, n_max=2048, root=tmp_path, progress=False)
+    m = short.for_prompt(2000, N_SINK, N_LOCAL)  # 976 keys: a pass of 1024
+    assert short.passes == 1 and len(list(tmp_path.iterdir())) == 1
+    for n_max in (4096, 1100):
+        other = ReferenceKeys(tiny, tok, n_max=n_max, root=tmp_path, progress=False)
+        assert other.ids == ReferenceKeys(tiny, tok, n_max=n_max, progress=False).ids  # its own context's prompt
+        assert other.length == 1024 and torch.equal(other.for_prompt(2000, N_SINK, N_LOCAL).mean, m.mean)
+        assert other.passes == 0
+    longer = ReferenceKeys(tiny, tok, n_max=4096, root=tmp_path, progress=False)
+    longer.for_prompt(3200, N_SINK, N_LOCAL)  # needs 2176 keys: a pass of 3072, which replaces the file
+    assert longer.passes == 1 and ReferenceKeys(tiny, tok, n_max=2048, root=tmp_path, progress=False).length == 3072
+    with pytest.raises(ValueError, match="has 2048 positions"):
+        ReferenceKeys(tiny, tok, n_max=2048, root=tmp_path, progress=False).ensure(2049)
+    assert ReferenceKeys(tiny, WordTokenizer(vocab=97), n_max=4096, root=tmp_path, progress=False).length == 0
+
+
 def test_prompts_of_one_length_share_their_option_2_moments(tiny, tmp_path):
     """ReferenceKeys.for_prompt gives prompts of one length one moments object (a batch then reads one form per
     layer, attention.stacked_forms), another length its own, and keeps only the last SHARED."""
