@@ -19,7 +19,8 @@ causal model's keys at the first n positions depend on the first n tokens only, 
 seen so far need (rounded up to a multiple of 1024 positions, so that a sweep of prompts of similar
 lengths computes it once) and is run again, longer, when a longer prompt comes. For the same reason one file serves
 every context length (--max-context): the reference prompt of a shorter context is a prefix of a longer one's, and
-the file keeps the ids its keys were computed from, so that a prefix that differs is never served.
+the file keeps the ids its keys were computed from, so that a prefix that differs is never served. It is mapped into
+memory, not read whole: a short context reads only its part of a long context's file.
 """
 
 import hashlib
@@ -184,9 +185,11 @@ class ReferenceKeys:
         self.settings = {"version": REFERENCE_VERSION, "model": model_identity(model), "words": words, "seed": seed}
         key = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:20]
         self.path = Path(root) / f"{key}.pt" if root is not None else None
-        self.keys = None  # (L, Hkv, N, D) in the model's dtype, on the model's device; N may exceed len(self.ids)
+        # (L, Hkv, N, D) in the model's dtype: on the model's device when computed here, mapped from the file on the
+        # CPU when read from it (the file may hold a longer context than this one: what is read is what is used)
+        self.keys = None
         if self.path is not None and self.path.is_file():
-            data = torch.load(self.path, map_location=model.device, weights_only=True)
+            data = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
             n = min(len(self.ids), data["ids"].numel())  # the file's keys cover data["ids"] (N,)
             same_ids = data["ids"][:n].tolist() == self.ids[:n]  # another tokenizer's ids differ
             if data["settings"] == json.loads(json.dumps(self.settings)) and same_ids:  # never serve other keys
@@ -216,7 +219,7 @@ class ReferenceKeys:
             ids = torch.tensor(self.ids[:n_run], dtype=torch.int32)
             torch.save({"settings": self.settings, "ids": ids, "keys": self.keys.cpu()}, tmp)
             os.replace(tmp, self.path)  # atomic: a reader sees the old file or the whole new one
-        return self.keys[:, :, :n]
+        return self.keys[:, :, :n].to(self.model.device)  # a copy only of what a file on the CPU serves a GPU
 
     def bulk_moments(self, end: int, n_sink: int = 16) -> FixedMoments:
         """Moments of the reference keys at positions [n_sink, end), one object for the prompts of one length: a batch

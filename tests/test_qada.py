@@ -1,6 +1,8 @@
 """The QAdA criterion, the attention paths and the key moments, each held against an independent computation."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -417,6 +419,8 @@ def test_one_reference_file_serves_every_context_length(tiny, tmp_path):
         assert other.ids == ReferenceKeys(tiny, tok, n_max=n_max, progress=False).ids  # its own context's prompt
         assert other.length == 1024 and torch.equal(other.for_prompt(2000, N_SINK, N_LOCAL).mean, m.mean)
         assert other.passes == 0
+        if sys.platform == "linux":  # the file is mapped, not read whole: a longer context's costs only what is used
+            assert str(other.path) in Path("/proc/self/maps").read_text()
     longer = ReferenceKeys(tiny, tok, n_max=4096, root=tmp_path, progress=False)
     longer.for_prompt(3200, N_SINK, N_LOCAL)  # needs 2176 keys: a pass of 3072, which replaces the file
     assert longer.passes == 1 and ReferenceKeys(tiny, tok, n_max=2048, root=tmp_path, progress=False).length == 3072
