@@ -27,9 +27,11 @@ prompt's keys as the cache holds them after prefill; Option 2 (`random-words`, .
 identity. `HFModel` is also how lab.calibrate fits a correction through this adapter (--hf).
 
 Scope: transformers' llama, mistral and qwen2 models without sliding-window layers; its default DynamicCache;
-batches padded on the left. Right padding and static caches are refused with one line; prefill runs on SDPA (not
-flash-attention), decode eagerly (the paths read labels to the host: no torch.compile or CUDA graphs). Tested with
-transformers 5.24.
+batches padded on the left; greedy decoding, sampling, and beam search with the paths that keep nothing per row (a
+page path's index and online moments follow each row's keys, which beam search reorders: refused there). Right
+padding, static caches, and assisted or prompt-lookup decoding (several tokens a pass) are refused with one line;
+prefill runs on SDPA (not flash-attention), decode eagerly (the paths read labels to the host: no torch.compile or
+CUDA graphs). Tested with transformers 5.25.
 """
 
 import dataclasses
@@ -46,7 +48,7 @@ from attention import BatchAttention, build_attention, bulk_estimate, path_input
 from criterion import Calibration, check_calibration, check_tau
 from generate import default_tau, read_calibration
 from model import KVCache, LlamaConfig
-from moments import SOURCES, ReferenceKeys, reference_words
+from moments import SOURCES, OnlineMoments, ReferenceKeys, reference_words
 from weights.checkpoints import MODELS, shipped_calibration
 from weights.downloads import cache_dir
 
@@ -54,6 +56,9 @@ FAMILY = ("llama", "mistral", "qwen2")  # transformers' model types the adapter 
 PADDING = ("the QAdA adapter takes batches padded on the left (tokenizer.padding_side = 'left') and transformers' "
            "default DynamicCache; this mask leaves positions inside the cache unattended (right padding, or a static "
            "cache)")
+REORDERED = ("the cache's rows were reordered between two decode steps (beam search): the {} path keeps {} per row, "
+             "which would no longer be the row's; generate with num_beams=1, or with a path that keeps nothing per row "
+             "(qada_kv_all_cal, say)")
 
 
 def llama_config(model) -> LlamaConfig:
@@ -99,7 +104,7 @@ class HFAttention:
 
     def __init__(self, model, method: str, tau: float | None, calibration, moments, tokenizer, n_sink: int,
                  n_local: int, inputs: dict):
-        self.model, self.cfg = model, llama_config(model)
+        self.cfg = llama_config(model)  # the model itself is not kept: transformers' registry keeps this object
         self.method, self.n_sink, self.n_local = method, n_sink, n_local
         reads = path_inputs(method)  # ValueError naming the methods for an unknown one
         device = next(model.parameters()).device
@@ -110,6 +115,10 @@ class HFAttention:
             raise ValueError(f"{given[0]}: the {method} path does not read it (it reads {', '.join(reads) or 'nothing'})")
         if isinstance(moments, str) and moments not in SOURCES:
             raise ValueError(f"unknown moments source {moments!r}; choose from {', '.join(SOURCES)}")
+        if not isinstance(moments, str) and not hasattr(moments, "quadratic_form"):
+            raise ValueError(f"moments: a name of moments.SOURCES or a moments.KeyMoments, got {type(moments).__name__}")
+        if not (isinstance(n_sink, int) and isinstance(n_local, int) and 0 <= n_sink < n_local):
+            raise ValueError(f"need integers 0 <= n_sink < n_local, got {n_sink!r} and {n_local!r}")
         self.moments_source = moments if isinstance(moments, str) else None
         # Option 1 and the page paths read the prompt's keys: prefill keeps each layer's until the first decode step
         # builds the moments or the page index
@@ -120,12 +129,20 @@ class HFAttention:
         if "calibration" in reads:
             inputs["calibration"] = self.read_calibration(calibration, device)
         if tau is not None:
+            if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+                raise ValueError(f"tau must be a number in (0, 1], got {tau!r}")
             check_tau(tau)
         self.tau, self.tau_from = (tau, "given") if tau is not None else default_tau(method, inputs.get("calibration"))
         if "tau" in reads:
             inputs["tau"] = self.tau
         if inputs.get("static_local") is not None:
-            inputs["static_local"] = inputs["static_local"].to(device)
+            shape = (self.cfg.num_hidden_layers, self.cfg.num_attention_heads)
+            local = inputs["static_local"]
+            if not (isinstance(local, torch.Tensor) and local.dtype == torch.bool and tuple(local.shape) == shape):
+                raise ValueError(f"static_local: a bool tensor (layers, heads) = {shape}, one label per head, got "
+                                 + (f"{local.dtype} {tuple(local.shape)}" if isinstance(local, torch.Tensor)
+                                    else type(local).__name__))
+            inputs["static_local"] = local.to(device)
         made_here = ("layer", "n_sink", "n_local", "tau", "moments", "calibration", "pages")  # the rest is the caller's
         missing = [name for name in reads if name not in made_here and inputs.get(name) is None]
         if missing:  # said now, not at the first generate
@@ -149,6 +166,9 @@ class HFAttention:
         self.store, self.hook = None, None  # HFModel's forward: our KVCache keeps the keys, `hook` decodes
         self.rows, self.decoder = [], None  # this generation's attention per row, and what decodes the batch
         self.prompt, self.starts, self.prompt_len = None, None, None  # the last prefill's keys, padding and length
+        # A row's page index and online moments follow its own keys; beam search reorders the cache's rows under
+        # them. The last layer's newest key (B, Hkv, D), seen again one step later, says whether that happened.
+        self.follows_rows, self.last_key = False, None
 
     def read_calibration(self, calibration, device) -> Calibration:
         """The correction a qada*_cal path reads: a Calibration, a file or a lab.calibrate folder, or a named model
@@ -199,6 +219,8 @@ class HFAttention:
             raise ValueError(f"layer {layer} has a sliding window or a softcap: not supported by the QAdA adapter")
         if layer == 0:
             self.begin_step(key, attention_mask)
+        if layer == self.cfg.num_hidden_layers - 1 and self.follows_rows:
+            self.check_rows(key)
         y = self.decoder(query, key, value, layer)  # (B, H, 1, D)
         return y.transpose(1, 2), None
 
@@ -211,15 +233,20 @@ class HFAttention:
             self.starts = left_padding(mask, key.shape[2])
         if self.keeps_prompt:
             self.prompt[layer] = key  # (B, Hkv, T, D); the cache's next update makes a new tensor, this one stays
+            self.last_key = key[:, :, -1].clone()  # (B, Hkv, D); the last layer's is what check_rows reads
 
     def begin_step(self, key: torch.Tensor, mask) -> None:
         """Layer 0 of a decode step: after a prefill, each row's attention is built; each step, the padding is
         checked to be the prefill's."""
         T = key.shape[2]
         starts = left_padding(mask, T)
-        if self.prompt_len is None or T <= self.prompt_len:
+        if self.prompt_len is None:
             raise ValueError("the QAdA adapter saw no prefill of this prompt (enable() the model before its prompt "
                              "runs, and use transformers' default DynamicCache)")
+        if T <= self.prompt_len:
+            raise ValueError("the cache is shorter than the prompt the QAdA adapter saw: it was cut back, as assisted "
+                             "and prompt-lookup decoding do after checking several tokens in one pass; the adapter "
+                             "decodes one token per pass (generate without assistant_model or prompt_lookup_num_tokens)")
         if (starts or [0] * key.shape[0]) != (self.starts or [0] * key.shape[0]):
             raise ValueError(PADDING)
         if self.decoder is None:
@@ -238,6 +265,21 @@ class HFAttention:
                                              reference=self.reference, **self.inputs))
         self.prompt = None  # the moments hold what they need
         self.decoder = self.rows[0] if B == 1 and self.starts is None else BatchAttention(self.rows, self.starts)
+        self.follows_rows = any(self.kept_per_row(row) for row in self.rows)
+
+    @staticmethod
+    def kept_per_row(row) -> str | None:
+        """What of a row's DecodeAttention follows the row's own keys as it decodes, if anything."""
+        if row.inputs.get("pages") is not None:
+            return "a page index"
+        return "online moments" if isinstance(row.inputs.get("moments"), OnlineMoments) else None
+
+    def check_rows(self, key: torch.Tensor) -> None:
+        """The last layer of a decode step: its key one position back (B, Hkv, D) is still the one each row appended a
+        step ago, or the rows were reordered (that key depends on every token before it)."""
+        if not torch.equal(key[:, :, -2], self.last_key):
+            raise ValueError(REORDERED.format(self.method, self.kept_per_row(self.rows[0])))
+        self.last_key = key[:, :, -1].clone()
 
     # -----------------------------------------------------------------------------------------------------
     # The report
@@ -246,6 +288,8 @@ class HFAttention:
         """HeadStats.summary of the last generation's row `row`: decode steps, head sparsity, KV read, per layer."""
         if not self.rows:
             return {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
+        if not 0 <= row < len(self.rows):
+            raise ValueError(f"row {row}: the last generation had {len(self.rows)} row(s)")
         return self.rows[row].stats.summary(self.cfg.num_key_value_heads)
 
     def report(self) -> str:
@@ -279,6 +323,7 @@ def enable(model, method: str = "qada_kv_all_cal", tau: float | None = None, cal
     name or a KeyMoments; Option 2's sources need `tokenizer` (the model's: its encode(text, add_special_tokens=True)
     makes the reference prompt). inputs: more of what the path reads (static_local, a new path's own). Returns the
     registered attention: its `report()` and `summary(row)` give the last generation's statistics."""
+    llama_config(model)  # one line for what is not a Llama-family transformers model
     current = model.config._attn_implementation
     if isinstance(AttentionInterface().get(current), HFAttention):
         raise ValueError(f"QAdA is already enabled on this model ({current}); disable(model) first")

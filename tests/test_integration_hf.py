@@ -3,6 +3,9 @@ model on the same weights (the same tokens, the same labels at every step, layer
 through the adapter against moments.ReferenceKeys', transformers models our loader never read, left-padded batches
 against each row alone, the refusals, and lab.calibrate --hf against --model."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -217,16 +220,73 @@ def test_what_enable_and_disable_refuse(sharp_dir):
                                                    "budget=...\\)"),
                             (dict(method="static"), "the static path reads static_local: give"),
                             (dict(method="qada_cal", tokenizer=tok, calibration=random_calibration(L=3)),
-                             "the model has \\(2, 4\\)")]:
+                             "the model has \\(2, 4\\)"),
+                            (dict(method="qada", tau="0.5", moments="prompt"), "tau must be a number"),
+                            (dict(method="qada", tau=0.5, moments=123), "moments: a name of moments.SOURCES"),
+                            (dict(method="qada", tau=0.5, moments="prompt", n_sink=128), "0 <= n_sink < n_local"),
+                            (dict(method="static", static_local=torch.ones(2, 2, dtype=torch.bool)),
+                             "static_local: a bool tensor \\(layers, heads\\) = \\(2, 4\\)")]:
         with pytest.raises(ValueError, match=message):
             enable(hf, **kwargs)
         assert hf.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="not enabled"):
         disable(hf)
+    with pytest.raises(ValueError, match="is not a Llama-family decoder"):
+        enable(object())
     attention = enable(hf, "dense")
     assert isinstance(attention, HFAttention) and hf.config._attn_implementation == attention.name
     with pytest.raises(ValueError, match="already enabled"):
         enable(hf, "dense")
+    generate_hf(hf, prompt_ids(200), new=3)
+    with pytest.raises(ValueError, match="row 1: the last generation had 1 row"):
+        attention.summary(1)
+    disable(hf)
+
+
+def test_a_disabled_model_is_freed(sharp_dir):
+    """transformers' registry keeps an enabled attention for good; it must not keep the model alive with it."""
+    hf, tok = hf_model(sharp_dir), Tokenizer.from_dir(sharp_dir)
+    enable(hf, "qada", tau=TAU, tokenizer=tok)
+    generate_hf(hf, prompt_ids(200), new=3)
+    disable(hf)
+    ref = weakref.ref(hf)
+    del hf
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize("method,kept", [("quest", "a page index"), ("qada_pages", "a page index"),
+                                         ("qada", "online moments")])
+def test_beam_search_is_refused_where_a_row_keeps_state_of_its_own(sharp_dir, method, kept):
+    """Beam search reorders the cache's rows between steps. A page index or online moments kept per row would then be
+    another row's: refused with one line. A path that keeps nothing per row decodes the beams as transformers does
+    (tau 1: dense's tokens)."""
+    hf, tok, ids = hf_model(sharp_dir), Tokenizer.from_dir(sharp_dir), prompt_ids()
+    beams = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, num_beams=3)
+    plain = hf.generate(ids, **beams)
+    inputs = {"quest": dict(budget=64), "qada_pages": dict(budget=64, calibration=random_calibration(), tokenizer=tok),
+              "qada": dict(tau=TAU, moments="prompt-online")}[method]
+    enable(hf, method, **inputs)
+    with pytest.raises(ValueError, match=f"reordered between two decode steps \\(beam search\\): the {method} path "
+                                         f"keeps {kept} per row") as e:
+        hf.generate(ids, **beams)
+    assert "\n" not in str(e.value)
+    generate_hf(hf, ids)  # one beam: nothing reordered, nothing refused
+    disable(hf)
+    enable(hf, "qada", tau=1.0, moments="prompt")  # fixed moments: nothing kept per row
+    assert torch.equal(hf.generate(ids, **beams), plain)
+    disable(hf)
+
+
+def test_prompt_lookup_decoding_is_refused_with_one_line(sharp_dir):
+    """Prompt-lookup decoding checks several tokens in one pass, then cuts the cache back: the adapter decodes one
+    token per pass and says so, where it said it saw no prefill."""
+    hf = hf_model(sharp_dir)
+    ids = prompt_ids(150, 4).repeat(1, 2)  # repeated: the lookup finds candidates
+    enable(hf, "dense")
+    with pytest.raises(ValueError, match="cut back, as assisted and prompt-lookup decoding do"):
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                    prompt_lookup_num_tokens=4)
     disable(hf)
 
 
