@@ -410,14 +410,20 @@ def triton_missing() -> str | None:
     return None
 
 
+BUILT = {"layer": "the layer is each call's own", "pages": "the page index is built from the prompt's keys"}
+
+
 def parse_inputs(items: list[str], reserved: set[str] = frozenset()) -> dict:
     """--set NAME=VALUE items -> {NAME: VALUE}, each VALUE read as JSON when it parses (0.3, 2, true, [1, 2]) and as a
-    string otherwise. A name with a flag of its own (`reserved`) is refused, so no input is set twice."""
+    string otherwise. A name with a flag of its own (`reserved`) is refused, so no input is set twice, and so is one
+    that the decode loop makes itself (BUILT)."""
     inputs = {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or not name.isidentifier():
             raise ValueError(f"--set takes NAME=VALUE, got {item!r}")
+        if name in BUILT:
+            raise ValueError(f"--set {name}: {BUILT[name]}, not set")
         if name in reserved:
             raise ValueError(f"--set {name}: {name} has a flag of its own")
         try:

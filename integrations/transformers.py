@@ -116,7 +116,8 @@ class HFAttention:
         if isinstance(moments, str) and moments not in SOURCES:
             raise ValueError(f"unknown moments source {moments!r}; choose from {', '.join(SOURCES)}")
         if not isinstance(moments, str) and not hasattr(moments, "quadratic_form"):
-            raise ValueError(f"moments: a name of moments.SOURCES or a moments.KeyMoments, got {type(moments).__name__}")
+            raise ValueError("moments: a name of moments.SOURCES or a moments.KeyMoments, got "
+                             f"{type(moments).__name__}")
         if not (isinstance(n_sink, int) and isinstance(n_local, int) and 0 <= n_sink < n_local):
             raise ValueError(f"need integers 0 <= n_sink < n_local, got {n_sink!r} and {n_local!r}")
         self.moments_source = moments if isinstance(moments, str) else None

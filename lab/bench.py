@@ -407,8 +407,8 @@ def parse_methods(text: str) -> list[tuple[str, str, dict]]:
                 inputs["tau"] = float(tau)
             except ValueError:
                 inputs["tau"] = math.nan
-            if not 0 <= inputs["tau"] <= 1:  # NaN fails too
-                raise ValueError(f"--e2e-methods {item!r}: TAU takes a number in [0, 1]")
+            if not 0 < inputs["tau"] <= 1:  # NaN fails too; a tau of 0 would fail only after the dense timing
+                raise ValueError(f"--e2e-methods {item!r}: TAU takes a number in (0, 1]")
         if unit == "budget":
             if not budget.isdigit():
                 raise ValueError(f"--e2e-methods {item!r}: BUDGET takes a whole number of tokens")

@@ -36,7 +36,7 @@ from attention import N_SAMPLES, all_scores, build_attention, bulk_sample, dense
 from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_log_bulk, load_calibration, load_local_freq,
                        oracle_log_masses, sampled_log_bulk, save_calibration, save_labels)
 from generate import decode, pick_device
-from lab.cli import Parser, at_least, fail
+from lab.cli import Parser, at_least, fail, interrupted
 from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
 from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, model_dir
@@ -230,8 +230,8 @@ class MassRecorder:
         return dense(q1, k1, v1)[0].view(1, H, 1, D)
 
     def masses(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(S, L, 5, H) and each step's T_bulk (S,)."""
-        masses = torch.stack([torch.stack(s) for s in self.steps])
+        """(S, L, 5, H) and each step's T_bulk (S,); S is 0 when no step went past the window ((0, 0, 5, 0) then)."""
+        masses = torch.stack([torch.stack(s) for s in self.steps]) if self.steps else torch.zeros(0, 0, 5, 0)
         return masses, torch.tensor(self.n_bulk, dtype=torch.float64, device="cpu")
 
 
@@ -354,6 +354,10 @@ def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samp
                 print(f"{task}#{i}: {len(data['prompts'][f'{task}#{i}'][1])} steps, {time.perf_counter() - t0:.0f} s",
                       file=sys.stderr)
     chosen = [data["prompts"][f"{t}#{i}"] for t in tasks for i in range(samples)]
+    chosen = [(m, n) for m, n in chosen if len(n)]  # a prompt whose decoding never left the window adds no step
+    if not chosen:
+        raise ValueError(f"no decode step of the calibration prompts went past the window ({n_local} tokens): nothing "
+                         "to fit; give a longer --length or more --max-new-tokens")
     masses, n_bulk = torch.cat([m for m, _ in chosen]), torch.cat([n for _, n in chosen])
     out = {}
     for kind in CALIBRATION_KINDS:
@@ -437,6 +441,8 @@ def main(argv=None) -> int:
         freqs = ensure(net, tok, a.tasks, out, a.length, a.samples, a.seed, a.max_new_tokens, force=a.force)
     except (OSError, ValueError) as e:
         return fail(e)
+    except KeyboardInterrupt:
+        return interrupted()
     for name, f in freqs.items():
         print(f"{name:16s} mean local frequency {float(f.mean()):.3f}")
     return 0

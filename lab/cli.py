@@ -25,10 +25,13 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with Help and one-line errors: "error: argument --samples: must be at least 1, got 0", exit 2."""
+    """argparse with Help and one-line errors: "error: argument --samples: must be at least 1, got 0", exit 2. Flags
+    are spelled whole: an abbreviation (--samp) would hide from what reads the command line which flags were given
+    (lab.sweep --quick keeps those, run.json records them)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", Help)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
@@ -48,6 +51,12 @@ def fail(e: Exception | str) -> int:
     text = f"missing key {e}" if isinstance(e, KeyError) else " ".join(str(e).split())
     print(f"error: {text}", file=sys.stderr)
     return 2
+
+
+def interrupted() -> int:
+    """Ctrl-C in a command that writes as it goes: one line, not a traceback, and the exit status of SIGINT."""
+    print("interrupted: what was written is kept; the same command resumes from it", file=sys.stderr)
+    return 130
 
 
 def at_least(low: int):

@@ -85,7 +85,7 @@ from criterion import TAU, check_calibration, check_tau, load_calibration, stati
 from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
-from lab.cli import Parser, at_least, fail, fractions, ints
+from lab.cli import Parser, at_least, fail, fractions, interrupted, ints
 from lab.records import DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records
 from lab.report import report
 from lab.tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
@@ -648,6 +648,9 @@ QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, taus="0.6,0.9", 
              sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1, calib_samples=1)
 
 
+OPTIONAL = ("inputs", "calibration", "calibration_transfer", "static_labels")  # settings a run has when it reads them
+
+
 def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str, sparsities: str, grid: list[str],
         ablations: str, ablation_taus: str, ablation_samples: int, ctxfree_samples: int, track: str,
         static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
@@ -670,6 +673,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     for t in task_list:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
+        if task_list.count(t) > 1:  # its samples would count twice in every average
+            raise ValueError(f"--tasks names {t} twice")
     if not 0 <= n_sink < n_local:
         raise ValueError(f"the window's {n_sink} sinks (--n-sink) must be fewer than its {n_local} tokens (--n-local)")
     if not task_list and not ctxfree_samples:
@@ -727,9 +732,10 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                     calib_seed=calib_seed, dtype=dtype)
     if extra_inputs:
         settings["inputs"] = extra_inputs
-    for name, folder in (("calibration", calibration), ("calibration_transfer", calibration_transfer)):
-        if folder:  # a resumed run keeps reading the corrections it started with
-            settings[name] = folder
+    for name, folder in (("calibration", calibration), ("calibration_transfer", calibration_transfer),
+                         ("static_labels", static_labels if static_sources else None)):
+        if folder:  # a resumed run keeps reading the corrections and labels it started with
+            settings[name] = str(Path(folder))  # results/cal/ is results/cal
     if threads:
         torch.set_num_threads(threads)
     jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)
@@ -746,7 +752,10 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                 info = read_run(out) if meta.is_file() else {"runs": []}
                 if meta.is_file():  # resuming: refuse to mix runs with different settings in one file
                     old = info["settings"]
-                    clash = {k: (old.get(k), v) for k, v in settings.items() if k != "tasks" and old.get(k) != v}
+                    # what the old run read and this one would not (its corrections, labels, inputs) counts too
+                    keys = list(settings) + [k for k in OPTIONAL if k in old and k not in settings]
+                    clash = {k: (old.get(k), settings.get(k)) for k in keys
+                             if k != "tasks" and old.get(k) != settings.get(k)}
                     if clash:
                         raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
                     settings["tasks"] = list(dict.fromkeys(old.get("tasks", []) + task_list))
@@ -756,6 +765,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                       f"the merge the damaged files are kept beside as *.damaged): {'; '.join(damaged[:3])}"
                       + (" ..." if len(damaged) > 3 else ""), file=sys.stderr)
             net, tok = load(model, device=device, dtype=DTYPES[dtype], progress=progress)
+            for t in task_list:  # a length too short for a task is said now, before run.json is written
+                make_sample(t, 0, length, tok, seed)
             resources = load_resources(net, tok, task_list, every, labels_dir,
                                        dict(length=length, samples=calib_samples, seed=calib_seed,
                                             max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local,
@@ -888,6 +899,8 @@ def main(argv=None) -> int:
         return fail(f"{e}; --skip-damaged leaves damaged lines out (counted) and decodes them again")
     except (OSError, ValueError) as e:
         return fail(e)
+    except KeyboardInterrupt:
+        return interrupted()
     return 0
 
 

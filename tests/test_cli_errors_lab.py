@@ -295,6 +295,11 @@ SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
     (["--grid", "nope=0.5"], "--grid nope=0.5: unknown method"),
     (["--shard", "2/2"], "argument --shard: takes K/N"),
     (["--n-sink", "128"], "--n-sink"),
+    (["--tasks", "fwe,fwe"], "--tasks names fwe twice"),  # its samples would count twice in every average
+    (["--set", "pages=abc"], "--set pages: the page index is built from the prompt's keys, not set"),
+    (["--samp", "1"], "unrecognized arguments: --samp"),  # --quick would not see it given
+    (["--out", "{cut}", "--methods", "dense,static", "--static-labels", "{labels}/ruler.json"],
+     "holds a run with other settings {{'static_labels': (None, '{labels}/ruler.json')}}"),  # not mixed in
     (["--tasks", "", "--ctxfree-samples", "0"], "nothing to decode"),
     (["--methods", "qada", "--taus", "", "--track", ""], "nothing to run: --methods and --ablations give no"),
     (["--grid", "oracle=0.6"], "--grid oracle=...: oracle is not among --methods with a threshold"),
@@ -351,6 +356,7 @@ BENCH = [  # (argv after --device cpu, what the line names)
     (["--decode-tokens", "0"], "argument --decode-tokens"),
     (["--rope-theta", "nan"], "argument --rope-theta"),
     (["--e2e-methods", "qada@x"], "--e2e-methods 'qada@x'"),
+    (["--e2e-methods", "qada@0"], "--e2e-methods 'qada@0': TAU takes a number in (0, 1]"),  # before any timing
     (["--e2e-methods", "nope@0.6"], "--e2e-methods takes PATH@TAU"),
     (["--calibration", "{cal}"], "no method of --e2e-methods reads a calibration"),
     (["--e2e-methods", "qada_cal@0.2", "--calibration", "{empty}"], "{empty}: the folder holds no affine.json"),
@@ -379,6 +385,42 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, tiny_
     else:
         rc = bench.main(["--device", "cpu"] + argv)
     one_line(capsys, rc, message)
+
+
+def test_calibrate_qada_with_no_step_past_the_window_says_so(tmp_path, tiny_dir, capsys):
+    """One new token is the prefill's: no decode step runs, so no mass is recorded and there is nothing to fit."""
+    rc = calibrate.main(["--model", str(tiny_dir), "--device", "cpu", "--qada", "--tasks", "fwe", "--length", "400",
+                         "--samples", "1", "--max-new-tokens", "1", "--out", str(tmp_path / "cal")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err  # after the prompt's progress line, one line of error
+    assert err.splitlines()[-1].startswith("error: no decode step of the calibration prompts went past the window "
+                                           "(128 tokens)")
+
+
+@pytest.mark.parametrize("cli", ["sweep", "calibrate"])
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, tiny_dir, capsys, monkeypatch, cli):
+    """A sweep or a calibration stopped with Ctrl-C says that what it wrote is kept, and no traceback."""
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(*((sweep, "run") if cli == "sweep" else (calibrate, "ensure")), stopped)
+    argv = (["--out", str(tmp_path / "out"), "--model", str(tiny_dir)] + RUN if cli == "sweep" else
+            ["--model", str(tiny_dir), "--device", "cpu", "--tasks", "fwe", "--out", str(tmp_path)])
+    try:
+        rc = (sweep if cli == "sweep" else calibrate).main(argv)
+    except KeyboardInterrupt:  # caught here, or it would stop the whole test session
+        pytest.fail("Ctrl-C went through main() as a traceback")
+    assert rc == 130
+    assert capsys.readouterr().err.splitlines()[-1] == ("interrupted: what was written is kept; the same command "
+                                                        "resumes from it")
+
+
+def test_a_sweep_that_cannot_start_leaves_no_settings_behind(tmp_path, tiny_dir, capsys):
+    """A length too short for a task's smallest prompt is found once the tokenizer has loaded, before run.json is
+    written: the same folder then takes a run of another length."""
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--model", str(tiny_dir)] + RUN
+    one_line(capsys, sweep.main(argv + ["--length", "100"]), "a length of 100 tokens is too short for fwe")
+    assert not (out / "run.json").exists()
 
 
 @pytest.mark.parametrize("argv, message", [(["--lengths", "100"], "exceed the window"), (["--e2e", "8y3"], "BATCHxLAYERS"),

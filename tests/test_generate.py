@@ -451,6 +451,7 @@ BEFORE_LOAD = [
     (["--method", "quest", "--set", "budget=true"], "budget is a number, got True"),  # not one token
     (["--method", "quest_frac", "--set", "budget_frac=abc"], "budget_frac is a number, got 'abc'"),
     (["--method", "quest", "--set", "budget=-16"], "budget is a number of tokens >= 0, got -16"),
+    (["--method", "quest", "--set", "pages=abc"], "--set pages: the page index is built from the prompt's keys"),
 ]
 
 
