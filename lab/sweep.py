@@ -648,9 +648,6 @@ QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, taus="0.6,0.9", 
              sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1, calib_samples=1)
 
 
-OPTIONAL = ("inputs", "calibration", "calibration_transfer", "static_labels")  # settings a run has when it reads them
-
-
 def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str, sparsities: str, grid: list[str],
         ablations: str, ablation_taus: str, ablation_samples: int, ctxfree_samples: int, track: str,
         static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
@@ -752,8 +749,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                 info = read_run(out) if meta.is_file() else {"runs": []}
                 if meta.is_file():  # resuming: refuse to mix runs with different settings in one file
                     old = info["settings"]
-                    # what the old run read and this one would not (its corrections, labels, inputs) counts too
-                    keys = list(settings) + [k for k in OPTIONAL if k in old and k not in settings]
+                    # a run that reads static labels from the default folder (no --static-labels) is compared too
+                    keys = list(settings) + (["static_labels"] if static_sources and not static_labels else [])
                     clash = {k: (old.get(k), settings.get(k)) for k in keys
                              if k != "tasks" and old.get(k) != settings.get(k)}
                     if clash:

@@ -397,6 +397,21 @@ def test_calibrate_qada_with_no_step_past_the_window_says_so(tmp_path, tiny_dir,
                                            "(128 tokens)")
 
 
+def test_a_resume_reads_the_static_labels_it_started_with(tmp_path, tiny_dir, no_model, capsys):
+    """A run that read --static-labels FILE, resumed without the flag, would read the folder's own labels: refused.
+    Resumed with methods that read no static labels, it goes on (up to the model's loading here)."""
+    other_labels(tmp_path)
+    out = tmp_path / "out"
+    settings = dict(tasks=["fwe"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model=str(tiny_dir),
+                    calib_seed=1, dtype="float32", static_labels=str(tmp_path / "ruler.json"))
+    run_folder(out, LINES[0], settings=settings)
+    argv = ["--out", str(out), "--model", str(tiny_dir)] + RUN
+    one_line(capsys, sweep.main(argv + ["--methods", "dense,static"]),
+             f"holds a run with other settings {{'static_labels': ('{tmp_path / 'ruler.json'}', None)}}")
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        sweep.main(argv)
+
+
 @pytest.mark.parametrize("cli", ["sweep", "calibrate"])
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, tiny_dir, capsys, monkeypatch, cli):
     """A sweep or a calibration stopped with Ctrl-C says that what it wrote is kept, and no traceback."""
