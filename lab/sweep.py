@@ -648,6 +648,13 @@ QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, taus="0.6,0.9", 
              sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1, calib_samples=1)
 
 
+def write_run(meta: Path, info: dict) -> None:
+    """run.json, whole or not at all (a shard may read it while another writes)."""
+    tmp = meta.with_name(f"{meta.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(info, indent=1))
+    os.replace(tmp, meta)
+
+
 def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str, sparsities: str, grid: list[str],
         ablations: str, ablation_taus: str, ablation_samples: int, ctxfree_samples: int, track: str,
         static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
@@ -772,7 +779,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
             resources["inputs"] = extra_inputs
             if rank == 0:  # once the model and what it reads have loaded: a run that cannot start leaves no run.json
                 info["settings"] = settings
-                meta.write_text(json.dumps(info, indent=1))  # now, so that a partial run describes itself
+                write_run(meta, info)  # now, so that a partial run describes itself
                 before = rank_lines(out, world) if world > 1 else []  # lines a killed run left in rank files
         mine, path = jobs, out / "samples.jsonl"
         if n_shards > 1:  # whole tasks when a configuration reads its own task's earlier samples (and under --shard)
@@ -798,8 +805,10 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
             this_run["damaged_lines_left_out"] = damaged
         if world > 1:
             this_run.update(ranks=world, device=str(net.device), lines_per_rank=per_rank)
+        if n_shards > 1 and world == 1:  # shards run side by side: another may have added its command since
+            info = read_run(out)
         info.setdefault("runs", []).append(this_run)
-        meta.write_text(json.dumps(info, indent=1))
+        write_run(meta, info)
         print(f"{n} runs written to {path} in {wall / 60:.1f} min")
         if report_at_end:
             report(out, skip_damaged=skip_damaged)

@@ -397,6 +397,22 @@ def test_calibrate_qada_with_no_step_past_the_window_says_so(tmp_path, tiny_dir,
                                            "(128 tokens)")
 
 
+def test_a_shard_keeps_the_command_another_shard_recorded_while_it_ran(tmp_path, tiny_dir, monkeypatch):
+    """--shard processes run side by side and each adds its command to run.json at its end: the last to end keeps
+    the others' (it read run.json when it started, before they ended)."""
+    out = tmp_path / "out"
+
+    def other_shard_ends(net, tok, folder, *args):  # this shard's decoding, during which the other one ends
+        info = json.loads((folder / "run.json").read_text())
+        info["runs"].append({"command": "the other shard"})
+        (folder / "run.json").write_text(json.dumps(info))
+        return 0
+    monkeypatch.setattr(sweep, "sweep", other_shard_ends)
+    assert sweep.main(["--out", str(out), "--model", str(tiny_dir), "--shard", "0/2"] + RUN) == 0
+    runs = json.loads((out / "run.json").read_text())["runs"]
+    assert [r["command"] for r in runs][0] == "the other shard" and len(runs) == 2
+
+
 def test_a_resume_reads_the_static_labels_it_started_with(tmp_path, tiny_dir, no_model, capsys):
     """A run that read --static-labels FILE, resumed without the flag, would read the folder's own labels: refused.
     Resumed with methods that read no static labels, it goes on (up to the model's loading here)."""
