@@ -90,7 +90,7 @@ def write_summary(out: Path, rows, tasks, damaged: list[str] = ()):
               "lab.peers and configs run on fewer samples than the most: each over its own samples and dense's there). "
               "avg norm. = mean over tasks of score / dense score; worst drop = largest dense - score "
               "over tasks.", "",
-              "| config | " + " | ".join(tasks) + " | avg score | avg norm. | worst drop | sparsity | KV read |",
+              "| config | " + "".join(f"{t} | " for t in tasks) + "avg score | avg norm. | worst drop | sparsity | KV read |",
               "|---|" + "---|" * (len(tasks) + 5)]
     for c in configs:
         cells = []
@@ -101,13 +101,13 @@ def write_summary(out: Path, rows, tasks, damaged: list[str] = ()):
         tail = ([fmt(cv["score"], 100), fmt(cv["norm"], 1, 2), fmt(cv["worst_drop"], 100), fmt(cv["sparsity"], 1, 3),
                  fmt(cv["kv_read"], 1, 3)] if cv else ["–"] * 5)
         lines.append(f"| {c} | " + " | ".join(cells) + " | " + " | ".join(tail) + " |")
-    lines += ["", "## Sparsity per task x config", "", "| config | " + " | ".join(tasks + ([CTXFREE] if any(r["task"] == CTXFREE for r in rows) else [])) + " |",
-              "|---|" + "---|" * (len(tasks) + any(r["task"] == CTXFREE for r in rows))]
-    for c in configs:
-        cells = [fmt(mean([r["sparsity"] for r in g.get((t, c), [])]), 1, 3) for t in tasks]
-        if any(r["task"] == CTXFREE for r in rows):
-            cells.append(fmt(mean([r["sparsity"] for r in g.get((CTXFREE, c), [])]), 1, 3))
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    ctxfree = any(r["task"] == CTXFREE for r in rows)
+    columns = tasks + [CTXFREE] * ctxfree  # the context-free samples' configs have a row here even without a task
+    lines += ["", "## Sparsity per task x config", "", "| config | " + " | ".join(columns) + " |",
+              "|---|" + "---|" * len(columns)]
+    for c in sorted({r["config"] for r in rows if r["task"] in columns}, key=config_sort_key):
+        lines.append(f"| {c} | " + " | ".join(fmt(mean([r["sparsity"] for r in g.get((t, c), [])]), 1, 3)
+                                            for t in columns) + " |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     return cur
 

@@ -107,6 +107,21 @@ def test_report_stops_at_a_damaged_record_and_with_the_flag_counts_what_it_left_
     assert "| dense | 100.0 (2)" in (out / "summary.md").read_text()  # the two whole dense records, not three
 
 
+def test_a_sweep_of_context_free_samples_alone_gets_whole_tables(tmp_path):
+    """--tasks '' (the context-free samples only): every table's rows have its header's columns, and the sparsity
+    table has the context-free configs' rows."""
+    fields = dict(sparsity=0.8, score=None, pred=" 1", path="qada", source="random-words", threshold=0.6,
+                  threshold_kind="tau", steps=2, n_prompt=300)  # a context-free sample has no score
+    body = b"".join(json.dumps(record("ctxfree", i, "qada_rw@0.6") | fields).encode() + b"\n" for i in range(2))
+    out = run_folder(tmp_path / "run", body, settings={"tasks": []})
+    assert report.main([str(out)]) == 0
+    text = (out / "summary.md").read_text()
+    for table in text.split("\n\n"):
+        rows = [line for line in table.splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in rows}) <= 1, table
+    assert "| qada_rw@0.6 | 0.800 |" in text
+
+
 def test_a_resume_stops_at_a_damaged_record_before_loading_and_with_the_flag_decodes_it_again(tmp_path, tiny_dir,
                                                                                               monkeypatch, capsys):
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
