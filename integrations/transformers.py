@@ -294,8 +294,9 @@ class HFAttention:
         return self.rows[row].stats.summary(self.cfg.num_key_value_heads)
 
     def report(self) -> str:
-        """generate.py's lines for the last generation: the method and where its tau came from, then per row the
-        heads labelled local and the KV entries read."""
+        """generate.py's lines for the last generation (its decode steps since the last pass of several tokens: a
+        forward that scores a text starts anew): the method and where its tau came from, then per row the heads
+        labelled local and the KV entries read."""
         head = (f"method {self.method}" + (f" at tau {self.tau} ({self.tau_from})" if self.tau is not None else "")
                 + (f", {self.moments_source or 'given'} moments" if "moments" in path_inputs(self.method) else "")
                 + (f", calibration {Path(self.inputs['calibration'].settings['file']).name}"
