@@ -653,6 +653,10 @@ def with_baseline(out: Path, rows: list[dict], other: Path, on_damage=None) -> l
     compared with an earlier one's on the same samples. The two runs must have decoded the same prompts the same way:
     the SAME_RUN settings both record must agree (a peers run has no window, so no n_sink or n_local). `on_damage`:
     as in lab.records.read_records."""
+    for f in (out, other):
+        if not (f / "run.json").is_file():
+            raise ValueError(f"{f} has records but no run.json: --with cannot check that {out} and {other} decoded the "
+                             "same samples (lab.sweep and lab.peers write run.json)")
     mine, theirs = (read_run(f)["settings"] for f in (out, other))
     clash = {k: (mine.get(k), theirs.get(k)) for k in SAME_RUN if k in mine and k in theirs and mine[k] != theirs[k]}
     missing = [k for k in ("length", "seed", "model") if k not in mine or k not in theirs]

@@ -284,13 +284,15 @@ def places(tmp_path: Path, tiny_dir: Path) -> dict[str, str]:
     save_calibration(cal / "affine.json", Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, dict(kind="affine")))
     run_folder(tmp_path / "no_settings", LINES[0]).joinpath("run.json").write_text('{"runs": []}')
     run_folder(tmp_path / "run", b"".join(LINES))
+    (tmp_path / "records_only").mkdir()
+    (tmp_path / "records_only" / "samples.jsonl").write_bytes(LINES[0])
     run_folder(tmp_path / "cut", dict(DAMAGED_BODIES)["cut"])
     run_folder(tmp_path / "truncated", dict(DAMAGED_BODIES)["truncated-xz"], "samples.jsonl.xz")
     (tmp_path / "cut" / "run.json").write_text(json.dumps({"settings": dict(
         tasks=["fwe"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model=str(tiny_dir), calib_seed=1,
         dtype="float32")}))
     return {k: str(tmp_path / k) for k in ("empty", "a_file", "labels", "cal", "no_settings", "run", "cut",
-                                           "truncated", "missing")} | {"tiny": str(tiny_dir)}
+                                           "truncated", "missing", "records_only")} | {"tiny": str(tiny_dir)}
 
 
 DAMAGED_BODIES = [(name, body) for name, _, body, _ in DAMAGED]
@@ -340,6 +342,7 @@ REPORT = [  # (argv, what the line names)
     (["{a_file}"], "a file, not a run folder"),
     (["{empty}"], "is not a run folder"),
     (["{run}", "--with", "{empty}"], "{empty} is not a run folder"),
+    (["{run}", "--with", "{records_only}"], "{records_only} has records but no run.json"),
     (["{run}", "--tasks", "vt"], "--tasks vt: no record of it"),
     (["{empty}", "--dense-table"], "no run folder in it"),
     (["{no_settings}"], 'run.json: no "settings"'),
