@@ -22,6 +22,7 @@ Labels are data: boolean tensors, True = local.
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ TAU = 0.6  # the paper's threshold: its default for QAdA and the oracle, and app
 
 
 def check_tau(tau: float) -> float:
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real):  # "0.5" from a caller in Python, say
+        raise ValueError(f"tau must be a number in (0, 1], got {tau!r}")
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"tau must lie in (0, 1], got {tau}")
     return tau

@@ -130,8 +130,6 @@ class HFAttention:
         if "calibration" in reads:
             inputs["calibration"] = self.read_calibration(calibration, device)
         if tau is not None:
-            if isinstance(tau, bool) or not isinstance(tau, (int, float)):
-                raise ValueError(f"tau must be a number in (0, 1], got {tau!r}")
             check_tau(tau)
         self.tau, self.tau_from = (tau, "given") if tau is not None else default_tau(method, inputs.get("calibration"))
         if "tau" in reads:
@@ -234,7 +232,8 @@ class HFAttention:
             self.starts = left_padding(mask, key.shape[2])
         if self.keeps_prompt:
             self.prompt[layer] = key  # (B, Hkv, T, D); the cache's next update makes a new tensor, this one stays
-            self.last_key = key[:, :, -1].clone()  # (B, Hkv, D); the last layer's is what check_rows reads
+            if layer == self.cfg.num_hidden_layers - 1:
+                self.last_key = key[:, :, -1].clone()  # (B, Hkv, D): what check_rows compares the next step with
 
     def begin_step(self, key: torch.Tensor, mask) -> None:
         """Layer 0 of a decode step: after a prefill, each row's attention is built; each step, the padding is

@@ -165,6 +165,15 @@ def read_run(out: Path) -> dict:
     return info
 
 
+def write_run(out: Path, info: dict) -> None:
+    """OUT/run.json (read_run's), whole or not at all: written to a temporary file and renamed, so that a shard
+    reading it while another writes sees the old file or the new one."""
+    path = Path(out) / "run.json"
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(info, indent=1))
+    os.replace(tmp, path)
+
+
 def is_run_folder(out: Path) -> bool:
     """Whether `out` holds a run of lab.sweep or lab.peers: run.json or record files."""
     return (Path(out) / "run.json").is_file() or bool(result_files(out))

@@ -86,7 +86,8 @@ from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
 from lab.cli import Parser, at_least, fail, fractions, interrupted, ints
-from lab.records import DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records
+from lab.records import (DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records,
+                         write_run)
 from lab.report import report
 from lab.tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
 from weights.checkpoints import DEFAULT, DTYPES, load
@@ -648,13 +649,6 @@ QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, taus="0.6,0.9", 
              sparsities="0.5,0.8", ablation_taus="0.6", ablation_samples=1, ctxfree_samples=1, calib_samples=1)
 
 
-def write_run(meta: Path, info: dict) -> None:
-    """run.json, whole or not at all (a shard may read it while another writes)."""
-    tmp = meta.with_name(f"{meta.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(info, indent=1))
-    os.replace(tmp, meta)
-
-
 def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str, sparsities: str, grid: list[str],
         ablations: str, ablation_taus: str, ablation_samples: int, ctxfree_samples: int, track: str,
         static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
@@ -779,7 +773,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
             resources["inputs"] = extra_inputs
             if rank == 0:  # once the model and what it reads have loaded: a run that cannot start leaves no run.json
                 info["settings"] = settings
-                write_run(meta, info)  # now, so that a partial run describes itself
+                write_run(out, info)  # now, so that a partial run describes itself
                 before = rank_lines(out, world) if world > 1 else []  # lines a killed run left in rank files
         mine, path = jobs, out / "samples.jsonl"
         if n_shards > 1:  # whole tasks when a configuration reads its own task's earlier samples (and under --shard)
@@ -808,7 +802,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         if n_shards > 1 and world == 1:  # shards run side by side: another may have added its command since
             info = read_run(out)
         info.setdefault("runs", []).append(this_run)
-        write_run(meta, info)
+        write_run(out, info)
         print(f"{n} runs written to {path} in {wall / 60:.1f} min")
         if report_at_end:
             report(out, skip_damaged=skip_damaged)

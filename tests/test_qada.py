@@ -63,7 +63,10 @@ def test_tau_range():
     for bad in (0.0, -0.1, 1.01, float("nan")):
         with pytest.raises(ValueError, match="tau"):
             check_tau(bad)
-    assert check_tau(1.0) == 1.0
+    for bad in ("0.5", True, None):  # a ValueError naming tau, not a TypeError of the comparison
+        with pytest.raises(ValueError, match="tau must be a number in \\(0, 1\\]"):
+            check_tau(bad)
+    assert check_tau(1.0) == 1.0 and check_tau(1) == 1
 
 
 def test_qada_labels_follow_the_local_share():
