@@ -650,7 +650,7 @@ QUICK = dict(tasks="niah_single_1,fwe", length=2048, samples=2, taus="0.6,0.9", 
 
 
 def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str, sparsities: str, grid: list[str],
-        ablations: str, ablation_taus: str, ablation_samples: int, ctxfree_samples: int, track: str,
+        ablations: str, ablation_taus: str, ablation_samples: int, ctxfree_samples: int, track: str | None,
         static_labels: str | None, static_tasks: str | None, calib_samples: int, calib_seed: int,
         calib_max_new_tokens: int, seed: int, stop: str, n_sink: int, n_local: int, model: str | None, dtype: str,
         threads: int | None, quick: bool = False, shard: str = "0/1", batch: int = 32, report_at_end: bool = True,
@@ -682,7 +682,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                               parse_grid(budgets), parse_grid(budget_fracs))
     abl = methods_configs("--ablations", ablations, parse_grid(ablation_taus), [])
     ctxfree = [Config("oracle", TAU)] + build_configs(["qada_rw"], parse_grid(taus), [], grids)  # Fig. 6c, 7b
-    methods_configs("--track", track, [], [])  # a misspelt method is refused, not silently untracked
+    methods_configs("--track", track or "", [], [])  # a misspelt method is refused, not silently untracked
     extra_inputs = parse_inputs(inputs, reserved={"layer", "n_sink", "n_local", "tau", "moments", "static_local",
                                                   "calibration", "reference", "budget", "budget_frac"})
     for name in extra_inputs:
@@ -692,6 +692,13 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     if not every:
         raise ValueError("nothing to run: --methods and --ablations give no configuration (an empty grid?) and "
                          "--ctxfree-samples is 0")
+    run_methods = {c.method for c in every}
+    if track is None:  # the default: the paper's QAdA where it runs (its per-layer tables and Table 2 read it)
+        track = "qada_rw" if "qada_rw" in run_methods else ""
+    for name in filter(None, track.split(",")):  # a tracked method that does not run would record nothing
+        if name not in run_methods:
+            raise ValueError(f"--track {name}: not among --methods, --ablations or the context-free runs, so no "
+                             "decoding of it would record the oracle")
     graded = {c.method for c in configs if c.threshold is not None} | ({"qada_rw"} if ctxfree_samples else set())
     for name in grids:  # a grid that no configuration takes is refused, not silently left unused
         if name not in graded:
@@ -835,8 +842,9 @@ def main(argv=None) -> int:
     p.add_argument("--ablation-taus", type=fractions, default="0.6,0.9", help="tau grid of the ablations")
     p.add_argument("--ablation-samples", type=at_least(0), default=5, help="samples per task that also run the ablations")
     p.add_argument("--ctxfree-samples", type=at_least(0), default=5, help="context-independent samples (0 = none)")
-    p.add_argument("--track", default="qada_rw",
-                   help="methods that also record the oracle labels and log masses (costs ~30%% decode time)")
+    p.add_argument("--track", default=None,
+                   help="methods that also record the oracle labels and log masses (costs ~30%% decode time; default "
+                        "qada_rw where it runs, '' for none)")
     p.add_argument("--static-labels", default=None, metavar="DIR|FILE", help="folder of lab.calibrate files "
                    "(default OUT/static_labels; calibrated on first use), or one such file (TASK.json or ruler.json) "
                    "for the static methods when no own-task method (static_oracle) runs")

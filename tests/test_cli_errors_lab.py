@@ -308,6 +308,7 @@ SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
     (["--tasks", "nope"], "unknown task 'nope'"),
     (["--methods", "dense,nope"], "--methods: unknown method 'nope'"),
     (["--track", "qada_wr"], "--track: unknown method 'qada_wr'"),
+    (["--track", "dense,oracle"], "--track oracle: not among --methods, --ablations or the context-free runs"),
     (["--grid", "oracle=abc"], "--grid oracle=abc"),
     (["--grid", "nope=0.5"], "--grid nope=0.5: unknown method"),
     (["--shard", "2/2"], "argument --shard: takes K/N"),
