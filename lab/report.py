@@ -701,9 +701,10 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
     print(f"tables and plots written to {out}")
 
 
-def dense_table(root: str | Path, on_damage=None) -> str:
+def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None) -> str:
     """Markdown: dense score per task in every lab.sweep run folder under `root` (a pilot's model x length grid),
-    with the seconds per sample (prefill + decode), and the mean over tasks. Writes root/dense.md too."""
+    with the seconds per sample (prefill + decode), and the mean over tasks (`tasks` alone, when given). Writes
+    root/dense.md too."""
     root = Path(root)
     runs = []
     metas = sorted(root.glob("*/run.json"))
@@ -711,17 +712,23 @@ def dense_table(root: str | Path, on_damage=None) -> str:
         raise ValueError(f"{root}: no run folder in it (no */run.json); --dense-table takes a folder of run folders")
     for meta in metas:
         settings = read_run(meta.parent)["settings"]
-        rows = [r for r in read_records(meta.parent, on_damage) if r.get("method") == "dense" and r.get("score") is not None]
+        rows = [r for r in read_records(meta.parent, on_damage) if r.get("method") == "dense" and r.get("score") is not None
+                and (tasks is None or r["task"] in tasks)]
         if rows:
             runs.append((settings.get("model") or "smollm2-135m", settings["length"], settings.get("dtype", "float32"),
                          rows, meta.parent.name))
     runs.sort(key=lambda run: (run[0], run[1]))
     runs, folders = [run[:4] for run in runs], [run[4] for run in runs]
-    tasks = [t for t in TASK_ORDER if any(r["task"] == t for *_, rows in runs for r in rows)]
+    command = f"python -m lab.report --dense-table {root}" + (f" --tasks {','.join(tasks)}" if tasks else "")
+    found = [t for t in TASK_ORDER if any(r["task"] == t for *_, rows in runs for r in rows)]
+    missing = [t for t in tasks or () if t not in found]
+    if missing:
+        raise ValueError(f"--tasks {','.join(missing)}: no dense record of it in the run folders under {root}")
+    tasks = found
     names = [f"{m} {n // 1024}k" if n % 1024 == 0 else f"{m} {n}" for m, n, _, _ in runs]
     head = [f"{name} ({folder})" if names.count(name) > 1 else name for name, folder in zip(names, folders)]
     lines = ["# Dense score per task (x100, mean over n samples) and seconds per sample", "",
-             f"`python -m lab.report --dense-table {root}`; dtype {', '.join(sorted({d for _, _, d, _ in runs}))}. "
+             f"`{command}`; dtype {', '.join(sorted({d for _, _, d, _ in runs}))}. "
              "s/sample = median of prefill + decode seconds.", "",
              "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(runs)]
     means = [[] for _ in runs]
@@ -744,13 +751,17 @@ def dense_table(root: str | Path, on_damage=None) -> str:
     return text
 
 
-def compare_runs(a: str | Path, b: str | Path, on_damage=None) -> str:
+def compare_runs(a: str | Path, b: str | Path, on_damage=None, tasks: list[str] | None = None) -> str:
     """Markdown: the records two run folders share (same task, sample and configuration, e.g. one run in fp32 and
-    one in bf16): how often the answers are identical and the scores equal, and how far sparsity and each head's
-    local frequency move."""
-    ra = {(r["task"], r["index"], r["config"]): r for r in read_records(a, on_damage)}
-    rb = {(r["task"], r["index"], r["config"]): r for r in read_records(b, on_damage)}
-    lines = [f"# {Path(a).name} vs {Path(b).name}", "", f"`python -m lab.report {a} --compare {b}`", "",
+    one in bf16; of `tasks` alone, when given): how often the answers are identical and the scores equal, and how
+    far sparsity and each head's local frequency move."""
+    ra, rb = ({(r["task"], r["index"], r["config"]): r for r in read_records(folder, on_damage)
+               if tasks is None or r["task"] in tasks} for folder in (a, b))
+    missing = [t for t in tasks or () if not any(k[0] == t for k in ra.keys() & rb.keys())]
+    if missing:
+        raise ValueError(f"--tasks {','.join(missing)}: {a} and {b} share no record of it")
+    command = f"python -m lab.report {a} --compare {b}" + (f" --tasks {','.join(tasks)}" if tasks else "")
+    lines = [f"# {Path(a).name} vs {Path(b).name}", "", f"`{command}`", "",
              "| config | records | identical answers | equal scores | mean abs. sparsity diff | mean abs. head-frequency diff |",
              "|---|---:|---:|---:|---:|---:|"]
     for c in sorted({k[2] for k in ra.keys() & rb.keys()}, key=config_sort_key):
@@ -769,7 +780,8 @@ def compare_runs(a: str | Path, b: str | Path, on_damage=None) -> str:
 def main(argv=None) -> int:
     p = Parser(prog="python -m lab.report", description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="run folder of lab.sweep (with --dense-table: a folder of run folders)")
-    p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's)")
+    p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's); with "
+                   "--compare or --dense-table, of those tables' tasks")
     p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
                    "under OUT (a pilot over models and lengths), written to OUT/dense.md")
     p.add_argument("--with", dest="baselines", action="append", default=[], metavar="OTHER", help="also the records "
@@ -785,7 +797,13 @@ def main(argv=None) -> int:
         return a
     damaged = []
     on_damage = damaged.append if a.skip_damaged else None
+    tasks = a.tasks.split(",") if a.tasks else None
     try:
+        for flag, given in (("--compare", a.compare), ("--dense-table", a.dense_table)):
+            if given and a.baselines:  # --with pairs records for the tables of one run, which these do not write
+                raise ValueError(f"--with is for one run's tables; {flag} reads no baseline")
+        if a.compare and a.dense_table:
+            raise ValueError("--compare and --dense-table are two different tables: give one")
         for folder in [a.out] + ([a.compare] if a.compare else []) + a.baselines:
             if not Path(folder).is_dir():
                 what = "a file, not a run folder" if Path(folder).exists() else "no such run folder"
@@ -794,11 +812,11 @@ def main(argv=None) -> int:
                 raise ValueError(f"{folder} is not a run folder: no run.json and no samples*.jsonl[.xz] (lab.sweep "
                                  "--out writes them; for a folder of run folders: --dense-table)")
         if a.compare:
-            print(compare_runs(a.out, a.compare, on_damage))
+            print(compare_runs(a.out, a.compare, on_damage, tasks))
         elif a.dense_table:
-            print(dense_table(a.out, on_damage))
+            print(dense_table(a.out, on_damage, tasks))
         else:
-            report(a.out, a.tasks.split(",") if a.tasks else None, a.baselines, a.skip_damaged)
+            report(a.out, tasks, a.baselines, a.skip_damaged)
         if damaged:  # report() states its own
             print(f"warning: left out {len(damaged)} damaged record line(s) (--skip-damaged): {'; '.join(damaged)}",
                   file=sys.stderr)

@@ -350,6 +350,10 @@ REPORT = [  # (argv, what the line names)
     (["{cut}"], "cut/samples.jsonl:3:"),
     (["{truncated}"], "truncated/samples.jsonl.xz:1: the compressed data end early"),
     (["{run}", "--compare", "{cut}"], "cut/samples.jsonl:3:"),
+    (["{run}", "--compare", "{run}", "--tasks", "vt"], "--tasks vt: {run} and {run} share no record of it"),
+    (["{run}", "--compare", "{run}", "--with", "{run}"], "--with is for one run's tables; --compare reads no"),
+    (["{empty}", "--dense-table", "--with", "{run}"], "--with is for one run's tables; --dense-table reads no"),
+    (["{empty}", "--dense-table", "--compare", "{run}"], "--compare and --dense-table are two different tables"),
 ]
 CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
     (["--out", "{empty}"], "the following arguments are required: --tasks"),
@@ -505,6 +509,23 @@ def test_an_unknown_method_lists_each_choice_once():
         sweep.path_and_source("nope")
     names = str(e.value).split("choose from ")[1].split(", ")
     assert len(names) == len(set(names)) and {"qada_cal", "static", "static_oracle"} <= set(names)
+
+
+def test_compare_and_the_dense_table_keep_to_the_tasks_asked(tmp_path):
+    """lab.report --compare and --dense-table with --tasks: the other tasks' records count nowhere, and a task of
+    no record is one line."""
+    body = b"".join(json.dumps(record(task=t, index=i, config=c, pred="x")).encode() + b"\n"
+                    for t, n in (("fwe", 3), ("vt", 2)) for i in range(n) for c in ("dense", "local"))
+    a = run_folder(tmp_path / "pilot" / "a", body, settings={"tasks": ["fwe", "vt"], "length": 512})
+    b = run_folder(tmp_path / "b", body, settings={"tasks": ["fwe", "vt"], "length": 512})
+    rows = {line.split(" | ")[0]: line.split(" | ")[1] for line in report.compare_runs(a, b, tasks=["vt"]).splitlines()
+            if line.startswith("| dense") or line.startswith("| local")}
+    assert rows == {"| dense": "2", "| local": "2"}  # vt's 2 samples, not fwe's 3 beside them
+    assert " 5 " in report.compare_runs(a, b)
+    table = report.dense_table(tmp_path / "pilot", tasks=["vt"])
+    assert "| vt |" in table and "| fwe |" not in table and "--tasks vt" in table
+    with pytest.raises(ValueError, match="--tasks niah_single_1: no dense record of it"):
+        report.dense_table(tmp_path / "pilot", tasks=["niah_single_1"])
 
 
 def test_the_dense_table_names_each_run_apart(tmp_path):
