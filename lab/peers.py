@@ -43,6 +43,7 @@ press has no notion of a local head. lab.report pairs these records with a sweep
 """
 
 import json
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -444,7 +445,7 @@ def main(argv=None) -> int:
     try:
         out = run(a.out, a.tasks, a.length, a.samples, a.presses, a.ratios, a.context_ratios, a.seed, a.model, a.dtype,
                   a.device, a.pair, a.threads, a.dense_samples,
-                  command="python -m lab.peers " + " ".join(argv or sys.argv[1:]))
+                  command="python -m lab.peers " + shlex.join(sys.argv[1:] if argv is None else argv))
     except (OSError, ValueError) as e:  # bad input: one line
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -67,6 +67,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import sys
 import time
 import zlib
@@ -656,7 +657,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         threads: int | None, quick: bool = False, shard: str = "0/1", batch: int = 32, report_at_end: bool = True,
         progress: bool = True, device: str | None = None, inputs: list[str] = (), calibration: str | None = None,
         calibration_transfer: str | None = None, skip_damaged: bool = False, budgets: str = BUDGETS,
-        budget_fracs: str = BUDGET_FRACS) -> Path:
+        budget_fracs: str = BUDGET_FRACS, command: str | None = None) -> Path:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if world > 1 and shard != "0/1":
         raise ValueError("--shard splits a sweep by hand; under torchrun the ranks split it, so leave --shard out")
@@ -780,7 +781,12 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
             resources["inputs"] = extra_inputs
             if rank == 0:  # once the model and what it reads have loaded: a run that cannot start leaves no run.json
                 info["settings"] = settings
-                write_run(out, info)  # now, so that a partial run describes itself
+                # the command now, so that a partial run describes itself; one that is killed keeps no "finished"
+                this_run = {"command": command or shlex.join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                            "threads": torch.get_num_threads()}
+                at = len(info.setdefault("runs", []))  # shards only append after it: its place stays
+                info["runs"].append(this_run)
+                write_run(out, info)
                 before = rank_lines(out, world) if world > 1 else []  # lines a killed run left in rank files
         mine, path = jobs, out / "samples.jsonl"
         if n_shards > 1:  # whole tasks when a configuration reads its own task's earlier samples (and under --shard)
@@ -800,15 +806,17 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         if world > 1 or n_shards == 1:  # the last process standing: every record, compressed, in one file
             path = merge(out, jobs, on_damage)
         wall = time.perf_counter() - t_start
-        this_run = {"command": " ".join(sys.argv), "lines_written": n, "wall_s": round(wall, 1),
-                    "threads": torch.get_num_threads(), "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        ended = dict(this_run, lines_written=n, wall_s=round(wall, 1), finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
         if damaged:
-            this_run["damaged_lines_left_out"] = damaged
+            ended["damaged_lines_left_out"] = damaged
         if world > 1:
-            this_run.update(ranks=world, device=str(net.device), lines_per_rank=per_rank)
-        if n_shards > 1 and world == 1:  # shards run side by side: another may have added its command since
-            info = read_run(out)
-        info.setdefault("runs", []).append(this_run)
+            ended.update(ranks=world, device=str(net.device), lines_per_rank=per_rank)
+        info = read_run(out)  # shards run side by side: another may have added its command since this one started
+        runs = info.setdefault("runs", [])
+        if at < len(runs) and runs[at] == this_run:  # the entry this run wrote when it started, completed in place
+            runs[at] = ended
+        else:
+            runs.append(ended)
         write_run(out, info)
         print(f"{n} runs written to {path} in {wall / 60:.1f} min")
         if report_at_end:
@@ -902,7 +910,8 @@ def main(argv=None) -> int:
     try:
         args.device = pick_device(args.device)
         with process_group(args.device):
-            run(**vars(args), progress=True)  # the bar goes to stderr, also into a log file: a sweep runs for hours
+            command = "python -m lab.sweep " + shlex.join(sys.argv[1:] if argv is None else argv)  # for run.json
+            run(**vars(args), progress=True, command=command)  # the bar goes to stderr, also into a log file
     except DamagedRecord as e:
         return fail(f"{e}; --skip-damaged leaves damaged lines out (counted) and decodes them again")
     except (OSError, ValueError) as e:

@@ -7,6 +7,7 @@ import json
 import lzma
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -421,8 +422,8 @@ def test_calibrate_qada_with_no_step_past_the_window_says_so(tmp_path, tiny_dir,
 
 
 def test_a_shard_keeps_the_command_another_shard_recorded_while_it_ran(tmp_path, tiny_dir, monkeypatch):
-    """--shard processes run side by side and each adds its command to run.json at its end: the last to end keeps
-    the others' (it read run.json when it started, before they ended)."""
+    """--shard processes run side by side and each adds its command to run.json when it starts and completes it at
+    its end: the last to end keeps the others' (it read run.json when it started, before they ended)."""
     out = tmp_path / "out"
 
     def other_shard_ends(net, tok, folder, *args):  # this shard's decoding, during which the other one ends
@@ -433,7 +434,27 @@ def test_a_shard_keeps_the_command_another_shard_recorded_while_it_ran(tmp_path,
     monkeypatch.setattr(sweep, "sweep", other_shard_ends)
     assert sweep.main(["--out", str(out), "--model", str(tiny_dir), "--shard", "0/2"] + RUN) == 0
     runs = json.loads((out / "run.json").read_text())["runs"]
-    assert [r["command"] for r in runs][0] == "the other shard" and len(runs) == 2
+    assert len(runs) == 2 and runs[1] == {"command": "the other shard"}
+    assert runs[0]["lines_written"] == 0 and runs[0]["started"] and runs[0]["finished"]  # this one's, completed
+
+
+def test_a_killed_sweep_leaves_its_command_in_run_json(tmp_path, tiny_dir, monkeypatch):
+    """A sweep killed while it decodes (no exception to catch: the end of a session, kill -9) has already written
+    its command to run.json, without "finished"; the same command, run again, completes its own entry."""
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--model", str(tiny_dir)] + RUN
+
+    def killed(net, tok, folder, *args):
+        runs = json.loads((folder / "run.json").read_text())["runs"]
+        assert len(runs) == 1 and "finished" not in runs[0] and runs[0]["command"] == shlex.join(["python", "-m", "lab.sweep"] + argv)
+        raise SystemExit(9)
+    with monkeypatch.context() as m:
+        m.setattr(sweep, "sweep", killed)
+        with pytest.raises(SystemExit):
+            sweep.main(argv)
+    assert sweep.main(argv) == 0
+    runs = json.loads((out / "run.json").read_text())["runs"]
+    assert len(runs) == 2 and "finished" not in runs[0] and runs[1]["lines_written"] == 4 and runs[1]["finished"]
 
 
 def test_a_resume_reads_the_static_labels_it_started_with(tmp_path, tiny_dir, no_model, capsys):

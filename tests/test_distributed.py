@@ -41,7 +41,7 @@ def eval_py(out: Path, args: list[str], tiny_dir: Path, cache: Path, ranks: int 
     env.update(OMP_NUM_THREADS="1", QADA_CACHE=str(cache))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks else []
     cmd = [sys.executable, *launcher, "-m", "lab.sweep", "--out", str(out), *args, "--model", str(tiny_dir),
-           "--ablations", "", "--track", "qada_rw", "--device", "cpu"] + ([] if report_at_end else ["--no-report"])
+           "--ablations", "", "--device", "cpu"] + ([] if report_at_end else ["--no-report"])  # tracks qada_rw if run
     r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     return r
