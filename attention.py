@@ -44,8 +44,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from criterion import (TAU, check_tau, corrected_log_bulk, gaussian_form, gaussian_log_bulk, local_labels,
-                       oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask, window_slices)
+from criterion import (TAU, check_tau, check_window, corrected_log_bulk, gaussian_form, gaussian_log_bulk,
+                       local_labels, oracle_labels, oracle_log_masses, qada_labels, sampled_log_bulk, window_mask,
+                       window_slices)
 from decode_kernels import dense_flags, fused, fused_dense, fused_pages, fused_qada, kernel_thresholds
 from moments import FixedMoments, KeyMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov
 from pages import PAGE_SIZE, PageIndex, candidates, group_ranking, page_count, page_positions, stacked, upper_bounds
@@ -764,8 +765,7 @@ class DecodeAttention:
     exact: OnlineMoments | None = None  # analysis: the current bulk's own moments, kept by Welford's update (oracle_view)
 
     def __post_init__(self):
-        if not 0 <= self.n_sink < self.n_local:
-            raise ValueError(f"need 0 <= n_sink < n_local, got n_sink={self.n_sink}, n_local={self.n_local}")
+        check_window(self.n_sink, self.n_local)
         reads = path_inputs(self.method)
         given = dict(self.inputs, n_sink=self.n_sink, n_local=self.n_local)
         missing = [name for name in reads if name != "layer" and given.get(name) is None]

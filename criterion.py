@@ -41,6 +41,14 @@ def check_tau(tau: float) -> float:
     return tau
 
 
+def check_window(n_sink: int, n_local: int, names: tuple[str, str] = ("n_sink", "n_local")) -> None:
+    """The window's sizes, as every caller takes them (`names`: how the caller spells them, --n-sink on a command
+    line): integers, the sinks fewer than the window's tokens."""
+    if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (n_sink, n_local)) \
+            or not 0 <= n_sink < n_local:
+        raise ValueError(f"need integers 0 <= {names[0]} < {names[1]}, got {n_sink!r} and {n_local!r}")
+
+
 def window_slices(T: int, n_sink: int, n_local: int) -> list[slice]:
     """The local window of a context of T positions as slices: the first n_sink and the last n_local - n_sink.
 

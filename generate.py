@@ -31,7 +31,7 @@ from tqdm import tqdm
 import decode_kernels
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, StaticAttention, build_attention, bulk_estimate,
                        path_inputs, static_refusal)
-from criterion import TAU, Calibration, check_calibration, check_tau, load_calibration, load_labels
+from criterion import TAU, Calibration, check_calibration, check_tau, check_window, load_calibration, load_labels
 from model import KVCache
 from moments import SOURCES, ReferenceKeys, reference_words
 from pages import page_count
@@ -308,8 +308,7 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
         check_tau(tau)
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if not 0 <= n_sink < n_local:
-        raise ValueError(f"need 0 <= --n-sink < --n-local, got {n_sink} and {n_local}")
+    check_window(n_sink, n_local, ("--n-sink", "--n-local"))
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:

@@ -45,7 +45,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.utils import logging as hf_logging
 
 from attention import BatchAttention, build_attention, bulk_estimate, path_inputs
-from criterion import Calibration, check_calibration, check_tau
+from criterion import Calibration, check_calibration, check_tau, check_window
 from generate import default_tau, read_calibration
 from model import KVCache, LlamaConfig
 from moments import SOURCES, OnlineMoments, ReferenceKeys, reference_words
@@ -118,8 +118,7 @@ class HFAttention:
         if not isinstance(moments, str) and not hasattr(moments, "quadratic_form"):
             raise ValueError("moments: a name of moments.SOURCES or a moments.KeyMoments, got "
                              f"{type(moments).__name__}")
-        if not (isinstance(n_sink, int) and isinstance(n_local, int) and 0 <= n_sink < n_local):
-            raise ValueError(f"need integers 0 <= n_sink < n_local, got {n_sink!r} and {n_local!r}")
+        check_window(n_sink, n_local)
         self.moments_source = moments if isinstance(moments, str) else None
         # Option 1 and the page paths read the prompt's keys: prefill keeps each layer's until the first decode step
         # builds the moments or the page index

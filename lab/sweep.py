@@ -82,7 +82,7 @@ from tqdm import tqdm
 
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, bulk_estimate,
                        path_inputs, summarize)
-from criterion import TAU, check_calibration, check_tau, load_calibration, static_labels
+from criterion import TAU, check_calibration, check_tau, check_window, load_calibration, static_labels
 from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
@@ -674,8 +674,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
         if task_list.count(t) > 1:  # its samples would count twice in every average
             raise ValueError(f"--tasks names {t} twice")
-    if not 0 <= n_sink < n_local:
-        raise ValueError(f"the window's {n_sink} sinks (--n-sink) must be fewer than its {n_local} tokens (--n-local)")
+    check_window(n_sink, n_local, ("--n-sink", "--n-local"))
     if not task_list and not ctxfree_samples:
         raise ValueError("nothing to decode: no --tasks and --ctxfree-samples 0")
     grids = parse_grids(grid)

@@ -9,7 +9,7 @@ import torch
 
 import attention
 from attention import DecodeAttention, HeadStats, kv_read_fraction, mixed_attention, reference_attention
-from criterion import (Calibration, check_tau, gaussian_form, gaussian_log_bulk, load_labels, oracle_labels,
+from criterion import (Calibration, check_tau, check_window, gaussian_form, gaussian_log_bulk, load_labels, oracle_labels,
                        oracle_log_masses, qada_labels, save_labels,
                        static_labels)
 from moments import (SHARED, FixedMoments, OnlineMoments, ReferenceKeys, make_moments, mean_cov, prompt_moments,
@@ -67,6 +67,20 @@ def test_tau_range():
         with pytest.raises(ValueError, match="tau must be a number in \\(0, 1\\]"):
             check_tau(bad)
     assert check_tau(1.0) == 1.0 and check_tau(1) == 1
+
+
+def test_the_window_sizes_every_caller_checks():
+    """criterion.check_window, which DecodeAttention, generate.py, lab.sweep and the HF adapter call: integers with
+    0 <= n_sink < n_local, in the caller's spelling."""
+    for n_sink, n_local in ((16, 16), (-1, 128), (16.0, 128), (16, "128"), (True, 128)):
+        with pytest.raises(ValueError, match="need integers 0 <= n_sink < n_local"):
+            check_window(n_sink, n_local)
+    with pytest.raises(ValueError, match="need integers 0 <= --n-sink < --n-local, got 200 and 128"):
+        check_window(200, 128, ("--n-sink", "--n-local"))
+    check_window(0, 1)
+    check_window(16, 128)
+    with pytest.raises(ValueError, match="n_sink < n_local"):
+        DecodeAttention("local", n_sink=128, n_local=128)
 
 
 def test_qada_labels_follow_the_local_share():
