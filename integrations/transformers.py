@@ -28,8 +28,9 @@ identity. `HFModel` is also how lab.calibrate fits a correction through this ada
 
 Scope: transformers' llama, mistral and qwen2 models without sliding-window layers; its default DynamicCache;
 batches padded on the left; greedy decoding, sampling, and beam search with the paths that keep nothing per row (a
-page path's index and online moments follow each row's keys, which beam search reorders: refused there). Right
-padding, static caches, and assisted or prompt-lookup decoding (several tokens a pass) are refused with one line;
+page path's index and online moments follow each row's keys, which beam search reorders: refused there); prefill
+in chunks (prefill_chunk_size), where a last chunk of one token is, to an attention function, a decode step: it is
+decoded by the path and counted as the first step. Right padding, static caches, and assisted or prompt-lookup decoding (several tokens a pass) are refused with one line;
 prefill runs on SDPA (not flash-attention), decode eagerly (the paths read labels to the host: no torch.compile or
 CUDA graphs). Tested with transformers 5.25.
 """

@@ -278,6 +278,22 @@ def test_beam_search_is_refused_where_a_row_keeps_state_of_its_own(sharp_dir, me
     disable(hf)
 
 
+@pytest.mark.parametrize("method,inputs", [("qada", dict(tau=TAU, moments="prompt")), ("quest", dict(budget=64))])
+def test_a_prompt_prefilled_in_chunks_decodes_as_in_one_pass(sharp_dir, method, inputs):
+    """transformers' chunked prefill (prefill_chunk_size: 128 + 128 + 44 tokens here) hands the adapter the prompt in
+    passes of several tokens; the prompt's keys it keeps (Option 1's moments, a page index) are the last pass's whole
+    cache: the same tokens, labels and report as a prompt prefilled in one pass."""
+    hf, ids = hf_model(sharp_dir), prompt_ids()
+    attention = enable(hf, method, **inputs)
+    whole = generate_hf(hf, ids)
+    labels, report = attention.rows[0].stats.label_tensor(), attention.report()
+    chunked = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                          prefill_chunk_size=128)[:, PROMPT:].tolist()
+    assert chunked == whole and torch.equal(attention.rows[0].stats.label_tensor(), labels)
+    assert attention.report() == report and f"{NEW - 1} decode steps" in report
+    disable(hf)
+
+
 def test_prompt_lookup_decoding_is_refused_with_one_line(sharp_dir):
     """Prompt-lookup decoding checks several tokens in one pass, then cuts the cache back: the adapter decodes one
     token per pass and says so, where it said it saw no prefill."""
