@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 from generate import pick_device
-from lab.cli import Parser
+from lab.cli import Parser, at_least, fail
 from lab.records import ids_hash, read_records
 from lab.sweep import folder_lock, merge, parse_grid
 from lab.tasks import TASKS, Sample, make_sample, score
@@ -422,8 +422,8 @@ def main(argv=None) -> int:
     p = Parser(prog="python -m lab.peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="run folder for the records")
     p.add_argument("--tasks", required=True, help="comma-separated tasks (lab.tasks.TASKS)")
-    p.add_argument("--length", type=int, default=8192, help="prompt token budget, as the sweep's")
-    p.add_argument("--samples", type=int, default=15, help="samples per task (indices 0 .. N-1)")
+    p.add_argument("--length", type=at_least(1), default=8192, help="prompt token budget, as the sweep's")
+    p.add_argument("--samples", type=at_least(1), default=15, help="samples per task (indices 0 .. N-1)")
     p.add_argument("--seed", type=int, default=42, help="task seed, as the sweep's")
     p.add_argument("--presses", default="snapkv,expected_attention", help=f"comma-separated: {', '.join(PRESSES)}")
     p.add_argument("--ratios", default="0.25,0.5,0.75,0.9", help="compression ratios, question-aware protocol (a "
@@ -435,8 +435,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--pair", default=None, metavar="RUN", help="a sweep folder whose prompts these must be: every "
                    "sample's prompt token count is checked against its records")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
-    p.add_argument("--dense-samples", type=int, default=None, metavar="N", help="run hf_dense, the pipeline with "
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads")
+    p.add_argument("--dense-samples", type=at_least(0), default=None, metavar="N", help="run hf_dense, the pipeline with "
                    "nothing dropped (the control: it should score as the sweep's dense), on the first N samples of "
                    "each task only (default: all; 0: none)")
     a = p.parse(argv)
@@ -447,8 +447,7 @@ def main(argv=None) -> int:
                   a.device, a.pair, a.threads, a.dense_samples,
                   command="python -m lab.peers " + shlex.join(sys.argv[1:] if argv is None else argv))
     except (OSError, ValueError) as e:  # bad input: one line
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(f"records in {out}; compare: python -m lab.report SWEEP --with {out}")
     return 0
 

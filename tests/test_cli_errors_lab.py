@@ -506,6 +506,20 @@ def test_bench_gpu_arguments_are_one_line_and_exit_2(capsys, argv, message):
     one_line(capsys, bench_gpu.main(argv), message)
 
 
+@pytest.mark.parametrize("argv, message", [(["--samples", "0"], "argument --samples: must be at least 1"),
+                                           (["--threads", "0"], "argument --threads: must be at least 1"),
+                                           (["--length", "-5"], "argument --length: must be at least 1"),
+                                           (["--dense-samples", "-1"], "argument --dense-samples: must be at least 0"),
+                                           (["--tasks", "nope"], "unknown task 'nope'")])
+def test_peers_arguments_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    """Checked before kvpress is imported: the main suite's environment, which lacks it, can run these."""
+    peers = pytest.importorskip("lab.peers")
+    base = {"--out": str(tmp_path / "out"), "--tasks": "fwe"}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    one_line(capsys, peers.main([x for kv in base.items() for x in kv]), message)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("cli", ["sweep", "report", "calibrate", "bench", "bench_gpu", "bench_pages_gpu", "peers",
                                  "kernel_resources"])
 def test_help_shows_each_default_once_and_no_flag_default(cli, capsys):
