@@ -69,9 +69,9 @@ At KV read 0.3 (0.25 at batch 1) the window kernel (its device time) and the spl
 are also timed at other launches (WINDOW_VARIANTS, SPLIT_VARIANTS: warps, tiles, precision, pipeline depth), each with
 the largest change of the output.
 
-Outputs in --out (results/bench-gpu/): attention.md and end_to_end_<T>k.md (the tables with the device, driver and
-torch versions and the command; end_to_end_<T>k_of_<T_max>k.md with --capacity; kernels.md), their rows as JSON, and
-speedup.png.
+Outputs in --out (default: a new runs/bench-gpu/<time> folder): attention.md and end_to_end_<T>k.md (the tables with
+the device, driver and torch versions and the command; end_to_end_<T>k_of_<T_max>k.md with --capacity; kernels.md),
+their rows as JSON, and speedup.png.
 """
 
 import argparse

@@ -2,7 +2,7 @@
 kernel (decode_kernels.fused_pages), against the best dense and QAdA's head-level fused step
 (decode_kernels.fused_qada), at the shapes of 7-8B models and long contexts.
 
-    python -m lab.bench_pages_gpu --out results/bench-gpu-pages          # the full grid (2 shapes x 32k/128k x 1/8/32)
+    python -m lab.bench_pages_gpu --out runs/bench-gpu-pages             # the full grid (2 shapes x 32k/128k x 1/8/32)
     python -m lab.bench_pages_gpu --quick --out /tmp/pages               # Llama-3-8B, 32k, batch 1 and 8: < 2 min
     TRITON_INTERPRET=1 python -m lab.bench_pages_gpu --interpret-smoke --out /tmp/smoke   # CPU, tiny sizes
 
@@ -387,7 +387,7 @@ def write(out: Path, rows: list[dict], checks: list[str], device: torch.device, 
 def main(argv=None) -> int:
     p = Parser(prog="python -m lab.bench_pages_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="folder for pages.md and pages.json (default: a new "
-                   "results/bench-gpu-pages/<time> folder)")
+                   "runs/bench-gpu-pages/<time> folder)")
     p.add_argument("--lengths", type=ints, default="32768,131072", help="context lengths T")
     p.add_argument("--batches", type=ints, default="1,8,32", help="batch sizes")
     p.add_argument("--budgets", type=ints, default="1024,2048", help="page budgets in tokens")
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
     checks = self_check(device, next(iter(shapes.values())), args.page_size)
     print("\n".join(checks), flush=True)
     rows = bench(shapes, lengths, batches, budgets, args.fraction, args.page_size, device, reps)
-    out = Path(args.out) if args.out else fresh_folder("results/bench-gpu-pages")
+    out = Path(args.out) if args.out else fresh_folder("runs/bench-gpu-pages")
     write(out, rows, checks, device, list(sys.argv[1:] if argv is None else argv), args.fraction, args.page_size)
     print(f"wrote {out / 'pages.md'}")
     return 0

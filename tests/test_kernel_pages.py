@@ -555,13 +555,17 @@ def test_the_kernels_resources_are_read_from_their_compile_for_a_gpu(tmp_path, m
 
 
 @pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="the smoke run is the interpreter's")
-def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, capsys):
+def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, capsys, monkeypatch):
     """lab.bench_pages_gpu --interpret-smoke: its self-check against the torch paths passes and its table is written,
-    so the script a GPU session runs has run before; without CUDA and without the flag it stops in one line."""
-    assert bench_pages_gpu.main(["--interpret-smoke", "--out", str(tmp_path)]) == 0
-    table = (tmp_path / "pages.md").read_text()
+    without --out to a new runs/bench-gpu-pages/<time> folder (never into results/), so the script a GPU session runs
+    has run before; without CUDA and without the flag it stops in one line."""
+    monkeypatch.chdir(tmp_path)
+    assert bench_pages_gpu.main(["--interpret-smoke"]) == 0
+    out, = (tmp_path / "runs" / "bench-gpu-pages").iterdir()
+    assert not (tmp_path / "results").exists()
+    table = (out / "pages.md").read_text()
     assert "self-check quest float32" in table and table.count("| tiny | 600 |") == 2
-    assert len(json.loads((tmp_path / "pages.json").read_text())) == 2
+    assert len(json.loads((out / "pages.json").read_text())) == 2
     if not torch.cuda.is_available():
         capsys.readouterr()
         assert bench_pages_gpu.main(["--quick", "--out", str(tmp_path / "gpu")]) == 2
