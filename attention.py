@@ -268,7 +268,9 @@ def qada_rule(method: str) -> tuple[bool, str | None]:
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: int, n_local: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (H, D) over the local window of the cache k, v (Hkv, T, D): the output (H, D) and the log of
-    the window's attention mass, log A_local = log sum_{i in I} exp(s_i) (H,), in fp32.
+    the window's attention mass, log A_local = log sum_{i in I} exp(s_i) (H,), in fp32. The products q.k are the
+    cache dtype's, as an eager matmul gives them (rounded to bf16 in a bf16 cache), then scaled and reduced in fp32;
+    the fused kernel keeps them in fp32, so in bf16 the two paths' labels differ near the threshold.
 
     The window is read in place as its two slices, sinks and recent tokens, each a view of the cache: only
     the (H, W) scores are concatenated, never keys or values. Deciding costs a few eager ops per layer, each a
@@ -884,7 +886,7 @@ class BatchAttention:
             self.cached = {kk: c for kk, c in self.cached.items() if kk[1] == key[1]}  # rows that ended are gone
             tau = torch.tensor([[self.rows[b].tau] for b in live], dtype=torch.float64, device=q.device)  # (n, 1)
             self.cached[key] = (*stacked_forms(forms, q.device),  # (n, Hkv, D, D), (n, Hkv, D)
-                                tau, kernel_thresholds(tau[:, 0]),  # the kernel's fp32 taus and their logits
+                                tau, kernel_thresholds(tau[:, 0]),  # the kernel's fp32 thresholds
                                 torch.tensor([start[b] for b in live], device=q.device),  # (n,)
                                 torch.tensor(live, device=q.device))  # made once per set of live rows, not per step
         A, b_, tau, thresholds, first_pos, rows = self.cached[key]

@@ -64,6 +64,15 @@ def window_mask(T: int, n_sink: int, n_local: int, device=None) -> torch.Tensor:
     return (pos < n_sink) | (pos >= T - (n_local - n_sink))
 
 
+def bulk_cap(tau):
+    """1 - tau, of a float or a tensor of taus: the most of a group's mass its bulk may hold, on average over the
+    group's heads, for the "mean" rule to label the group local. Computed in float64, so that both paths compare
+    with the same fp32 number (the kernel's is kernel_thresholds')."""
+    if isinstance(tau, torch.Tensor):
+        return (1 - tau.double()).float()
+    return 1.0 - tau
+
+
 def tau_logit(tau):
     """log(tau / (1 - tau)), of a float or a tensor of taus: the share A_local / (A_local + A_bulk) reaches tau exactly
     when log A_local - log A_bulk reaches this (inf at tau = 1)."""
@@ -85,7 +94,8 @@ def local_labels(log_local: torch.Tensor, log_bulk: torch.Tensor, tau, n_kv_head
 
     Per KV group (ours): one decision for the G = H / Hkv query heads of a KV head, which every head then follows:
         rule "all":   min_h share_h >= tau      every query head would be local on its own
-        rule "mean":  mean_h share_h >= tau     (1 / G) sum_h share_h >= tau
+        rule "mean":  mean_h share_h >= tau     (1 / G) sum_h share_h >= tau, compared as (1 / G) sum_h (1 - share_h)
+                                                <= 1 - tau, which stays exact where the shares near 1
     "all" reads exactly the KV entries that per-query-head labels read (a KV head is read unless all its query heads
     are local) but then gives every head of a read group its full attention, at no extra read. "mean" bounds the
     group's average error: head h's window-only output differs from its full output by
@@ -100,9 +110,10 @@ def local_labels(log_local: torch.Tensor, log_bulk: torch.Tensor, tau, n_kv_head
     if rule == "all":
         group_local = local_labels(log_local, log_bulk, tau).view(*lead, n_kv_heads, -1).all(-1)  # (..., Hkv)
     else:
-        share = torch.sigmoid(log_local - log_bulk)  # 1 when there is no bulk (log_bulk = -inf)
-        tau = tau.float() if isinstance(tau, torch.Tensor) else tau  # fp32, as a float is compared
-        group_local = share.view(*lead, n_kv_heads, -1).mean(-1) >= tau  # (..., Hkv)
+        # mean share >= tau as mean bulk share <= 1 - tau: a share near 1 rounds to 1 in fp32 (from r = 16.6 on),
+        # a bulk share near 0 does not, so a group with any bulk is not local at tau = 1, as with the other rules
+        bulk_share = torch.sigmoid(log_bulk - log_local)  # 0 when there is no bulk (log_bulk = -inf)
+        group_local = bulk_share.view(*lead, n_kv_heads, -1).mean(-1) <= bulk_cap(tau)  # (..., Hkv)
     return group_local.repeat_interleave(H // n_kv_heads, dim=-1)
 
 

@@ -52,7 +52,7 @@ except ImportError:
     gdc_launch_dependents = gdc_wait = None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels (the tests)
 
-from criterion import GROUP_RULES, Correction, tau_logit
+from criterion import GROUP_RULES, Correction, bulk_cap, tau_logit
 from pages import candidates, group_ranking, page_count, pages_upto
 
 RULES = {None: 0, "mean": 1, "all": 2}  # criterion.local_labels' rules, as the kernel's constexpr
@@ -111,13 +111,19 @@ def check_launch(changes) -> None:
                 raise ValueError(f"the {name} launch's {key} takes a {type(config[key]).__name__}, got {value!r}")
 
 
+def kernel_choice() -> str:
+    """QADA_KERNEL, checked: auto (the default), triton or torch (see fused)."""
+    choice = os.environ.get("QADA_KERNEL", "auto")
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"QADA_KERNEL takes auto, triton or torch; got {choice!r}")
+    return choice
+
+
 def fused(q: torch.Tensor) -> bool:
     """Whether the qada paths, the page paths and the static loop's dense take the fused kernels: QADA_KERNEL=triton
     forces it (on CPU tensors it needs Triton's interpreter, TRITON_INTERPRET=1), QADA_KERNEL=torch forces the torch
     path, and auto (the default) takes the kernel on CUDA tensors when triton is installed."""
-    choice = os.environ.get("QADA_KERNEL", "auto")
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"QADA_KERNEL takes auto, triton or torch; got {choice!r}")
+    choice = kernel_choice()
     if choice == "triton" and triton is None:
         raise RuntimeError("QADA_KERNEL=triton, but triton is not installed (pip install triton)")
     D = q.shape[-1]
@@ -208,7 +214,7 @@ if triton is not None:
         return y, log_local
 
     @triton.jit
-    def _window_decide_kernel(Q, K, V, ROWS, START, LENGTH, A, BV, TAU, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL,
+    def _window_decide_kernel(Q, K, V, ROWS, START, LENGTH, A, BV, BULK_CAP, TAU_LOGIT, CA, CB, CS, Y_WIN, LOG_LOCAL,
                               LABELS, READ, Y, ARRIVED, LO, HI, COUNTS, HISTORY, STEP, sm_scale, sqb, sqh, skb, skh,
                               skt, svb, svh, svt, sab, sah, sbb, sbh, syb, syh, slb, slh, slp, shb, shh, shp, sts,
                               H: tl.constexpr,
@@ -229,7 +235,10 @@ if triton is not None:
         # dim and the default tiles), side by side, each writing its results to memory; the last to finish reads the
         # others' back and decides. Else one program does it all, one part after the other.
         tl.static_assert(DECIDE or not FORM_APART, "FORM_APART needs a form: Quest alone has none")
-        row = tl.load(ROWS + b)  # the cache row of this program's query
+        # the cache row of this program's query, in 64 bits: row * skb passes 2^31 elements where a layer's cache
+        # does (4 GiB in bf16: batch 32 at 64k, Llama-3-8B shapes), and an i32 product would wrap into another
+        # layer's keys
+        row = tl.load(ROWS + b).to(tl.int64)
         start = tl.load(START + b)
         T = tl.load(LENGTH + b * LEN_PER_ROW)  # the filled length, from device memory (one for all rows, or each's)
         n_ctx = T - start
@@ -294,12 +303,12 @@ if triton is not None:
                 ca = tl.load(CA + g * G + h, mask=h_ok, other=0.0)
                 cb = tl.load(CB + g * G + h, mask=h_ok, other=1.0)
                 log_bulk = log_local - (ca + cb * (log_local - log_bulk))
-            tau = tl.load(TAU + b)
             r = log_local - log_bulk
             local = r >= tl.load(TAU_LOGIT + b)  # criterion.tau_logit's: both paths compare with the same fp32 number
-            if RULE == 1:  # "mean": the group's mean share, every head follows
-                share = tl.where(h_ok, 1.0 / (1.0 + tl.exp(-r)), 0.0)
-                local = (tl.zeros((G_PAD,), tl.int32) + (tl.sum(share, 0) / G >= tau).to(tl.int32)) != 0
+            if RULE == 1:  # "mean": the group's mean share >= tau, as its mean bulk share <= 1 - tau (criterion's)
+                bulk_share = tl.where(h_ok, 1.0 / (1.0 + tl.exp(r)), 0.0)
+                mean_ok = tl.sum(bulk_share, 0) / G <= tl.load(BULK_CAP + b)
+                local = (tl.zeros((G_PAD,), tl.int32) + mean_ok.to(tl.int32)) != 0
             if RULE == 2:  # "all": every head of the group, every head follows
                 n_long = tl.sum(tl.where(h_ok & ~local, 1, 0), 0)
                 local = (tl.zeros((G_PAD,), tl.int32) + n_long) == 0
@@ -377,7 +386,7 @@ if triton is not None:
             n_tiles = SPLIT // BLOCK_N  # a fixed trip count; the tail of the context is masked
         if sp >= n_used:  # past the filled length or the chosen pages: nothing to read or write
             return
-        row = tl.load(ROWS + b)
+        row = tl.load(ROWS + b).to(tl.int64)  # 64 bits, as the window kernel's
         h = tl.arange(0, G_PAD)
         h_ok = h < G
         d = tl.arange(0, D)
@@ -695,9 +704,10 @@ def float64_bits(x: float) -> int:
 
 
 def kernel_thresholds(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """tau (n,) float64 -> the kernel's thresholds, tau and criterion.tau_logit(tau), both (n,) fp32: a caller that
-    decides every layer with the same taus makes them once instead of launching their arithmetic per layer."""
-    return tau.float(), tau_logit(tau.double())
+    """tau (n,) float64 -> the kernel's thresholds, criterion.bulk_cap(tau) (the "mean" rule's) and
+    criterion.tau_logit(tau), both (n,) fp32: a caller that decides every layer with the same taus makes them once
+    instead of launching their arithmetic per layer."""
+    return bulk_cap(tau.double()), tau_logit(tau.double())
 
 
 def form_operands(form) -> tuple[torch.Tensor, torch.Tensor]:
@@ -811,7 +821,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     labels = torch.empty(B, H, device=dev, dtype=torch.int8)
     read = torch.empty(B, Hkv, device=dev, dtype=torch.int8)
     ca, cb, cs = (correction.a, correction.b, correction.s) if correction is not None else (None, None, None)
-    tau_f32, tau_lgt = tau if isinstance(tau, tuple) else kernel_thresholds(tau)
+    cap, tau_lgt = tau if isinstance(tau, tuple) else kernel_thresholds(tau)
     dummy = log_local  # never read: HAS_CAL / HAS_SCALE are off
     sm_scale = 1 / math.sqrt(D)
     w_pad = max(16, triton.next_power_of_2(n_local))
@@ -820,7 +830,7 @@ def fused_qada(q, k, v, rows, start, n_sink: int, n_local: int, form, tau, rule:
     arrived, form_sums, parts = window_buffers(launch, B, H, Hkv, D, arrived, dummy)
     record, step, sts, has_history = history_operands(history, B, H, dummy)
     _window_decide_kernel[(B, Hkv, parts)](
-        q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
+        q, k, v, rows, start, length, A, bvec, cap, tau_lgt, ca if ca is not None else dummy,
         cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
         dummy, dummy, dummy, record, step, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), A.stride(0), A.stride(1), bvec.stride(0), bvec.stride(1), y.stride(0),
@@ -951,11 +961,11 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
     read = torch.empty(B, Hkv, device=dev, dtype=torch.int8)
     dummy = log_local  # never read where a constexpr turns it off
     if quest:
-        A = bvec = tau_f32 = tau_lgt = dummy
+        A = bvec = cap = tau_lgt = dummy
         ca = cb = cs = None
     else:
         A, bvec = form_operands(form)
-        tau_f32, tau_lgt = tau if isinstance(tau, tuple) else kernel_thresholds(tau)
+        cap, tau_lgt = tau if isinstance(tau, tuple) else kernel_thresholds(tau)
         ca, cb, cs = (correction.a, correction.b, correction.s) if correction is not None else (None, None, None)
     sm_scale = 1 / math.sqrt(D)
     w_pad = max(16, triton.next_power_of_2(n_local))
@@ -972,7 +982,7 @@ def fused_pages(q, k, v, rows, start, n_sink: int, n_local: int, bounds, page_si
             caller_buffer("read_out", read_out, (B, Hkv), torch.int64)
     record, step, sts, has_history = history_operands(history, B, H, dummy)
     _window_decide_kernel[(B, Hkv, parts)](
-        q, k, v, rows, start, length, A, bvec, tau_f32, tau_lgt, ca if ca is not None else dummy,
+        q, k, v, rows, start, length, A, bvec, cap, tau_lgt, ca if ca is not None else dummy,
         cb if cb is not None else dummy, cs if cs is not None else dummy, y_win, log_local, labels, read, y, arrived,
         lo, hi, counts, record, step, sm_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), A.stride(0) if not quest else 0, A.stride(1) if not quest else 0,

@@ -186,7 +186,9 @@ def page_positions(pages: torch.Tensor, T: int, n_sink: int, n_local: int, page_
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache positions of pages (..., m) (page numbers) and which of them to read (..., m P) bool: a page's
     positions in the bulk, so none of the window's recent part (the last candidate may reach into it) is read twice.
-    Positions not to read are clamped into the cache (they are masked out, not read)."""
+    Positions not to read are clamped into the cache, so that a gather stays in bounds, and the mask leaves them
+    out of the attention and of the entries counted as read (the torch paths gather them with the rest; the
+    kernel's masked loads skip them)."""
     offset = torch.arange(page_size, device=pages.device)
     pos = (n_sink + pages[..., None] * page_size + offset).flatten(-2)  # (..., m P)
     return pos.clamp(max=T - 1), pos < bulk_end(T, n_sink, n_local)

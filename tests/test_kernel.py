@@ -3,6 +3,8 @@ group labelled local must not be read. On a machine without CUDA the kernels run
 (TRITON_INTERPRET=1, set by conftest.py), on CPU tensors."""
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,6 +198,29 @@ def test_the_form_computed_before_or_beside_the_window_decides_and_attends_alike
     assert 0 < want[1][:2].float().mean() < 1 and want[1][2].all()  # both kinds of head; a short row all local
 
 
+def test_at_tau_1_the_mean_rule_reads_a_group_whose_shares_round_to_1():
+    """The kernel's "mean" rule compares the group's mean bulk share with 1 - tau, as criterion.local_labels does: at
+    tau = 1 a group reads its cache whenever its bulk has any mass, also where a strong sink leaves the bulk e^-18 of
+    the window's mass and every share rounds to 1 in fp32; just below 1 the group is local. Labels as the torch
+    path's, and the output its reference's."""
+    B, H, Hkv, D, T = 2, 4, 2, 16, 300
+    g = torch.Generator().manual_seed(3)
+    q = torch.full((B, H, D), 2.0)
+    k, v = torch.randn(B, Hkv, T, D, generator=g) * 0.1, torch.randn(B, Hkv, T, D, generator=g)
+    k[:, :, 0] = 3.0  # the first sink: a score of 24 for every head, log A_local ~ 24 against log A_bulk ~ log 268
+    A, b = torch.zeros(B, Hkv, D, D), torch.zeros(B, Hkv, D)  # Eq. 6 with no spread: A_bulk = T_bulk
+    tau = [1.0, 1 - 1e-6]
+    y, labels = fused_qada(q, k, v, torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), N_SINK,
+                           N_LOCAL, (A, b), torch.tensor(tau, dtype=torch.float64), "mean", split=64, block_n=16)
+    assert labels.tolist() == [[False] * H, [True] * H]
+    for i in range(B):
+        _, want = qada(q[i], k[i], v[i], layer=0, n_sink=N_SINK, n_local=N_LOCAL, tau=tau[i], moments=Form(A[i], b[i]),
+                       rule="mean")
+        assert torch.equal(labels[i], want)
+        torch.testing.assert_close(y[i], reference_attention(q[i], k[i], v[i], labels[i], N_SINK, N_LOCAL),
+                                   atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("bad", ["int64", "shape", "strided"])
 def test_arrival_counts_of_the_wrong_kind_are_refused(bad):
     """fused_qada's `arrived` is the kernels' own count buffer: (n, Hkv) int32 and contiguous, else a ValueError
@@ -301,6 +326,47 @@ def test_fused_dense_leaves_its_flags_as_it_found_them():
         got = decode_kernels.fused_dense(q, k, v, rows, start, length=length, split=32, block_n=16, flags=flags)
         assert torch.equal(got, decode_kernels.fused_dense(q, k, v, rows, start, length=length, split=32, block_n=16))
         assert not flags[2].any() and flags[0].all() and not flags[1].any()
+
+
+FAR_ROWS = """
+import sys, torch
+import decode_kernels
+from criterion import gaussian_form
+dev = sys.argv[1]
+B, H, Hkv, D, T = 3, 8, 2, 16, 200
+S = 2**30 + 64  # the rows' stride in elements: row 2 starts past 2^31, as a layer's cache of 4 GiB in bf16 does
+base = torch.empty(2 * S + 2 * Hkv * T * D, dtype=torch.bfloat16, device=dev)  # only the rows' pages are touched
+far = [base.as_strided((B, Hkv, T, D), (S, T * D, D, 1), offset) for offset in (0, Hkv * T * D)]  # k, v
+g = torch.Generator().manual_seed(0)
+near = [torch.randn(B, Hkv, T, D, generator=g).to(torch.bfloat16).to(dev) for _ in range(2)]
+for x, y in zip(far, near):
+    x.copy_(y)
+q = torch.randn(B, H, D, generator=g).to(torch.bfloat16).to(dev)
+A, b = gaussian_form(torch.randn(B, Hkv, D, generator=g).to(dev) * 0.3, torch.eye(D, device=dev).expand(B, Hkv, D, D))
+rows, start = torch.arange(B, dtype=torch.int32, device=dev), torch.zeros(B, dtype=torch.int32, device=dev)
+tau = torch.tensor([0.3, 0.6, 0.9], dtype=torch.float64, device=dev)
+got, labels = decode_kernels.fused_qada(q, *far, rows, start, 4, 32, (A, b), tau, "mean", split=64, block_n=16)
+want, want_labels = decode_kernels.fused_qada(q, *near, rows, start, 4, 32, (A, b), tau, "mean", split=64, block_n=16)
+assert torch.equal(labels, want_labels) and not labels.all(), labels
+assert torch.equal(got, want), (got - want).abs().amax((1, 2))
+dense = decode_kernels.fused_dense(q, *far, rows, start, split=64, block_n=16)
+assert torch.equal(dense, decode_kernels.fused_dense(q, *near, rows, start, split=64, block_n=16))
+print("equal")
+"""
+
+
+def test_a_row_past_2_to_the_31_elements_is_read_where_it_lies():
+    """The kernels address a cache row at row * (the rows' stride) in 64 bits: where a layer's cache passes 2^31
+    elements (4 GiB in bf16, batch 32 at 64k of Llama-3-8B), an i32 product would wrap and read another layer's
+    keys, silently. A row placed there gives what the same row gives in a compact cache, bit for bit. In a process of
+    its own: the wrapped address is a segfault under the interpreter (an illegal address on a GPU)."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    device = str(torch.empty(0).device)  # torch's default: cuda under QADA_TEST_DEVICE=cuda
+    done = subprocess.run([sys.executable, "-c", FAR_ROWS, device], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "QADA_KERNEL": "triton"}, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "equal", (done.returncode, done.stderr[-2000:])
 
 
 @pytest.mark.parametrize("T_max", [8192, 32768, 32786, 36864, 131072, 131200])

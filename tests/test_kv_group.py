@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attention import DecodeAttention, kv_read_fraction, reference_attention
-from criterion import static_labels
+from criterion import local_labels, static_labels
 from moments import FixedMoments
 from tests.test_qada import eq7_share, rand
 
@@ -128,6 +128,20 @@ def test_qada_kv_all_reads_what_per_head_qada_reads():
         assert torch.allclose(y[read], full[read], atol=1e-5)
         partly += bool((per_head & read).any())  # a local head of a read group: the two paths differ there
     assert partly >= 2
+
+
+@pytest.mark.parametrize("rule", [None, "all", "mean"])
+def test_at_tau_1_only_a_group_without_bulk_is_local(rule):
+    """tau = 1 asks for the whole mass: whichever rule decides, a group is local only where its bulk is empty, also
+    where every share rounds to 1 in fp32 (a bulk e^-20 of the window's mass, which the mean of shares took for none);
+    just below 1 such a group is local again. A float tau and a tensor of one tau per row decide alike."""
+    log_local = torch.tensor([20.0] * G + [3.0] * G + [0.0] * G)  # (H,): three groups
+    log_bulk = torch.tensor([0.0] * G + [-math.inf] * G + [0.0] * G)
+    at_1, below_1 = [False] * G + [True] * G + [False] * G, [True] * 2 * G + [False] * G
+    assert local_labels(log_local, log_bulk, 1.0, HKV, rule).tolist() == at_1
+    assert local_labels(log_local, log_bulk, 1 - 1e-7, HKV, rule).tolist() == below_1
+    taus = torch.tensor([[1.0], [1 - 1e-7]], dtype=torch.float64)  # (B, 1): a batch's rows
+    assert local_labels(log_local.expand(2, H), log_bulk.expand(2, H), taus, HKV, rule).tolist() == [at_1, below_1]
 
 
 def test_static_labels_per_kv_head_take_whole_groups_by_mean_frequency():
