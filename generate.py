@@ -14,6 +14,7 @@ decode_batch, which the CPU always runs). --compile on compiles the model's norm
 """
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -257,7 +258,11 @@ def read_sources(method: str, static_labels: str | None, static_sparsity: float,
         check_calibration(correction, correction.settings["file"], None, None, None, n_sink, n_local, moments_source,
                           bulk_estimate(method))
     if "static_local" in inputs:
-        static_local, _ = load_labels(input_file(static_labels, "--static-labels", "ruler.json"), static_sparsity)
+        path = input_file(static_labels, "--static-labels", "ruler.json")
+        static_local, settings = load_labels(path, static_sparsity)
+        for key, value in (("n_sink", n_sink), ("n_local", n_local)):  # the oracle's statistics of another window
+            if settings.get(key, value) != value:
+                raise ValueError(f"{path} holds the oracle's statistics with {key} {settings[key]}, not {value}")
     return {"static_local": static_local, "calibration": correction}
 
 
@@ -349,6 +354,10 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
                          f"{', '.join(reads) or 'nothing'})")
     if {"budget", "budget_frac"} & set(inputs):  # a page budget that is no number (--set budget=true), said now
         page_count(1, 1, inputs.get("budget"), inputs.get("budget_frac"))
+    missing = [name for name in reads if name not in FROM_FLAGS and inputs.get(name) is None]
+    if missing:  # said before a long prompt's prefill, not at the first decode step
+        raise ValueError(f"the {method} path reads {', '.join(missing)}; give "
+                         + ", ".join(f"--set {name}={SET_EXAMPLES.get(name, 'VALUE')}" for name in missing))
 
 
 def graph_refusal(cuda_graphs: str, device: torch.device, rows: list, prompt_lengths: list[int], model) -> str | None:
@@ -400,22 +409,26 @@ def pick_device(device: str | None) -> str:
     return device
 
 
-def triton_missing() -> str | None:
-    """Why the fused kernel cannot run here, or None."""
+def triton_missing(asked: str = "--kernel triton") -> str | None:
+    """Why the fused kernel cannot run here, or None (`asked`: how it was asked for)."""
     if decode_kernels.triton is None:
-        return "--kernel triton: triton is not installed (pip install triton)"
+        return f"{asked}: triton is not installed (pip install triton)"
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return "--kernel triton: no CUDA; on the CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1)"
+        return f"{asked}: no CUDA; on the CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1)"
     return None
 
 
 BUILT = {"layer": "the layer is each call's own", "pages": "the page index is built from the prompt's keys"}
+# what a path reads that the command gives it without --set: BUILT, the window, the threshold and the files of flags
+FROM_FLAGS = {*BUILT, "n_sink", "n_local", "tau", "moments", "calibration", "static_local"}
+SET_EXAMPLES = {"budget": "TOKENS (e.g. 1024: the pages each long group reads)",
+                "budget_frac": "SHARE (e.g. 0.1 of the context)"}
 
 
 def parse_inputs(items: list[str], reserved: set[str] = frozenset()) -> dict:
     """--set NAME=VALUE items -> {NAME: VALUE}, each VALUE read as JSON when it parses (0.3, 2, true, [1, 2]) and as a
-    string otherwise. A name with a flag of its own (`reserved`) is refused, so no input is set twice, and so is one
-    that the decode loop makes itself (BUILT)."""
+    string otherwise. A name with a flag of its own or that the command sets (`reserved`) is refused, so no input is
+    set twice, and so is one that the decode loop makes itself (BUILT)."""
     inputs = {}
     for item in items:
         name, sep, text = item.partition("=")
@@ -424,7 +437,10 @@ def parse_inputs(items: list[str], reserved: set[str] = frozenset()) -> dict:
         if name in BUILT:
             raise ValueError(f"--set {name}: {BUILT[name]}, not set")
         if name in reserved:
-            raise ValueError(f"--set {name}: {name} has a flag of its own")
+            raise ValueError(f"--set {name}: not set with --set ({name} has a flag of its own, or the command sets "
+                             "it)")
+        if name in inputs:
+            raise ValueError(f"--set {name} is given twice")
         try:
             inputs[name] = json.loads(text)
         except json.JSONDecodeError:
@@ -494,8 +510,10 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     if "calibration" in path_inputs(method) and calibration is None:
         calibration = shipped_calibration(model or DEFAULT)
         if calibration is None:
-            raise ValueError(f"--method {method} needs --calibration FILE (made by python -m lab.calibrate --qada); "
-                             "the named models that ship one use it by default")
+            ships = [name for name in MODELS if shipped_calibration(name)]
+            raise ValueError(f"--method {method} needs --calibration FILE (made by python -m lab.calibrate --qada) for "
+                             f"{model or DEFAULT}; the named models that ship one ({', '.join(ships)}) use it by "
+                             "default")
     sources = read_sources(method, static_labels, STATIC_SPARSITY if static_sparsity is None else static_sparsity,
                            calibration, moments_source, n_sink, n_local)
     if moments_source is None:  # a correction fixes the moments it corrects; else the paper's default, Option 2
@@ -512,8 +530,12 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     t0 = time.perf_counter()
     net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
     times["load_s"] = time.perf_counter() - t0
-    max_context = max_context or net.cfg.max_position_embeddings
-    if n_local >= max_context:
+    trained = net.cfg.max_position_embeddings
+    if max_context and max_context > trained and rope_theta is None:  # positions the model never saw: garbage, quietly
+        raise ValueError(f"--max-context {max_context} exceeds the model's trained context of {trained}; past it give "
+                         "--rope-theta too (the paper: 2e6 for 32k)")
+    max_context = max_context or trained
+    if "n_local" in path_inputs(method) and n_local >= max_context:
         raise ValueError(f"--n-local {n_local} leaves no bulk in a context of at most {max_context} tokens "
                          "(--max-context, default the model's)")
     sources = fit_sources(sources, net, method, static_labels)
@@ -531,7 +553,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
             ids = tok.encode(text, add_special_tokens=True)
         if len(ids) + max_new_tokens > max_context:
             raise ValueError(f"prompt {name} is {len(ids)} tokens + {max_new_tokens} new tokens, longer than the "
-                             f"model's context of {max_context} (raise it with --max-context, e.g. with --rope-theta)")
+                             f"context of {max_context} (--max-context, default the model's; past the model's, with "
+                             "--rope-theta)")
         cache = net.new_cache(len(ids) + max_new_tokens)
         t0 = time.perf_counter()
         logits = net.prefill(torch.tensor([ids], device=device), cache, progress=progress)
@@ -620,7 +643,8 @@ def print_report(r: dict) -> None:
         speed = "n/a" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}"
         speed = (f"{speed} tok/s ({r['decode_ms_per_token']:.0f} ms/token{per_step}; the first step "
                  f"{r['decode_first_step_ms']:.0f} ms)")
-    print(f"prompt {r['prompt_tokens']} tokens | {r['new_tokens']} new tokens, {speed}")
+    new = f"{r['new_tokens']} new token" + "s" * (r["new_tokens"] != 1)
+    print(f"prompt {r['prompt_tokens']} tokens | {new}, {speed}")
     prefill = r["batch_prefill_s"] if r["batch"] > 1 else r["prefill_s"]
     total = r["load_s"] + r["moments_s"] + prefill + r["decode_s"]
     print(f"decode loop: CUDA graphs {r['cuda_graphs']}"
@@ -637,7 +661,7 @@ def print_report(r: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt", required=True, nargs="+", metavar="FILE",
+    p.add_argument("--prompt", required=True, nargs="+", action="extend", metavar="FILE",
                    help="UTF-8 text file holding the prompt (the user turn when chatting); several files, or a .jsonl "
                         "file of prompts (one JSON string or {\"prompt\": ...} per line), decode as one batch with a "
                         "report each")
@@ -669,11 +693,13 @@ def main(argv=None) -> int:
                    "static: a file, or a folder of python -m lab.calibrate (its ruler.json)")
     p.add_argument("--static-sparsity", type=float, default=None, help="fraction of heads made local by --method "
                    f"static (default: {STATIC_SPARSITY})")
-    p.add_argument("--calibration", default=None, metavar="FILE_OR_DIR", help="QAdA's correction for the qada*_cal "
-                   "paths: a file, or a folder of python -m lab.calibrate --qada (its affine.json; sampled.json for "
-                   "the sampled paths); default: the one a named model ships with")
+    p.add_argument("--calibration", default=None, metavar="FILE_OR_DIR", help="QAdA's correction for the calibrated "
+                   "paths (qada*_cal, qada_pages*): a file, or a folder of python -m lab.calibrate --qada (its "
+                   "affine.json; sampled.json for the sampled paths); default: the one a named model ships with")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="an input the path reads by NAME that has no flag of its own (a new path's; repeatable)")
+                   help="an input the path reads by NAME that has no flag of its own: the page budget of quest, "
+                        "qada_pages and page_oracle (budget=TOKENS or budget_frac=SHARE, no default), or a new path's "
+                        "(repeatable)")
     p.add_argument("--kernel", default=None, choices=("auto", "triton", "torch"), help="the qada and page "
                    "paths' decode step: the fused Triton kernel (auto: on CUDA when triton is installed) or the torch "
                    "path; sets QADA_KERNEL (default: as set there, else auto)")
@@ -686,7 +712,8 @@ def main(argv=None) -> int:
                    "the eager loop once more when a batch shrinks; needs a C++ compiler on the CPU (default: "
                    "%(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text and report")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt, a line each, instead of "
+                   "the text and report")
     p.error = lambda message: p.exit(2, f"error: {message} (see --help)\n")  # one line, not the usage block
     try:
         args = vars(p.parse_args(argv))
@@ -696,17 +723,17 @@ def main(argv=None) -> int:
     kernel = args.pop("kernel")
     if kernel:
         os.environ["QADA_KERNEL"] = kernel  # read by decode_kernels.fused at every step
-    if os.environ.get("QADA_KERNEL") == "triton" and triton_missing():
-        print(f"error: {triton_missing()}", file=sys.stderr)
-        return 2
     try:
+        asked = "--kernel triton" if kernel else "QADA_KERNEL=triton"
+        if decode_kernels.kernel_choice() == "triton" and (why := triton_missing(asked)):  # now, not at the 1st step
+            raise ValueError(why)
         window = {name: args.pop(name) for name in ("n_sink", "n_local")}
         given = {name: n for name, n in window.items() if n is not None}  # the others: run_batch's, the paper's
         if given and "n_sink" not in path_inputs(args["method"]):  # dense: a window it would not use
             raise ValueError(f"--{next(iter(given)).replace('_', '-')}: the {args['method']} path has no window (it "
                              "reads every entry)")
-        inputs = parse_inputs(args.pop("set"), reserved=set(args) | set(window) | {"moments", "static_local",
-                                                                                   "reference"})
+        own = set(inspect.signature(run_batch).parameters) - {"inputs"}  # its flags', and prompts and progress
+        inputs = parse_inputs(args.pop("set"), reserved=own | {"moments", "static_local", "reference"})
         reports = run_batch(args.pop("prompt"), **args, **given, **inputs,
                             progress=not as_json and sys.stderr.isatty())
     except (OSError, ValueError) as e:  # bad input: one line, no traceback

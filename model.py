@@ -34,7 +34,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # RoPE base; the paper overrides it to 2e6 to run 32k contexts
     rope_scaling: dict | None = None  # Llama-3.1 style {"rope_type": "llama3", ...} or {"rope_type": "linear", "factor"}
-    max_position_embeddings: int = 4096  # the trained context; longer prompts are refused unless theta is overridden
+    max_position_embeddings: int = 4096  # the trained context; generate.py goes past it only with --rope-theta
     tie_word_embeddings: bool = False  # LM head shares the embedding matrix (SmolLM2, Qwen2-0.5B)
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     model_type: str = "llama"

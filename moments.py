@@ -12,7 +12,8 @@ Every source hands QAdA the same thing, a `KeyMoments`: for a layer, Eq. 6's qua
                     Prompts shorter than 1024 + T_local take the T_local first positions, and never more
                     positions than their own bulk has (one with no bulk yet takes the T_local first).
     one-word        Option 2 with one word repeated (the paper's "single words" ablation, Fig. 5e-f).
-    random-words-full  Option 2 over the model's whole context, longer than any prompt (Fig. 5g's ablation).
+    random-words-full  Option 2 over the whole context allowed (--max-context, default the model's), longer than
+                    any prompt (Fig. 5g's ablation).
 
 Option 2's reference keys are computed by one dense forward pass and cached on disk (in the folder `root`). A
 causal model's keys at the first n positions depend on the first n tokens only, so the pass runs only as far as the prompts
@@ -28,6 +29,7 @@ import json
 import math
 import os
 import random
+import sys
 from importlib.resources import files
 from pathlib import Path
 from typing import Protocol
@@ -208,7 +210,8 @@ class ReferenceKeys:
         if n > self.length:
             n_run = min(math.ceil(n / ROUND) * ROUND, len(self.ids))
             if self.progress:
-                print(f"computing reference keys ({self.settings['words']} words, {n_run} positions)...")
+                print(f"computing reference keys ({self.settings['words']} words, {n_run} positions)...",
+                      file=sys.stderr)  # progress, as tqdm's: stdout is the answer's
             cache = self.model.new_cache(n_run)
             self.model.prefill(torch.tensor([self.ids[:n_run]], device=self.model.device), cache, progress=self.progress)
             self.keys, self.passes = cache.k[:, 0], self.passes + 1  # (L, Hkv, n_run, D)

@@ -53,6 +53,19 @@ def fake_model(tmp_path, monkeypatch):
     return whole
 
 
+def test_progress_lines_go_to_stderr(fake_model, tmp_path, monkeypatch, capsys):
+    """Assembling, verifying and converting a model say so on stderr, as the progress bars do: stdout is the
+    answer's (generate.py > answer.txt held "assembling ..." and "converted ..." before the text)."""
+    ensure_gguf("fake", progress=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "assembling fake" in err and "sha256 ok" in err
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr(checkpoints, "ensure_gguf", lambda name, progress=False, verify=False: tmp_path / "tiny.gguf")
+    ensure_model("smollm2-135m", progress=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "reading" in err and "converted tiny.gguf" in err
+
+
 def test_assemble_concatenates_the_chunks_in_order(fake_model, monkeypatch):
     path = ensure_gguf("fake")
     assert path == gguf_path("fake") and path.read_bytes() == fake_model

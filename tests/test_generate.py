@@ -293,7 +293,7 @@ def test_zero_decode_steps_report_instead_of_crashing(tiny_dir, tmp_path, capsys
             assert r["decode_tok_s"] is None and r["decode_ms_per_token"] is None  # no speed made up
     assert generate.main(["--prompt", prompts[0], "--model", str(tiny_dir), "--max-new-tokens", "1"]) == 0
     out = capsys.readouterr().out
-    assert "1 new tokens, no decode step\n" in out and "no decode step ran for this prompt" in out
+    assert "1 new token, no decode step\n" in out and "no decode step ran for this prompt" in out
 
 
 def test_decode_speed_counts_decode_steps_after_the_first(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -452,12 +452,20 @@ BEFORE_LOAD = [
     (["--method", "quest_frac", "--set", "budget_frac=abc"], "budget_frac is a number, got 'abc'"),
     (["--method", "quest", "--set", "budget=-16"], "budget is a number of tokens >= 0, got -16"),
     (["--method", "quest", "--set", "pages=abc"], "--set pages: the page index is built from the prompt's keys"),
+    (["--set", "progress=1"], "--set progress: not set with --set"),  # run_batch's own keywords: a TypeError was
+    (["--set", "prompts=1"], "--set prompts: not set with --set"),
+    (["--method", "quest"], "the quest path reads budget; give --set budget=TOKENS"),  # found at the first step was
+    (["--method", "quest_frac"], "the quest_frac path reads budget_frac; give --set budget_frac=SHARE"),
+    (["--method", "quest", "--set", "budget=64", "--set", "budget=128"], "--set budget is given twice"),
+    (["--method", "static", "--static-labels", "{tmp}/labels.json", "--n-local", "64"],
+     "holds the oracle's statistics with n_local 128, not 64"),
 ]
 
 
 @pytest.mark.parametrize("extra, message", BEFORE_LOAD, ids=[" ".join(a) for a, _ in BEFORE_LOAD])
 def test_bad_input_is_one_line_found_before_loading(tiny_dir, tmp_path, capsys, monkeypatch, extra, message):
     nan_calibration(tmp_path / "nan.json")
+    save_labels(tmp_path / "labels.json", torch.rand(2, 4), {"n_sink": 16, "n_local": 128})  # the default window's
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was found")
@@ -487,6 +495,42 @@ def test_prompt_files_binary_or_not_utf8_are_refused_and_a_bom_is_read(tiny_dir,
     assert generate.main(["--prompt", str(bom_jsonl(tmp_path / "p.jsonl")), "--max-new-tokens", "2", "--json"]
                          + model) == 0
     assert json.loads(capsys.readouterr().out)["prompt_tokens"] == 3
+
+
+def test_a_kernel_choice_that_cannot_run_is_said_before_loading(tiny_dir, tmp_path, capsys, monkeypatch):
+    """QADA_KERNEL from the environment, checked with the flags (it failed at the first decode step), and named as
+    what asked for the kernel."""
+    monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir)]
+    monkeypatch.setenv("QADA_KERNEL", "bogus")
+    assert "QADA_KERNEL takes auto, triton or torch; got 'bogus'" in error_of(capsys, argv)
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    monkeypatch.setattr(generate.decode_kernels, "triton", None)
+    assert error_of(capsys, argv).startswith("error: QADA_KERNEL=triton: triton is not installed")
+    assert error_of(capsys, argv + ["--kernel", "triton"]).startswith("error: --kernel triton: triton is not installed")
+
+
+def test_prompt_given_twice_decodes_every_file(tiny_dir, tmp_path, capsys):
+    """--prompt A --prompt B is the batch of A and B, as --prompt A B is (the second flag dropped A)."""
+    a, b = write_prompt(tmp_path, 20), write_prompt(tmp_path, 30)
+    assert generate.main(["--prompt", str(a), "--prompt", str(b), "--model", str(tiny_dir), "--max-new-tokens", "2",
+                          "--method", "dense", "--json"]) == 0
+    reports = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["prompt"], r["prompt_tokens"], r["batch"]) for r in reports] == [(str(a), 20, 2), (str(b), 30, 2)]
+
+
+def test_the_context_past_the_trained_one_needs_rope_theta_and_dense_needs_no_window(tiny_dir, tmp_path, capsys):
+    """--max-context past the model's trained context (512 here) without --rope-theta is refused in one line (it
+    decoded at positions the model never saw); with it, it runs. Dense has no window, so a context shorter than the
+    window's 128 is its to take (it was refused for a window it does not use)."""
+    argv = ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir), "--max-new-tokens", "2", "--json"]
+    assert "--max-context 1024 exceeds the model's trained context of 512; past it give --rope-theta" in error_of(
+        capsys, argv + ["--max-context", "1024"])
+    assert generate.main(argv + ["--max-context", "1024", "--rope-theta", "20000"]) == 0
+    assert json.loads(capsys.readouterr().out)["new_tokens"] == 2
+    assert generate.main(argv + ["--max-context", "100", "--method", "dense"]) == 0
+    assert json.loads(capsys.readouterr().out)["new_tokens"] == 2
+    assert "--n-local 128 leaves no bulk" in error_of(capsys, argv + ["--max-context", "100", "--method", "local"])
 
 
 def test_a_window_larger_than_the_context_names_its_flag(tiny_dir, tmp_path, capsys):

