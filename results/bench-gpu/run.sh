@@ -8,17 +8,29 @@
 # end at every launch to adopt at once (CANDIDATES=1). On a machine without internet, gguf and wonderwords come as
 # wheels in .whl/ (pip download, see README).
 #   bash results/bench-gpu/run.sh [OUT]     # default OUT: /tmp/bench-gpu; results.tar.gz and log.txt land there
+# BUDGET (default 570 s, for a device call of 595): no part runs past it, each part's timeout cut to what is left and a
+# part with under 15 s left skipped, so that the call ends with every part it ran packed (the parts' own timeouts add
+# up to more than a call: they bound a part that hangs, not the whole).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-${OUT:-/tmp/bench-gpu}}
+BUDGET=${BUDGET:-570}
 FILES=$(mktemp -d)  # the tables and figures, packed into $OUT/results.tar.gz at the end
 mkdir -p "$OUT"
-# packed after every part: a run cut off keeps what it measured; the tables name this script, not its temporary folder
+# packed after every part: a run cut off keeps what it measured; the tables name this script, not its temporary folder.
+# Written whole or not at all: a call cut off while tar writes keeps the previous archive.
 pack() {
   sed -i -e "s#--out $FILES\(/[a-z0-9-]*\)\?\`#--out DIR\1\` (inside \`bash results/bench-gpu/run.sh\`)#" \
     -e "s#--out $FILES\(/[a-z0-9-]*\)\?\"#--out DIR\1\"#" "$FILES"/*.md "$FILES"/*.json "$FILES"/*/*.md \
     "$FILES"/*/*.json 2>/dev/null
-  tar -czf "$OUT/results.tar.gz" --exclude=tiny -C "$FILES" .
+  tar -czf "$OUT/results.tar.gz.tmp" --exclude=tiny -C "$FILES" . && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+}
+part() {  # part SECONDS COMMAND...: the command under a timeout of SECONDS, or of what BUDGET has left if less
+  local left=$((BUDGET - SECONDS)) limit=$1; shift
+  if [ "$left" -lt 15 ]; then
+    echo "skipped, ${left}s of the budget left: $*" | cut -c1-200; return 124
+  fi
+  timeout $((left < limit ? left : limit)) "$@"
 }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -d .whl ]; then  # gguf and wonderwords installed; the RULER wheel, which the tasks fetch with pip download
@@ -34,7 +46,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda,
       'triton', triton.__version__, 'transformers', t.__version__)"
 
 echo "== the tests of the fused step and the graph-replayed loop, CUDA as torch's default device"
-QADA_TEST_DEVICE=cuda timeout 170 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
+QADA_TEST_DEVICE=cuda part 170 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
   tests/test_kernel.py tests/test_kernel_pages.py tests/test_batch.py tests/test_graph_decode.py \
   tests/test_integration_hf.py \
   > "$FILES/tests-cuda.txt" 2>&1
@@ -45,7 +57,7 @@ echo "== the kernels' tests again at launches to adopt if they pass and are fast
 echo "   its form in programs of their own (FORM_APART: the decision left to the last part to finish, a race only a GPU"
 echo "   runs; kernels.md's window column times both)"
 QADA_TEST_LAUNCH='{"window": {"BLOCK_W": 64, "BLOCK_D": 64, "FORM_APART": true}}' QADA_TEST_DEVICE=cuda \
-  timeout 130 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
+  part 130 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
   tests/test_kernel.py tests/test_kernel_pages.py tests/test_batch.py tests/test_graph_decode.py \
   > "$FILES/tests-cuda-apart.txt" 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$FILES/tests-cuda-apart.txt" | cut -c1-220 | tail -30
@@ -53,26 +65,26 @@ pack
 
 echo "== where a fused step's time goes: each kernel's device time, and the graph's, Llama-3-8B shapes at 32k;"
 echo "   the window and split kernels at other launches (${SECONDS}s in)"
-timeout 200 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
+part 200 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
 
 echo "== page selection in the fused kernel, attention only: QAdA + pages and Quest alone against the best dense"
 echo "   (${SECONDS}s in)"
-timeout 110 python3 -m lab.bench_pages_gpu --quick --out "$FILES/pages"; pack
+part 110 python3 -m lab.bench_pages_gpu --quick --out "$FILES/pages"; pack
 
 echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k;"
 echo "   dense, kv 0.35 and all local again with the model's norms, RoPE and MLP compiled (${SECONDS}s in)"
-timeout 330 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 --compiled --out "$FILES"; pack
+part 330 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 --compiled --out "$FILES"; pack
 if [ -n "${B32:-}" ]; then  # batch 32, 8 of the 32 layers (~1.5 min)
-  timeout 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 32x8 --out "$FILES/b32"; pack
+  part 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 32x8 --out "$FILES/b32"; pack
 fi
 if [ -n "${T16K:-}" ]; then  # at T_max / 2 (capacity 32k): the graph's view follows T, not the capacity
-  timeout 100 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+  part 100 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 fi
 if [ -n "${T4K:-}" ]; then
-  timeout 90 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+  part 90 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 fi
 if [ -n "${ATTENTION:-}" ]; then  # attention alone (unchanged by the loop; ~170 s): ATTENTION=1 bash run.sh
-  timeout 170 python3 -m lab.bench_gpu --parts attention --out "$FILES"; pack
+  part 170 python3 -m lab.bench_gpu --parts attention --out "$FILES"; pack
 fi
 
 echo "== generate.py on CUDA, a tiny random model (no weights travel here): --cuda-graphs auto and off"
@@ -85,7 +97,7 @@ path = Path(sys.argv[1]); path.mkdir(parents=True, exist_ok=True); make_tiny_dir
 PY
 cli() {  # cli METHOD FLAG...: generate.py on the tiny model, its tokens, labels and decode loop in one line
   local m=$1; shift
-  timeout 60 python3 generate.py --device cuda --model "$FILES/tiny" --prompt "$FILES/prompt.txt" --no-chat \
+  part "${LIMIT:-60}" python3 generate.py --device cuda --model "$FILES/tiny" --prompt "$FILES/prompt.txt" --no-chat \
     --max-new-tokens 8 --method $m --json $([ $m = quest ] && echo --set budget=64) "$@" \
     | python3 -c "import json, sys; r = json.loads(sys.stdin.read())
 print(r['method'], r['new_token_ids'], r['sparsity'], r['kv_read'], r['cuda_graphs'], 'compiled' * r['compiled'])"
@@ -95,12 +107,12 @@ for m in dense qada quest; do
   cli $m --cuda-graphs auto
 done
 cli qada --cuda-graphs off
-cli qada --cuda-graphs auto --compile on
+LIMIT=150 cli qada --cuda-graphs auto --compile on  # inductor's first compile of the model's pointwise parts
 pack
 
 if [ -n "${CANDIDATES:-}" ]; then  # (~2 min) batch 1 and 8 at 32k end to end with every launch to adopt at once: the
   # split programs dealt out to the long groups (SPREAD 8) and launched dependent on the window kernel (PDL), the form
   # in programs of its own (FORM_APART)
-  timeout 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 \
+  part 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 \
     --launch '{"split": {"SPREAD": 8, "PDL": true}, "window": {"FORM_APART": true}}' --out "$FILES/candidates"; pack
 fi
