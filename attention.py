@@ -719,7 +719,7 @@ def run_path(method: str, q, k, v, **inputs) -> tuple[torch.Tensor, ...]:
 
 def _one_row(device: torch.device, tau: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A single row as the fused kernels take a batch: row 0 of the cache, filled from position 0, and its tau in
-    float64 (kernel_thresholds rounds it as criterion.tau_logit does)."""
+    float64 (kernel_thresholds makes the fp32 thresholds from it as criterion does)."""
     zero = torch.zeros(1, dtype=torch.int32, device=device)
     return zero, None if tau is None else torch.full((1,), tau, dtype=torch.float64, device=device)
 

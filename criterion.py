@@ -111,7 +111,8 @@ def local_labels(log_local: torch.Tensor, log_bulk: torch.Tensor, tau, n_kv_head
         group_local = local_labels(log_local, log_bulk, tau).view(*lead, n_kv_heads, -1).all(-1)  # (..., Hkv)
     else:
         # mean share >= tau as mean bulk share <= 1 - tau: a share near 1 rounds to 1 in fp32 (from r = 16.6 on),
-        # a bulk share near 0 does not, so a group with any bulk is not local at tau = 1, as with the other rules
+        # a bulk share near 0 does not (until r = 88, a bulk of e^-88), so at tau = 1 a group with bulk is read,
+        # as with the other rules
         bulk_share = torch.sigmoid(log_bulk - log_local)  # 0 when there is no bulk (log_bulk = -inf)
         group_local = bulk_share.view(*lead, n_kv_heads, -1).mean(-1) <= bulk_cap(tau)  # (..., Hkv)
     return group_local.repeat_interleave(H // n_kv_heads, dim=-1)

@@ -531,7 +531,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
     times["load_s"] = time.perf_counter() - t0
     trained = net.cfg.max_position_embeddings
-    if max_context and max_context > trained and rope_theta is None:  # positions the model never saw: garbage, quietly
+    # positions the model never saw: garbage, quietly (a config's rope_scaling says how far the model reaches itself)
+    if max_context and max_context > trained and rope_theta is None and not net.cfg.rope_scaling:
         raise ValueError(f"--max-context {max_context} exceeds the model's trained context of {trained}; past it give "
                          "--rope-theta too (the paper: 2e6 for 32k)")
     max_context = max_context or trained
@@ -725,7 +726,7 @@ def main(argv=None) -> int:
         os.environ["QADA_KERNEL"] = kernel  # read by decode_kernels.fused at every step
     try:
         asked = "--kernel triton" if kernel else "QADA_KERNEL=triton"
-        if decode_kernels.kernel_choice() == "triton" and (why := triton_missing(asked)):  # now, not at the 1st step
+        if decode_kernels.kernel_choice() == "triton" and (why := triton_missing(asked)):  # before anything loads
             raise ValueError(why)
         window = {name: args.pop(name) for name in ("n_sink", "n_local")}
         given = {name: n for name, n in window.items() if n is not None}  # the others: run_batch's, the paper's

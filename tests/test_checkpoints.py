@@ -55,7 +55,7 @@ def fake_model(tmp_path, monkeypatch):
 
 def test_progress_lines_go_to_stderr(fake_model, tmp_path, monkeypatch, capsys):
     """Assembling, verifying and converting a model say so on stderr, as the progress bars do: stdout is the
-    answer's (generate.py > answer.txt held "assembling ..." and "converted ..." before the text)."""
+    answer's, so that generate.py > answer.txt holds the answer alone."""
     ensure_gguf("fake", progress=True)
     out, err = capsys.readouterr()
     assert out == "" and "assembling fake" in err and "sha256 ok" in err

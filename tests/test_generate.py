@@ -452,9 +452,9 @@ BEFORE_LOAD = [
     (["--method", "quest_frac", "--set", "budget_frac=abc"], "budget_frac is a number, got 'abc'"),
     (["--method", "quest", "--set", "budget=-16"], "budget is a number of tokens >= 0, got -16"),
     (["--method", "quest", "--set", "pages=abc"], "--set pages: the page index is built from the prompt's keys"),
-    (["--set", "progress=1"], "--set progress: not set with --set"),  # run_batch's own keywords: a TypeError was
+    (["--set", "progress=1"], "--set progress: not set with --set"),  # run_batch's own keywords
     (["--set", "prompts=1"], "--set prompts: not set with --set"),
-    (["--method", "quest"], "the quest path reads budget; give --set budget=TOKENS"),  # found at the first step was
+    (["--method", "quest"], "the quest path reads budget; give --set budget=TOKENS"),  # before a long prefill
     (["--method", "quest_frac"], "the quest_frac path reads budget_frac; give --set budget_frac=SHARE"),
     (["--method", "quest", "--set", "budget=64", "--set", "budget=128"], "--set budget is given twice"),
     (["--method", "static", "--static-labels", "{tmp}/labels.json", "--n-local", "64"],
@@ -498,8 +498,8 @@ def test_prompt_files_binary_or_not_utf8_are_refused_and_a_bom_is_read(tiny_dir,
 
 
 def test_a_kernel_choice_that_cannot_run_is_said_before_loading(tiny_dir, tmp_path, capsys, monkeypatch):
-    """QADA_KERNEL from the environment, checked with the flags (it failed at the first decode step), and named as
-    what asked for the kernel."""
+    """QADA_KERNEL from the environment, checked with the flags before anything loads, and named as what asked
+    for the kernel."""
     monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     argv = ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir)]
     monkeypatch.setenv("QADA_KERNEL", "bogus")
@@ -511,7 +511,7 @@ def test_a_kernel_choice_that_cannot_run_is_said_before_loading(tiny_dir, tmp_pa
 
 
 def test_prompt_given_twice_decodes_every_file(tiny_dir, tmp_path, capsys):
-    """--prompt A --prompt B is the batch of A and B, as --prompt A B is (the second flag dropped A)."""
+    """--prompt A --prompt B is the batch of A and B, as --prompt A B is."""
     a, b = write_prompt(tmp_path, 20), write_prompt(tmp_path, 30)
     assert generate.main(["--prompt", str(a), "--prompt", str(b), "--model", str(tiny_dir), "--max-new-tokens", "2",
                           "--method", "dense", "--json"]) == 0
@@ -520,9 +520,9 @@ def test_prompt_given_twice_decodes_every_file(tiny_dir, tmp_path, capsys):
 
 
 def test_the_context_past_the_trained_one_needs_rope_theta_and_dense_needs_no_window(tiny_dir, tmp_path, capsys):
-    """--max-context past the model's trained context (512 here) without --rope-theta is refused in one line (it
-    decoded at positions the model never saw); with it, it runs. Dense has no window, so a context shorter than the
-    window's 128 is its to take (it was refused for a window it does not use)."""
+    """--max-context past the model's trained context (512 here) without --rope-theta is refused in one line: the
+    model would decode at positions it never saw. With it, it runs. Dense has no window, so a context shorter than
+    the window's 128 is its to take."""
     argv = ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir), "--max-new-tokens", "2", "--json"]
     assert "--max-context 1024 exceeds the model's trained context of 512; past it give --rope-theta" in error_of(
         capsys, argv + ["--max-context", "1024"])
@@ -531,6 +531,11 @@ def test_the_context_past_the_trained_one_needs_rope_theta_and_dense_needs_no_wi
     assert generate.main(argv + ["--max-context", "100", "--method", "dense"]) == 0
     assert json.loads(capsys.readouterr().out)["new_tokens"] == 2
     assert "--n-local 128 leaves no bulk" in error_of(capsys, argv + ["--max-context", "100", "--method", "local"])
+    scaled = tmp_path / "scaled"  # a config whose rope_scaling says how far the model reaches: taken as it says
+    save_tiny("llama3-rope-scaling", scaled)
+    (scaled / "tokenizer.json").write_text((tiny_dir / "tokenizer.json").read_text())
+    assert generate.main(argv[:2] + ["--model", str(scaled)] + argv[4:] + ["--max-context", "1024"]) == 0
+    assert json.loads(capsys.readouterr().out)["new_tokens"] == 2
 
 
 def test_a_window_larger_than_the_context_names_its_flag(tiny_dir, tmp_path, capsys):

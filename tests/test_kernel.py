@@ -661,7 +661,7 @@ def test_a_step_over_the_capacity_launches_the_same_whatever_T(length_shape, mon
     tau = decode_kernels.kernel_thresholds(torch.tensor([0.6, 0.4], dtype=torch.float64))
     y = torch.empty(B, H, D)
     launches = record_launches(monkeypatch, q=q, k=k, v=v, rows=rows, start=start, length=length, A=A, b=b,
-                               tau=tau[0], tau_logit=tau[1], y=y)
+                               cap=tau[0], tau_logit=tau[1], y=y)
     outputs = []
     for T in (1000, 1001):
         length.fill_(T)
@@ -730,7 +730,7 @@ def test_decoding_through_fixed_buffers_matches_the_eager_steps(monkeypatch):
     length = torch.tensor([T0], dtype=torch.int32)
     q_buf, k_new, v_new, y_buf = torch.zeros(B, H, D), torch.empty(B, Hkv, D), torch.empty(B, Hkv, D), torch.zeros(B, H, D)
     launches = record_launches(monkeypatch, q=q_buf, k=k_buf, v=v_buf, rows=rows, start=start, length=length, A=A,
-                               b=b, tau=tau[0], tau_logit=tau[1], y=y_buf)
+                               b=b, cap=tau[0], tau_logit=tau[1], y=y_buf)
 
     def step():  # reads device tensors only: what a CUDA graph would capture once
         k_buf.index_copy_(2, length.long(), k_new[:, :, None])  # (B, Hkv, 1, D) at position T

@@ -133,8 +133,8 @@ def test_qada_kv_all_reads_what_per_head_qada_reads():
 @pytest.mark.parametrize("rule", [None, "all", "mean"])
 def test_at_tau_1_only_a_group_without_bulk_is_local(rule):
     """tau = 1 asks for the whole mass: whichever rule decides, a group is local only where its bulk is empty, also
-    where every share rounds to 1 in fp32 (a bulk e^-20 of the window's mass, which the mean of shares took for none);
-    just below 1 such a group is local again. A float tau and a tensor of one tau per row decide alike."""
+    where every share rounds to 1 in fp32 (a bulk e^-20 of the window's mass); just below 1 such a group is local.
+    A float tau and a tensor of one tau per row decide alike."""
     log_local = torch.tensor([20.0] * G + [3.0] * G + [0.0] * G)  # (H,): three groups
     log_bulk = torch.tensor([0.0] * G + [-math.inf] * G + [0.0] * G)
     at_1, below_1 = [False] * G + [True] * G + [False] * G, [True] * 2 * G + [False] * G

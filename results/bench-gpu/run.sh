@@ -28,7 +28,7 @@ pack() {
 part() {  # part SECONDS COMMAND...: the command under a timeout of SECONDS, or of what BUDGET has left if less
   local left=$((BUDGET - SECONDS)) limit=$1; shift
   if [ "$left" -lt 15 ]; then
-    echo "skipped, ${left}s of the budget left: $*" | cut -c1-200; return 124
+    echo "skipped, ${left}s of the budget left: $*" | cut -c1-200 >&2; return 124  # stderr: cli pipes stdout
   fi
   timeout $((left < limit ? left : limit)) "$@"
 }
