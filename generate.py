@@ -421,8 +421,8 @@ def triton_missing(asked: str = "--kernel triton") -> str | None:
 BUILT = {"layer": "the layer is each call's own", "pages": "the page index is built from the prompt's keys"}
 # what a path reads that the command gives it without --set: BUILT, the window, the threshold and the files of flags
 FROM_FLAGS = {*BUILT, "n_sink", "n_local", "tau", "moments", "calibration", "static_local"}
-SET_EXAMPLES = {"budget": "TOKENS (e.g. 1024: the pages each long group reads)",
-                "budget_frac": "SHARE (e.g. 0.1 of the context)"}
+SET_EXAMPLES = {"budget": "TOKENS (the page tokens a head may read beside its window, e.g. 1024)",
+                "budget_frac": "SHARE (the same as a share of the context, e.g. 0.1)"}
 
 
 def parse_inputs(items: list[str], reserved: set[str] = frozenset()) -> dict:
