@@ -346,6 +346,14 @@ def load_local_freq(path: str | Path) -> tuple[torch.Tensor, dict]:
         raise ValueError(f"{path} is not a static labels file: {e}") from None
 
 
+def check_labels_window(settings: dict, name, n_sink: int | None, n_local: int | None) -> None:
+    """That static labels saved with `settings` (file `name`) count the oracle's local heads over the window they are
+    used with; ValueError with one line otherwise. What is None, or absent from the settings, is not checked."""
+    for key, value in (("n_sink", n_sink), ("n_local", n_local)):
+        if value is not None and settings.get(key, value) != value:
+            raise ValueError(f"{name} holds the oracle's statistics with {key} {settings[key]}, not {value}")
+
+
 def load_labels(path: str | Path, sparsity: float) -> tuple[torch.Tensor, dict]:
     """Static labels (L, H) at `sparsity` from a file written by save_labels, and its settings."""
     local_freq, settings = load_local_freq(path)

@@ -32,7 +32,8 @@ from tqdm import tqdm
 import decode_kernels
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, StaticAttention, build_attention, bulk_estimate,
                        path_inputs, static_refusal)
-from criterion import TAU, Calibration, check_calibration, check_tau, check_window, load_calibration, load_labels
+from criterion import (TAU, Calibration, check_calibration, check_labels_window, check_tau, check_window,
+                       load_calibration, load_labels)
 from model import KVCache
 from moments import SOURCES, ReferenceKeys, reference_words
 from pages import page_count
@@ -260,9 +261,7 @@ def read_sources(method: str, static_labels: str | None, static_sparsity: float,
     if "static_local" in inputs:
         path = input_file(static_labels, "--static-labels", "ruler.json")
         static_local, settings = load_labels(path, static_sparsity)
-        for key, value in (("n_sink", n_sink), ("n_local", n_local)):  # the oracle's statistics of another window
-            if settings.get(key, value) != value:
-                raise ValueError(f"{path} holds the oracle's statistics with {key} {settings[key]}, not {value}")
+        check_labels_window(settings, path, n_sink, n_local)  # the oracle's statistics of another window: refused
     return {"static_local": static_local, "calibration": correction}
 
 
@@ -407,6 +406,13 @@ def pick_device(device: str | None) -> str:
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
         raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def check_kernel(asked: str = "QADA_KERNEL=triton") -> None:
+    """QADA_KERNEL checked before anything loads (decode_kernels reads it at every step): ValueError with one line
+    when it names no choice, or the kernel it asks for cannot run here (`asked`: how it was asked for)."""
+    if decode_kernels.kernel_choice() == "triton" and (why := triton_missing(asked)):
+        raise ValueError(why)
 
 
 def triton_missing(asked: str = "--kernel triton") -> str | None:
@@ -725,9 +731,7 @@ def main(argv=None) -> int:
     if kernel:
         os.environ["QADA_KERNEL"] = kernel  # read by decode_kernels.fused at every step
     try:
-        asked = "--kernel triton" if kernel else "QADA_KERNEL=triton"
-        if decode_kernels.kernel_choice() == "triton" and (why := triton_missing(asked)):  # before anything loads
-            raise ValueError(why)
+        check_kernel("--kernel triton" if kernel else "QADA_KERNEL=triton")
         window = {name: args.pop(name) for name in ("n_sink", "n_local")}
         given = {name: n for name, n in window.items() if n is not None}  # the others: run_batch's, the paper's
         if given and "n_sink" not in path_inputs(args["method"]):  # dense: a window it would not use

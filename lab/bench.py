@@ -79,7 +79,7 @@ import attention
 import decode_kernels
 from attention import BatchAttention, build_attention
 from criterion import TAU, check_calibration, load_calibration, qada_labels
-from generate import pick_device
+from generate import check_kernel, pick_device
 from lab.calibrate import calibration_file
 from lab.cli import Parser, at_least, fail, fresh_folder, ints, positive_float
 from model import KVCache, LlamaConfig
@@ -701,7 +701,8 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
             raise ValueError("--prefill-only fills --prefill-cache DIR: give it one")
         if prefill_only and parts != "e2e":
             raise ValueError("--prefill-only is for the end-to-end part: give --parts e2e")
-        calibration = calibration_for(methods, calibration)
+        calibration = calibration_for(methods, calibration, model if parts in ("e2e", "all") else None)
+        check_kernel()
         if out is not None and Path(out).exists() and not Path(out).is_dir():
             raise ValueError(f"--out {out} is a file; give a folder")
         if prefill_cache and Path(prefill_cache).exists() and not Path(prefill_cache).is_dir():
@@ -767,15 +768,22 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
     return 0
 
 
-def calibration_for(methods: list[tuple[str, float]], calibration: str | None) -> str | None:
+def calibration_for(methods: list[tuple[str, float]], calibration: str | None, model: str | None = None
+                    ) -> str | None:
     """The calibration file the end-to-end methods read, from --calibration: a file as given, or in a folder of
     lab.calibrate --qada the file of the estimate they correct (affine.json, sampled.json); None leaves the default
-    (the model's shipped one) to bench_end_to_end. One-line errors, before anything runs."""
+    (the model's shipped one) to bench_end_to_end, which `model` (the end-to-end part's, None when it does not run)
+    must then have. One-line errors, before anything runs: the file's window and estimate checked here, its heads
+    once the model loads."""
     readers = [m for _, m, _ in methods if "calibration" in attention.path_inputs(m)]
     if calibration is not None and not readers:
         raise ValueError(f"--calibration {calibration}: no method of --e2e-methods reads a calibration (qada_cal ... "
                          "do)")
+    if not readers:
+        return None
     if calibration is None:
+        if model is not None and shipped_calibration(model) is None:  # now, not after the attention part's minutes
+            raise ValueError(f"{model} ships no calibration: give --calibration FILE for the qada_cal methods")
         return None
     estimates = {attention.bulk_estimate(m) for m in readers}
     if len(estimates) > 1:
@@ -786,6 +794,8 @@ def calibration_for(methods: list[tuple[str, float]], calibration: str | None) -
         return str(calibration_file(calibration, kind, "--calibration", ", ".join(dict.fromkeys(readers))))
     if not Path(calibration).is_file():
         raise FileNotFoundError(f"--calibration {calibration}: no such file or folder")
+    check_calibration(load_calibration(calibration), calibration, None, None, None, N_SINK, N_LOCAL, "random-words",
+                      attention.bulk_estimate(readers[0]))
     return calibration
 
 
@@ -798,7 +808,7 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"], help="which part to run (default: all)")
     p.add_argument("--lengths", type=ints, default=None, help="comma-separated context lengths for both parts "
                    "(default: 2048..32768 attention, 2048..16384 end to end)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: fewer lengths, repeats and tokens")
+    p.add_argument("--quick", action="store_true", help="a smoke run: fewer lengths and repeats")
     p.add_argument("--decode-tokens", type=at_least(1), default=8, help="tokens decoded per method and timed repeat, "
                    "end to end (default: 8)")
     p.add_argument("--rope-theta", type=positive_float, default=4e5, help="RoPE base for end-to-end lengths above the "

@@ -52,9 +52,9 @@ import torch.nn.functional as F
 import attention
 import decode_kernels
 from criterion import Calibration, gaussian_form
-from lab.bench import full_pattern
+from lab.bench import full_pattern, lengths_above_window
 from lab.bench_gpu import kernel_us, launch, named_us
-from lab.cli import Parser, fail, fresh_folder, ints
+from lab.cli import Parser, at_least, fail, fresh_folder, ints
 from moments import FixedMoments
 from pages import PageIndex, candidates, upper_bounds
 
@@ -388,12 +388,13 @@ def main(argv=None) -> int:
     p = Parser(prog="python -m lab.bench_pages_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="folder for pages.md and pages.json (default: a new "
                    "runs/bench-gpu-pages/<time> folder)")
-    p.add_argument("--lengths", type=ints, default="32768,131072", help="context lengths T")
+    p.add_argument("--lengths", type=lengths_above_window, default="32768,131072", help="context lengths T, each "
+                   "above the window")
     p.add_argument("--batches", type=ints, default="1,8,32", help="batch sizes")
     p.add_argument("--budgets", type=ints, default="1024,2048", help="page budgets in tokens")
     p.add_argument("--page-size", type=int, default=16, choices=(16, 32, 64), help="tokens per page")
     p.add_argument("--fraction", type=float, default=0.35, help="share of long-context (row, KV head) pairs")
-    p.add_argument("--reps", type=int, default=30, help="timed replays per measurement")
+    p.add_argument("--reps", type=at_least(1), default=30, help="timed replays per measurement")
     p.add_argument("--quick", action="store_true", help="Llama-3-8B only, 32k, batch 1 and 8, budget 1024, 10 reps "
                    "(under 2 minutes on an H100)")
     p.add_argument("--interpret-smoke", action="store_true", help="tiny sizes on the CPU through Triton's interpreter "
@@ -403,6 +404,8 @@ def main(argv=None) -> int:
         return args
     if not 0 <= args.fraction <= 1:
         return fail(f"--fraction takes a share in [0, 1], got {args.fraction}")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():  # said now, not after the timings
+        return fail(f"--out {args.out} is a file; give a folder")
     if decode_kernels.triton is None:
         return fail("no triton (pip install triton)")
     smoke = args.interpret_smoke
@@ -411,7 +414,8 @@ def main(argv=None) -> int:
     if not smoke and not torch.cuda.is_available():
         return fail("no CUDA here; --interpret-smoke (with TRITON_INTERPRET=1) runs the code paths on the CPU")
     device = torch.device("cpu" if smoke else "cuda")
-    lengths, batches, budgets = ([int(x) for x in s.split(",")] for s in (args.lengths, args.batches, args.budgets))
+    lengths = args.lengths
+    batches, budgets = ([int(x) for x in s.split(",")] for s in (args.batches, args.budgets))
     shapes, reps = SHAPES, args.reps
     if args.quick:
         shapes, lengths, batches, budgets, reps = {"Llama-3-8B": SHAPES["Llama-3-8B"]}, [32768], [1, 8], [1024], 10

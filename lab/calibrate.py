@@ -69,6 +69,9 @@ def task_names(text: str) -> list[str]:
     unknown = [t for t in names if t not in TASKS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+    twice = [t for t in dict.fromkeys(names) if names.count(t) > 1]
+    if twice:  # its samples would count twice in every average, and in a calibration's fit
+        raise argparse.ArgumentTypeError(f"names {twice[0]} twice")
     return names
 
 

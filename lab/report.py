@@ -760,6 +760,13 @@ def compare_runs(a: str | Path, b: str | Path, on_damage=None, tasks: list[str] 
     missing = [t for t in tasks or () if not any(k[0] == t for k in ra.keys() & rb.keys())]
     if missing:
         raise ValueError(f"--tasks {','.join(missing)}: {a} and {b} share no record of it")
+    for k in sorted(ra.keys() & rb.keys()):  # a pair is one prompt decoded twice, or the table compares nothing
+        x, y = ra[k], rb[k]
+        if x.get("n_prompt") != y.get("n_prompt") or x.get("ids_sha1", y.get("ids_sha1")) != y.get("ids_sha1",
+                                                                                                   x.get("ids_sha1")):
+            raise ValueError(f"{a} and {b} did not decode the same prompts: {k[0]}#{k[1]} has {x.get('n_prompt')} "
+                             f"prompt tokens in one, {y.get('n_prompt')} in the other (another length, seed or "
+                             "tokenizer)" + (" and other ids" if x.get("n_prompt") == y.get("n_prompt") else ""))
     command = f"python -m lab.report {a} --compare {b}" + (f" --tasks {','.join(tasks)}" if tasks else "")
     lines = [f"# {Path(a).name} vs {Path(b).name}", "", f"`{command}`", "",
              "| config | records | identical answers | equal scores | mean abs. sparsity diff | mean abs. head-frequency diff |",

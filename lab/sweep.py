@@ -82,8 +82,9 @@ from tqdm import tqdm
 
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, bulk_estimate,
                        path_inputs, summarize)
-from criterion import TAU, check_calibration, check_tau, check_window, load_calibration, static_labels
-from generate import decode_batch, parse_inputs, pick_device
+from criterion import (TAU, check_calibration, check_labels_window, check_tau, check_window, load_calibration,
+                       load_local_freq, static_labels)
+from generate import check_kernel, decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
 from lab.cli import Parser, at_least, fail, fractions, interrupted, ints
@@ -186,6 +187,8 @@ def parse_grids(items: list[str]) -> dict[str, list[float]]:
         name, sep, values = item.partition("=")
         if not sep or not values:
             raise ValueError(f"--grid takes NAME=v1,v2,...; got {item!r}")
+        if name in grids:  # the first would be dropped
+            raise ValueError(f"--grid {name} is given twice; give its values in one: --grid {name}=v1,v2,...")
         try:
             path_and_source(name)  # an unknown name is an error here, not a silently ignored grid
             grids[name] = parse_grid(ints(values) if threshold_kind(name) == "budget" else fractions(values))
@@ -675,6 +678,12 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         if task_list.count(t) > 1:  # its samples would count twice in every average
             raise ValueError(f"--tasks names {t} twice")
     check_window(n_sink, n_local, ("--n-sink", "--n-local"))
+    check_kernel()
+    if static_tasks:  # as --tasks (the CLI checks both as it parses them)
+        try:
+            calibrate.task_names(static_tasks)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"--static-tasks: {e}") from None
     if not task_list and not ctxfree_samples:
         raise ValueError("nothing to decode: no --tasks and --ctxfree-samples 0")
     grids = parse_grids(grid)
@@ -688,7 +697,12 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     for name in extra_inputs:
         if not any(name in path_inputs(path_and_source(c.method)[0]) for c in configs + abl):
             raise ValueError(f"--set {name}: no path of --methods reads it")
-    every = configs + abl + (ctxfree if ctxfree_samples else [])
+    for flag, names, made in (("--methods", methods, configs), ("--ablations", ablations, abl)):
+        for name in filter(None, names.split(",")):
+            if name not in {c.method for c in made}:  # --taus '', say: the method would not run, silently
+                raise ValueError(f"{flag} {name}: its grid is empty, so it would not run")
+    every = (configs + abl if task_list else []) + (ctxfree if ctxfree_samples else [])  # no tasks: only the
+    # context-free samples run, and what the tasks' configurations read (static labels, corrections) is not needed
     if not every:
         raise ValueError("nothing to run: --methods and --ablations give no configuration (an empty grid?) and "
                          "--ctxfree-samples is 0")
@@ -719,12 +733,16 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     labels_dir = Path(static_labels) if static_labels else out / "static_labels"
     static_sources = {path_and_source(c.method)[1] for c in every if "static_local" in path_inputs(
         path_and_source(c.method)[0])} - {"random"}
+    for flag, given in (("--static-labels", static_labels), ("--static-tasks", static_tasks)):
+        if given and not static_sources:
+            raise ValueError(f"{flag} {given}: no method run reads static labels (the static methods do)")
     ruler_tasks = static_tasks.split(",") if static_tasks else None
     if static_sources and labels_dir.is_file():
         own = list(dict.fromkeys(c.method for c in every if str(path_and_source(c.method)[1]).startswith("own-task")))
         if own:
             raise ValueError(f"--static-labels {labels_dir} is one file; {', '.join(own)} read{'s' * (len(own) == 1)} one per task "
                              "(TASK.json): give the folder python -m lab.calibrate wrote")
+        check_labels_window(load_local_freq(labels_dir)[1], labels_dir, n_sink, n_local)  # as a folder's are checked
     elif static_sources:
         calibrate.check_labels(labels_dir, list(dict.fromkeys(task_list + (ruler_tasks or []))), ruler_tasks or task_list,
                                dict(length=length, samples=calib_samples, seed=calib_seed,
@@ -860,7 +878,7 @@ def main(argv=None) -> int:
                    "methods of its kind")
     p.add_argument("--calibration-transfer", default=None, metavar="DIR|FILE", help="a second such folder or file, "
                    "fitted on other prompts, that the *_transfer methods read")
-    p.add_argument("--static-tasks", default=None, help="tasks whose calibration prompts make the static (RULER) "
+    p.add_argument("--static-tasks", type=task_text, default=None, help="tasks whose calibration prompts make the static (RULER) "
                    "labels (default: --tasks); keep it fixed when a run is continued with other --tasks")
     p.add_argument("--calib-samples", type=at_least(1), default=1, help="calibration prompts per task (when "
                    "calibrating)")
@@ -900,7 +918,8 @@ def main(argv=None) -> int:
     if isinstance(args, int):  # --help, or a bad argument
         return args
     if args.quick:  # the quick defaults apply where the flag was not given explicitly
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])}
+        given = {a.split("=")[0][2:].replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
+                 if a.startswith("--")}  # flags, not their values (--out length)
         for k, v in QUICK.items():
             if k not in given:
                 setattr(args, k, v)

