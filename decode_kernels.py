@@ -119,6 +119,19 @@ def kernel_choice() -> str:
     return choice
 
 
+def check_kernel(asked: str = "QADA_KERNEL=triton") -> None:
+    """QADA_KERNEL checked where a command or the Hugging Face adapter starts, before anything loads (fused reads it
+    at every step): ValueError with one line when it names no choice, or asks for the kernel where it cannot run
+    (`asked`: how it was asked for, --kernel triton on generate's command line)."""
+    if kernel_choice() != "triton":
+        return
+    if triton is None:
+        raise ValueError(f"{asked}: triton is not installed (pip install triton)")
+    if not torch.cuda.is_available() and not INTERPRETED:
+        raise ValueError(f"{asked}: no CUDA; on the CPU the kernel runs only under Triton's interpreter "
+                         "(TRITON_INTERPRET=1)")
+
+
 def fused(q: torch.Tensor) -> bool:
     """Whether the qada paths, the page paths and the static loop's dense take the fused kernels: QADA_KERNEL=triton
     forces it (on CPU tensors it needs Triton's interpreter, TRITON_INTERPRET=1), QADA_KERNEL=torch forces the torch

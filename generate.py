@@ -408,22 +408,6 @@ def pick_device(device: str | None) -> str:
     return device
 
 
-def check_kernel(asked: str = "QADA_KERNEL=triton") -> None:
-    """QADA_KERNEL checked before anything loads (decode_kernels reads it at every step): ValueError with one line
-    when it names no choice, or the kernel it asks for cannot run here (`asked`: how it was asked for)."""
-    if decode_kernels.kernel_choice() == "triton" and (why := triton_missing(asked)):
-        raise ValueError(why)
-
-
-def triton_missing(asked: str = "--kernel triton") -> str | None:
-    """Why the fused kernel cannot run here, or None (`asked`: how it was asked for)."""
-    if decode_kernels.triton is None:
-        return f"{asked}: triton is not installed (pip install triton)"
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"{asked}: no CUDA; on the CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1)"
-    return None
-
-
 BUILT = {"layer": "the layer is each call's own", "pages": "the page index is built from the prompt's keys"}
 # what a path reads that the command gives it without --set: BUILT, the window, the threshold and the files of flags
 FROM_FLAGS = {*BUILT, "n_sink", "n_local", "tau", "moments", "calibration", "static_local"}
@@ -731,7 +715,7 @@ def main(argv=None) -> int:
     if kernel:
         os.environ["QADA_KERNEL"] = kernel  # read by decode_kernels.fused at every step
     try:
-        check_kernel("--kernel triton" if kernel else "QADA_KERNEL=triton")
+        decode_kernels.check_kernel("--kernel triton" if kernel else "QADA_KERNEL=triton")
         window = {name: args.pop(name) for name in ("n_sink", "n_local")}
         given = {name: n for name, n in window.items() if n is not None}  # the others: run_batch's, the paper's
         if given and "n_sink" not in path_inputs(args["method"]):  # dense: a window it would not use

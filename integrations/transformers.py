@@ -47,6 +47,7 @@ from transformers.utils import logging as hf_logging
 
 from attention import BatchAttention, build_attention, bulk_estimate, path_inputs
 from criterion import Calibration, check_calibration, check_tau, check_window
+from decode_kernels import check_kernel
 from generate import default_tau, read_calibration
 from model import KVCache, LlamaConfig
 from moments import SOURCES, OnlineMoments, ReferenceKeys, reference_words
@@ -325,6 +326,7 @@ def enable(model, method: str = "qada_kv_all_cal", tau: float | None = None, cal
     makes the reference prompt). inputs: more of what the path reads (static_local, a new path's own). Returns the
     registered attention: its `report()` and `summary(row)` give the last generation's statistics."""
     llama_config(model)  # one line for what is not a Llama-family transformers model
+    check_kernel()  # QADA_KERNEL said now, not inside generate's first decode step
     current = model.config._attn_implementation
     if isinstance(AttentionInterface().get(current), HFAttention):
         raise ValueError(f"QAdA is already enabled on this model ({current}); disable(model) first")

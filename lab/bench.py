@@ -79,7 +79,7 @@ import attention
 import decode_kernels
 from attention import BatchAttention, build_attention
 from criterion import TAU, check_calibration, load_calibration, qada_labels
-from generate import check_kernel, pick_device
+from generate import pick_device
 from lab.calibrate import calibration_file
 from lab.cli import Parser, at_least, fail, fresh_folder, ints, positive_float
 from model import KVCache, LlamaConfig
@@ -702,7 +702,7 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
         if prefill_only and parts != "e2e":
             raise ValueError("--prefill-only is for the end-to-end part: give --parts e2e")
         calibration = calibration_for(methods, calibration, model if parts in ("e2e", "all") else None)
-        check_kernel()
+        decode_kernels.check_kernel()
         if out is not None and Path(out).exists() and not Path(out).is_dir():
             raise ValueError(f"--out {out} is a file; give a folder")
         if prefill_cache and Path(prefill_cache).exists() and not Path(prefill_cache).is_dir():

@@ -80,11 +80,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import decode_kernels
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, bulk_estimate,
                        path_inputs, summarize)
 from criterion import (TAU, check_calibration, check_labels_window, check_tau, check_window, load_calibration,
                        load_local_freq, static_labels)
-from generate import check_kernel, decode_batch, parse_inputs, pick_device
+from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
 from lab.cli import Parser, at_least, fail, fractions, interrupted, ints
@@ -678,7 +679,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         if task_list.count(t) > 1:  # its samples would count twice in every average
             raise ValueError(f"--tasks names {t} twice")
     check_window(n_sink, n_local, ("--n-sink", "--n-local"))
-    check_kernel()
+    decode_kernels.check_kernel()
     if static_tasks:  # as --tasks (the CLI checks both as it parses them)
         try:
             calibrate.task_names(static_tasks)

@@ -208,6 +208,19 @@ def test_gpt2_is_refused_with_one_line():
     assert "\n" not in str(e.value) and gpt2.config._attn_implementation == before
 
 
+def test_enable_says_a_kernel_choice_that_cannot_run(sharp_dir, monkeypatch):
+    """QADA_KERNEL is checked when QAdA is enabled, in one line, not inside generate's first decode step."""
+    hf = hf_model(sharp_dir)
+    monkeypatch.setenv("QADA_KERNEL", "bogus")
+    with pytest.raises(ValueError, match="QADA_KERNEL takes auto, triton or torch; got 'bogus'"):
+        enable(hf, "qada", tau=0.6, moments="prompt")
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    monkeypatch.setattr("decode_kernels.triton", None)
+    with pytest.raises(ValueError, match="QADA_KERNEL=triton: triton is not installed"):
+        enable(hf, "qada", tau=0.6, moments="prompt")
+    assert hf.config._attn_implementation == "sdpa"
+
+
 def test_what_enable_and_disable_refuse(sharp_dir):
     hf, tok = hf_model(sharp_dir), Tokenizer.from_dir(sharp_dir)
     for kwargs, message in [(dict(method="qada_cal", tokenizer=tok), "reads a calibration"),
