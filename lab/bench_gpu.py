@@ -714,6 +714,10 @@ def main(argv=None) -> int:
         return args
     lengths, batches = args.lengths, args.batches
     try:  # what this machine lacks: one line, exit 2
+        need = args.e2e_length + GRAPH_STEPS * args.steps + 8  # the positions the timed steps fill
+        if args.capacity is not None and args.capacity < need:  # it would be raised, under the file name given
+            raise ValueError(f"--capacity {args.capacity} holds fewer positions than --e2e-length {args.e2e_length} "
+                             f"and the steps timed after it take ({need})")
         device = torch.device(pick_device(args.device))
         if decode_kernels.triton is None:
             raise ValueError("the fused kernel needs triton (pip install triton)")

@@ -536,7 +536,9 @@ def test_a_sweep_that_cannot_start_leaves_no_settings_behind(tmp_path, tiny_dir,
 
 @pytest.mark.parametrize("argv, message", [(["--lengths", "100"], "exceed the window"), (["--e2e", "8y3"], "BATCHxLAYERS"),
                                            (["--steps", "0"], "argument --steps"), (["--batches", "0"], "--batches"),
-                                           (["--parts", "kernels", "--device", "cpu"], "kernels part needs a GPU: no CUDA")])
+                                           (["--parts", "kernels", "--device", "cpu"], "kernels part needs a GPU: no CUDA"),
+                                           (["--e2e-length", "4096", "--capacity", "4100"],
+                                            "--capacity 4100 holds fewer positions than --e2e-length 4096")])
 def test_bench_gpu_arguments_are_one_line_and_exit_2(capsys, argv, message):
     bench_gpu = pytest.importorskip("lab.bench_gpu")
     one_line(capsys, bench_gpu.main(argv), message)
