@@ -30,7 +30,9 @@ Scope: transformers' llama, mistral and qwen2 models without sliding-window laye
 batches padded on the left; greedy decoding, sampling, and beam search with the paths that keep nothing per row (a
 page path's index and online moments follow each row's keys, which beam search reorders: refused there); prefill
 in chunks (prefill_chunk_size), where a last chunk of one token is, to an attention function, a decode step: it is
-decoded by the path and counted as the first step. Right padding, static caches, and assisted or prompt-lookup decoding (several tokens a pass) are refused with one line;
+decoded by the path and counted as the first step. Right padding, static caches, and assisted or prompt-lookup
+decoding (several tokens a pass) are refused with one line; without a cache (use_cache=False, or a forward of the
+whole sequence) every pass is a prefill: dense, and the report says no decode step ran;
 prefill runs on SDPA (not flash-attention), decode eagerly (the paths read labels to the host: no torch.compile or
 CUDA graphs). Tested with transformers 5.25.
 """
@@ -51,6 +53,7 @@ from decode_kernels import check_kernel
 from generate import default_tau, read_calibration
 from model import KVCache, LlamaConfig
 from moments import SOURCES, OnlineMoments, ReferenceKeys, reference_words
+from pages import page_count
 from weights.checkpoints import MODELS, shipped_calibration
 from weights.downloads import cache_dir
 
@@ -111,10 +114,11 @@ class HFAttention:
         reads = path_inputs(method)  # ValueError naming the methods for an unknown one
         device = next(model.parameters()).device
         given = [name for name in inputs if name not in reads]
-        given += [name for name, value in (("tau", tau), ("calibration", calibration)) if value is not None
-                  and name not in reads]
+        given += [name for name, value in (("tau", tau), ("calibration", calibration), ("moments", moments))
+                  if value is not None and name not in reads]
         if given:
             raise ValueError(f"{given[0]}: the {method} path does not read it (it reads {', '.join(reads) or 'nothing'})")
+        moments = "random-words" if moments is None else moments  # the paper's default, where a path reads moments
         if isinstance(moments, str) and moments not in SOURCES:
             raise ValueError(f"unknown moments source {moments!r}; choose from {', '.join(SOURCES)}")
         if not isinstance(moments, str) and not hasattr(moments, "quadratic_form"):
@@ -148,12 +152,19 @@ class HFAttention:
         if missing:  # said now, not at the first generate
             raise ValueError(f"the {method} path reads {', '.join(missing)}: give enable(model, {method!r}, "
                              + ", ".join(f"{name}=..." for name in missing) + ")")
+        if {"budget", "budget_frac"} & set(inputs):  # a budget that is no number: now, not after the prefill
+            page_count(1, 1, inputs.get("budget"), inputs.get("budget_frac"))
         words = reference_words(self.moments_source) if "moments" in reads and self.moments_source else None
         self.reference = None  # Option 2: the reference prompt's keys, run through this very function
         if words:
             if tokenizer is None:
                 raise ValueError(f"{self.moments_source} moments tokenize a reference prompt: give "
                                  "enable(model, tokenizer=...) (the model's tokenizer)")
+            try:  # what the reference prompt asks of it, tried on one word
+                tokenizer.encode("a", add_special_tokens=True)
+            except (AttributeError, TypeError):
+                raise ValueError("tokenizer: the model's tokenizer, whose encode(text, add_special_tokens=True) makes "
+                                 f"the reference prompt; got a {type(tokenizer).__name__}") from None
             quiet = hf_logging.get_verbosity()  # a transformers tokenizer warns of the reference text's length
             hf_logging.set_verbosity_error()
             try:
@@ -316,14 +327,14 @@ def sdpa(module, query, key, value, mask, **kwargs):
 
 
 def enable(model, method: str = "qada_kv_all_cal", tau: float | None = None, calibration=None,
-           moments="random-words", *, tokenizer=None, n_sink: int = 16, n_local: int = 128, **inputs) -> HFAttention:
+           moments=None, *, tokenizer=None, n_sink: int = 16, n_local: int = 128, **inputs) -> HFAttention:
     """Decode `model` (a transformers llama, mistral or qwen2 causal LM) with the path attention.PATHS[method].
 
     tau: the threshold; None is the method's own operating point (generate.default_tau: a calibrated path at the one
     stored with its correction, else the paper's 0.6). calibration: what a qada*_cal path reads (a Calibration, a
     file, a folder of lab.calibrate --qada, or a named model whose shipped one it takes). moments: a moments.SOURCES
-    name or a KeyMoments; Option 2's sources need `tokenizer` (the model's: its encode(text, add_special_tokens=True)
-    makes the reference prompt). inputs: more of what the path reads (static_local, a new path's own). Returns the
+    name or a KeyMoments, for the paths that read moments (None: random-words, the paper's Option 2); Option 2's
+    sources need `tokenizer` (the model's: its encode(text, add_special_tokens=True) makes the reference prompt). inputs: more of what the path reads (static_local, a new path's own). Returns the
     registered attention: its `report()` and `summary(row)` give the last generation's statistics."""
     llama_config(model)  # one line for what is not a Llama-family transformers model
     check_kernel()  # QADA_KERNEL said now, not inside generate's first decode step

@@ -88,10 +88,10 @@ def random_calibration(L=2, H=4, Hkv=2, seed=0, taus=None) -> Calibration:
                        {"moments_source": "random-words", "operating_tau": taus or {}})
 
 
-CASES = [("dense", "random-words", False), ("qada", "random-words", False), ("qada", "prompt", False),
+CASES = [("dense", None, False), ("qada", "random-words", False), ("qada", "prompt", False),
          ("qada_kv_all", "prompt-online", False), ("qada_cal", "random-words", True),
-         ("qada_kv_all_cal", "random-words", True), ("quest", "random-words", False),
-         ("qada_pages", "random-words", True)]
+         ("qada_kv_all_cal", "random-words", True), ("quest", None, False),
+         ("qada_pages", "random-words", True)]  # None: the path reads no moments
 
 
 @pytest.mark.parametrize("method,moments_source,calibrated", CASES)
@@ -237,6 +237,11 @@ def test_what_enable_and_disable_refuse(sharp_dir):
                             (dict(method="qada", tau="0.5", moments="prompt"), "tau must be a number"),
                             (dict(method="qada", tau=0.5, moments=123), "moments: a name of moments.SOURCES"),
                             (dict(method="qada", tau=0.5, moments="prompt", n_sink=128), "0 <= n_sink < n_local"),
+                            (dict(method="local", moments="prompt"), "moments: the local path does not read it"),
+                            (dict(method="quest", budget="abc"), "budget is a number, got 'abc'"),  # was at the
+                            (dict(method="quest", budget=-5), "budget is a number of tokens >= 0"),  # first step
+                            (dict(method="quest_frac", budget_frac=2.0), "budget_frac"),
+                            (dict(method="qada", tokenizer="x"), "tokenizer: the model's tokenizer"),
                             (dict(method="static", static_local=torch.ones(2, 2, dtype=torch.bool)),
                              "static_local: a bool tensor \\(layers, heads\\) = \\(2, 4\\)")]:
         with pytest.raises(ValueError, match=message):
