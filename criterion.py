@@ -278,6 +278,15 @@ def load_calibration(path: str | Path, device=None) -> Calibration:
     return Calibration(a, b, s, settings)
 
 
+def check_settings_window(settings: dict, name, n_sink: int | None, n_local: int | None, made: str) -> None:
+    """That a file `name` saved with `settings` (a correction, static labels) was made with the window it is used with;
+    ValueError with one line, "{name} {made} n_local 128, not 64", otherwise. What is None, or absent from the
+    settings, is not checked."""
+    for key, value in (("n_sink", n_sink), ("n_local", n_local)):
+        if value is not None and settings.get(key, value) != value:
+            raise ValueError(f"{name} {made} {key} {settings[key]}, not {value}")
+
+
 def check_calibration(c: Calibration, name, L: int | None, H: int | None, Hkv: int | None, n_sink: int | None,
                       n_local: int | None, moments_source: str | None = None, estimate: str | None = None) -> None:
     """That the correction `c` (from file `name`) fits a model of (L, H) heads on Hkv KV heads, the window it is used
@@ -285,9 +294,7 @@ def check_calibration(c: Calibration, name, L: int | None, H: int | None, Hkv: i
     otherwise. What is None is not checked (a CLI checks the file before the model is loaded, the heads after)."""
     if L is not None and (tuple(c.a.shape) != (L, H) or (c.s is not None and tuple(c.s.shape) != (L, Hkv))):
         raise ValueError(f"{name} corrects {tuple(c.a.shape)} heads; the model has ({L}, {H}) on {Hkv} KV heads")
-    for key, value in (("n_sink", n_sink), ("n_local", n_local)):
-        if value is not None and c.settings.get(key, value) != value:
-            raise ValueError(f"{name} was fitted with {key} {c.settings[key]}, not {value}")
+    check_settings_window(c.settings, name, n_sink, n_local, "was fitted with")
     if estimate is not None and c.estimate != estimate:
         raise ValueError(f"{name} corrects the {c.estimate} estimate of the bulk mass, this method decides with the "
                          f"{estimate} one (kind 'sampled' corrects the sampled estimate, every other kind the "
@@ -348,10 +355,8 @@ def load_local_freq(path: str | Path) -> tuple[torch.Tensor, dict]:
 
 def check_labels_window(settings: dict, name, n_sink: int | None, n_local: int | None) -> None:
     """That static labels saved with `settings` (file `name`) count the oracle's local heads over the window they are
-    used with; ValueError with one line otherwise. What is None, or absent from the settings, is not checked."""
-    for key, value in (("n_sink", n_sink), ("n_local", n_local)):
-        if value is not None and settings.get(key, value) != value:
-            raise ValueError(f"{name} holds the oracle's statistics with {key} {settings[key]}, not {value}")
+    used with (check_settings_window)."""
+    check_settings_window(settings, name, n_sink, n_local, "holds the oracle's statistics with")
 
 
 def load_labels(path: str | Path, sparsity: float) -> tuple[torch.Tensor, dict]:

@@ -762,8 +762,8 @@ def compare_runs(a: str | Path, b: str | Path, on_damage=None, tasks: list[str] 
         raise ValueError(f"--tasks {','.join(missing)}: {a} and {b} share no record of it")
     for k in sorted(ra.keys() & rb.keys()):  # a pair is one prompt decoded twice, or the table compares nothing
         x, y = ra[k], rb[k]
-        if x.get("n_prompt") != y.get("n_prompt") or x.get("ids_sha1", y.get("ids_sha1")) != y.get("ids_sha1",
-                                                                                                   x.get("ids_sha1")):
+        hashes = (x.get("ids_sha1"), y.get("ids_sha1"))  # where both records keep one
+        if x.get("n_prompt") != y.get("n_prompt") or None not in hashes and hashes[0] != hashes[1]:
             raise ValueError(f"{a} and {b} did not decode the same prompts: {k[0]}#{k[1]} has {x.get('n_prompt')} "
                              f"prompt tokens in one, {y.get('n_prompt')} in the other (another length, seed or "
                              "tokenizer)" + (" and other ids" if x.get("n_prompt") == y.get("n_prompt") else ""))

@@ -92,7 +92,7 @@ from lab.cli import Parser, at_least, fail, fractions, interrupted, ints
 from lab.records import (DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records,
                          write_run)
 from lab.report import report
-from lab.tasks import CTXFREE, TASK_CONFIGS, TASKS, ctxfree_sample, make_sample, score
+from lab.tasks import CTXFREE, TASK_CONFIGS, ctxfree_sample, make_sample, score
 from weights.checkpoints import DEFAULT, DTYPES, load
 from weights.downloads import cache_dir
 
@@ -667,24 +667,20 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         raise ValueError("--shard splits a sweep by hand; under torchrun the ranks split it, so leave --shard out")
     progress = progress and rank == 0  # one progress bar: rank 0's share
     out = Path(out)
-    task_list = [t for t in tasks.split(",") if t]
     # Everything that can be wrong with the arguments is found here, before the folder is touched or a model loads.
+    named = {}  # as the CLI parses them (calibrate.task_names): known tasks, none named twice
+    for flag, text in (("--tasks", tasks), ("--static-tasks", static_tasks or "")):
+        try:
+            named[flag] = calibrate.task_names(text)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"{flag}: {e}") from None
+    task_list = named["--tasks"]
     if batch < 1:
         raise ValueError(f"--batch must be at least 1, got {batch}")
     if not re.fullmatch(r"\d+/\d+", shard) or not int(shard.split("/")[0]) < int(shard.split("/")[1]):
         raise ValueError(f"--shard takes K/N with 0 <= K < N, got {shard!r}")
-    for t in task_list:
-        if t not in TASKS:
-            raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
-        if task_list.count(t) > 1:  # its samples would count twice in every average
-            raise ValueError(f"--tasks names {t} twice")
     check_window(n_sink, n_local, ("--n-sink", "--n-local"))
     decode_kernels.check_kernel()
-    if static_tasks:  # as --tasks (the CLI checks both as it parses them)
-        try:
-            calibrate.task_names(static_tasks)
-        except argparse.ArgumentTypeError as e:
-            raise ValueError(f"--static-tasks: {e}") from None
     if not task_list and not ctxfree_samples:
         raise ValueError("nothing to decode: no --tasks and --ctxfree-samples 0")
     grids = parse_grids(grid)
