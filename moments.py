@@ -9,8 +9,8 @@ Every source hands QAdA the same thing, a `KeyMoments`: for a layer, Eq. 6's qua
     random-words    Option 2 (the paper's default): keys of a seeded random-words prompt. For a prompt of T
                     tokens the moments come from the reference prompt's first T - 1024 positions (sinks left
                     out), exactly; the paper's reason: a shorter reference is harmless, a longer one harmful.
-                    Prompts shorter than 1024 + T_local take the T_local first positions, and never more
-                    positions than their own bulk has (one with no bulk yet takes the T_local first).
+                    Prompts shorter than 1024 + T_local take the T_local first positions, whatever their own
+                    bulk's size (reference_end).
     one-word        Option 2 with one word repeated (the paper's "single words" ablation, Fig. 5e-f).
     random-words-full  Option 2 over the whole context allowed (--max-context, default the model's), longer than
                     any prompt (Fig. 5g's ablation).
@@ -161,11 +161,10 @@ def model_identity(model) -> dict:
 
 def reference_end(T: int, n_sink: int, n_local: int) -> int:
     """Option 2's rule: the reference prompt's bulk is [n_sink, end) for a prompt of T positions: the first
-    T - 1024 positions, but at least n_local and never more than the prompt's own bulk. A prompt with no bulk
-    (T <= n_local; its bulk forms while decoding) takes the first n_local."""
-    if T <= n_local:
-        return n_local
-    return min(max(T - LENGTH_MARGIN, n_local), bulk_end(T, n_sink, n_local))
+    T - 1024 positions, never more than the prompt's own bulk, but at least n_local. The floor wins where the two
+    meet: a prompt whose bulk is shorter than n_local (or still forming while decoding) takes the n_local first, so
+    the reference never shrinks as the prompt grows (one key, covariance zero, at T = n_local + 1 otherwise)."""
+    return max(min(T - LENGTH_MARGIN, bulk_end(T, n_sink, n_local)), n_local)
 
 
 SHARED = 8  # Option 2 moments a ReferenceKeys keeps for reuse: a batch's distinct prompt lengths, say

@@ -12,8 +12,8 @@ from attention import DecodeAttention, HeadStats, kv_read_fraction, mixed_attent
 from criterion import (Calibration, check_tau, check_window, gaussian_form, gaussian_log_bulk, load_labels, oracle_labels,
                        oracle_log_masses, qada_labels, save_labels,
                        static_labels)
-from moments import (SHARED, FixedMoments, OnlineMoments, ReferenceKeys, make_moments, mean_cov, prompt_moments,
-                     reference_end)
+from moments import (SHARED, FixedMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov,
+                     prompt_moments, reference_end)
 from pages import PageIndex
 
 N_SINK, N_LOCAL = 16, 128
@@ -464,11 +464,26 @@ def test_prompts_of_one_length_share_their_option_2_moments(tiny, tmp_path):
     assert len(ref.shared) == SHARED and ref.for_prompt(1500, N_SINK, N_LOCAL) is not m
 
 
-@pytest.mark.parametrize("T,end", [(5, N_LOCAL), (N_LOCAL, N_LOCAL), (N_LOCAL + 1, N_LOCAL + 1 - (N_LOCAL - N_SINK)), (600, N_LOCAL), (1024 + 200, 200),
+@pytest.mark.parametrize("T,end", [(5, N_LOCAL), (N_LOCAL, N_LOCAL), (N_LOCAL + 1, N_LOCAL), (600, N_LOCAL), (1024 + 200, 200),
                                    (1024 + N_LOCAL + 1, N_LOCAL + 1), (8192, 8192 - 1024)])
 def test_reference_end(T, end):
-    """T - 1024, but at least T_local positions and never more than the prompt's own bulk."""
+    """T - 1024, but at least T_local positions."""
     assert reference_end(T, N_SINK, N_LOCAL) == end
+
+
+@pytest.mark.parametrize("n_sink,n_local", [(N_SINK, N_LOCAL), (4, 2048)])
+def test_reference_end_never_shrinks_and_keeps_below_the_bulk_where_it_can(n_sink, n_local):
+    """A longer prompt never takes fewer reference keys, never fewer than the window's n_local - n_sink, and never more
+    than its own bulk has once that bulk holds n_local - n_sink (with a window of 2048 the cap binds past T - 1024)."""
+    ends = [reference_end(T, n_sink, n_local) for T in range(1, 4 * n_local + 2048)]
+    assert all(a <= b for a, b in zip(ends, ends[1:]))
+    assert min(ends) == n_local
+    for T, end in enumerate(ends, start=1):
+        own = bulk_end(T, n_sink, n_local)
+        if own >= n_local:
+            assert end <= own
+        if n_local <= T - 1024 <= own:  # the paper's rule where it applies
+            assert end == T - 1024
 
 
 def test_a_share_exactly_at_tau_is_local():
