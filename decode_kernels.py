@@ -183,22 +183,51 @@ if triton is not None:
         return quad * scale + tl.sum(q * bv[None, :], 1)
 
     @triton.jit
+    def _softmax_block(q, kt, vt, keep, m, l_sum, acc, sm_scale, LOW: tl.constexpr, PRECISION: tl.constexpr,
+                       EMPTY_OK: tl.constexpr):
+        # One tile of the online softmax that both attention loops run: the scores of q (G_PAD, D) against keys kt
+        # (BLOCK, D) where keep (G_PAD or 1, BLOCK) says, folded into the running max m, sum l_sum (G_PAD,) and output
+        # acc (G_PAD, D), fp32, with the tile's values vt; returns the three. LOW (a bf16 / fp16 query and cache):
+        # tensor-core products of the stored values, exact in fp32, and p rounded to the values' dtype, as flash
+        # attention does; else fp32 products at PRECISION ("ieee": exact, not TF32). EMPTY_OK: a head may have no
+        # score yet (a list of pages), so the exponents are taken against 0, not -inf - -inf = NaN.
+        if LOW:
+            s = tl.dot(q, tl.trans(kt)) * sm_scale  # (G_PAD, BLOCK)
+        else:
+            s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision=PRECISION) * sm_scale
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = m_new
+        if EMPTY_OK:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if LOW:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision=PRECISION)
+        return m_new, l_sum, acc
+
+    @triton.jit
     def _window_attention(q, q_stored, K, V, Y_WIN, LOG_LOCAL, b, g, h, h_ok, row, start, T, n_ctx, sm_scale, skb, skh,
                           skt, svb, svh, svt, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                           N_SINK: tl.constexpr, N_LOCAL: tl.constexpr, W_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
                           PRECISION: tl.constexpr, LOW: tl.constexpr, UNROLL: tl.constexpr):
         # A group's attention to its window, the first N_SINK and the last N_LOCAL - N_SINK positions (or the whole
         # context if shorter), in blocks of BLOCK_W with a running softmax: small tiles keep the program in registers.
-        # With LOW (WINDOW_LAUNCH's, where the query and cache are one 16-bit dtype): tensor-core products of the
-        # stored values, exact in fp32, and p rounded to the cache's dtype for the values, as the split kernel does;
-        # otherwise fp32 products at PRECISION, "ieee" being exact, not TF32. Either way the labels are the torch
-        # path's up to how the sums are ordered and rounded. Its output and log mass written to Y_WIN and LOG_LOCAL
-        # (G_PAD, D), (G_PAD,), and returned.
+        # LOW (WINDOW_LAUNCH's, where the query and cache are one 16-bit dtype) and PRECISION as _softmax_block
+        # says, the split kernel's products; either way the labels are the torch path's up to how the sums are
+        # ordered and rounded. Its output and log mass written to Y_WIN and LOG_LOCAL (G_PAD, D), (G_PAD,), and
+        # returned.
         d = tl.arange(0, D)
         short = n_ctx <= N_LOCAL
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_sum = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
+        q_dot = q  # the scores' query: fp32, or the stored one where the products run on tensor cores
+        if LOW:
+            q_dot = q_stored
         # UNROLL (WINDOW_LAUNCH's): this loop's and the form's unrolled so many times, their loads issued together
         for w0 in tl.range(0, W_PAD, BLOCK_W, loop_unroll_factor=UNROLL):  # block 0 holds position 0: m finite
             w = w0 + tl.arange(0, BLOCK_W)
@@ -206,20 +235,8 @@ if triton is not None:
             w_ok = tl.where(short, w < n_ctx, w < N_LOCAL)
             kw = tl.load(K + row * skb + g * skh + pos[:, None] * skt + d[None, :], mask=w_ok[:, None], other=0.0)
             vw = tl.load(V + row * svb + g * svh + pos[:, None] * svt + d[None, :], mask=w_ok[:, None], other=0.0)
-            if LOW:
-                s = tl.dot(q_stored, tl.trans(kw)) * sm_scale  # (G_PAD, BLOCK_W)
-            else:
-                s = tl.dot(q, tl.trans(kw.to(tl.float32)), input_precision=PRECISION) * sm_scale
-            s = tl.where(w_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            if LOW:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vw.dtype), vw)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p, vw.to(tl.float32), input_precision=PRECISION)
-            m = m_new
+            m, l_sum, acc = _softmax_block(q_dot, kw, vw, w_ok[None, :], m, l_sum, acc, sm_scale, LOW, PRECISION,
+                                           False)
         y = acc / l_sum[:, None]  # (G_PAD, D)
         log_local = m + tl.log(l_sum)
         tl.store(Y_WIN + (b * H + g * G + h)[:, None] * D + d[None, :], y, mask=h_ok[:, None])
@@ -435,23 +452,8 @@ if triton is not None:
             vt = tl.load(V + row * svb + g * svh + offs[:, None] * svt + d[None, :], mask=ok[:, None], other=0.0)
             if COUNT:  # the bulk positions this program loaded
                 n_read += tl.sum(ok.to(tl.int32), 0)
-            if LOW:  # bf16 / fp16 cache: tensor-core products of the stored values, fp32 sums (as flash attention)
-                s = tl.dot(q, tl.trans(kt)) * sm_scale
-            else:  # exact fp32 products, not TF32
-                s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee") * sm_scale
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = m_new
-            if PAGED:  # a head may have no position of its own yet: exponents against 0, not -inf - -inf = NaN
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if LOW:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-            m_i = m_new
+            # exact fp32 products where not LOW; with PAGED a head may have no page of its own yet
+            m_i, l_i, acc = _softmax_block(q, kt, vt, keep, m_i, l_i, acc, sm_scale, LOW, "ieee", PAGED)
         part = base + sp * G + h  # (G_PAD,): this split's rows, the padding's not stored
         tl.store(M_PART + part, m_i, mask=h_ok)
         tl.store(L_PART + part, l_i, mask=h_ok)
