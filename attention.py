@@ -232,6 +232,15 @@ def path_inputs(method: str) -> tuple[str, ...]:
                  if p.kind == p.KEYWORD_ONLY and p.default is p.empty)
 
 
+def missing_inputs(method: str, inputs: dict, supplied=("layer",)) -> list[str]:
+    """What the path registered as `method` reads that is neither in `inputs` nor among what its caller makes itself
+    (`supplied`), in the path's order. A page budget in `inputs` is checked here too (a number page_count takes), so
+    that a caller says both before a long prefill, not at the first decode step."""
+    if {"budget", "budget_frac"} & set(inputs):
+        page_count(1, 1, inputs.get("budget"), inputs.get("budget_frac"))
+    return [name for name in path_inputs(method) if name not in supplied and inputs.get(name) is None]
+
+
 def decision_read(method: str) -> float:
     """KV entries a local group of the path registered as `method` reads beyond its window to decide, counted in
     entries of key and value: a sampled estimate reads n_samples keys (half an entry each), the Gaussian none."""
@@ -770,7 +779,7 @@ class DecodeAttention:
         check_window(self.n_sink, self.n_local)
         reads = path_inputs(self.method)
         given = dict(self.inputs, n_sink=self.n_sink, n_local=self.n_local)
-        missing = [name for name in reads if name != "layer" and given.get(name) is None]
+        missing = missing_inputs(self.method, given)
         if missing:
             raise ValueError(f"the {self.method} path reads {', '.join(missing)}; give "
                              + ", ".join(f"--set {m}=VALUE" for m in missing) + " on the command line (in Python: "

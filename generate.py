@@ -31,12 +31,11 @@ from tqdm import tqdm
 
 import decode_kernels
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, StaticAttention, build_attention, bulk_estimate,
-                       path_inputs, static_refusal)
+                       missing_inputs, path_inputs, static_refusal)
 from criterion import (TAU, Calibration, check_calibration, check_labels_window, check_tau, check_window,
                        load_calibration, load_labels)
 from model import KVCache
 from moments import SOURCES, ReferenceKeys, reference_words
-from pages import page_count
 from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, shipped_calibration
 from weights.downloads import cache_dir
 
@@ -351,9 +350,7 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
     if unread:
         raise ValueError(f"--set {unread[0]}: the {method} path does not read it (it reads "
                          f"{', '.join(reads) or 'nothing'})")
-    if {"budget", "budget_frac"} & set(inputs):  # a page budget that is no number (--set budget=true), said now
-        page_count(1, 1, inputs.get("budget"), inputs.get("budget_frac"))
-    missing = [name for name in reads if name not in FROM_FLAGS and inputs.get(name) is None]
+    missing = missing_inputs(method, inputs, FROM_FLAGS)  # and a page budget that is no number (--set budget=true)
     if missing:  # said before a long prompt's prefill, not at the first decode step
         raise ValueError(f"the {method} path reads {', '.join(missing)}; give "
                          + ", ".join(f"--set {name}={SET_EXAMPLES.get(name, 'VALUE')}" for name in missing))

@@ -47,13 +47,12 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.utils import logging as hf_logging
 
-from attention import BatchAttention, build_attention, bulk_estimate, path_inputs
+from attention import BatchAttention, build_attention, bulk_estimate, missing_inputs, path_inputs
 from criterion import Calibration, check_calibration, check_tau, check_window
 from decode_kernels import check_kernel
 from generate import default_tau, read_calibration
 from model import KVCache, LlamaConfig
 from moments import SOURCES, OnlineMoments, ReferenceKeys, reference_words
-from pages import page_count
 from weights.checkpoints import MODELS, shipped_calibration
 from weights.downloads import cache_dir
 
@@ -148,12 +147,10 @@ class HFAttention:
                                     else type(local).__name__))
             inputs["static_local"] = local.to(device)
         made_here = ("layer", "n_sink", "n_local", "tau", "moments", "calibration", "pages")  # the rest is the caller's
-        missing = [name for name in reads if name not in made_here and inputs.get(name) is None]
-        if missing:  # said now, not at the first generate
+        missing = missing_inputs(method, inputs, made_here)  # and a budget that is no number: now, not after prefill
+        if missing:
             raise ValueError(f"the {method} path reads {', '.join(missing)}: give enable(model, {method!r}, "
                              + ", ".join(f"{name}=..." for name in missing) + ")")
-        if {"budget", "budget_frac"} & set(inputs):  # a budget that is no number: now, not after the prefill
-            page_count(1, 1, inputs.get("budget"), inputs.get("budget_frac"))
         words = reference_words(self.moments_source) if "moments" in reads and self.moments_source else None
         self.reference = None  # Option 2: the reference prompt's keys, run through this very function
         if words:
