@@ -384,17 +384,22 @@ def write(out: Path, rows: list[dict], checks: list[str], device: torch.device, 
     (out / "pages.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
+DEFAULTS = {"lengths": "32768,131072", "batches": "1,8,32", "budgets": "1024,2048", "reps": 30}  # what --quick and
+# --interpret-smoke set otherwise
+
+
 def main(argv=None) -> int:
     p = Parser(prog="python -m lab.bench_pages_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="folder for pages.md and pages.json (default: a new "
                    "runs/bench-gpu-pages/<time> folder)")
-    p.add_argument("--lengths", type=lengths_above_window, default="32768,131072", help="context lengths T, each "
-                   "above the window")
-    p.add_argument("--batches", type=ints, default="1,8,32", help="batch sizes")
-    p.add_argument("--budgets", type=ints, default="1024,2048", help="page budgets in tokens")
+    p.add_argument("--lengths", type=lengths_above_window, default=None, help="context lengths T, each above the "
+                   f"window (default {DEFAULTS['lengths']})")
+    p.add_argument("--batches", type=ints, default=None, help=f"batch sizes (default {DEFAULTS['batches']})")
+    p.add_argument("--budgets", type=ints, default=None, help=f"page budgets in tokens (default {DEFAULTS['budgets']})")
     p.add_argument("--page-size", type=int, default=16, choices=(16, 32, 64), help="tokens per page")
     p.add_argument("--fraction", type=float, default=0.35, help="share of long-context (row, KV head) pairs")
-    p.add_argument("--reps", type=at_least(1), default=30, help="timed replays per measurement")
+    p.add_argument("--reps", type=at_least(1), default=None, help=f"timed replays per measurement (default "
+                   f"{DEFAULTS['reps']})")
     p.add_argument("--quick", action="store_true", help="Llama-3-8B only, 32k, batch 1 and 8, budget 1024, 10 reps "
                    "(under 2 minutes on an H100)")
     p.add_argument("--interpret-smoke", action="store_true", help="tiny sizes on the CPU through Triton's interpreter "
@@ -404,6 +409,13 @@ def main(argv=None) -> int:
         return args
     if not 0 <= args.fraction <= 1:
         return fail(f"--fraction takes a share in [0, 1], got {args.fraction}")
+    preset = [flag for flag, on in (("--quick", args.quick), ("--interpret-smoke", args.interpret_smoke)) if on]
+    given = [f"--{name}" for name in DEFAULTS if getattr(args, name) is not None]
+    if len(preset) == 2:
+        return fail("--quick and --interpret-smoke each set the sizes: give one")
+    if preset and given:  # the preset's sizes would silently replace the ones given
+        return fail(f"{preset[0]} sets {', '.join(given)} itself: leave {'it' if len(given) == 1 else 'them'} out, "
+                    f"or {preset[0]} out")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():  # said now, not after the timings
         return fail(f"--out {args.out} is a file; give a folder")
     if decode_kernels.triton is None:
@@ -414,9 +426,10 @@ def main(argv=None) -> int:
     if not smoke and not torch.cuda.is_available():
         return fail("no CUDA here; --interpret-smoke (with TRITON_INTERPRET=1) runs the code paths on the CPU")
     device = torch.device("cpu" if smoke else "cuda")
-    lengths = args.lengths
-    batches, budgets = ([int(x) for x in s.split(",")] for s in (args.batches, args.budgets))
-    shapes, reps = SHAPES, args.reps
+    lengths = args.lengths or lengths_above_window(DEFAULTS["lengths"])
+    batches, budgets = ([int(x) for x in (getattr(args, name) or DEFAULTS[name]).split(",")]
+                        for name in ("batches", "budgets"))
+    shapes, reps = SHAPES, args.reps or DEFAULTS["reps"]
     if args.quick:
         shapes, lengths, batches, budgets, reps = {"Llama-3-8B": SHAPES["Llama-3-8B"]}, [32768], [1, 8], [1024], 10
     if smoke:

@@ -546,9 +546,14 @@ def test_bench_gpu_arguments_are_one_line_and_exit_2(capsys, argv, message):
 
 @pytest.mark.parametrize("argv, message", [(["--lengths", "100"], "each length must exceed the window (128)"),
                                            (["--reps", "0"], "argument --reps: must be at least 1"),
-                                           (["--out", "{a_file}"], "is a file; give a folder")])
+                                           (["--out", "{a_file}"], "is a file; give a folder"),
+                                           (["--quick", "--lengths", "4096"], "--quick sets --lengths itself"),
+                                           (["--interpret-smoke", "--reps", "3", "--budgets", "64"],
+                                            "--interpret-smoke sets --budgets, --reps itself"),
+                                           (["--quick", "--interpret-smoke"], "each set the sizes: give one")])
 def test_bench_pages_gpu_arguments_are_one_line_and_exit_2_before_any_timing(tmp_path, capsys, argv, message):
-    """--out a file was a FileExistsError once every row was timed; --reps 0 a median of nothing."""
+    """--out a file was a FileExistsError once every row was timed; --reps 0 a median of nothing; a preset's sizes
+    replaced the ones given silently."""
     bench_pages_gpu = pytest.importorskip("lab.bench_pages_gpu")
     (tmp_path / "a_file").write_text("x")
     one_line(capsys, bench_pages_gpu.main([a.format(a_file=tmp_path / "a_file") for a in argv]), message)
