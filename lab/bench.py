@@ -799,6 +799,13 @@ def calibration_for(methods: list[tuple[str, float]], calibration: str | None, m
     return calibration
 
 
+# the flags that only one part reads: flag -> (its argument's name, the part)
+PART_FLAGS = {"--compile": ("compile_decision", "attention"), "--decode-tokens": ("decode_tokens", "e2e"),
+              "--rope-theta": ("rope_theta", "e2e"), "--model": ("model", "e2e"), "--batches": ("batches", "e2e"),
+              "--e2e-methods": ("e2e_methods", "e2e"), "--dtype": ("dtype", "e2e"),
+              "--calibration": ("calibration", "e2e"), "--prefill-cache": ("prefill_cache", "e2e")}
+
+
 def main(argv=None) -> int:
     p = Parser(prog="python -m lab.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -833,7 +840,15 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-only", action="store_true", help="fill --prefill-cache (and the reference keys) for "
                    "--lengths and exit, timing nothing: the prefills may run beside other work, the timed run later")
     args = p.parse(argv)
-    return args if isinstance(args, int) else run(**vars(args))
+    if isinstance(args, int):  # --help, or a bad argument
+        return args
+    left_out = {"attention": "e2e", "e2e": "attention", "all": None}[args.parts]
+    unread = [flag for flag, (dest, part) in PART_FLAGS.items()
+              if part == left_out and getattr(args, dest) != p.get_default(dest)]
+    if unread:  # a flag of the part that does not run would do nothing, silently
+        return fail(f"{unread[0]} is for the {'end-to-end' if left_out == 'e2e' else 'attention'} part, which --parts "
+                    f"{args.parts} leaves out")
+    return run(**vars(args))
 
 
 if __name__ == "__main__":

@@ -421,6 +421,9 @@ BENCH = [  # (argv after --device cpu, what the line names)
     (["--model", "{tiny}", "--e2e-methods", "qada_cal@0.2"], "ships no calibration: give --calibration FILE"),
     (["--e2e-methods", "qada_cal@0.2", "--calibration", "{cal}/window.json"], "was fitted with n_local 64, not 128"),
     ("QADA_KERNEL=bogus", "QADA_KERNEL takes auto, triton or torch; got 'bogus'"),  # a traceback mid-run
+    (["--parts", "e2e", "--compile"], "--compile is for the attention part, which --parts e2e leaves out"),  # unused
+    (["--parts", "attention", "--dtype", "bfloat16"], "--dtype is for the end-to-end part"),  # silently
+    (["--parts", "attention", "--e2e-methods", "qada_kv@0.6"], "--e2e-methods is for the end-to-end part"),
 ]
 CASES = ([("sweep", a, m) for a, m in SWEEP] + [("report", a, m) for a, m in REPORT]
          + [("calibrate", a, m) for a, m in CALIBRATE] + [("bench", a, m) for a, m in BENCH])
