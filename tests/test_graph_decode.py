@@ -86,9 +86,11 @@ def stop_early(model, method):
     return lambda ids: len(ids) == 3 and ids[0] == firsts[1]
 
 
-def eager_and_static(model, method, batch, capture=False):
+def eager_and_static(model, method, batch, capture=False, finest_static=False):
     """The eager loop (decode_batch: a DecodeAttention alone, a BatchAttention for a batch) and the static loop, from
-    the same prefill: (tokens, rows, the logits of every step) of each."""
+    the same prefill: (tokens, rows, the logits of every step) of each. `finest_static`: the static loop's kernels cut
+    the context into the smallest splits they take (one tile of positions or pages a program), the eager loop's as
+    they choose."""
     finished = None if batch == 1 else stop_early(model, method)
     out = []
     for loop in ("eager", "static"):
@@ -96,6 +98,9 @@ def eager_and_static(model, method, batch, capture=False):
         seen, sample = [], generate.sample
         with pytest.MonkeyPatch.context() as patch:  # every step's logits, as the loop samples from them
             patch.setattr(generate, "sample", lambda logits, *a: seen.append(logits.clone()) or sample(logits, *a))
+            if finest_static and loop == "static":
+                patch.setattr(decode_kernels, "split_size", lambda n, T, device, block_n=64: block_n)
+                patch.setattr(decode_kernels, "page_split", lambda n, U, tile_pages, device: tile_pages)
             if loop == "eager":
                 attention = rows[0] if batch == 1 else BatchAttention(rows, start=cache.start.tolist())
                 tokens = generate.decode_batch(model, cache, logits, N_NEW, attention, finished=finished)
@@ -105,15 +110,19 @@ def eager_and_static(model, method, batch, capture=False):
     return out
 
 
-def assert_same(eager, static, method, batch):
+def assert_same(eager, static, method, batch, same_splits=True):
+    """`same_splits`: both loops' kernels cut the context into the same splits, as they do at these sizes (the static
+    loop picks its split from the view it reads, the eager loop from T, and a page split from the rows launched
+    together; at long contexts or with many rows they can differ, and the merge then adds the same terms in another
+    order)."""
     (tokens, rows, logits), (tokens_static, rows_static, logits_static) = eager, static
     assert tokens_static == tokens
     for b, row in enumerate(tokens):  # each row's logits while it decoded (an ended row's are discarded)
         got, want = (torch.stack([step[b] for step in x[:len(row)]]) for x in (logits_static, logits))
-        if method == "dense":  # the static loop's dense (decode_kernels.fused_dense where the kernel runs, else SDPA
-            # over the view, masked past T) against SDPA over the filled part
+        if method == "dense" or not same_splits:  # the static loop's dense (decode_kernels.fused_dense where the
+            # kernel runs, else SDPA over the view, masked past T) against SDPA over the filled part; or other splits
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4 if got.is_cuda else 1e-5)
-        else:  # the same kernel reading the same T: bit for bit
+        else:  # the same kernel reading the same T in the same splits: bit for bit
             assert torch.equal(got, want)
     for a, b in zip(rows, rows_static):
         assert b.stats.lengths == a.stats.lengths  # T of each step the row decoded, its padding left out
@@ -183,6 +192,18 @@ def test_the_static_step_decodes_as_the_eager_loop(tiny, method, batch, monkeypa
     assert_same(eager, static, method, batch)
     if method in PAGE_METHODS:
         assert_pages_current(*made[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["qada_kv_cal", "qada_pages"])
+def test_the_split_is_a_choice_of_speed_that_changes_only_the_order_of_the_sums(tiny, method, monkeypatch):
+    """The static loop with its context cut into the finest splits (a tile of positions, or of pages, per program),
+    against the eager loop's own: the same tokens, labels, lengths, sparsity and KV read, the logits within fp32
+    rounding, and not bit for bit (the splits did change)."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    eager, static = eager_and_static(tiny, method, 3, finest_static=True)
+    assert_same(eager, static, method, 3, same_splits=False)
+    assert any(not torch.equal(a, b) for a, b in zip(eager[2], static[2]))
 
 
 class NoSync(TorchDispatchMode):
