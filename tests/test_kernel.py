@@ -590,12 +590,14 @@ GROUP_SHARE = {"qada": lambda share: share, "qada_kv": lambda share: share.mean(
                "qada_kv_all": lambda share: share.min(-1, keepdim=True).values.expand_as(share)}
 
 
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
 @pytest.mark.parametrize("rule", ["qada", "qada_kv", "qada_kv_all"])
-def test_batched_rows_with_their_own_tau_at_the_first_step_past_the_window(rule, monkeypatch):
-    """BatchAttention's batched decision against Eq. 7 re-derived in float64, rows with their own taus, at
-    T = n_local + 1 (a single bulk position) and past it. Each row's tau sits halfway between what the right T_bulk and
-    one more bulk position give for its first group, so a T_bulk off by one flips that group."""
-    monkeypatch.setenv("QADA_KERNEL", "torch")
+def test_batched_rows_with_their_own_tau_at_the_first_step_past_the_window(rule, kernel, monkeypatch):
+    """BatchAttention's batched decision, the torch path's and the fused kernel's, against Eq. 7 re-derived in
+    float64, rows with their own taus, at T = n_local + 1 (a single bulk position) and past it. Each row's tau sits
+    halfway between what the right T_bulk and one more bulk position give for its first group, so a T_bulk off by one
+    flips that group."""
+    monkeypatch.setenv("QADA_KERNEL", kernel)
     H, Hkv, D = 6, 2, 16
     G = H // Hkv
     for T in (N_LOCAL + 1, N_LOCAL + 40):
@@ -613,6 +615,41 @@ def test_batched_rows_with_their_own_tau_at_the_first_step_past_the_window(rule,
         BatchAttention(rows)(q[:, :, None], k, v, 0)
         for i, tau in enumerate(taus):
             assert rows[i].stats.labels[-1][0].tolist() == (shares[i] >= tau).reshape(H).tolist(), (T, tau)
+
+
+def test_the_kernel_applies_each_term_of_the_correction(monkeypatch):
+    """fused_qada's calibrated labels against the correction applied in float64 (the variance term scaled by s per
+    KV head, then a + b r per head), at taus where the labels with s = 1, or b = 1, or a = 0 would differ: a kernel
+    that drops any term of the correction fails."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    B, H, Hkv, D, T = 2, 6, 2, 16, N_LOCAL + 40
+    q, k, v, A, b = case(B, H, Hkv, D, T, seed=11)
+    mean, cov = b * math.sqrt(D), A * 2 * D  # gaussian_form's inverse
+    ca = torch.linspace(-1, 1, H, dtype=torch.float64)
+    cb = torch.linspace(0.4, 1.8, H, dtype=torch.float64)
+    cs = torch.tensor([0.3, 2.5], dtype=torch.float64)
+    one = torch.ones_like
+
+    def ratio(i, a, b_, s):  # (H,) the corrected log ratio of row i, float64
+        return a + b_ * eq7_ratio(q[i], k[i], mean[i], cov[i] * s[:, None, None], T)
+
+    correction = Correction(ca.float(), cb.float(), cs.float())
+    for dropped in ("s", "b", "a"):  # each term in turn: a tau per row at which leaving it out moves a label
+        taus = []
+        for i in range(B):
+            r = ratio(i, ca, cb, cs)
+            other = {"s": ratio(i, ca, cb, one(cs)), "b": ratio(i, ca, one(cb), cs), "a": ratio(i, 0 * ca, cb, cs)}
+            cuts = torch.cat([r, other[dropped]]).sort().values
+            fits = [c for c in ((cuts[1:] + cuts[:-1]) / 2).tolist() if (r - c).abs().min() > 1e-3
+                    and ((other[dropped] >= c) != (r >= c)).any()]
+            assert fits, f"no tau at which {dropped} moves a label (the case needs other numbers)"
+            taus.append(1 / (1 + math.exp(-fits[0])))
+        _, labels = fused_qada(q, k, v, torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32),
+                               N_SINK, N_LOCAL, (A, b), torch.tensor(taus, dtype=torch.float64), None, correction,
+                               split=64, block_n=16)
+        for i in range(B):
+            want = ratio(i, ca, cb, cs) >= math.log(taus[i] / (1 - taus[i]))
+            assert labels[i].tolist() == want.tolist(), (dropped, i)
 
 
 # ---------------------------------------------------------------------------------------------------------
