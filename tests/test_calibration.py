@@ -13,8 +13,9 @@ from attention import DecodeAttention, all_scores, bulk_sample
 from criterion import (CALIBRATION_KINDS, Calibration, Correction, check_calibration, gaussian_form,
                        load_calibration, oracle_log_masses, qada_labels, save_calibration)
 from lab import calibrate, records, sweep
-from moments import FixedMoments
+from moments import FixedMoments, ReferenceKeys
 from tests.test_generate import make_tiny_dir, write_prompt
+from weights.checkpoints import load
 from tests.test_qada import random_cov
 
 N_SINK, N_LOCAL = 4, 16
@@ -149,12 +150,26 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_dir(tmp_path_factory.mktemp("tiny_cal"))
 
 
+QUERIES = []  # (T, layer, q (H, D)) of every step the fitted fixture's first prompt recorded past the window
+
+
 @pytest.fixture(scope="module")
 def fitted(tiny_dir, tmp_path_factory):
-    """lab.calibrate --qada on the tiny model: masses.pt and every kind's file."""
+    """lab.calibrate --qada on the tiny model: masses.pt and every kind's file; the first prompt's queries kept."""
     out = tmp_path_factory.mktemp("cal")
     mp = pytest.MonkeyPatch()
     mp.setenv("QADA_CACHE", str(out / "cache"))
+    recorders = []
+
+    class Kept(calibrate.MassRecorder):
+        def __call__(self, q, k, v, layer):
+            if not recorders or recorders[0] is self:
+                recorders[:1] = [self]
+                if k.shape[2] > self.n_local:
+                    QUERIES.append((k.shape[2], layer, q[0, :, 0].clone()))
+            return super().__call__(q, k, v, layer)
+
+    mp.setattr(calibrate, "MassRecorder", Kept)
     assert calibrate.main(["--qada", "--tasks", "fwe", "--length", "400", "--samples", "2", "--max-new-tokens", "6",
                            "--model", str(tiny_dir), "--out", str(out / "cal")]) == 0
     mp.undo()
@@ -162,16 +177,41 @@ def fitted(tiny_dir, tmp_path_factory):
 
 
 def test_the_recorded_masses_are_the_true_ones_and_the_gaussian_terms(fitted, tiny_dir):
+    """masses.pt's Gaussian terms of each step are Eq. 6's of the queries decoded and of the moments the file names
+    (Option 2: the random-words reference prompt's, for the prompt's length, built here anew), and each KIND.json is
+    that kind's fit of every prompt's masses."""
     data = torch.load(fitted / "masses.pt", weights_only=True)
     assert set(data["prompts"]) == {"fwe#0", "fwe#1"}
     masses, n_bulk = data["prompts"]["fwe#0"]
     S, L, rows, H = masses.shape
     assert (L, rows, H) == (2, 5, 4) and S == len(n_bulk) >= 1 and (n_bulk > 0).all()
     assert torch.isfinite(masses).all()
+    settings = data["settings"]
+    assert settings["moments_source"] == "random-words"
+    model, tok = load(str(tiny_dir))
+    T_prompt = QUERIES[0][0] - 1  # the first step's cache holds the prompt and the token it appended
+    moments = ReferenceKeys(model, tok, "random", root=None, progress=False).for_prompt(
+        T_prompt, settings["n_sink"], settings["n_local"])
+    assert len(QUERIES) == S * L
+    Hkv, D = moments.mean.shape[1:]
+    for i, (T, layer, q) in enumerate(QUERIES):
+        qg = q.view(Hkv, H // Hkv, D).double()
+        mean, cov = moments.mean[layer].double(), moments.cov[layer].double()
+        mu = torch.einsum("ghd,gd->gh", qg, mean).reshape(H) / math.sqrt(D)
+        half_var = torch.einsum("ghd,gde,ghe->gh", qg, cov, qg).reshape(H) / (2 * D)
+        step = i // L
+        assert n_bulk[step] == T - settings["n_local"]
+        torch.testing.assert_close(masses[step, layer, 2].double(), mu, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(masses[step, layer, 3].double(), half_var, atol=1e-5, rtol=1e-5)
+    every = [data["prompts"][p] for p in sorted(data["prompts"])]
+    all_masses, all_n = torch.cat([m for m, _ in every]), torch.cat([n for _, n in every])
     for kind in CALIBRATION_KINDS:
         c = load_calibration(fitted / f"{kind}.json")
         assert c.settings["kind"] == kind and c.settings["moments_source"] == "random-words"
         assert c.a.shape == (L, H) and c.settings["steps"] == sum(len(n) for _, n in data["prompts"].values())
+        a, b, s = calibrate.fit_calibration(all_masses, all_n, Hkv, kind, c.settings.get("eps", 0.05))
+        assert torch.equal(c.a, a) and torch.equal(c.b, b) and (c.s is None) == (s is None)
+        assert s is None or torch.equal(c.s, s)
 
 
 def test_mass_recorder_matches_the_oracle_and_eq6(tiny_dir):
