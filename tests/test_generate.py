@@ -132,7 +132,11 @@ def test_text_report(tiny_dir, tmp_path, capsys, built, method):
     out = capsys.readouterr().out
     labels = built[0].stats.label_tensor()
     assert f"heads labelled local (sparsity) {labels.double().mean().item():.3f}" in out
-    assert "KV entries read" in out and "prefill" in out and "3 new tokens" in out
+    assert "prefill" in out and "3 new tokens" in out
+    argv = ["--prompt", str(prompt), "--model", str(tiny_dir), "--method", method, *moments, "--max-new-tokens", "3"]
+    assert generate.main(argv + ["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)  # the same run's numbers, as the text printed them
+    assert f"KV entries read {r['kv_read']:.3f}" in out and f"{r['kv_read']:.3f}" != f"{1 - r['sparsity']:.3f}"
     assert "reference moments" in out and "load" in out  # every part of the time is accounted for
     assert ("what its choice implies" in out) == (method == "oracle")  # the oracle reads every entry to choose
     assert ("prompt moments" in out) == (method == "qada")

@@ -381,6 +381,8 @@ def test_generate_runs_quest_and_prints_the_kv_read_it_reported(tiny_dir, tmp_pa
     assert "KV entries read 1.000" in capsys.readouterr().out
     assert generate.main(argv + ["--set", "budget=32", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
+    assert generate.main(argv + ["--set", "budget=32"]) == 0  # the text report prints the share the JSON holds
+    assert f"KV entries read {r['kv_read']:.3f}" in capsys.readouterr().out and r["kv_read"] < 0.9
     att = built[-1]
     reads = att.stats.read_tensor()  # (4 steps, 2 layers, 2 KV heads)
     assert reads.shape == (4, 2, 2) and att.stats.lengths == [301, 302, 303, 304]
