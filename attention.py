@@ -234,11 +234,13 @@ def path_inputs(method: str) -> tuple[str, ...]:
 
 def missing_inputs(method: str, inputs: dict, supplied=("layer",)) -> list[str]:
     """What the path registered as `method` reads that is neither in `inputs` nor among what its caller makes itself
-    (`supplied`), in the path's order. A page budget in `inputs` is checked here too (a number page_count takes), so
-    that a caller says both before a long prefill, not at the first decode step."""
-    if {"budget", "budget_frac"} & set(inputs):
-        page_count(1, 1, inputs.get("budget"), inputs.get("budget_frac"))
-    return [name for name in path_inputs(method) if name not in supplied and inputs.get(name) is None]
+    (`supplied`), in the path's order. The page budget the path reads, where `inputs` gives it, is checked here too (a
+    number page_count takes), so that a caller says both before a long prefill, not at the first decode step."""
+    reads = path_inputs(method)
+    budget = {name: inputs.get(name) for name in ("budget", "budget_frac") if name in reads}
+    if any(value is not None for value in budget.values()):  # what the path does not read is not its to check
+        page_count(1, 1, budget.get("budget"), budget.get("budget_frac"))
+    return [name for name in reads if name not in supplied and inputs.get(name) is None]
 
 
 def decision_read(method: str) -> float:
