@@ -63,15 +63,18 @@ GROUP_PATTERNS = {
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("T", [N_LOCAL + 1, 1000])
 @pytest.mark.parametrize("pattern", list(GROUP_PATTERNS))
-@pytest.mark.parametrize("mixed_groups", [False, True])
+@pytest.mark.parametrize("mixed_groups", ["none", "every", "the first read"])
 def test_mixed_attention_runs_equal_reference(pattern, T, mixed_groups, dtype, tol, threads):
-    """Groups read in full (in runs of consecutive KV heads), local heads inside them, cache views."""
+    """Groups read in full (in runs of consecutive KV heads), local heads inside them (in none, in every group, or in
+    the first group read alone), cache views."""
     q = rand(H, D, seed=T, dtype=dtype)
     k, v = cache_views(HKV, T, D, seed=T + 1, dtype=dtype)
-    local = torch.tensor(GROUP_PATTERNS[pattern], dtype=torch.bool).repeat_interleave(H // HKV)
-    if mixed_groups:  # one local head inside every group that is read in full, one long head elsewhere
-        local = local.clone()
+    groups = torch.tensor(GROUP_PATTERNS[pattern], dtype=torch.bool)
+    local = groups.repeat_interleave(H // HKV)
+    if mixed_groups == "every":  # one local head inside every group that is read in full, one long head elsewhere
         local[0::H // HKV] = ~local[0::H // HKV]
+    if mixed_groups == "the first read" and not groups.all():  # the other runs read in full have no local head
+        local[int((~groups).nonzero()[0]) * (H // HKV)] = True
     got = mixed_attention(q, k, v, local, N_SINK, N_LOCAL)
     ref = reference_attention(q, k, v, local, N_SINK, N_LOCAL)
     assert got.dtype == dtype

@@ -465,6 +465,9 @@ def test_claims_table_against_hand_computed_values():
     assert [report.verdict(0.5, 0.59, (0.6, 0.7)), report.verdict(0.5, 0.6, (0.6, 0.7)), report.verdict(0.71, 0.8, (0.6, 0.7)),
             report.verdict(-0.1, 0.0, None), report.verdict(0.01, 0.1, None)] == [
         "below the paper", "consistent", "above the paper", "consistent", "ours higher"]
+    # an interval reaching across either edge of the paper's range, or holding it, is consistent with it
+    assert [report.verdict(0.65, 0.75, (0.6, 0.7)), report.verdict(0.55, 0.65, (0.6, 0.7)),
+            report.verdict(0.5, 0.8, (0.6, 0.7)), report.verdict(0.7, 0.8, (0.6, 0.7))] == ["consistent"] * 4
 
 
 
