@@ -410,6 +410,23 @@ def test_score_points_carry_a_paired_interval():
     assert table[2:] == ["| qada_rw@0.6 | 0.70 | 0.30 | 0.88 | [0.62, 1.00] | 8 |"]
 
 
+def test_recall_rows_weight_each_run_by_its_steps():
+    """Appendix C's table (recall_rows) from two tracked runs of one task, 10 and 30 steps, worked out by hand: steps
+    S = 40; local (QAdA) [[40, 38], [35, 30]], oracle local [[39, 40], [0, 15]], both [[39, 38], [0, 15]] step-heads.
+    The oracle needs the whole context on [[1, 0], [40, 25]] (66), QAdA labels long [[0, 0], [5, 10]] of those (15);
+    QAdA's sparsity 143 / 160 makes static labels of all 4 heads local, which leave none of the 66 long. An untracked
+    run and a task without static frequencies are left out."""
+    one = {"task": "a", "config": "qada_rw@0.6", "steps": 10, "oracle_freq": [[0.9, 1.0], [0.0, 0.0]],
+           "local_freq": [[1.0, 0.8], [0.5, 0.0]], "both_freq": [[0.9, 0.8], [0.0, 0.0]]}
+    two = dict(one, steps=30, oracle_freq=[[1.0, 1.0], [0.0, 0.5]], local_freq=[[1.0, 1.0], [1.0, 1.0]],
+               both_freq=[[1.0, 1.0], [0.0, 0.5]])
+    untracked = {"task": "a", "config": "qada_rw@0.6", "steps": 50, "local_freq": [[0.0, 0.0], [0.0, 0.0]]}
+    (got,) = records.recall_rows([one, two, untracked, dict(one, task="c")], {"a": [[0.9, 0.95], [0.1, 0.0]]})
+    assert got["task"] == "a" and got["config"] == "qada_rw@0.6"
+    assert got["qada_sparsity"] == pytest.approx(143 / 160) and got["oracle_sparsity"] == pytest.approx(94 / 160)
+    assert got["recall_qada"] == pytest.approx(15 / 66) and got["recall_static_oracle"] == 0.0
+
+
 def test_claims_table_against_hand_computed_values():
     """Every claim's figure and verdict, worked out by hand from records where all samples agree (so each interval
     is its point): lossless points, paired differences, Table 2's factors (every layer and layers 1 up) and the
