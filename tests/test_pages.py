@@ -16,7 +16,7 @@ from criterion import Calibration, save_calibration, window_mask
 from lab import records, report, sweep
 from model import KVCache
 from moments import FixedMoments, bulk_end
-from pages import PageIndex, candidates, page_count, page_positions, upper_bounds
+from pages import PageIndex, candidates, page_count, page_positions, page_shares, upper_bounds
 from tests.test_generate import make_tiny_dir, write_prompt
 
 H, HKV, D = 6, 2, 16
@@ -121,6 +121,7 @@ def test_the_candidate_pages_and_the_window_hold_every_position_once(P, T):
 def test_page_count_takes_tokens_or_a_fraction_of_the_context():
     assert page_count(1000, 16, 512, None) == 32 and page_count(1000, 16, 520.0, None) == 32
     assert page_count(1000, 16, None, 0.1) == 6 and page_count(1000, 16, 15, None) == 0  # 100 tokens; less than a page
+    assert page_count(1599, 16, None, 0.1) == 9 and page_count(1600, 16, None, 0.1) == 10  # floor(159.9) = 159 tokens
     for budget, frac in ((None, None), (512, 0.1), (-16, None), (12.5, None), (None, 1.5)):
         with pytest.raises(ValueError):
             page_count(1000, 16, budget, frac)
@@ -167,6 +168,18 @@ def shares_by_hand(q, k, P):
     log_local = scores[:, window_mask(T, N_SINK, N_LOCAL)].logsumexp(-1)  # (H,)
     log_mass = bounds_by_hand(q, k, P) / math.sqrt(D) + math.log(P)  # (H, m)
     return log_mass - torch.logaddexp(log_local, log_mass.logsumexp(-1))[:, None]
+
+
+@pytest.mark.parametrize("P", [16, 32])
+def test_page_shares_are_their_definition(P):
+    """pages.page_shares against shares_by_hand, from the same float64 bounds and the window's true log mass: a page's
+    P scores at its bound weigh P times one score, against the window (so a missing log P moves every share)."""
+    T = 301
+    q, k, _ = qkv(T, seed=3)
+    scores = torch.einsum("hgd,htd->hgt", q.double().view(HKV, G, D), k.double()).reshape(H, T) / math.sqrt(D)
+    log_local = scores[:, window_mask(T, N_SINK, N_LOCAL)].logsumexp(-1)  # (H,)
+    got = page_shares(bounds_by_hand(q, k, P).view(HKV, G, -1), log_local.view(HKV, G), P, 1 / math.sqrt(D))
+    torch.testing.assert_close(got.reshape(H, -1), shares_by_hand(q, k, P), rtol=0, atol=1e-9)
 
 
 def read_by_hand(chosen, T, P, scored, long=None):

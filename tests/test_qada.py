@@ -231,6 +231,8 @@ def test_static_labels_pick_the_most_often_local_heads(tmp_path):
     assert static_labels(freq, 0.0).sum() == 0
     assert static_labels(freq, 1 / 3).tolist() == [[True, False, False], [False, True, False]]
     assert static_labels(freq, 1.0).all()
+    # the nearest count of heads: 0.7 of 6 is 4.2 -> 4, 0.75 of 6 is 4.5 -> 4 (half to even), 0.8 of 6 is 4.8 -> 5
+    assert [int(static_labels(freq, f).sum()) for f in (0.7, 0.75, 0.8)] == [4, 4, 5]
     save_labels(tmp_path / "labels.json", freq, {"tau": 0.6, "model": "x"})
     labels, settings = load_labels(tmp_path / "labels.json", 0.5)
     assert settings == {"tau": 0.6, "model": "x"} and labels.sum() == 3 and labels[0, 0] and labels[1, 1]
