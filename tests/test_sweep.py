@@ -355,6 +355,16 @@ def test_summary_averages_over_common_samples():
     assert cur["qada_rw@0.6"]["sparsity"] == pytest.approx(0.7)
 
 
+def test_curves_leave_out_a_sample_dense_has_not_run():
+    """A sample the configuration ran but dense has not yet (a#2) is left out of its mean too, so that both are means
+    over the same samples, whether or not dense is among the configurations asked for."""
+    rows = [row("a", i, "dense", [1.0, 0.5][i], 0.0) for i in range(2)]
+    rows += [row("a", i, "qada_rw@0.6", [1.0, 0.5, 0.0][i], 0.8) for i in range(3)]
+    for configs in (["qada_rw@0.6"], ["dense", "qada_rw@0.6"]):
+        cur = records.curves(rows, ["a"], configs)
+        assert cur["qada_rw@0.6"]["score"] == pytest.approx(0.75) and cur["qada_rw@0.6"]["norm"] == pytest.approx(1.0)
+
+
 def test_summary_averages_a_configuration_dropped_part_way_on_its_own_samples(tmp_path):
     """A sweep that stops running a configuration after its first samples (old@0.6 on sample 0 only, older@0.6 on
     sample 1 only): each is averaged on its own samples, and the configurations that ran every sample on all of
