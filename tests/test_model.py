@@ -23,6 +23,8 @@ CASES = {
     "llama-mha-tied": ("LlamaConfig", "LlamaForCausalLM", dict(TINY, num_key_value_heads=4, tie_word_embeddings=True)),
     "llama3-rope-scaling": ("LlamaConfig", "LlamaForCausalLM", dict(TINY, rope_theta=500000.0,
                                                                     rope_scaling=LLAMA3_SCALING)),
+    "linear-rope-scaling": ("LlamaConfig", "LlamaForCausalLM", dict(TINY, rope_scaling={"rope_type": "linear",
+                                                                                        "factor": 4.0})),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(TINY, sliding_window=None, head_dim=24)),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(TINY, num_key_value_heads=1, rope_theta=1e6)),
 }

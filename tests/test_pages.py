@@ -213,7 +213,7 @@ def moments_of(k):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("P", [4, 16])
-@pytest.mark.parametrize("T", [N_LOCAL + 1, N_LOCAL + 7, 301])
+@pytest.mark.parametrize("T", [20, N_LOCAL, N_LOCAL + 1, N_LOCAL + 7, 301])
 @pytest.mark.parametrize("budget", [0, 8, 40, 10_000])
 def test_quest_attends_to_its_window_and_each_heads_top_pages(dtype, tol, P, T, budget):
     q, k, v = qkv(T, seed=T + P, dtype=dtype)

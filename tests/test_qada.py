@@ -411,6 +411,7 @@ def test_reference_keys_follow_the_exact_rule_and_run_only_as_far_as_needed(tiny
         for h in range(bulk.shape[1]):
             assert (m.cov[layer, h].double() - torch.cov(bulk[layer, h].T, correction=0)).abs().max() < 1e-4
     ref.for_prompt(2000, N_SINK, N_LOCAL)  # 976 keys: within what was computed
+    ref.ensure(ref.length)  # exactly what was computed
     assert ref.passes == 1
     assert ref.for_prompt(3200, N_SINK, N_LOCAL).n_keys == 3200 - 1024 - N_SINK
     assert ref.passes == 2 and ref.length == 3072
@@ -461,6 +462,8 @@ def test_prompts_of_one_length_share_their_option_2_moments(tiny, tmp_path):
     ref = ReferenceKeys(tiny, WordTokenizer(), n_max=4096, root=tmp_path, progress=False)
     m = ref.for_prompt(1500, N_SINK, N_LOCAL)
     assert ref.for_prompt(1500, N_SINK, N_LOCAL) is m and ref.for_prompt(1501, N_SINK, N_LOCAL) is not m
+    other_sinks = ref.for_prompt(1500, 2 * N_SINK, N_LOCAL)  # the same end, fewer keys past the sinks: its own
+    assert other_sinks is not m and other_sinks.n_keys == m.n_keys - N_SINK
     for T in range(1502, 1502 + SHARED):
         ref.for_prompt(T, N_SINK, N_LOCAL)
     assert len(ref.shared) == SHARED and ref.for_prompt(1500, N_SINK, N_LOCAL) is not m
