@@ -105,31 +105,53 @@ def test_bf16_caches_and_a_correction(monkeypatch):
 
 
 @pytest.mark.parametrize("spread", [1, 4])
-@pytest.mark.parametrize("rule", [None, "mean"])
-@pytest.mark.parametrize("taus", [(0.6, 0.3, 0.9), (0.05, 0.05, 0.05), (0.99, 0.99, 0.99)],
-                         ids=["mixed", "all-local", "mostly-long"])
-def test_spread_programs_decide_and_attend_as_the_fixed_splits(rule, taus, spread, monkeypatch):
+@pytest.mark.parametrize("rule, order", [(None, "in order"), ("mean", "in order"), (None, "interleaved")])
+@pytest.mark.parametrize("taus", [(0.6, 0.3, 0.9), (0.05, 0.05, 0.05), (0.99, 0.99, 0.99), (0.6, 0.9, 0.99)],
+                         ids=["mixed", "all-local", "mostly-long", "uneven"])
+def test_spread_programs_decide_and_attend_as_the_fixed_splits(rule, taus, spread, order, monkeypatch):
     """SPLIT_LAUNCH's SPREAD: the grid's programs dealt out to the long groups alone, each long group's context cut
     into as many pieces as it gets programs, up to SPREAD times the fixed splits (here 5; with 3 groups of 6 long,
     10 pieces at 4, 5 at 1), give the fixed splits' labels and, up to fp32 rounding, their output; fused_dense (every
-    group long) likewise."""
+    group long) likewise. The programs left over (the grid's 30 less what the long groups take: 2 where the "mean"
+    rule leaves 4 groups long at "uneven", 7 programs each) write nothing and count nowhere: every arrival count is
+    zero again after the step. Run in the interpreter's order (one group's
+    pieces after another's) and interleaved (the grid's last axis slowest), so that groups whose slots overlapped would
+    overwrite each other's partial results before their merge."""
     B, H, Hkv, D, T = 3, 6, 2, 16, 300
     q, k, v, A, b = case(B, H, Hkv, D, T, seed=7)
     rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([0, 5, 40], dtype=torch.int32)
     tau = torch.tensor(taus, dtype=torch.float64)
+    arrived = torch.zeros(B, Hkv, dtype=torch.int32)
 
     def both():  # into outputs of NaN: a head no program writes stays NaN
         y, labels = fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), tau, rule, split=64, block_n=16,
-                               out=torch.full_like(q, math.nan))
+                               arrived=arrived, out=torch.full_like(q, math.nan))
         return y, labels, decode_kernels.fused_dense(q, k, v, rows, start, split=64, block_n=16,
                                                      out=torch.full_like(q, math.nan))
 
     want = both()
     monkeypatch.setitem(decode_kernels.SPLIT_LAUNCH, "SPREAD", spread)
+    if order == "interleaved":
+        last_axis_slowest(monkeypatch)
     got = both()
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+    assert not arrived.any()
+
+
+def last_axis_slowest(monkeypatch) -> None:
+    """Triton's interpreter runs a grid's programs one after another, its last axis fastest: from here on, its last
+    axis slowest, so that the split programs of every (row, KV head) pair run interleaved with the other pairs'."""
+    from triton.runtime import interpreter
+    builder = interpreter.interpreter_builder
+    set_index = type(builder).set_grid_idx
+
+    def transposed(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        z_slow, xy = divmod((x * ny + y) * nz + z, nx * ny)  # the i-th program run is the i-th in (z, x, y) order
+        return set_index(builder, xy // ny, xy % ny, z_slow)
+    monkeypatch.setattr(builder, "set_grid_idx", transposed)
 
 
 def parts_rotated(monkeypatch, r: int) -> None:
@@ -200,9 +222,9 @@ def test_the_form_computed_before_or_beside_the_window_decides_and_attends_alike
 
 def test_at_tau_1_the_mean_rule_reads_a_group_whose_shares_round_to_1():
     """The kernel's "mean" rule compares the group's mean bulk share with 1 - tau, as criterion.local_labels does: at
-    tau = 1 a group reads its cache whenever its bulk has any mass, also where a strong sink leaves the bulk e^-18 of
-    the window's mass and every share rounds to 1 in fp32; just below 1 the group is local. Labels as the torch
-    path's, and the output its reference's."""
+    tau = 1 a group reads its cache whenever its bulk's share is above 0 in fp32, also where a strong sink leaves the
+    bulk e^-18 of the window's mass and every share rounds to 1; just below 1 the group is local; and where the bulk
+    share underflows to 0 the group is local. Labels as the torch path's, and the output its reference's."""
     B, H, Hkv, D, T = 2, 4, 2, 16, 300
     g = torch.Generator().manual_seed(3)
     q = torch.full((B, H, D), 2.0)
@@ -219,6 +241,15 @@ def test_at_tau_1_the_mean_rule_reads_a_group_whose_shares_round_to_1():
         assert torch.equal(labels[i], want)
         torch.testing.assert_close(y[i], reference_attention(q[i], k[i], v[i], labels[i], N_SINK, N_LOCAL),
                                    atol=2e-5, rtol=1e-4)
+    # past fp32's range (a score of 120: the bulk e^-114 of the window's mass) every bulk share is 0, and 0 <= 1 - tau:
+    # local at tau = 1, the edge of the comparison, as the torch path labels it
+    k[:, :, 0] = 15.0
+    _, labels = fused_qada(q, k, v, torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), N_SINK,
+                           N_LOCAL, (A, b), torch.tensor([1.0, 1.0], dtype=torch.float64), "mean", split=64, block_n=16)
+    assert labels.all()
+    _, want = qada(q[0], k[0], v[0], layer=0, n_sink=N_SINK, n_local=N_LOCAL, tau=1.0, moments=Form(A[0], b[0]),
+                   rule="mean")
+    assert want.all()
 
 
 @pytest.mark.parametrize("bad", ["int64", "shape", "strided"])

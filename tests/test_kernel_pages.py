@@ -196,6 +196,17 @@ def test_a_budget_as_a_fraction_of_each_rows_context(method, frac):
     check_against_torch(method, 16, None, split(True), budget_frac=frac, seed=4)
 
 
+def test_a_budget_share_is_counted_in_float64():
+    """0.7 of a 1440-token context is 1007.99999999999993 tokens in float64, 62 pages of 16, as pages.page_count
+    counts; a float32 product rounds it to 1008, 63 pages. Every head of both rows (Quest: each head its own pages)
+    chooses 62."""
+    rows = [(0, 1440), (7, 1440)]  # (first position, context): both of 1440 positions
+    q, k, v, start, length = batch(4, rows, T_max=1450)
+    _, _, chosen = run_kernel("quest", q, k, v, start, length, 16, None, budget_frac=0.7, inspect=True)
+    assert page_count(1440, 16, None, 0.7) == 62
+    assert chosen.sum(-1).tolist() == [[62] * H] * 2
+
+
 @pytest.mark.parametrize("method", ["quest", "qada_pages"])
 def test_a_budget_that_covers_everything_is_dense(method):
     """Every group long-context (tau 1) and every page read: attention over the whole context, the read every bulk
