@@ -114,8 +114,9 @@ def test_spread_programs_decide_and_attend_as_the_fixed_splits(rule, taus, sprea
     10 pieces at 4, 5 at 1), give the fixed splits' labels and, up to fp32 rounding, their output; fused_dense (every
     group long) likewise. The programs left over (the grid's 30 less what the long groups take: 2 where the "mean"
     rule leaves 4 groups long at "uneven", 7 programs each) write nothing and count nowhere: every arrival count is
-    zero again after the step. Run in the interpreter's order (one group's pieces after another's) and interleaved (the grid's last axis slowest), so that groups whose slots overlapped would
-    overwrite each other's partial results before their merge."""
+    zero again after the step. Run in the interpreter's order (one group's pieces after another's) and interleaved
+    (the grid's last axis slowest), so that groups whose slots overlapped would overwrite each other's partial results
+    before their merge."""
     B, H, Hkv, D, T = 3, 6, 2, 16, 300
     q, k, v, A, b = case(B, H, Hkv, D, T, seed=7)
     rows, start = torch.arange(B, dtype=torch.int32), torch.tensor([0, 5, 40], dtype=torch.int32)
