@@ -174,6 +174,30 @@ def test_cli_takes_several_files_and_a_jsonl(tiny_dir_batch, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "line 1" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("loop", ["eager", "static"])
+def test_a_row_stops_at_its_first_end_token(tiny, loop):
+    """With an end token that row 0's greedy run emits at its third step and row 1's never does, row 0 ends there
+    (the end token kept, as the last) and row 1 runs to max_new_tokens, in decode_batch and in decode_static."""
+    from model import KVCache
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 100, (1, n), generator=g) for n in (40, 57)]
+    n_new = 8
+
+    def run(eos_ids):
+        caches = [tiny.new_cache(p.shape[1] + n_new) for p in prompts]
+        logits = torch.cat([tiny.prefill(p, c) for p, c in zip(prompts, caches)])
+        cache = KVCache.stack(caches, n_new)
+        if loop == "eager":
+            return generate.decode_batch(tiny, cache, logits, n_new, None, eos_ids)
+        rows = [DecodeAttention("dense", 4, 16) for _ in prompts]
+        return generate.decode_static(tiny, cache, logits, n_new, rows, eos_ids)
+
+    free = run(())
+    end = free[0][2]
+    assert end not in free[0][:2] and end not in free[1], "the prompts need another end token"
+    assert run((end,)) == [free[0][:3], free[1]]
+
+
 @pytest.mark.parametrize("method", [None, "qada", "oracle"])
 def test_rows_that_end_leave_the_batch_and_the_rest_decode_as_alone(tiny, monkeypatch, method):
     """Rows ending at different steps: once half have ended the batch goes on with the others only (their

@@ -335,6 +335,20 @@ def test_decode_speed_counts_decode_steps_after_the_first(tiny_dir, tmp_path, ca
     assert (r["decode_first_step_ms"], r["decode_ms_per_token"], r["decode_tok_s"]) == (10000.0, 10000.0, 0.1)
 
 
+def test_top_k_samples_from_the_k_best_and_only_them():
+    """At temperature 1, top_k 2 draws both of the two best tokens and never another; top_k 1 is greedy."""
+    logits = torch.tensor([[0.0, 2.0, 1.9, -1.0, 1.8]]).repeat(400, 1)
+    got = generate.sample(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(0))
+    assert set(got.tolist()) == {1, 2}
+    assert torch.equal(generate.sample(logits, 1.0, top_k=1), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("item", ["a-b=1", "=1", "budget"])
+def test_set_takes_a_name_and_a_value(item):
+    with pytest.raises(ValueError, match="--set takes NAME=VALUE"):
+        generate.parse_inputs([item])
+
+
 def test_sampling_at_a_tiny_temperature_is_greedy_not_a_crash():
     """Logits over a temperature of 1e-40 overflow fp32; taken from the row's max they leave the best token alone."""
     logits = torch.randn(4, 1000) * 5
