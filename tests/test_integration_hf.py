@@ -174,24 +174,32 @@ def test_a_random_transformers_model_runs_through_enable_and_generate(sharp_dir,
     assert hf.config._attn_implementation == "sdpa" and generate_hf(hf, ids, new=8) == plain
 
 
-def test_left_padded_rows_decode_as_each_alone(sharp_dir):
-    """Two prompts of different lengths, left-padded into one batch: each row's tokens and labels are its own run's.
-    Right padding is refused with one line."""
+@pytest.mark.parametrize("method, moments", [("qada", None), ("qada", "prompt"), ("quest", None)])
+def test_left_padded_rows_decode_as_each_alone(sharp_dir, method, moments):
+    """Two prompts of different lengths, left-padded into one batch: each row's tokens, labels and KV entries read
+    are its own run's, with the reference prompt's moments, with the prompt's own (Option 1, from each row's keys
+    past its padding) and with Quest's page index (built from them too). Right padding is refused with one line."""
     tok, hf = Tokenizer.from_dir(sharp_dir), hf_model(sharp_dir)
     long, short = prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 40, 2)
-    attention = enable(hf, "qada", tau=TAU, tokenizer=tok)
+    tau = 0.5 if moments == "prompt" else TAU  # where this model's heads are mixed under the prompt's own moments
+    given = dict(tau=tau, moments=moments, tokenizer=tok) if method == "qada" else dict(budget=32)
+    attention = enable(hf, method, **given)
     alone = []
     for ids in (long, short):
         tokens = generate_hf(hf, ids)[0]
-        alone.append((tokens, attention.rows[0].stats.label_tensor()))
+        stats = attention.rows[0].stats
+        alone.append((tokens, stats.label_tensor(), stats.read_tensor()))
     ids = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], 1)])
     mask = torch.ones_like(ids)
     mask[1, :40] = 0
     batch = generate_hf(hf, ids, mask)
-    for b, (tokens, labels) in enumerate(alone):
+    for b, (tokens, labels, read) in enumerate(alone):
         assert batch[b] == tokens
         assert torch.equal(attention.rows[b].stats.label_tensor(), labels)
-    assert 0 < alone[1][1].float().mean() < 1
+        got = attention.rows[b].stats.read_tensor()  # what a page path reports reading (None for the others)
+        assert (got is None and read is None) if method == "qada" else torch.equal(got, read)
+    if method == "qada":
+        assert 0 < alone[1][1].float().mean() < 1
     right = torch.cat([short, torch.zeros(1, 40, dtype=torch.long)], 1)
     with pytest.raises(ValueError, match="padded on the left") as e:
         generate_hf(hf, torch.cat([long, right]), torch.cat([torch.ones_like(long), mask[1:].flip(1)]))
