@@ -386,3 +386,15 @@ def test_the_core_imports_neither_transformers_nor_the_adapter():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] in ("transformers", "integrations") for n in names), path.name
     assert "transformers" not in (root / "requirements.txt").read_text()
+
+
+def test_a_chunked_prefill_through_our_cache_gives_the_whole_prompts_logits(sharp_dir):
+    """HFModel.prefill in chunks of 16 (the later chunks attend to the cache the earlier ones filled, under a causal
+    mask offset by the cache's length) against one chunk: the same last logits and the same cache."""
+    from integrations.transformers import load
+    model, _ = load(str(sharp_dir))
+    ids = prompt_ids(70, 3)
+    caches = [model.new_cache(ids.shape[1]) for _ in range(2)]
+    whole, chunked = model.prefill(ids, caches[0]), model.prefill(ids, caches[1], chunk=16)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=1e-5)
