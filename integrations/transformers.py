@@ -331,8 +331,9 @@ def enable(model, method: str = "qada_kv_all_cal", tau: float | None = None, cal
     stored with its correction, else the paper's 0.6). calibration: what a qada*_cal path reads (a Calibration, a
     file, a folder of lab.calibrate --qada, or a named model whose shipped one it takes). moments: a moments.SOURCES
     name or a KeyMoments, for the paths that read moments (None: random-words, the paper's Option 2); Option 2's
-    sources need `tokenizer` (the model's: its encode(text, add_special_tokens=True) makes the reference prompt). inputs: more of what the path reads (static_local, a new path's own). Returns the
-    registered attention: its `report()` and `summary(row)` give the last generation's statistics."""
+    sources need `tokenizer` (the model's: its encode(text, add_special_tokens=True) makes the reference prompt).
+    inputs: more of what the path reads (static_local, a new path's own). Returns the registered attention: its
+    `report()` and `summary(row)` give the last generation's statistics."""
     llama_config(model)  # one line for what is not a Llama-family transformers model
     check_kernel()  # QADA_KERNEL said now, not inside generate's first decode step
     current = model.config._attn_implementation

@@ -109,6 +109,11 @@ LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
 E2E_FRACTIONS = (1.0, 0.45, 0.35, 0.15, 0.0)  # 0.45 / 0.35: calibrated QAdA's lossless KV read, per head / per group
 E2E_PAGES_F = 0.35  # the page rows' long-context share: QAdA per KV group's lossless read on the research model
 GRAPH_STEPS = 4  # the graph loop times this many times --steps (replays are cheap; their quartiles say the spread)
+
+
+def capacity_needed(T: int, steps: int) -> int:
+    """Cache positions an end-to-end setup from context T fills: the graph loop's GRAPH_STEPS * steps, and a few."""
+    return T + GRAPH_STEPS * steps + 8
 COMPILED = "compiled: "  # --compiled's rows: dense, kv E2E_PAGES_F and kv 0.0 again, the model's pointwise compiled
 
 
@@ -322,7 +327,7 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
     each speedup and bound against the compiled dense and floor."""
     cfg = LlamaConfig(**{**LLAMA3_8B.__dict__, "num_hidden_layers": L})
     model = random_llama(cfg, device)
-    capacity = max(capacity or 0, T + GRAPH_STEPS * n + 8)
+    capacity = max(capacity or 0, capacity_needed(T, n))
     cache = KVCache(cfg, capacity, B, device=device, dtype=torch.bfloat16)
     cache.k.normal_(), cache.v.normal_()
     cache.length = T
@@ -714,7 +719,7 @@ def main(argv=None) -> int:
         return args
     lengths, batches = args.lengths, args.batches
     try:  # what this machine lacks: one line, exit 2
-        need = args.e2e_length + GRAPH_STEPS * args.steps + 8  # the positions the timed steps fill
+        need = capacity_needed(args.e2e_length, args.steps)
         if args.capacity is not None and args.capacity < need:  # it would be raised, under the file name given
             raise ValueError(f"--capacity {args.capacity} holds fewer positions than --e2e-length {args.e2e_length} "
                              f"and the steps timed after it take ({need})")

@@ -733,7 +733,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     for flag, given in (("--static-labels", static_labels), ("--static-tasks", static_tasks)):
         if given and not static_sources:
             raise ValueError(f"{flag} {given}: no method run reads static labels (the static methods do)")
-    ruler_tasks = static_tasks.split(",") if static_tasks else None
+    ruler_tasks = named["--static-tasks"] or None
     if static_sources and labels_dir.is_file():
         own = list(dict.fromkeys(c.method for c in every if str(path_and_source(c.method)[1]).startswith("own-task")))
         if own:

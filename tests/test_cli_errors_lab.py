@@ -450,6 +450,23 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, tiny_
     one_line(capsys, rc, message)
 
 
+def test_static_tasks_name_the_tasks_of_the_ruler_labels(tmp_path, tiny_dir, monkeypatch):
+    """--static-tasks, not --tasks, names the tasks whose calibration makes the static (RULER) labels: the labels
+    folder is checked for both tasks' files and for a ruler.json of --static-tasks (stopped there, before any model
+    loads)."""
+    seen = []
+
+    def check_labels(folder, tasks, ruler_tasks, common, force=False, hint=""):
+        seen.append((tasks, ruler_tasks))
+        raise ValueError("checked")
+
+    monkeypatch.setattr(calibrate, "check_labels", check_labels)
+    run = [a if a != "dense,local" else "dense,static" for a in RUN] + ["--sparsities", "0.5"]
+    argv = ["--out", str(tmp_path / "out"), "--model", str(tiny_dir)] + run
+    assert sweep.main(argv.copy()) == 2 and seen[-1] == (["fwe"], ["fwe"])
+    assert sweep.main(argv + ["--static-tasks", "vt,,qa_1"]) == 2 and seen[-1] == (["fwe", "vt", "qa_1"], ["vt", "qa_1"])
+
+
 def test_calibrate_qada_with_no_step_past_the_window_says_so(tmp_path, tiny_dir, capsys):
     """One new token is the prefill's: no decode step runs, so no mass is recorded and there is nothing to fit."""
     rc = calibrate.main(["--model", str(tiny_dir), "--device", "cpu", "--qada", "--tasks", "fwe", "--length", "400",
