@@ -452,6 +452,7 @@ BEFORE_LOAD = [
     (["--method", "static", "--static-sparsity", "1.5"], "--static-sparsity must lie in [0, 1]"),
     (["--max-context", "-5"], "--max-context must exceed --max-new-tokens"),
     (["--max-context", "0"], "--max-context must exceed --max-new-tokens"),
+    (["--max-new-tokens", "8", "--max-context", "8"], "--max-context must exceed --max-new-tokens (8)"),
     (["--rope-theta", "nan"], "--rope-theta must be a positive number"),
     (["--method", "dense", "--tau", "0.5"], "--tau: the dense path has no threshold"),
     (["--method", "oracle", "--moments", "prompt"], "--moments: the oracle path reads no key moments"),
@@ -548,6 +549,9 @@ def test_the_context_past_the_trained_one_needs_rope_theta_and_dense_needs_no_wi
     assert json.loads(capsys.readouterr().out)["new_tokens"] == 2
     assert generate.main(argv + ["--max-context", "100", "--method", "dense"]) == 0
     assert json.loads(capsys.readouterr().out)["new_tokens"] == 2
+    assert generate.main(argv + ["--max-context", "22", "--method", "dense"]) == 0  # 20 + 2: exactly full
+    assert json.loads(capsys.readouterr().out)["new_tokens"] == 2
+    assert "context of 21 (--max-context" in error_of(capsys, argv + ["--max-context", "21", "--method", "dense"])
     assert "--n-local 128 leaves no bulk" in error_of(capsys, argv + ["--max-context", "100", "--method", "local"])
     scaled = tmp_path / "scaled"  # a config whose rope_scaling says how far the model reaches: taken as it says
     save_tiny("llama3-rope-scaling", scaled)
