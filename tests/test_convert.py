@@ -80,9 +80,10 @@ GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", 
                     "post_attention_layernorm": "ffn_norm"}
 
 
-def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: str = "llama") -> dict[str, np.ndarray]:
+def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: str = "llama",
+                    eot: int | None = None) -> dict[str, np.ndarray]:
     """Write a 2-layer Llama (or Qwen2: q/k/v biases, q/k not permuted, pre-tokenizer qwen2) GGUF with random
-    F32 weights; return the HF-layout weights it encodes."""
+    F32 weights, and an end-of-turn token id `eot` where given; return the HF-layout weights it encodes."""
     import gguf
     from tokenizers import pre_tokenizers
 
@@ -130,6 +131,8 @@ def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: 
     w.add_token_merges(merges)
     w.add_bos_token_id(0 if qwen else 1)
     w.add_eos_token_id(2)
+    if eot is not None:
+        w.add_eot_token_id(eot)
     if not qwen:
         w.add_unk_token_id(0)
     w.add_pad_token_id(0 if qwen else 2)
@@ -198,6 +201,20 @@ def test_convert_tiny_gguf_with_add_bos_adds_bos_to_raw_text_only(tmp_path):
     assert tok.encode("hello", add_special_tokens=True) == [1, tok.tokenizer.token_to_id("hello")]
     assert tok.encode("hello") == [tok.tokenizer.token_to_id("hello")]
     assert tok.encode_chat([{"role": "user", "content": "hello"}]).count(1) == 1  # no BOS on top of the template's
+
+
+def test_an_end_of_turn_token_stops_generation_too(tmp_path):
+    """A GGUF's eot_token_id (Llama-3's <|eot_id|>: a chat turn ends there, not at eos) joins the ids generation
+    stops on, after eos, and the tokenizer stops on both; written once where it equals eos."""
+    from weights.tokenizer import Tokenizer
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", eot=0)
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": [2, 0]}
+    assert Tokenizer.from_dir(out).eos_ids == {0, 2}
+    write_tiny_gguf(tmp_path / "same.gguf", eot=2)
+    out = convert(tmp_path / "same.gguf", tmp_path / "same")
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
 
 
 def test_convert_tiny_qwen2_gguf(tmp_path):
