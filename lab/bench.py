@@ -81,7 +81,7 @@ from attention import BatchAttention, build_attention
 from criterion import TAU, check_calibration, load_calibration, qada_labels
 from generate import pick_device
 from lab.calibrate import calibration_file
-from lab.cli import Parser, at_least, fail, fresh_folder, ints, positive_float
+from lab.cli import Parser, at_least, fail, fresh_folder, ints, positive_float, thread_count
 from model import KVCache, LlamaConfig
 from moments import FixedMoments, ReferenceKeys
 from weights.checkpoints import DEFAULT, DTYPES, load, resolve, shipped_calibration
@@ -809,7 +809,7 @@ PART_FLAGS = {"--compile": ("compile_decision", "attention"), "--decode-tokens":
 def main(argv=None) -> int:
     p = Parser(prog="python -m lab.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--repeats", type=at_least(1), default=None, help="timed repeats per method (default: 5 attention, "
                    "6 end to end)")
     p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"], help="which part to run (default: all)")

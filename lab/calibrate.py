@@ -36,7 +36,7 @@ from attention import N_SAMPLES, all_scores, build_attention, bulk_sample, dense
 from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_log_bulk, load_calibration, load_local_freq,
                        oracle_log_masses, sampled_log_bulk, save_calibration, save_labels)
 from generate import decode, pick_device
-from lab.cli import Parser, at_least, fail, interrupted
+from lab.cli import Parser, at_least, fail, interrupted, thread_count
 from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
 from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, model_dir
@@ -388,7 +388,7 @@ def main(argv=None) -> int:
                    "folder or a hub id) run by transformers, its attention through integrations/transformers.py")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--qada", action="store_true", help="fit QAdA's correction (criterion.Calibration) instead of "
                    "static labels: masses.pt and one KIND.json per kind")
     p.add_argument("--moments", dest="moments_source", default=None, choices=SOURCES,

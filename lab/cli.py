@@ -7,6 +7,7 @@ same strings from Python as from the command line.
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,15 @@ def at_least(low: int):
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
         return value
     return integer
+
+
+def thread_count(text: str) -> int:
+    """An argparse type: torch's CPU threads, in [1, this machine's CPUs] (torch crashes far above the cores, and
+    runs slower anywhere above them), as generate.py's --threads."""
+    value, cpus = at_least(1)(text), os.cpu_count() or 1
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"must lie in [1, {cpus}] (this machine's CPUs), got {value}")
+    return value
 
 
 def positive_float(text: str) -> float:

@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 from generate import pick_device
-from lab.cli import Parser, at_least, fail
+from lab.cli import Parser, at_least, fail, thread_count
 from lab.records import ids_hash, read_records
 from lab.sweep import folder_lock, merge, parse_grid
 from lab.tasks import TASKS, Sample, make_sample, score
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--pair", default=None, metavar="RUN", help="a sweep folder whose prompts these must be: every "
                    "sample's prompt token count is checked against its records")
-    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch threads")
     p.add_argument("--dense-samples", type=at_least(0), default=None, metavar="N", help="run hf_dense, the pipeline with "
                    "nothing dropped (the control: it should score as the sweep's dense), on the first N samples of "
                    "each task only (default: all; 0: none)")

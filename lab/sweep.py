@@ -88,7 +88,7 @@ from criterion import (TAU, check_calibration, check_labels_window, check_tau, c
 from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
-from lab.cli import Parser, at_least, fail, fractions, interrupted, ints
+from lab.cli import Parser, at_least, fail, fractions, interrupted, ints, thread_count
 from lab.records import (DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records,
                          write_run)
 from lab.report import report
@@ -896,7 +896,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a hub id "
                    f"(default: {DEFAULT})")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
-    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--shard", type=shard_text, default="0/1", help="K/N: this process runs every N-th task (from the "
                    "K-th; the context-free samples count as one more task) and writes OUT/samples.K.jsonl; start N "
                    "processes (e.g. with --threads 1 each) to use N cores. Under torchrun the ranks split the sweep "

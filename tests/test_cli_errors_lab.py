@@ -323,6 +323,7 @@ SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
     (["--sparsities", "1.5"], "argument --sparsities"),
     (["--threads", "0"], "argument --threads: must be at least 1"),
     (["--threads", "-1"], "argument --threads"),
+    (["--threads", "100000"], "argument --threads: must lie in [1, "),  # a segfault in torch, after run.json
     (["--batch", "0"], "argument --batch"),
     (["--tasks", "nope"], "unknown task 'nope'"),
     (["--methods", "dense,nope"], "--methods: unknown method 'nope'"),
@@ -391,6 +392,7 @@ CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
     (["--tasks", ",", "--qada", "--out", "{empty}"], "argument --tasks: names no task"),
     (["--tasks", "fwe", "--samples", "0", "--out", "{empty}"], "argument --samples: must be at least 1"),
     (["--tasks", "fwe", "--threads", "-1", "--out", "{empty}"], "argument --threads"),
+    (["--tasks", "fwe", "--threads", "100000", "--out", "{empty}"], "argument --threads: must lie in [1, "),
     (["--tasks", "fwe", "--eps", "nan", "--out", "{empty}"], "argument --eps: must lie in (0, 1)"),
     (["--tasks", "fwe", "--out", "{a_file}"], "is a file"),
     (["--tasks", "fwe", "--eps", "0.1", "--out", "{empty}"], "--eps sets how --qada fits its correction; without "
@@ -405,6 +407,7 @@ BENCH = [  # (argv after --device cpu, what the line names)
     (["--batches", "1,x"], "argument --batches"),
     (["--repeats", "0"], "argument --repeats"),
     (["--threads", "-1"], "argument --threads"),
+    (["--threads", "100000"], "argument --threads: must lie in [1, "),
     (["--decode-tokens", "0"], "argument --decode-tokens"),
     (["--rope-theta", "nan"], "argument --rope-theta"),
     (["--e2e-methods", "qada@x"], "--e2e-methods 'qada@x'"),
@@ -581,6 +584,7 @@ def test_bench_pages_gpu_arguments_are_one_line_and_exit_2_before_any_timing(tmp
 
 @pytest.mark.parametrize("argv, message", [(["--samples", "0"], "argument --samples: must be at least 1"),
                                            (["--threads", "0"], "argument --threads: must be at least 1"),
+                                           (["--threads", "100000"], "argument --threads: must lie in [1, "),
                                            (["--length", "-5"], "argument --length: must be at least 1"),
                                            (["--dense-samples", "-1"], "argument --dense-samples: must be at least 0"),
                                            (["--tasks", "nope"], "unknown task 'nope'")])
