@@ -43,6 +43,7 @@ from weights.downloads import cache_dir
 GRAPH_CHOICES = ("auto", "off")  # --cuda-graphs
 COMPILE_CHOICES = ("off", "on")  # --compile
 STATIC_SPARSITY = 0.5  # --method static's share of local heads when --static-sparsity is not given
+WINDOW = {"n_sink": 16, "n_local": 128}  # the paper's, --n-sink and --n-local's defaults
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
@@ -291,7 +292,8 @@ def default_tau(method: str, calibration) -> tuple[float | None, str]:
     if stored is not None:
         return stored, "the calibration's operating point"
     if calibration is not None:
-        return TAU, f"the paper's default; {Path(calibration.settings['file']).name} states no operating point"
+        return TAU, (f"the paper's default; {Path(calibration.settings['file']).name} states no operating point for "
+                     f"{method}")
     return TAU, "the paper's default"
 
 
@@ -479,10 +481,10 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
 def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int = 64, chat: bool = True,
               device: str | None = None, dtype: str = "float32", rope_theta: float | None = None,
               max_context: int | None = None, seed: int = 0, temperature: float = 0.0, top_k: int | None = None,
-              method: str = "qada", tau: float | None = None, moments_source: str | None = None, n_sink: int = 16,
-              n_local: int = 128, static_labels: str | None = None, static_sparsity: float | None = None,
-              calibration: str | None = None, threads: int | None = None, progress: bool = True,
-              cuda_graphs: str = "auto", compiled: str = "off", **inputs) -> list[dict]:
+              method: str = "qada", tau: float | None = None, moments_source: str | None = None,
+              n_sink: int = WINDOW["n_sink"], n_local: int = WINDOW["n_local"], static_labels: str | None = None,
+              static_sparsity: float | None = None, calibration: str | None = None, threads: int | None = None,
+              progress: bool = True, cuda_graphs: str = "auto", compiled: str = "off", **inputs) -> list[dict]:
     """Everything the CLI does for the prompt files `prompts`, decoded as one batch: a report per prompt.
 
     Each prompt is prefilled alone into its own cache and gets its own attention (labels, moments, statistics);
@@ -591,6 +593,14 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
             "tau_from": tau_from if att.tau is not None else None,
             "moments": moments_source if att.moments is not None else None,
             "calibration": sources["calibration"].settings["file"] if "calibration" in att.inputs else None,
+            # the rest of what the path read, as numbers (window, budget, ...), and what decides the tokens besides:
+            # two runs that differ only there are told apart by their records, not their outcomes alone
+            "inputs": {name: value for name, value in att.inputs.items()
+                       if name != "tau" and isinstance(value, (bool, int, float, str))},
+            "static_labels": ({"file": static_labels, "sparsity": STATIC_SPARSITY if static_sparsity is None
+                               else static_sparsity} if "static_local" in att.inputs else None),
+            "sampling": {"temperature": temperature, "top_k": top_k, "seed": seed},
+            "max_context": max_context, "rope_theta": rope_theta,
             "model": str(net.model_dir), "device": str(device), "dtype": dtype, "load_s": round(times["load_s"], 2),
             "moments_s": round(times["moments_s"], 2), "batch": len(rows), "prompt_tokens": len(ids),
             "prefill_s": round(prefill_s, 2), "batch_prefill_s": round(times["prefill_s"], 2),
@@ -623,6 +633,10 @@ def print_report(r: dict) -> None:
     print(f"method {r['method']}" + (f" at tau {r['tau']} ({r['tau_from']})" if r["tau"] is not None else "")
           + (f", {r['moments']} moments" if r["moments"] else "")
           + (f", calibration {Path(r['calibration']).name}" if r.get("calibration") else "")
+          + (f", static labels {r['static_labels']['file']} at sparsity {r['static_labels']['sparsity']}"
+             if r["static_labels"] else "")
+          + "".join(f", {name} {value}" for name, value in r["inputs"].items()
+                    if name not in WINDOW or r["inputs"][name] != WINDOW[name])  # the default window goes unsaid
           + f" | {r['device']} {r['dtype']} | peak memory {r['peak_memory_mb']} MB")
     if r["decode_ms_per_token"] is None:  # one new token, from the prefill's logits
         speed = "no decode step"
@@ -674,9 +688,10 @@ def main(argv=None) -> int:
                         "(Option 1: the prompt's own, fixed after prefill), prompt-online (Option 1 updated every "
                         "step; ours), one-word, random-words-full (ablations); see moments.py (default: the ones a "
                         "calibrated path's correction was fitted with, else random-words)")
-    p.add_argument("--n-sink", type=int, default=None, help="sink tokens at the start of the window (default: 16)")
+    p.add_argument("--n-sink", type=int, default=None, help="sink tokens at the start of the window (default: "
+                   f"{WINDOW['n_sink']})")
     p.add_argument("--n-local", type=int, default=None, help="the window's size (the paper's T_local), sinks included "
-                   "(default: 128)")
+                   f"(default: {WINDOW['n_local']})")
     p.add_argument("--static-labels", default=None, metavar="FILE_OR_DIR", help="oracle statistics for --method "
                    "static: a file, or a folder of python -m lab.calibrate (its ruler.json)")
     p.add_argument("--static-sparsity", type=float, default=None, help="fraction of heads made local by --method "
