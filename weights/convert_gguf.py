@@ -339,7 +339,11 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
     t0 = time.perf_counter()
     if progress:
         print(f"reading {gguf_path} ...", file=sys.stderr)  # progress: stdout is a caller's
-    reader = GGUFReader(gguf_path)
+    try:
+        reader = GGUFReader(gguf_path)
+    except ValueError as e:  # numpy's words for a tensor that runs past the end of the file
+        raise ValueError(f"{gguf_path} cannot be read as a GGUF file ({e}): is it cut short? its size is "
+                         f"{gguf_path.stat().st_size:,} bytes") from None
     config = read_config(reader)
     tokenizer = build_tokenizer(reader)  # before the long part: an unsupported tokenizer fails fast
 
@@ -361,18 +365,27 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
     return out_dir
 
 
-def main(gguf: str, out: str | None) -> None:
-    path = convert_atomically(Path(gguf), Path(out) if out else Path(gguf).with_suffix(""), progress=True)
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    """The command line: bad input is one line on stderr and exit 2, found before the conversion's minutes."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", required=True, help="a Llama or Qwen2 GGUF file")
     parser.add_argument("--out", help="output folder (default: next to --gguf, without the .gguf suffix)")
-    args = parser.parse_args()
+    parser.error = lambda message: parser.exit(2, f"error: {message} (see --help)\n")  # one line, not the usage
     try:
-        main(**vars(args))
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, its line printed)
+        return e.code
+    out = Path(args.out) if args.out else Path(args.gguf).with_suffix("")
+    try:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file; give a folder")
+        path = convert_atomically(Path(args.gguf), out, progress=True)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
