@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import decode_kernels
-from lab.cli import Parser, fail
+from lab.cli import Parser, at_least, fail
 
 # The compile, in a fresh interpreter: each spec's kernel compiled for sys.argv[1]; with a folder as sys.argv[2],
 # each cubin written there as <i>.cubin. `aligned`: the arguments the JIT would mark divisible by 16.
@@ -189,7 +189,8 @@ def table(arch: int) -> list[str]:
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m lab.kernel_resources", description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", type=int, default=90, help="the GPU's compute capability, as major * 10 + minor")
+    p.add_argument("--arch", type=at_least(80), default=90, help="the GPU's compute capability, as major * 10 + minor "
+                   "(Triton's NVIDIA backend: 80 and above)")
     p.add_argument("--out", help="a folder for kernel_resources.md (default: print only)")
     args = p.parse(argv)
     if isinstance(args, int):

@@ -597,6 +597,13 @@ def test_peers_arguments_are_one_line_and_exit_2(tmp_path, capsys, argv, message
     assert not (tmp_path / "out").exists()
 
 
+def test_kernel_resources_refuses_an_arch_triton_has_no_backend_for(capsys):
+    """--arch 0 compiled on to an LLVM error about an intrinsic; Triton's NVIDIA backend starts at sm_80."""
+    kernel_resources = pytest.importorskip("lab.kernel_resources")
+    one_line(capsys, kernel_resources.main(["--arch", "0"]), "argument --arch: must be at least 80, got 0")
+    one_line(capsys, kernel_resources.main(["--arch", "75"]), "argument --arch: must be at least 80, got 75")
+
+
 @pytest.mark.parametrize("cli", ["sweep", "report", "calibrate", "bench", "bench_gpu", "bench_pages_gpu", "peers",
                                  "kernel_resources"])
 def test_help_shows_each_default_once_and_no_flag_default(cli, capsys):
