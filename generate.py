@@ -503,6 +503,11 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
             raise ValueError(f"--method {method} needs --calibration FILE (made by python -m lab.calibrate --qada) for "
                              f"{model or DEFAULT}; the named models that ship one ({', '.join(ships)}) use it by "
                              "default")
+        shipped = load_calibration(calibration).estimate
+        if shipped != bulk_estimate(method):  # said as a missing flag: the user gave no file to blame
+            raise ValueError(f"--method {method} corrects the {bulk_estimate(method)} estimate of the bulk mass; "
+                             f"{model or DEFAULT} ships a correction of the {shipped} one only: give --calibration "
+                             "DIR, a folder of python -m lab.calibrate --qada (its sampled.json)")
     sources = read_sources(method, static_labels, STATIC_SPARSITY if static_sparsity is None else static_sparsity,
                            calibration, moments_source, n_sink, n_local)
     if moments_source is None:  # a correction fixes the moments it corrects; else the paper's default, Option 2

@@ -497,6 +497,8 @@ BEFORE_LOAD = [
     (["--method", "qada_cal", "--calibration", "{tmp}/missing.json"], "no such file or folder"),
     (["--method", "static", "--static-labels", "{tmp}"], "a folder, but it holds no ruler.json"),
     (["--method", "qada_cal"], "needs --calibration FILE"),
+    (["--model", "qwen2.5-coder-0.5b", "--method", "qada_kv_sampled_cal"],  # its shipped file: not the one to refuse
+     "qwen2.5-coder-0.5b ships a correction of the gaussian one only: give --calibration DIR"),
     (["--cuda-graphs", "on"], "--cuda-graphs takes auto or off, got 'on'"),
     (["--compile", "yes"], "--compile takes off or on, got 'yes'"),
     (["--method", "nope"], "error: argument --method: invalid choice: 'nope'"),  # argparse's own, as one line
