@@ -241,6 +241,9 @@ def test_static_labels_pick_the_most_often_local_heads(tmp_path):
     (tmp_path / "other.json").write_text('{"settings": {}}')  # some other JSON: the entry it lacks, named in words
     with pytest.raises(ValueError, match="other.json is not a static labels file: it has no 'local_freq' entry$"):
         load_labels(tmp_path / "other.json", 0.5)
+    for bad in (-0.25, 1.5):  # lab.sweep and lab.records call it directly: -0.25 made all but 2 heads local
+        with pytest.raises(ValueError, match="static sparsity must lie in"):
+            static_labels(freq, bad)
 
 
 # --- statistics ----------------------------------------------------------------------------------------------
@@ -300,6 +303,18 @@ def test_mean_cov_matches_torch_cov():
         assert (mean[h].double() - keys[h].double().mean(0)).abs().max() < 1e-5
 
 
+def test_mean_cov_of_a_half_precision_cache_is_fp32_and_of_no_keys_refused():
+    """A bf16 cache's keys give fp32 moments, equal to float64 ones of the same keys (summed in bf16 they are off by
+    ~0.5 %); no keys at all is an error, not NaN moments."""
+    keys = (rand(3, 500, 8, seed=1) * 2 + 5).bfloat16()
+    mean, cov = mean_cov(keys)
+    assert mean.dtype == cov.dtype == torch.float32
+    for h in range(3):
+        assert (cov[h].double() - torch.cov(keys[h].double().T, correction=0)).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="moments of no keys"):
+        mean_cov(torch.zeros(2, 0, 8))
+
+
 class WordTokenizer:
     """A stand-in tokenizer for the tiny random model: one id per word."""
 
@@ -337,6 +352,26 @@ def test_online_moments_equal_float64_recomputation(tiny):
         for h in range(bulk.shape[0]):
             assert (mean[h].double() - bulk[h].mean(0)).abs().max() < 1e-5
             assert (cov[h].double() - torch.cov(bulk[h].T, correction=0)).abs().max() < 1e-5
+
+
+def test_online_moments_refuse_a_cache_rolled_back_and_make_moments_its_inputs(tiny, tmp_path):
+    """A cache shorter than the keys OnlineMoments absorbed (a caller that rolled it back) is refused, not read as
+    moments of keys no longer there; make_moments names an unknown source and Option 2 without its reference;
+    random-words-full takes the whole reference prompt's bulk, whatever the prompt's length (Fig. 5g's ablation)."""
+    ids = torch.randint(0, 101, (1, 400), generator=torch.Generator().manual_seed(0))
+    cache = tiny.new_cache(400)
+    tiny.prefill(ids, cache)
+    moments = OnlineMoments(cache, N_SINK, N_LOCAL)
+    moments.mean_cov(0, cache.k[0, 0, :, :400])
+    with pytest.raises(ValueError, match="rolled back"):
+        moments.mean_cov(0, cache.k[0, 0, :, :350])
+    with pytest.raises(ValueError, match="unknown moments source 'bogus'"):
+        make_moments("bogus", cache)
+    with pytest.raises(ValueError, match="'random-words' needs the reference prompt's keys"):
+        make_moments("random-words", cache, None)
+    reference = ReferenceKeys(tiny, WordTokenizer(), n_max=2048, root=tmp_path, progress=False)
+    assert make_moments("random-words-full", cache, reference).n_keys == len(reference.ids) - N_SINK == 2048 - N_SINK
+    assert make_moments("random-words", cache, reference).n_keys == N_LOCAL - N_SINK  # 400 tokens: the floor
 
 
 def test_prompt_moments_stay_those_of_the_prefill(tiny):
