@@ -143,6 +143,14 @@ def test_calibration_files_round_trip_and_refuse_what_they_are_not(tmp_path):
         load_calibration(tmp_path / "bad.json")
     with pytest.raises(FileNotFoundError, match="lab.calibrate --qada"):
         load_calibration(tmp_path / "missing.json")
+    (tmp_path / "s.json").write_text(json.dumps({"settings": {}, "a": [[1.0] * 4] * 3, "b": [[1.0] * 4] * 3,
+                                                  "s": [[1.0] * 2] * 2}))  # s of 2 layers for a and b's 3
+    with pytest.raises(ValueError, match="do not match"):
+        load_calibration(tmp_path / "s.json")
+    for taus in ({"qada_cal": 0}, {"qada_cal": 1.5}, {"qada_cal": "x"}, [0.2]):  # tau 0 ran as log(0) later
+        save_calibration(tmp_path / "tau.json", Calibration(c.a, c.b, c.s, {"operating_tau": taus}))
+        with pytest.raises(ValueError, match="operating_tau must map method names to taus in"):
+            load_calibration(tmp_path / "tau.json")
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +301,10 @@ def test_calibration_mismatches_are_one_clear_line(tmp_path, capsys):
             check_calibration(c, "c.json", *args)
     with pytest.raises(ValueError, match="--moments random-words"):
         check_calibration(c, "c.json", 2, 4, 2, 16, 128, "prompt")
+    old = Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, {})  # a file that predates the key: random words
+    with pytest.raises(ValueError, match="corrects the random-words moments' estimate; run it with --moments "
+                                         "random-words"):
+        check_calibration(old, "old.json", 2, 4, 2, 16, 128, "prompt")
     assert calibrate.main(["--qada", "--tasks", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown task 'nope'" in capsys.readouterr().err
     assert calibrate.main(["--qada", "--tasks", "fwe", "--samples", "0", "--out", str(tmp_path)]) == 2

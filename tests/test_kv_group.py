@@ -67,6 +67,12 @@ def test_qada_kv_labels_equal_the_group_rule_written_plainly(T, method, rule):
     assert mixed >= 3 and differ >= 6
 
 
+def test_an_unknown_group_rule_is_refused():
+    """A misspelt rule fell through to one of the others, silently."""
+    with pytest.raises(ValueError, match="unknown group rule 'any'; choose from"):
+        local_labels(torch.zeros(2, 4), torch.zeros(2, 4), 0.6, 2, rule="any")
+
+
 def test_oracle_kv_labels_equal_mean_true_share():
     """The group oracle: a group is local when its heads' mean true share (every score, float64) reaches tau."""
     T = 500

@@ -70,6 +70,11 @@ def test_the_interval_only_makes_heads_long_context():
     _, plain = attention.qada_sampled(q, k, v, **kw)
     _, careful = attention.qada_sampled(q, k, v, **kw, z=3.0)
     assert (careful <= plain).all() and careful.sum() < plain.sum()
+    # a bulk of one key (T = n_local + 1) samples one score: no spread to bound, the plain estimate (its sd was NaN,
+    # and every head long-context)
+    one = torch.randn(4, 1)
+    assert torch.equal(sampled_log_bulk(one, 1, z=2.0), sampled_log_bulk(one, 1))
+    assert sampled_log_bulk(one, 1).isfinite().all()
 
 
 def test_a_local_group_reads_only_its_window_and_the_sampled_keys(monkeypatch):
