@@ -80,8 +80,9 @@ def test_half_precision_runs_close(tmp_path):
     for dtype in (torch.bfloat16, torch.float16):
         low = load_model(str(tmp_path), dtype=dtype)
         assert low.lm_head.weight.dtype == dtype
-        diff = (low(ids, last_only=False) - ref(ids, last_only=False)).abs().max().item()
-        assert diff < 0.1
+        logits = low(ids, last_only=False)
+        assert logits.dtype == torch.float32  # as the docstring says: sampling and the criterion read fp32
+        assert (logits - ref(ids, last_only=False)).abs().max().item() < 0.1
 
 
 @pytest.mark.skipif(not shutil.which(os.environ.get("CXX", "g++")), reason="torch.compile on the CPU needs a C++ "
@@ -199,6 +200,39 @@ def test_cuda_without_cuda_says_so(tmp_path):
     save_tiny("llama-gqa", tmp_path)
     with pytest.raises(ValueError, match="no CUDA"):
         load_model(tmp_path, device="cuda")
+
+
+def test_a_cache_refuses_what_it_cannot_hold(tmp_path):
+    """A prompt longer than its cache is one clear ValueError (a shape error from torch otherwise); a stacked,
+    left-padded cache takes one token at a time (a chunk there ran the prefill path over the padding)."""
+    from model import KVCache
+    save_tiny("llama-gqa", tmp_path)
+    model = load_model(tmp_path)
+    ids = torch.randint(0, 101, (1, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="KV cache holds 4 positions; writing up to 5"):
+        model.prefill(ids, model.new_cache(4))
+    caches = [model.new_cache(n + 4) for n in (5, 3)]
+    for cache, n in zip(caches, (5, 3)):
+        model.prefill(ids[:, :n], cache)
+    stacked = KVCache.stack(caches, 4)
+    with pytest.raises(ValueError, match="a stacked \\(left-padded\\) cache decodes one token at a time"):
+        model(ids[:, :1].repeat(2, 3), stacked)
+
+
+def test_config_defaults_and_bounds_are_transformers(tmp_path):
+    """What a config leaves out is what transformers assumes (rms_norm_eps, num_key_value_heads null: one per query
+    head); Mistral's sliding window is refused only where it is shorter than the context; a rope_theta override
+    must be positive (a negative one gave NaN frequencies)."""
+    bare = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
+    assert LlamaConfig.from_hf(bare).rms_norm_eps == transformers.LlamaConfig().rms_norm_eps
+    assert LlamaConfig.from_hf(dict(TINY, num_key_value_heads=None)).num_key_value_heads == TINY["num_attention_heads"]
+    with pytest.raises(ValueError, match="sliding-window"):
+        LlamaConfig.from_hf(dict(TINY, model_type="mistral", sliding_window=511))
+    assert LlamaConfig.from_hf(dict(TINY, model_type="mistral", sliding_window=512)).max_position_embeddings == 512
+    save_tiny("llama-gqa", tmp_path)
+    for theta in (-1.0, 0.0):
+        with pytest.raises(ValueError, match="rope_theta must be positive"):
+            load_model(tmp_path, rope_theta=theta)
 
 
 def test_unsupported_configs_are_refused():

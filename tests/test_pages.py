@@ -90,6 +90,9 @@ def test_the_index_grows_past_the_capacity_it_was_made_with():
     index = PageIndex(prefilled(k[:, :20], 21), 4, N_SINK)  # room for the cache's 21 positions only
     lo, hi = index.bounds(0, k)
     assert torch.equal(lo, brute_pages(k, N_SINK, 4)[0]) and torch.equal(hi, brute_pages(k, N_SINK, 4)[1])
+    for size in (0, -4):  # pages of no positions: a ZeroDivisionError, or bounds of nonsense
+        with pytest.raises(ValueError, match=f"page_size must be at least 1, got {size}"):
+            PageIndex(None, size, N_SINK)
 
 
 def test_quests_bound_is_its_definition_and_bounds_every_score_of_the_page():
