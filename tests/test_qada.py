@@ -69,6 +69,17 @@ def test_tau_range():
     assert check_tau(1.0) == 1.0 and check_tau(1) == 1
 
 
+def test_a_tensor_of_taus_gives_the_threshold_a_float_gives():
+    """criterion.tau_logit of a batch's taus (the kernel's and the batched paths') is the float path's, rounded
+    once to fp32: computed in fp32 it differs by an ulp for about a third of the taus, and a share at the threshold
+    is then labelled by one path and not the other."""
+    from criterion import tau_logit
+    taus = torch.linspace(0.01, 0.99, 999)
+    floats = torch.tensor([tau_logit(float(t)) for t in taus], dtype=torch.float32)
+    assert tau_logit(taus).dtype == torch.float32 and torch.equal(tau_logit(taus), floats)
+    assert tau_logit(torch.tensor([1.0])).item() == math.inf
+
+
 def test_the_window_sizes_every_caller_checks():
     """criterion.check_window, which DecodeAttention, generate.py, lab.sweep and the HF adapter call: integers with
     0 <= n_sink < n_local, in the caller's spelling."""
