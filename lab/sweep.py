@@ -64,6 +64,7 @@ writes run.json and the report. The progress bar is rank 0's share.
 
 import argparse
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -128,6 +129,7 @@ METHODS = {
     "qada_kv_sampled_cal_transfer": ("qada_kv_sampled_cal", "transfer-sampled"),
 }
 DEFAULT_SOURCE = {"calibration": "affine", "moments": "random-words", "static_local": "calibrated"}
+RECORDED_SINCE = {"calibration_sha1"}  # settings a folder's run.json may predate: compared only where it holds them
 LABEL_SOURCES = ("random", "calibrated", "own-task", "calibrated-kv", "own-task-kv")
 
 
@@ -756,6 +758,9 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                          ("static_labels", static_labels if static_sources else None)):
         if folder:  # a resumed run keeps reading the corrections and labels it started with
             settings[name] = str(Path(folder))  # results/cal/ is results/cal
+    if read:  # ... and the same corrections, not others written under the same name (lab.calibrate --force)
+        settings["calibration_sha1"] = {src: hashlib.sha1(Path(file).read_bytes()).hexdigest()
+                                        for src, file in sorted(read.items())}
     if threads:
         torch.set_num_threads(threads)
     jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)
@@ -774,8 +779,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                     old = info["settings"]
                     # a run that reads static labels from the default folder (no --static-labels) is compared too
                     keys = list(settings) + (["static_labels"] if static_sources and not static_labels else [])
-                    clash = {k: (old.get(k), settings.get(k)) for k in keys
-                             if k != "tasks" and old.get(k) != settings.get(k)}
+                    clash = {k: (old.get(k), settings.get(k)) for k in keys if k != "tasks"
+                             and old.get(k) != settings.get(k) and (k in old or k not in RECORDED_SINCE)}
                     if clash:
                         raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
                     settings["tasks"] = list(dict.fromkeys(old.get("tasks", []) + task_list))

@@ -3,6 +3,7 @@ line on stderr and exit 2, found before a model loads; nothing written is replac
 default folder); a sweep folder is locked while a sweep writes it; a damaged record stops lab.report and a sweep's
 resume with its file and line, unless --skip-damaged, which leaves it out and counts it."""
 
+import hashlib
 import json
 import lzma
 import os
@@ -529,6 +530,28 @@ def test_a_resume_reads_the_static_labels_it_started_with(tmp_path, tiny_dir, no
              f"holds a run with other settings {{'static_labels': ('{tmp_path / 'ruler.json'}', None)}}")
     with pytest.raises(AssertionError, match="a model was loaded"):
         sweep.main(argv)
+
+
+def test_a_resumed_sweep_refuses_a_correction_refitted_under_the_same_name(tmp_path, tiny_dir, no_model, capsys):
+    """lab.calibrate --force rewrites a folder's affine.json in place: a sweep resumed on that folder would decode the
+    next samples with the new correction beside records of the old. run.json keeps each file's sha1, and a resume
+    reading other bytes is refused; a run.json from before the digest was kept resumes (up to the model's loading)."""
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    save_calibration(cal / "affine.json", Calibration(torch.zeros(2, 4), torch.ones(2, 4), None,
+                                                      {"kind": "affine", "moments_source": "random-words"}))
+    out = tmp_path / "out"
+    settings = dict(tasks=["fwe"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model=str(tiny_dir),
+                    calib_seed=1, dtype="float32", calibration=str(cal))
+    run_folder(out, LINES[0], settings=dict(settings, calibration_sha1={"affine": "0" * 40}))
+    argv = ["--out", str(out), "--model", str(tiny_dir), "--calibration", str(cal)] + RUN + ["--methods",
+                                                                                            "dense,qada_cal"]
+    err = one_line(capsys, sweep.main(argv), "holds a run with other settings {'calibration_sha1': ({'affine': '000")
+    assert hashlib.sha1((cal / "affine.json").read_bytes()).hexdigest() in err
+    older = tmp_path / "older"
+    run_folder(older, LINES[0], settings=settings)
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        sweep.main([older.as_posix() if a == str(out) else a for a in argv])
 
 
 @pytest.mark.parametrize("cli", ["sweep", "calibrate"])
