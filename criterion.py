@@ -254,17 +254,33 @@ def save_calibration(path: str | Path, calibration: Calibration) -> None:
     os.replace(tmp, path)
 
 
+def read_json(path: Path, what: str):
+    """The JSON in file `path`; a ValueError of one line naming `what` it should have been otherwise (a binary file's
+    bytes are not quoted back)."""
+    try:
+        return json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not {what}: not UTF-8 text (a binary file?)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not {what}: not JSON ({e})") from None
+
+
 def load_calibration(path: str | Path, device=None) -> Calibration:
     """A Calibration from a file of save_calibration, its tensors on `device`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"calibration file {path} not found (make one with python -m lab.calibrate --qada)")
+    data = read_json(path, "a calibration file")
+    if isinstance(data, dict) and "local_freq" in data:
+        raise ValueError(f"{path} holds static labels (python -m lab.calibrate), not a QAdA correction (python -m "
+                         "lab.calibrate --qada)")
     try:
-        data = json.loads(path.read_text())
         a, b = (torch.tensor(data[k], dtype=torch.float32, device=device) for k in ("a", "b"))
         s = None if data["s"] is None else torch.tensor(data["s"], dtype=torch.float32, device=device)
         settings = dict(data["settings"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except KeyError as e:
+        raise ValueError(f"{path} is not a calibration file: it has no {e} entry") from None
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{path} is not a calibration file: {e}") from None
     if a.dim() != 2 or a.shape != b.shape or (s is not None and (s.dim() != 2 or s.shape[0] != a.shape[0])):
         raise ValueError(f"{path} is not a calibration file: a, b (L, H) and s (L, Hkv) do not match")
@@ -344,12 +360,15 @@ def load_local_freq(path: str | Path) -> tuple[torch.Tensor, dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"static labels file {path} not found (make one with python -m lab.calibrate)")
+    data = read_json(path, "a static labels file")
+    if isinstance(data, dict) and "a" in data and "b" in data:
+        raise ValueError(f"{path} holds a QAdA correction (python -m lab.calibrate --qada), not static labels (python "
+                         "-m lab.calibrate)")
     try:
-        data = json.loads(path.read_text())
         return torch.tensor(data["local_freq"], dtype=torch.float32), dict(data["settings"])
     except KeyError as e:
         raise ValueError(f"{path} is not a static labels file: it has no {e} entry") from None
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{path} is not a static labels file: {e}") from None
 
 

@@ -4,6 +4,7 @@ own correction with the right sign, the fits recovering known corrections, the c
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ import torch
 import generate
 from attention import DecodeAttention, all_scores, bulk_sample
 from criterion import (CALIBRATION_KINDS, Calibration, Correction, check_calibration, gaussian_form,
-                       load_calibration, oracle_log_masses, qada_labels, save_calibration)
+                       load_calibration, load_labels, oracle_log_masses, qada_labels, save_calibration,
+                       save_labels)
 from lab import calibrate, records, sweep
 from moments import FixedMoments, ReferenceKeys
 from tests.test_generate import make_tiny_dir, write_prompt
@@ -143,6 +145,20 @@ def test_calibration_files_round_trip_and_refuse_what_they_are_not(tmp_path):
         load_calibration(tmp_path / "bad.json")
     with pytest.raises(FileNotFoundError, match="lab.calibrate --qada"):
         load_calibration(tmp_path / "missing.json")
+    save_labels(tmp_path / "ruler.json", torch.rand(3, 4), {})  # a file of the other kind, a binary one, ...
+    (tmp_path / "masses.pt").write_bytes(b"\x80\x02PK\x00\xff")
+    (tmp_path / "text.json").write_text("a, b")
+    (tmp_path / "no_a.json").write_text(json.dumps({"settings": {}, "b": [[1.0]], "s": None}))
+    for name, message in (("ruler.json", "holds static labels (python -m lab.calibrate), not a QAdA correction"),
+                          ("masses.pt", "is not a calibration file: not UTF-8 text (a binary file?)"),
+                          ("text.json", "is not a calibration file: not JSON ("),
+                          ("no_a.json", "is not a calibration file: it has no 'a' entry")):  # not "KeyError: 'a'"
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path / name} {message}")):
+            load_calibration(tmp_path / name)
+    with pytest.raises(ValueError, match="holds a QAdA correction .* not static labels"):
+        load_labels(tmp_path / "c.json", 0.5)
+    with pytest.raises(ValueError, match="is not a static labels file: not UTF-8 text"):
+        load_labels(tmp_path / "masses.pt", 0.5)
     (tmp_path / "s.json").write_text(json.dumps({"settings": {}, "a": [[1.0] * 4] * 3, "b": [[1.0] * 4] * 3,
                                                   "s": [[1.0] * 2] * 2}))  # s of 2 layers for a and b's 3
     with pytest.raises(ValueError, match="do not match"):
