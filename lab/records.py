@@ -360,7 +360,8 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
     methods have intervals too. axis "kv_read": the point is 1 - the lowest lossless KV-read fraction. `worst`: a point
     is lossless when its worst task keeps >= LOSSLESS of dense, instead of the mean over tasks. "found": whether the
     method's least saving configuration is lossless, so that a lossless point was measured (else the point is 0, as
-    in the draws that find none); "at": the configurations at the point, none when not found."""
+    in the draws that find none); "at": the configurations at the point, none when not found; "open": whether the
+    point is the method's most saving one, so that the grid ended before the method lost (a lower bound)."""
     all_cfgs = [c for cs in configs.values() for c in cs]
     scores = paired_scores(rows, tasks, all_cfgs)
     if not scores:
@@ -385,6 +386,7 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
         boot = np.array([lossless_sparsity([((1 - sign) / 2 + sign * drawn_mean(values, d, c),
                                              normalised(scores, d, c, worst)) for c in cs]) for d in draws])
         out[m] = {"point": point, "boot": boot, "found": found, "at": [c for c in cs if x[c] == point] if found else [],
+                  "open": found and point == curve[-1][0],  # its most saving point lossless: it may go further
                   "sparsity": sparsity, "kv_read": kv, "n": sum(len(i) for i, _ in scores.values())}
     return out
 
