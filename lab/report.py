@@ -54,7 +54,26 @@ def damage_note(damaged: list[str]) -> list[str]:
     return [f"**{len(damaged)} damaged record line(s) left out** (--skip-damaged): " + "; ".join(damaged), ""]
 
 
-def write_summary(out: Path, rows, tasks, damaged: list[str] = ()):
+def partial_note(out: Path, rows) -> list[str]:
+    """The lines a table file states an unfinished sweep with: the folder's last lab.sweep command started and did not
+    finish (run.json), or a task of its settings has no record yet; none for a finished run or a folder without
+    run.json."""
+    if not (out / "run.json").is_file():
+        return []
+    info, said = read_run(out), []
+    last = (info.get("runs") or [{}])[-1]
+    if "started" in last and "finished" not in last:  # lab.sweep enters "started" first, "finished" at its end
+        said.append(f"the last sweep into this folder, started {last['started']}, did not finish")
+    missing = [t for t in info["settings"].get("tasks", []) if not any(r["task"] == t for r in rows)]
+    if missing:
+        said.append(f"no record yet of {', '.join(missing)}")
+    if not said:
+        return []
+    return [f"**A partial run**: {'; '.join(said)}. The tables cover what was decoded; the same lab.sweep command "
+            "resumes it.", ""]
+
+
+def write_summary(out: Path, rows, tasks, notes: list[str] = ()):
     srows = summary_rows(rows)
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(srows[0]))
@@ -67,7 +86,7 @@ def write_summary(out: Path, rows, tasks, damaged: list[str] = ()):
              "Score = RULER string match x 100, averaged over samples. Sparsity = fraction of (decode step, layer, "
              "head) labelled local. KV read = fraction of KV entries read; for the oracle it is implied by its labels "
              "(what a path that skips by them would read): the oracle path itself reads every entry to find them. "
-             "n = samples per task.", ""] + damage_note(damaged)
+             "n = samples per task.", ""] + list(notes)
     # dense vs floor
     lines += ["## Dense score and the local-window floor per task", "", "| task | n | dense | local (floor) | dense tokens |",
               "|---|---|---|---|---|"]
@@ -561,10 +580,10 @@ def log_error_table(rows, oracle_freq_rank) -> list[str]:
     return lines
 
 
-def write_analysis(out: Path, rows, tasks, cur, points, damaged: list[str] = ()):
+def write_analysis(out: Path, rows, tasks, cur, points, notes: list[str] = ()):
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
-    lines = [f"# Analysis of {out.name}", ""] + damage_note(damaged) + write_lossless(out, rows, tasks) + [""]
+    lines = [f"# Analysis of {out.name}", ""] + list(notes) + write_lossless(out, rows, tasks) + [""]
     lines += ["## Score / dense per configuration, paired bootstrap 95 % interval", "",
               score_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + score_table(points) + [""]
     lines += ["## Score / dense at matched head sparsity and KV read, paired bootstrap 95 % interval", "",
@@ -706,9 +725,13 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
         if unknown:
             raise ValueError(f"--tasks {','.join(unknown)}: no record of it in {out} (its tasks: "
                              f"{', '.join(sorted({r['task'] for r in rows}))})")
-    cur = write_summary(out, rows, tasks, damaged)
+    partial = partial_note(out, rows)
+    if partial:
+        print(partial[0].replace("**", ""), file=sys.stderr)
+    notes = damage_note(damaged) + partial  # stated at the top of both files
+    cur = write_summary(out, rows, tasks, notes)
     points = measured_points(rows, tasks)  # the bootstrap behind both the table and Fig. 4
-    rr = write_analysis(out, rows, tasks, cur, points, damaged)
+    rr = write_analysis(out, rows, tasks, cur, points, notes)
     plots(out, rows, tasks, cur, rr, points)
     print(f"tables and plots written to {out}")
 

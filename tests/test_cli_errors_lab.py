@@ -109,6 +109,27 @@ def test_report_stops_at_a_damaged_record_and_with_the_flag_counts_what_it_left_
     assert "| dense | 100.0 (2)" in (out / "summary.md").read_text()  # the two whole dense records, not three
 
 
+def test_the_report_of_an_unfinished_sweep_says_it_is_partial(tmp_path, capsys):
+    """A sweep stopped before its end (its run.json entry started, never finished), with a task of its settings not
+    yet reached: both table files say so at the top, and the report says so on stderr. A finished run's do not; nor
+    does one whose last command finished after an interrupted one."""
+    out = run_folder(tmp_path / "run", b"".join(LINES), settings={"tasks": ["fwe", "vt"]})
+    info = json.loads((out / "run.json").read_text())
+    info["runs"] = [{"command": "lab.sweep ...", "started": "2026-01-02 03:04:05 UTC", "threads": 1}]
+    (out / "run.json").write_text(json.dumps(info))
+    assert report.main([str(out)]) == 0
+    said = ("**A partial run**: the last sweep into this folder, started 2026-01-02 03:04:05 UTC, did not finish; no "
+            "record yet of vt.")
+    assert said.replace("**", "") in capsys.readouterr().err
+    for table in ("summary.md", "analysis.md"):
+        assert said in (out / table).read_text()
+    info["runs"].append(dict(info["runs"][0], finished="2026-01-02 04:00:00 UTC"))  # resumed to its end
+    info["settings"]["tasks"] = ["fwe"]
+    (out / "run.json").write_text(json.dumps(info))
+    assert report.main([str(out)]) == 0
+    assert "partial" not in capsys.readouterr().err and "partial" not in (out / "summary.md").read_text()
+
+
 def test_a_sweep_of_context_free_samples_alone_gets_whole_tables(tmp_path):
     """--tasks '' (the context-free samples only): every table's rows have its header's columns, and the sparsity
     table has the context-free configs' rows."""
