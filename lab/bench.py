@@ -264,8 +264,9 @@ def bench_attention(lengths, repeats: int, device: torch.device, timer: Timer) -
                                  of_bound=speedup / ideal, criterion=t["criterion"] / t["packed"],
                                  packed_ms=1e3 * t["packed"] / stack.L, speedup_packed=t["packed"] / t[f],
                                  of_bound_packed=t["packed"] / t[f] / ideal,
-                                 fused_ms=1e3 * t[f"fused {f}"] / stack.L if kernel else math.nan,
-                                 fused_of_bound=t["packed"] / t[f"fused {f}"] / ideal if kernel else math.nan))
+                                 # None (null in the JSON, "–" in the table): no fused kernel timed off CUDA
+                                 fused_ms=1e3 * t[f"fused {f}"] / stack.L if kernel else None,
+                                 fused_of_bound=t["packed"] / t[f"fused {f}"] / ideal if kernel else None))
                 print(format_row(ATTENTION_COLUMNS, rows[-1]), flush=True)
             del stack, fns
     return rows
@@ -595,7 +596,7 @@ E2E_COLUMNS = [("T", "prompt tokens", "{}"), ("batch", "batch", "{}"), ("theta",
 
 
 def format_row(columns, row) -> str:
-    return "| " + " | ".join(fmt.format(row[key]) for key, _, fmt in columns) + " |"
+    return "| " + " | ".join("–" if row[key] is None else fmt.format(row[key]) for key, _, fmt in columns) + " |"
 
 
 def table(columns, rows) -> str:
