@@ -45,10 +45,13 @@ from weights.downloads import cache_dir
 
 @torch.inference_mode()
 def oracle_frequency(model, tok, task: str, length: int, samples: int, seed: int, max_new_tokens: int,
-                     n_sink: int = 16, n_local: int = 128, tau: float = TAU) -> tuple[torch.Tensor, int]:
-    """(L, H) fraction of decode steps each head is local under the oracle, over `samples` prompts; and the steps."""
+                     n_sink: int = 16, n_local: int = 128, tau: float = TAU, progress: bool = False
+                     ) -> tuple[torch.Tensor, int]:
+    """(L, H) fraction of decode steps each head is local under the oracle, over `samples` prompts; and the steps.
+    `progress`: a line per prompt on stderr, as --qada's."""
     counts, steps = 0, 0
     for i in range(samples):
+        t0 = time.perf_counter()
         sample = make_sample(task, i, length, tok, seed)
         ids = tok.encode(sample.prompt)
         cache = model.new_cache(len(ids) + max_new_tokens)
@@ -58,6 +61,8 @@ def oracle_frequency(model, tok, task: str, length: int, samples: int, seed: int
         if att.stats.labels:
             labels = att.stats.label_tensor()  # (S, L, H)
             counts, steps = counts + labels.double().sum(0), steps + labels.shape[0]
+        if progress:
+            print(f"{task}#{i}: {len(att.stats.labels)} steps, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if steps == 0:
         raise ValueError(f"calibration on {task} decoded no step (every answer ended at once)")
     return (counts / steps).float(), steps
@@ -160,7 +165,8 @@ def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int
         t0 = time.perf_counter()
         if progress:
             print(f"calibrating static labels on {task} ({samples} prompts, seed {seed})...", file=sys.stderr)
-        freq, steps = oracle_frequency(model, tok, task, length, samples, seed, max_new_tokens, n_sink, n_local)
+        freq, steps = oracle_frequency(model, tok, task, length, samples, seed, max_new_tokens, n_sink, n_local,
+                                       progress=progress)
         save_labels(path, freq, dict(settings, steps=steps, seconds=round(time.perf_counter() - t0, 1)))
         out[task] = freq
     mean = torch.stack([out[t] for t in ruler_tasks]).mean(0)

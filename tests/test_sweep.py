@@ -553,16 +553,20 @@ def test_kv_read_differences_are_paired():
     assert cells[1:] == ["0.70", "QAdA (random words)", "0.80", "-0.10", "[-0.10, -0.10]", "8"]
 
 
-def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch):
+def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch, capsys):
     from lab import calibrate
     from criterion import load_labels
     tok = TinyTokenizer()
-    kwargs = dict(length=400, samples=1, seed=5, max_new_tokens=6, progress=False)
+    kwargs = dict(length=400, samples=2, seed=5, max_new_tokens=6, progress=True)
     freqs = calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)
+    err = capsys.readouterr().err.splitlines()  # the task's line, then one per prompt as it ends, as --qada's
+    assert err[0].startswith("calibrating static labels on niah_single_1 (2 prompts")
+    assert [line.split(":")[0] for line in err[1:]] == ["niah_single_1#0", "niah_single_1#1"]
+    assert all(re.fullmatch(r"niah_single_1#\d: \d+ steps, \d+ s", line) for line in err[1:])
     L, H = tiny.cfg.num_hidden_layers, tiny.cfg.num_attention_heads
     assert freqs["niah_single_1"].shape == (L, H) and torch.equal(freqs["ruler"], freqs["niah_single_1"])
     labels, settings = load_labels(tmp_path / "niah_single_1.json", 0.5)
-    assert int(labels.sum()) == round(0.5 * L * H) and settings["seed"] == 5 and 1 <= settings["steps"] <= 5
+    assert int(labels.sum()) == round(0.5 * L * H) and settings["seed"] == 5 and 1 <= settings["steps"] <= 10
     monkeypatch.setattr(calibrate, "oracle_frequency", lambda *a, **k: pytest.fail("recalibrated"))
     again = calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)  # same settings: read back
     assert torch.allclose(again["niah_single_1"].cpu(), freqs["niah_single_1"].cpu())
