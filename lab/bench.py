@@ -717,6 +717,9 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
     setup = setup_line(device)
     out = Path(out) if out is not None else fresh_folder("runs/bench")
     out.mkdir(parents=True, exist_ok=True)
+    for part, name in (("attention", "attention"), ("e2e", "end_to_end")):
+        if parts in (part, "all") and not prefill_only and (out / f"{name}.json").is_file():  # said, not silent
+            print(f"note: {out} holds an earlier run's {name} tables; this run replaces them", file=sys.stderr)
     att_lengths = given or ([2048, 8192] if quick else [2048, 4096, 8192, 16384, 32768])
     e2e_lengths = given or ([2048] if quick else [2048, 4096, 8192, 16384])
     att_repeats, e2e_repeats = repeats or (3 if quick else 5), repeats or (2 if quick else 6)

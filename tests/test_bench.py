@@ -231,8 +231,9 @@ def test_a_prefill_read_back_is_the_prefill(tmp_path):
     assert torch.equal(first_back, first) and seconds_back == seconds
 
 
-def test_the_two_parts_run_apart_into_one_folder(tmp_path, monkeypatch):
-    """Each part writes its own table, profile and rows; the second run keeps the first's, and the plot draws both."""
+def test_the_two_parts_run_apart_into_one_folder(tmp_path, monkeypatch, capsys):
+    """Each part writes its own table, profile and rows; the second run keeps the first's, and the plot draws both.
+    A part run again into the folder says that it replaces the earlier run's tables."""
     from tests.test_generate import make_tiny_dir
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
     folder, out = make_tiny_dir(tmp_path / "tiny"), tmp_path / "bench"
@@ -243,6 +244,7 @@ def test_the_two_parts_run_apart_into_one_folder(tmp_path, monkeypatch):
     first = (out / "attention.json").read_text()
     assert bench.run(parts="e2e", **common) == 0
     assert (out / "attention.json").read_text() == first  # not overwritten by the other part
+    assert "replaces" not in capsys.readouterr().err
     def strict(constant):  # NaN and Infinity are not JSON: jq and most parsers refuse the file
         raise ValueError(f"{constant} in attention.json")
     rows = json.loads(first, parse_constant=strict)["rows"]
@@ -251,3 +253,5 @@ def test_the_two_parts_run_apart_into_one_folder(tmp_path, monkeypatch):
     for part in ("attention", "end_to_end"):
         assert (out / f"{part}.md").is_file() and (out / f"{part}_profile.md").read_text().startswith("Profiles")
     assert len(json.loads((out / "end_to_end.json").read_text())["rows"]) == 1 and (out / "speedup.png").is_file()
+    assert bench.run(parts="attention", **common) == 0
+    assert f"note: {out} holds an earlier run's attention tables; this run replaces them" in capsys.readouterr().err
