@@ -6,6 +6,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -634,3 +635,92 @@ def test_the_worst_task_rule_is_stricter_than_the_mean():
     mean_rule = records.lossless_table(rows, ["a", "b"], n_boot=20)[0]
     worst_rule = records.lossless_table(rows, ["a", "b"], n_boot=20, worst=True)[0]
     assert (mean_rule["lossless"], worst_rule["lossless"]) == (0.8, 0.5)  # mean 0.95 passes, the worst task 0.9 not
+
+
+# --- the statistics where samples differ: pairing, the 95 % percentiles, means of task means ----------------------
+
+
+def varied_rows():
+    """Two tasks of 10 samples; dense and two methods that score alike sample by sample (1 on even samples, 0.9 on odd
+    ones for both, dense 1): any difference between them, or from dense, is paired draw by draw, or it is noise."""
+    rows = []
+    for t in ("a", "b"):
+        for i in range(10):
+            rows.append(row(t, i, "dense", 1.0, 0.0))
+            for m in ("qada_kv_all", "qada_rw"):
+                for thr, sp, kv in ((0.6, 0.5, 0.7), (0.2, 0.9, 0.3)):
+                    score = (1.0 if i % 2 == 0 else 0.9) if thr == 0.6 else (1.0 if i % 2 else 0.0)
+                    rows.append(dict(row(t, i, f"{m}@{thr}", score, sp), kv_read=kv))
+    return rows
+
+
+def test_differences_of_methods_alike_sample_by_sample_are_exactly_zero():
+    """Each statistic that compares draws them paired: the same resampled samples for dense and every configuration,
+    and for both methods of a difference. Unpaired, a difference of two methods that agree on every sample spreads
+    around 0 (and a score over dense that equals it on every sample spreads around 1)."""
+    rows = varied_rows()
+    line, = report.kv_read_differences(rows, ["a", "b"], n_boot=200, pairs=[("qada_kv_all", "qada_rw")])
+    assert "| +0.00 | [+0.00, +0.00] |" in line
+    vs, = records.matched_table(rows, ["a", "b"], "kv_read", (0.5,), against="qada_rw", n_boot=200,
+                                methods=["qada_kv_all"])
+    assert vs["vs 0.5"] == pytest.approx((0.0, 0.0, 0.0))
+    both = [dict(r, score=float(r["index"] % 2)) for r in rows if r["config"] in ("dense", "qada_rw@0.6")]
+    p = records.score_points(both, ["a", "b"], "qada_rw@0.6", n_boot=200)  # dense and it: 0, 1, 0, 1, ... alike
+    assert p["lo"] == p["norm"] == p["hi"] == 1.0
+
+
+def test_the_lossless_interval_is_the_draws_2_5th_to_97_5th_percentile():
+    """Nine configurations at sparsity 0.1 ... 0.9, the k-th failing task a's first k samples (of 10): the draws'
+    lossless points spread over several configurations, and the "95 %" interval of the table and of the claims is
+    their 2.5th to 97.5th percentile (here not the 5th to 95th)."""
+    rows = []
+    for t in ("a", "b"):
+        for i in range(10):
+            rows.append(row(t, i, "dense", 1.0, 0.0))
+            for k in range(1, 10):
+                rows.append(row(t, i, f"qada_rw@{1 - k / 10:g}", 0.0 if t == "a" and i < k else 1.0, k / 10))
+    cfgs = records.method_configs(rows, ["a", "b"])
+    boot = records.lossless_draws(rows, ["a", "b"], cfgs, n_boot=2000)["qada_rw"]["boot"]
+    want = tuple(float(x) for x in np.percentile(boot, [2.5, 97.5]))
+    assert want != tuple(float(x) for x in np.percentile(boot, [5, 95]))  # the fixture tells the two apart
+    sp, = records.lossless_table(rows, ["a", "b"], n_boot=2000)
+    assert (sp["lo"], sp["hi"]) == want
+    oracle = [dict(r, config=r["config"].replace("qada_rw", "oracle"), method="oracle") if r["method"] == "qada_rw"
+              else r for r in rows]
+    claim, = [line for line in report.claims_table(oracle, ["a", "b"]) if line.startswith("| adaptive oracle:")]
+    assert f"| [{want[0]:.2f}, {want[1]:.2f}] |" in claim
+
+
+def test_lossless_points_stop_at_the_first_loss_and_count_0_95_as_lossless():
+    """A sparser point that keeps the score after one that lost does not extend the lossless point; a point at
+    exactly 0.95 of dense is lossless, and found."""
+    assert records.lossless_sparsity([(0.5, 1.0), (0.7, 0.9), (0.9, 0.97)]) == 0.5
+    rows = [row(t, 0, "dense", 1.0, 0.0) for t in ("a", "b")]  # one sample each: 0.95 exactly, not a sum's rounding
+    rows += [row(t, 0, "qada_rw@0.6", 0.95, 0.5) for t in ("a", "b")]
+    sp, = records.lossless_table(rows, ["a", "b"], n_boot=20)
+    assert sp["found"] and sp["lossless"] == 0.5
+
+
+def test_means_are_over_tasks_and_over_the_samples_dense_ran():
+    """Every figure is a mean over tasks of per-task means (a task with more samples weighs the same); a sparsity or
+    KV read 'there' counts only the samples dense ran too; a task where dense scores 0 is left out of score / dense,
+    not a division by 0; the window-only baseline is no method of the tables; draws repeat with their seed."""
+    point, boot = records.mean_draws({"a": [1.0], "b": [3.0, 3.0, 3.0]}, n_boot=10)
+    assert point == 2.0 and (boot == 2.0).all()
+    spread = {"a": [0.0, 1.0, 5.0], "b": [2.0, 7.0]}
+    assert (records.mean_draws(spread, 50, seed=3)[1] == records.mean_draws(spread, 50, seed=3)[1]).all()
+    rows = [row(t, i, "dense", 1.0 if t == "a" else 0.0, 0.0) for t in ("a", "b") for i in range(4)]
+    rows += [row(t, i, "qada_rw@0.6", 1.0, 0.7) for t in ("a", "b") for i in range(4)]
+    rows += [row("a", 4, "qada_rw@0.6", 1.0, 0.1)]  # dense never ran sample 4: not among the paired samples
+    rows += [row(t, i, "local", 0.0, 1.0) for t in ("a", "b") for i in range(4)]
+    p = records.score_points(rows, ["a", "b"], "qada_rw@0.6", n_boot=20)
+    assert p["norm"] == 1.0 and p["sparsity"] == pytest.approx(0.7) and p["kv_read"] == pytest.approx(0.3)
+    assert [r["method"] for r in records.lossless_table(rows, ["a", "b"], n_boot=20)] == ["qada_rw"]
+    # the configurations' place on the axis: a mean over tasks, task a's 4 samples at 0.9 and b's 2 at 0.5 -> 0.7
+    uneven = [row(t, i, "dense", 1.0, 0.0) for t, n in (("a", 4), ("b", 2)) for i in range(n)]
+    uneven += [row(t, i, "x@1", 1.0, 0.9 if t == "a" else 0.5) for t, n in (("a", 4), ("b", 2)) for i in range(n)]
+    scores = records.paired_scores(uneven, ["a", "b"], ["x@1"])
+    values = records.paired_values(uneven, scores, ["x@1"], "sparsity")
+    full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
+    assert records.drawn_mean(values, full, "x@1") == pytest.approx(0.7)
+    assert report.verdict(-0.1, 0.0, 0.0) == "not resolved"  # touching 0 from below is not yet reversed
