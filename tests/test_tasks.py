@@ -94,6 +94,7 @@ def test_reproducible_and_distinct(task, tok):
         assert other_index.outputs != a.outputs
     other_seed = tasks.make_sample(task, 2, length, tok, seed=7)
     assert other_seed.prompt != a.prompt
+    assert other_seed == tasks.make_sample(task, 2, length, StandInTokenizer(), seed=7)  # the seed's own fit
 
 
 def test_raw_prompt_without_chat_template(task):
@@ -210,11 +211,35 @@ def test_string_match_all_and_part():
     assert tasks.string_match_all("", refs) == 0.0 and tasks.string_match_part("", refs) == 0.0
     assert tasks.string_match_part("grape", refs) == 0.0
     assert tasks.string_match_all("the value 12345678", ["1234567"]) == 1.0  # substring, as in RULER
+    assert tasks.string_match_all("8c1b", ["8c1b-4e2a-9f00"]) == 0.0  # a reference's fragment is not the reference
     for bad in ([], [""], ["ok", ""]):
         with pytest.raises(ValueError):
             tasks.string_match_all("anything", bad)
         with pytest.raises(ValueError):
             tasks.string_match_part("anything", bad)
+
+
+def test_each_family_scores_with_rulers_metric():
+    """RULER's metrics: every reference must appear for the needle, variable-tracking and word-frequency tasks
+    (string_match_all: partial answers earn partial credit), any one of the answer variants for QA (string_match_part:
+    the variants are alternatives)."""
+    metric = {t: tasks.FAMILIES[c["family"]]["metric"] for t, c in tasks.TASK_CONFIGS.items()}
+    assert metric == {t: "part" if t.startswith("qa") else "all" for t in tasks.TASK_CONFIGS}
+
+
+def test_needles_go_in_at_their_depths_in_order():
+    """_insert places each item at its depth (a percent of the chunks), counted in the original chunks; items at one
+    depth keep their order."""
+    assert tasks._insert(list("abcd"), ["X", "Y"], [25, 75]) == ["a", "X", "b", "c", "Y", "d"]
+    assert tasks._insert(list("abcd"), ["X", "Y"], [50, 50]) == ["a", "b", "X", "Y", "c", "d"]
+
+
+def test_cwe_takes_rulers_long_regime_from_4k(tok):
+    """At 4k and above each common word is repeated freq_cw = 30 times (RULER's long regime); below, 6 times."""
+    import re
+    for length, repeats in ((4096, 30), (1024, 6)):
+        s = tasks.make_sample("cwe", 0, length, tok)
+        assert len(re.findall(rf"\b{re.escape(s.outputs[0])}\b", s.prompt)) == repeats, length
 
 
 def test_score_uses_the_sample_metric(tok):
