@@ -724,3 +724,25 @@ def test_means_are_over_tasks_and_over_the_samples_dense_ran():
     full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
     assert records.drawn_mean(values, full, "x@1") == pytest.approx(0.7)
     assert report.verdict(-0.1, 0.0, 0.0) == "not resolved"  # touching 0 from below is not yet reversed
+
+
+def test_the_agreement_tables_by_hand():
+    """The oracle-agreement tables on one tracked run of one layer: heads by decile of the oracle's local frequency,
+    most local first; Table 2's most-local heads by the rank given; the per-layer kappa (Cohen's: chance agreement
+    from both the local and the long-context margins); the static oracle's frequencies weighted by steps."""
+    freq = [1.0 - h / 10 for h in range(10)]  # head h: oracle-local 1.0, 0.9, ..., 0.1
+    run = {"task": "a", "config": "qada_rw@0.6", "steps": 1, "oracle_freq": [freq], "local_freq": [freq],
+           "both_freq": [freq], "log_err": [[float(h) for h in range(10)]], "dist_local": [[1.0] * 10]}
+    lines = report.agreement_by_decile([run])
+    assert lines[2].startswith("| 0-10% | 1.00 |") and lines[11].startswith("| 90-100% | 0.10 |")
+    table = report.log_error_table([run], np.arange(10))  # head 0 ranked most local
+    assert [line.split(" | ")[1] for line in table[2:]] == ["4.50 ± 2.87", "0.50 ± 0.50", "0.00 ± 0.00"]
+    # 4 heads: QAdA local on 3, the oracle on 2 of those: TP 0.5, FP 0.25, TN 0.25, FN 0; observed agreement 0.75,
+    # chance (0.75 * 0.5 + 0.25 * 0.5) = 0.5, kappa 0.5
+    four = dict(run, oracle_freq=[[1.0, 1.0, 0.0, 0.0]], local_freq=[[1.0, 1.0, 1.0, 0.0]],
+                both_freq=[[1.0, 1.0, 0.0, 0.0]], log_err=[[0.0] * 4], dist_local=[[0.0] * 4])
+    layer0 = report.layer_disagreement([four])[2]
+    assert layer0.split(" | ")[1:6] == ["0.50", "0.25", "0.25", "0.00", "0.50"]
+    runs = [{"task": "a", "config": "oracle@0.6", "steps": 10, "local_freq": [[1.0]]},
+            {"task": "a", "config": "oracle@0.6", "steps": 30, "local_freq": [[0.0]]}]
+    assert records.static_oracle_freq(records.group(runs), ["a"]) == {"a": [[0.25]]}
