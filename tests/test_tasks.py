@@ -71,6 +71,31 @@ def test_fits_budget(task, tok):
         assert s.input == s.messages[-1]["content"] and s.input in s.prompt
 
 
+def test_the_context_free_question_fits_and_asks_for_no_context(ruler_data, tok):
+    """Fig. 6c's sample: qa_2's documents with a question they do not answer, unscored, fitted to the length with its
+    own 32 new tokens; each index its own documents."""
+    prompts = set()
+    for index in range(3):
+        s = tasks.ctxfree_sample(index, 2048, tok)
+        assert s.task == tasks.CTXFREE and s.outputs == [] and s.max_new_tokens == 32
+        assert s.n_prompt_tokens == len(tok.encode(s.prompt)) and s.n_prompt_tokens + 32 <= 2048
+        assert s.input.endswith(f"Question: {tasks.CTXFREE_QUESTION}") and s.input in s.prompt
+        prompts.add(s.prompt)
+    assert len(prompts) == 3
+
+
+def test_cwe_shuffles_each_sample_its_own_way(tok):
+    """The common words sit at other places of the list in each sample (a shared shuffle would put the answers at
+    the same list positions every time)."""
+    import re
+    where = []
+    for i in range(2):
+        s = tasks.make_sample("cwe", i, 1024, tok)
+        words = re.findall(r"\d+\. (\S+)", s.input)  # the numbered list of the sample's own turn
+        where.append([k for k, w in enumerate(words) if w == s.outputs[0]])
+    assert len(where[0]) == len(where[1]) == 6 and where[0] != where[1]
+
+
 def test_a_length_too_short_for_the_task_says_what_it_needs(tok):
     """A length below the task's smallest prompt plus its answer is refused with the length it would take, which
     then fits."""
