@@ -709,3 +709,20 @@ def test_the_dense_table_names_each_run_apart(tmp_path):
         run_folder(tmp_path / folder, body, settings={"tasks": ["fwe"], "model": "m", "length": length})
     head = report.dense_table(tmp_path).splitlines()[4]
     assert head == "| task | m 512 | m 2k (b) | m 2k (c) |", head
+
+
+def test_the_dense_tables_mean_is_over_tasks_and_a_folder_without_run_json_has_no_ctxfree_column(tmp_path):
+    """--dense-table's mean over tasks is the mean of the task means (fwe's 3 samples at 1 and vt's 1 at 0: 50, not a
+    pooled 75); a folder of records without run.json takes its tasks from them, the context-free runs aside."""
+    body = b"".join(json.dumps(dict(record(task=t, index=i), score=s)).encode() + b"\n"
+                    for t, n, s in (("fwe", 3, 1.0), ("vt", 1, 0.0)) for i in range(n))
+    run_folder(tmp_path / "pilot" / "a", body, settings={"tasks": ["fwe", "vt"], "length": 512, "model": "m"})
+    assert "| **mean over tasks** | **50** |" in report.dense_table(tmp_path / "pilot")
+    out = tmp_path / "bare"
+    out.mkdir()
+    lines = [record(task="fwe", index=i, config=c) for i in range(2) for c in ("dense", "local")]
+    lines += [dict(record(task="ctxfree", index=0, config="dense"), score=None)]
+    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert report.main([str(out)]) == 0
+    header = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| config |"))
+    assert "fwe" in header and "ctxfree" not in header
