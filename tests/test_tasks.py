@@ -96,6 +96,20 @@ def test_cwe_shuffles_each_sample_its_own_way(tok):
     assert len(where[0]) == len(where[1]) == 6 and where[0] != where[1]
 
 
+@pytest.mark.parametrize("fitted, want", [(111, 999), (60, 1000)])
+def test_a_sample_is_shrunk_to_its_budget_and_refitted_when_well_short(monkeypatch, fitted, want):
+    """make_sample's own corrections of the knob fitted on sample 0, on a stand-in build whose prompt takes knob + 890
+    tokens (budget 1000: length 1128 less niah's 128 answer tokens): a knob one token over shrinks in steps of 2 % of
+    it (111 -> 109, 999 tokens; not left at the budget + 1); one 5 % short (60: 950 tokens) is refitted up to the
+    budget."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(tasks, "_fitted_knob", lambda *a: fitted)
+    monkeypatch.setattr(tasks, "_build", lambda task, index, length, tok, seed, knob: SimpleNamespace(
+        n_prompt_tokens=knob + 890, knob=knob))
+    s = tasks.make_sample("niah_single_1", 0, 1128, None)
+    assert s.n_prompt_tokens == want
+
+
 def test_a_length_too_short_for_the_task_says_what_it_needs(tok):
     """A length below the task's smallest prompt plus its answer is refused with the length it would take, which
     then fits."""
