@@ -109,12 +109,12 @@ LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
 E2E_FRACTIONS = (1.0, 0.45, 0.35, 0.15, 0.0)  # 0.45 / 0.35: calibrated QAdA's lossless KV read, per head / per group
 E2E_PAGES_F = 0.35  # the page rows' long-context share: QAdA per KV group's lossless read on the research model
 GRAPH_STEPS = 4  # the graph loop times this many times --steps (replays are cheap; their quartiles say the spread)
+COMPILED = "compiled: "  # --compiled's rows: dense, kv E2E_PAGES_F and kv 0.0 again, the model's pointwise compiled
 
 
 def capacity_needed(T: int, steps: int) -> int:
     """Cache positions an end-to-end setup from context T fills: the graph loop's GRAPH_STEPS * steps, and a few."""
     return T + GRAPH_STEPS * steps + 8
-COMPILED = "compiled: "  # --compiled's rows: dense, kv E2E_PAGES_F and kv 0.0 again, the model's pointwise compiled
 
 
 def graph_ms(fn, device: torch.device, quick: bool = False) -> float:

@@ -54,13 +54,13 @@ def damage_note(damaged: list[str]) -> list[str]:
     return [f"**{len(damaged)} damaged record line(s) left out** (--skip-damaged): " + "; ".join(damaged), ""]
 
 
-def partial_note(out: Path, rows) -> list[str]:
-    """The lines a table file states an unfinished sweep with: the folder's last lab.sweep command started and did not
-    finish (run.json), or a task of its settings has no record yet; none for a finished run or a folder without
-    run.json."""
-    if not (out / "run.json").is_file():
+def partial_note(info: dict | None, rows) -> list[str]:
+    """The lines a table file states an unfinished sweep with, from its run.json `info` (read_run): the folder's last
+    lab.sweep command started and did not finish, or a task of its settings has no record yet; none for a finished
+    run or a folder without run.json (info None)."""
+    if info is None:
         return []
-    info, said = read_run(out), []
+    said = []
     last = (info.get("runs") or [{}])[-1]
     if "started" in last and "finished" not in last:  # lab.sweep enters "started" first, "finished" at its end
         said.append(f"the last sweep into this folder, started {last['started']}, did not finish")
@@ -716,7 +716,8 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
     if not rows:
         print(f"{out}: no results yet")
         return
-    run_tasks = read_run(out)["settings"].get("tasks") if (out / "run.json").is_file() else None
+    info = read_run(out) if (out / "run.json").is_file() else None
+    run_tasks = info["settings"].get("tasks") if info else None
     if tasks is None:
         tasks = run_tasks or sorted({r["task"] for r in rows} - {CTXFREE})
         tasks = [t for t in tasks if any(r["task"] == t for r in rows)]
@@ -725,7 +726,7 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
         if unknown:
             raise ValueError(f"--tasks {','.join(unknown)}: no record of it in {out} (its tasks: "
                              f"{', '.join(sorted({r['task'] for r in rows}))})")
-    partial = partial_note(out, rows)
+    partial = partial_note(info, rows)
     if partial:
         print(partial[0].replace("**", ""), file=sys.stderr)
     notes = damage_note(damaged) + partial  # stated at the top of both files
