@@ -129,7 +129,8 @@ METHODS = {
     "qada_kv_sampled_cal_transfer": ("qada_kv_sampled_cal", "transfer-sampled"),
 }
 DEFAULT_SOURCE = {"calibration": "affine", "moments": "random-words", "static_local": "calibrated"}
-RECORDED_SINCE = {"calibration_sha1"}  # settings a folder's run.json may predate: compared only where it holds them
+# settings a folder's run.json may predate: compared only where it holds them
+RECORDED_SINCE = {"calibration_sha1", "static_labels_sha1"}
 LABEL_SOURCES = ("random", "calibrated", "own-task", "calibrated-kv", "own-task-kv")
 
 
@@ -761,6 +762,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     if read:  # ... and the same corrections, not others written under the same name (lab.calibrate --force)
         settings["calibration_sha1"] = {src: hashlib.sha1(Path(file).read_bytes()).hexdigest()
                                         for src, file in sorted(read.items())}
+    if static_sources and labels_dir.is_file():  # ... and the same labels file (a folder's are held to its settings)
+        settings["static_labels_sha1"] = hashlib.sha1(labels_dir.read_bytes()).hexdigest()
     if threads:
         torch.set_num_threads(threads)
     jobs = plan(task_list, samples, configs, abl, ablation_samples, ctxfree, ctxfree_samples)

@@ -575,6 +575,26 @@ def test_a_resumed_sweep_refuses_a_correction_refitted_under_the_same_name(tmp_p
         sweep.main([older.as_posix() if a == str(out) else a for a in argv])
 
 
+def test_a_resumed_sweep_refuses_a_static_labels_file_rewritten_in_place(tmp_path, tiny_dir, no_model, capsys):
+    """--static-labels FILE replaced by other labels under the same name (another lab.calibrate run, a copy): a resumed
+    sweep would rank heads by the new labels beside records of the old. run.json keeps the file's sha1, and a resume
+    reading other bytes is refused; a run.json from before the digest was kept resumes (up to the model's loading)."""
+    other_labels(tmp_path)
+    labels = tmp_path / "ruler.json"
+    out = tmp_path / "out"
+    settings = dict(tasks=["fwe"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model=str(tiny_dir),
+                    calib_seed=1, dtype="float32", static_labels=str(labels))
+    run_folder(out, LINES[0], settings=dict(settings, static_labels_sha1="0" * 40))
+    argv = ["--out", str(out), "--model", str(tiny_dir), "--static-labels", str(labels)] + RUN + [
+        "--methods", "dense,static", "--sparsities", "0.5"]
+    err = one_line(capsys, sweep.main(argv), "holds a run with other settings {'static_labels_sha1': ('000")
+    assert hashlib.sha1(labels.read_bytes()).hexdigest() in err
+    older = tmp_path / "older"
+    run_folder(older, LINES[0], settings=settings)
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        sweep.main([older.as_posix() if a == str(out) else a for a in argv])
+
+
 @pytest.mark.parametrize("cli", ["sweep", "calibrate"])
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, tiny_dir, capsys, monkeypatch, cli):
     """A sweep or a calibration stopped with Ctrl-C says that what it wrote is kept, and no traceback."""
