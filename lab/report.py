@@ -580,6 +580,27 @@ def log_error_table(rows, oracle_freq_rank) -> list[str]:
     return lines
 
 
+def recall_table(rows, static_freq: dict) -> list[str]:
+    """Appendix C's recall of the oracle's long-context (step, head) pairs by QAdA (its moment sources' tracked runs)
+    and by static oracle labels at QAdA's own sparsity (`static_freq`: records.static_oracle_freq), per task and
+    configuration, then each configuration's plain mean over the tasks."""
+    rr = recall_rows([r for r in rows if r["method"] in ("qada_rw", "qada_prompt", "qada_prompt_online")], static_freq)
+    lines = ["", "## Recall of the oracle's long-context heads: QAdA vs static oracle labels at the same sparsity", "",
+             "Positives here are the oracle's long-context (step, head) pairs on QAdA's decoding; the static oracle "
+             f"labels the heads most often local under the oracle at tau {MAIN_TAU:g} on all of the task's evaluated "
+             "prompts, at QAdA's sparsity.", "",
+             "| task | config | QAdA sparsity | oracle sparsity | recall QAdA | recall static oracle |", "|---|---|---|---|---|---|"]
+    keys = ("qada_sparsity", "oracle_sparsity", "recall_qada", "recall_static_oracle")
+    for r in rr:
+        lines.append(f"| {r['task']} | {r['config']} | " + " | ".join(f"{r[k]:.3f}" for k in keys) + " |")
+    by_cfg = defaultdict(list)
+    for r in rr:
+        by_cfg[r["config"]].append(r)
+    for c, rs in sorted(by_cfg.items(), key=lambda kv: config_sort_key(kv[0])):
+        lines.append(f"| mean | {c} | " + " | ".join(f"{np.mean([r[k] for r in rs]):.3f}" for k in keys) + " |")
+    return lines
+
+
 def write_analysis(out: Path, rows, tasks, cur, points, notes: list[str] = ()):
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
@@ -610,24 +631,7 @@ def write_analysis(out: Path, rows, tasks, cur, points, notes: list[str] = ()):
               f"{len(tracked)} runs. Heads sorted by how often the oracle labels them local, in deciles of the "
               f"(layer, head) pairs. Fractions of all (step, head) pairs of the decile.", ""]
     lines += agreement_by_decile(tracked)
-    # recall vs static oracle
-    # static oracle labels as in the paper: the oracle's (tau 0.6) head frequencies on the task's evaluated prompts
-    static_freq = static_oracle_freq(g, tasks)
-    rr = recall_rows([r for r in task_rows if r["method"] in ("qada_rw", "qada_prompt", "qada_prompt_online")], static_freq)
-    lines += ["", "## Recall of the oracle's long-context heads: QAdA vs static oracle labels at the same sparsity", "",
-              "Positives here are the oracle's long-context (step, head) pairs on QAdA's decoding; the static oracle "
-              f"labels the heads most often local under the oracle at tau {MAIN_TAU:g} on all of the task's evaluated "
-              "prompts, at QAdA's sparsity.", "",
-              "| task | config | QAdA sparsity | oracle sparsity | recall QAdA | recall static oracle |", "|---|---|---|---|---|---|"]
-    for r in rr:
-        lines.append(f"| {r['task']} | {r['config']} | {r['qada_sparsity']:.3f} | {r['oracle_sparsity']:.3f} | "
-                     f"{r['recall_qada']:.3f} | {r['recall_static_oracle']:.3f} |")
-    by_cfg = defaultdict(list)
-    for r in rr:
-        by_cfg[r["config"]].append(r)
-    for c, rs in sorted(by_cfg.items(), key=lambda kv: config_sort_key(kv[0])):
-        lines.append(f"| mean | {c} | {np.mean([r['qada_sparsity'] for r in rs]):.3f} | {np.mean([r['oracle_sparsity'] for r in rs]):.3f} | "
-                     f"{np.mean([r['recall_qada'] for r in rs]):.3f} | {np.mean([r['recall_static_oracle'] for r in rs]):.3f} |")
+    lines += recall_table(task_rows, static_oracle_freq(g, tasks))
     # Table 2
     oracle_runs = [r for r in task_rows if r["config"] == f"oracle@{MAIN_TAU:g}" and "local_freq" in r]
     rank_src = oracle_runs or tracked

@@ -438,6 +438,43 @@ def test_recall_rows_weight_each_run_by_its_steps():
     assert got["recall_qada"] == pytest.approx(15 / 66) and got["recall_static_oracle"] == 0.0
 
 
+def test_the_recall_table_gives_each_task_and_their_plain_mean():
+    """Appendix C's table in analysis.md: task a as in test_recall_rows_weight_each_run_by_its_steps (sparsity 143/160,
+    oracle 94/160, recall 15/66 against 0), task b one 10-step run (23/40, 19/40, 15/21 against 20/21: static labels at
+    0.575 make layer 0 local, and the oracle needs layer 1 on 20 of its 21 long step-heads); each column's mean over
+    the two tasks, unweighted. Only QAdA's moment sources are tracked here: an oracle run's frequencies are left out."""
+    one = {"task": "a", "method": "qada_rw", "config": "qada_rw@0.6", "steps": 10,
+           "oracle_freq": [[0.9, 1.0], [0.0, 0.0]], "local_freq": [[1.0, 0.8], [0.5, 0.0]],
+           "both_freq": [[0.9, 0.8], [0.0, 0.0]]}
+    two = dict(one, steps=30, oracle_freq=[[1.0, 1.0], [0.0, 0.5]], local_freq=[[1.0, 1.0], [1.0, 1.0]],
+               both_freq=[[1.0, 1.0], [0.0, 0.5]])
+    oracle = dict(one, task="b", method="oracle", config="oracle@0.6", local_freq=[[0.0, 0.0], [0.0, 0.0]])
+    freq = [[0.9, 0.95], [0.1, 0.0]]
+    lines = report.recall_table([one, two, dict(one, task="b"), oracle], {"a": freq, "b": freq})
+    assert [line for line in lines if line.startswith("| ") and "---" not in line][1:] == [
+        "| a | qada_rw@0.6 | 0.894 | 0.588 | 0.227 | 0.000 |",
+        "| b | qada_rw@0.6 | 0.575 | 0.475 | 0.714 | 0.952 |",
+        "| mean | qada_rw@0.6 | 0.734 | 0.531 | 0.471 | 0.476 |"]
+
+
+def test_the_peers_table_reads_only_the_samples_every_press_finished():
+    """kvpress's presses ran on samples 0 and 1, the sweep on 0-2, and QAdA missed on sample 2 alone: paired on the
+    presses' samples, QAdA keeps 1.00 at a KV read of 0.5 (0.67 with sample 2 let in) and SnapKV, halfway between its
+    0.5 at a read of 0.3 and its 1.0 at 0.7, keeps 0.75, 0.25 less."""
+    def rec(i, config, score, kv_read, **more):
+        return dict(row("t", i, config, score, 1 - kv_read), kv_read=kv_read, **more)
+    press = dict(path="kvpress", sparsity=None, kv_kept=0.5, kv_bytes=2**20, compress_s=0.1, batch=1)
+    rows = [rec(i, "dense", 1.0, 1.0) for i in range(3)]
+    rows += [rec(i, c, float(i < 2), kv) for i in range(3) for c, kv in (("qada_kv_cal@0.6", 0.4),
+                                                                          ("qada_kv_cal@0.3", 0.6))]
+    rows += [rec(i, c, sc, kv, **press) for i in range(2) for c, kv, sc in (("snapkv@0.25", 0.3, 0.5),
+                                                                           ("snapkv@0.75", 0.7, 1.0))]
+    lines = report.peer_tables(rows, ["t"], n_boot=50)
+    assert lines[0].startswith("2 samples (t 2); differences against QAdA calibrated per KV group")
+    assert "| QAdA calibrated per KV group (mean share) | 1.00 [1.00, 1.00] |  |  |  |" in lines
+    assert "| kvpress SnapKV (question in the press) | 0.75 [0.75, 0.75] |  | -0.25 [-0.25, -0.25] |  |" in lines
+
+
 def test_claims_table_against_hand_computed_values():
     """Every claim's figure and verdict, worked out by hand from records where all samples agree (so each interval
     is its point): lossless points, paired differences, Table 2's factors (every layer and layers 1 up) and the
