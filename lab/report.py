@@ -580,11 +580,13 @@ def log_error_table(rows, oracle_freq_rank) -> list[str]:
     return lines
 
 
-def recall_table(rows, static_freq: dict) -> list[str]:
-    """Appendix C's recall of the oracle's long-context (step, head) pairs by QAdA (its moment sources' tracked runs)
-    and by static oracle labels at QAdA's own sparsity (`static_freq`: records.static_oracle_freq), per task and
-    configuration, then each configuration's plain mean over the tasks."""
-    rr = recall_rows([r for r in rows if r["method"] in ("qada_rw", "qada_prompt", "qada_prompt_online")], static_freq)
+RECALL_METHODS = ("qada_rw", "qada_prompt", "qada_prompt_online")  # the moment sources whose runs track the oracle
+
+
+def recall_table(rr: list[dict]) -> list[str]:
+    """Appendix C's recall of the oracle's long-context (step, head) pairs by QAdA and by static oracle labels at
+    QAdA's own sparsity (`rr`: records.recall_rows), per task and configuration, then each configuration's plain mean
+    over the tasks."""
     lines = ["", "## Recall of the oracle's long-context heads: QAdA vs static oracle labels at the same sparsity", "",
              "Positives here are the oracle's long-context (step, head) pairs on QAdA's decoding; the static oracle "
              f"labels the heads most often local under the oracle at tau {MAIN_TAU:g} on all of the task's evaluated "
@@ -601,7 +603,7 @@ def recall_table(rows, static_freq: dict) -> list[str]:
     return lines
 
 
-def write_analysis(out: Path, rows, tasks, cur, points, notes: list[str] = ()):
+def write_analysis(out: Path, rows, tasks, cur, points, rr, notes: list[str] = ()):
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
     lines = [f"# Analysis of {out.name}", ""] + list(notes) + write_lossless(out, rows, tasks) + [""]
@@ -631,7 +633,7 @@ def write_analysis(out: Path, rows, tasks, cur, points, notes: list[str] = ()):
               f"{len(tracked)} runs. Heads sorted by how often the oracle labels them local, in deciles of the "
               f"(layer, head) pairs. Fractions of all (step, head) pairs of the decile.", ""]
     lines += agreement_by_decile(tracked)
-    lines += recall_table(task_rows, static_oracle_freq(g, tasks))
+    lines += recall_table(rr)
     # Table 2
     oracle_runs = [r for r in task_rows if r["config"] == f"oracle@{MAIN_TAU:g}" and "local_freq" in r]
     rank_src = oracle_runs or tracked
@@ -673,7 +675,6 @@ def write_analysis(out: Path, rows, tasks, cur, points, notes: list[str] = ()):
                 lines.append(f"| {c} | {fmt(v['score'], 100)} | {fmt(v['norm'], 1, 2)} | {fmt(v['sparsity'], 1, 3)} | "
                              + " | ".join(fmt(v["per_task"][t], 100) for t in tasks) + " |")
     (out / "analysis.md").write_text("\n".join(lines) + "\n")
-    return rr
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -736,7 +737,10 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
     notes = damage_note(damaged) + partial  # stated at the top of both files
     cur = write_summary(out, rows, tasks, notes)
     points = measured_points(rows, tasks)  # the bootstrap behind both the table and Fig. 4
-    rr = write_analysis(out, rows, tasks, cur, points, notes)
+    # Appendix C: QAdA's tracked runs against the static oracle, the oracle's head frequencies on the task's prompts
+    rr = recall_rows([r for r in rows if r["task"] in tasks and r["method"] in RECALL_METHODS],
+                     static_oracle_freq(group(rows), tasks))
+    write_analysis(out, rows, tasks, cur, points, rr, notes)
     plots(out, rows, tasks, cur, rr, points)
     print(f"tables and plots written to {out}")
 

@@ -442,15 +442,13 @@ def test_the_recall_table_gives_each_task_and_their_plain_mean():
     """Appendix C's table in analysis.md: task a as in test_recall_rows_weight_each_run_by_its_steps (sparsity 143/160,
     oracle 94/160, recall 15/66 against 0), task b one 10-step run (23/40, 19/40, 15/21 against 20/21: static labels at
     0.575 make layer 0 local, and the oracle needs layer 1 on 20 of its 21 long step-heads); each column's mean over
-    the two tasks, unweighted. Only QAdA's moment sources are tracked here: an oracle run's frequencies are left out."""
-    one = {"task": "a", "method": "qada_rw", "config": "qada_rw@0.6", "steps": 10,
-           "oracle_freq": [[0.9, 1.0], [0.0, 0.0]], "local_freq": [[1.0, 0.8], [0.5, 0.0]],
-           "both_freq": [[0.9, 0.8], [0.0, 0.0]]}
+    the two tasks, unweighted."""
+    one = {"task": "a", "config": "qada_rw@0.6", "steps": 10, "oracle_freq": [[0.9, 1.0], [0.0, 0.0]],
+           "local_freq": [[1.0, 0.8], [0.5, 0.0]], "both_freq": [[0.9, 0.8], [0.0, 0.0]]}
     two = dict(one, steps=30, oracle_freq=[[1.0, 1.0], [0.0, 0.5]], local_freq=[[1.0, 1.0], [1.0, 1.0]],
                both_freq=[[1.0, 1.0], [0.0, 0.5]])
-    oracle = dict(one, task="b", method="oracle", config="oracle@0.6", local_freq=[[0.0, 0.0], [0.0, 0.0]])
     freq = [[0.9, 0.95], [0.1, 0.0]]
-    lines = report.recall_table([one, two, dict(one, task="b"), oracle], {"a": freq, "b": freq})
+    lines = report.recall_table(records.recall_rows([one, two, dict(one, task="b")], {"a": freq, "b": freq}))
     assert [line for line in lines if line.startswith("| ") and "---" not in line][1:] == [
         "| a | qada_rw@0.6 | 0.894 | 0.588 | 0.227 | 0.000 |",
         "| b | qada_rw@0.6 | 0.575 | 0.475 | 0.714 | 0.952 |",
