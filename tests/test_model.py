@@ -178,8 +178,9 @@ def test_sharded_checkpoint(tmp_path):
 def test_unknown_model_folder_and_hub_id(tmp_path, monkeypatch):
     from weights.checkpoints import resolve
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(FileNotFoundError, match="no such folder"):
-        resolve(str(tmp_path / "nowhere"))
+    for missing in (str(tmp_path / "nowhere"), "./nowhere", "../nowhere"):  # a relative path, not a hub id
+        with pytest.raises(FileNotFoundError, match="no such folder, and not a hub id"):
+            resolve(missing)
     with pytest.raises(FileNotFoundError, match="hub could not provide it"):
         resolve("no-such-owner/no-such-model-qada")
     with pytest.raises(FileNotFoundError, match="config.json"):

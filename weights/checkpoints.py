@@ -173,7 +173,7 @@ def resolve(name: str | None, progress: bool = True) -> Path:
         return path
     if path.exists():
         raise ValueError(f"{path} is a file; --model takes a model name, a model folder or a hub id")
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+    if not re.fullmatch(r"\w[\w.-]*/[\w.-]+", name):  # ./name and ../name are paths: the hub's names start with a word
         raise FileNotFoundError(f"model {name!r}: not one of {', '.join(MODELS)}, no such folder, and not a hub id "
                                 "of the form owner/name")
     try:
