@@ -5,6 +5,7 @@ Seconds in all; no real model, no long prompts."""
 import json
 import math
 import re
+import time
 
 import numpy as np
 import pytest
@@ -78,9 +79,14 @@ def test_a_batch_row_decodes_as_the_configuration_alone(tiny, resources, stop):
     tok, res = resources
     sample, ids, cache, logits = prefill(tiny, tok)
     args = (tiny, tok, sample)
+    t0 = time.perf_counter()
     batched = dict(zip(CONFIGS, sweep.run_configs(CONFIGS, *args, cache, logits, len(ids), res, {"qada_rw"}, 0,
                                                N_SINK, N_LOCAL, stop)))
+    wall = time.perf_counter() - t0
     assert cache.length == len(ids)  # the prefilled cache is left as it was
+    # each row's decode_s is its share of the batch's time, so that the rows' seconds add up to no more than the call's
+    shares = {r["decode_s"] for r in batched.values()}
+    assert len(shares) == 1 and len(CONFIGS) * shares.pop() <= wall + 0.005 * len(CONFIGS), wall
     for c in CONFIGS:
         _, _, fresh_cache, fresh_logits = prefill(tiny, tok)
         alone, = sweep.run_configs([c], *args, fresh_cache, fresh_logits, len(ids), res, {"qada_rw"}, 0, N_SINK, N_LOCAL, stop)
@@ -248,6 +254,26 @@ def test_random_heads_match_the_requested_sparsity(sparsity):
         assert not torch.equal(a, sweep.random_labels(30, 9, sparsity, seed=2))
 
 
+def test_random_heads_are_drawn_anew_for_each_sample(tiny, resources):
+    """The random-heads baseline draws its heads per (task, sample, sparsity): one draw for every sample would make
+    the baseline one fixed head set, which a lucky or unlucky draw would bias over the whole run."""
+    tok, res = resources
+    cfg = sweep.Config("random", 0.5)
+    class S:  # noqa: E701
+        task, index = "niah_single_1", 0
+    first = sweep.config_labels(cfg, "random", tiny, S, res, seed=3)
+    assert torch.equal(first, sweep.config_labels(cfg, "random", tiny, S, res, seed=3))  # reproducible
+    S.index = 1
+    assert not torch.equal(first, sweep.config_labels(cfg, "random", tiny, S, res, seed=3))
+
+
+def test_plan_runs_the_context_free_samples_past_the_tasks_own():
+    """More context-free samples than task samples: the tasks stop at their own count."""
+    dense, oracle = [sweep.Config("dense")], [sweep.Config("oracle", 0.6)]
+    jobs = sweep.plan(["fwe"], 1, dense, [], 0, oracle, 3)
+    assert [(t, i) for t, i, _ in jobs] == [("fwe", 0), (sweep.CTXFREE, 0), (sweep.CTXFREE, 1), (sweep.CTXFREE, 2)]
+
+
 def test_static_oracle_uses_earlier_samples_only(resources):
     tok, res = resources
     res = dict(res, oracle_freq={("niah_single_1", 0): (torch.ones(2, 4), 3), ("niah_single_1", 2): (torch.zeros(2, 4), 5),
@@ -286,6 +312,10 @@ def test_kv_label_sources_take_whole_kv_groups(tiny, resources):
 
 def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path, monkeypatch):
     tok, res = resources
+    # the task's calibration frequencies rank layer 1 first; the tiny model's oracle labels no head local, whose ties
+    # rank layer 0 first: sample 1's static oracle tells which of the two it learnt from
+    res = dict(res, static_freq=dict(res["static_freq"], niah_single_1=res["static_freq"]["ruler"]))
+    fresh = lambda: dict(res, oracle_freq={})  # noqa: E731  each call a new process's: nothing learnt in memory
     out = tmp_path / "run"
     out.mkdir()
     cfgs = [sweep.Config("dense"), sweep.Config("local"), sweep.Config("oracle", 0.6), sweep.Config("static_oracle", 0.5)]
@@ -298,14 +328,23 @@ def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path, monkeypatch):
         s.max_new_tokens = 12
         return s
     monkeypatch.setattr(sweep, "make", short)
-    first = sweep.sweep(tiny, tok, out, jobs[:1], dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
+    first = sweep.sweep(tiny, tok, out, jobs[:1], fresh(), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
     with open(out / "samples.jsonl", "a") as f:
         f.write('{"task": "niah_single_1", "ind')  # a torn line from a killed run
-    second = sweep.sweep(tiny, tok, out, jobs, dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
+    second = sweep.sweep(tiny, tok, out, jobs, fresh(), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
     assert (first, second) == (5, 4)
-    assert sweep.sweep(tiny, tok, out, jobs, dict(res), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False) == 0
+    assert sweep.sweep(tiny, tok, out, jobs, fresh(), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False) == 0
     rows = records.read_records(out)
     assert len(rows) == 9 and len({(r["task"], r["index"], r["config"]) for r in rows}) == 9
+    # the same records as a run in one go: resumed, sample 1's static oracle still learns from sample 0's oracle
+    # records (read back from the file, not from the run that decoded them), not from the calibration prompts
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    sweep.sweep(tiny, tok, whole, jobs, fresh(), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
+    timing = ("decode_s", "prefill_s")
+    same = lambda rs: {(r["task"], r["index"], r["config"]): {k: v for k, v in r.items() if k not in timing}  # noqa: E731
+                       for r in rs}
+    assert same(rows) == same(records.read_records(whole))
     report.report(out, ["niah_single_1"])  # tables and plots from a partial run do not fail
     assert (out / "summary.md").is_file() and (out / "fig4_score_vs_sparsity.png").is_file()
 
