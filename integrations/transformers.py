@@ -353,12 +353,15 @@ def enable(model, method: str = "qada_kv_all_cal", tau: float | None = None, cal
 
 def disable(model) -> None:
     """The model's attention as it was before enable(). (transformers has no public way to unregister a function: the
-    name stays registered to an emptied HFAttention that no model uses.)"""
+    name stays registered to an HFAttention that no model uses, emptied of all but the last generation's statistics,
+    which its report() and summary() still give.)"""
     attention = AttentionInterface().get(model.config._attn_implementation)
     if not isinstance(attention, HFAttention):
         raise ValueError("QAdA is not enabled on this model")
     model.set_attn_implementation(attention.previous)
-    attention.rows, attention.decoder, attention.prompt, attention.reference = [], None, None, None
+    for row in attention.rows:  # what a row read goes (moments, a page index); what it labelled stays
+        row.inputs, row.exact = {}, None
+    attention.decoder, attention.prompt, attention.reference = None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@ model on the same weights (the same tokens, the same labels at every step, layer
 through the adapter against moments.ReferenceKeys', transformers models our loader never read, left-padded batches
 against each row alone, the refusals, and lab.calibrate --hf against --model."""
 
+import dataclasses
 import gc
+import json
 import weakref
 
 import pytest
@@ -15,12 +17,13 @@ transformers = pytest.importorskip("transformers")
 from attention import build_attention, path_inputs  # noqa: E402
 from criterion import Calibration, load_calibration, save_calibration  # noqa: E402
 from generate import decode, default_tau  # noqa: E402
-from integrations.transformers import HFAttention, disable, enable  # noqa: E402
+from integrations.transformers import HFAttention, disable, enable, left_padding, load  # noqa: E402
 from lab import calibrate  # noqa: E402
-from model import load_model  # noqa: E402
+from model import KVCache, load_model  # noqa: E402
 from moments import ReferenceKeys  # noqa: E402
 from tests.test_generate import make_tiny_dir  # noqa: E402
 from tests.test_model import TINY  # noqa: E402
+from weights.checkpoints import MODELS, shipped_calibration  # noqa: E402
 from weights.tokenizer import Tokenizer  # noqa: E402
 
 PROMPT, NEW, TAU = 300, 10, 0.4  # past the 128-token window; at tau 0.4 this model's heads are mixed (checked below)
@@ -135,7 +138,10 @@ def test_reference_keys_through_the_adapter_equal_ours(sharp_dir):
     """Option 2's keys, taken by the adapter's attention function from a transformers forward pass, against
     moments.ReferenceKeys on our model; kept on disk under the transformers model's own identity."""
     ours, tok, hf = load_model(sharp_dir), Tokenizer.from_dir(sharp_dir), hf_model(sharp_dir)
+    logging = transformers.utils.logging
+    logging.set_verbosity_warning()  # transformers' default, whatever an earlier test left
     attention = enable(hf, "qada", tau=TAU, tokenizer=tok)
+    assert logging.get_verbosity() == logging.WARNING  # quiet only while it tokenized the reference prompt
     got = attention.reference.ensure(PROMPT)
     want = ReferenceKeys(ours, tok, "random", progress=False).ensure(PROMPT)
     assert got.shape == want.shape == (2, 2, PROMPT, 16)  # (L, Hkv, N, D)
@@ -207,6 +213,104 @@ def test_left_padded_rows_decode_as_each_alone(sharp_dir, method, moments):
     disable(hf)
 
 
+def test_the_report_states_each_rows_numbers_and_outlives_disable(sharp_dir, tmp_path):
+    """report(): the method, its tau and where it came from, the moments and the correction's file, then one line per
+    row of the last generation with that row's summary; the same after disable() (the statistics stay)."""
+    tok, hf = Tokenizer.from_dir(sharp_dir), hf_model(sharp_dir)
+    long, short = prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 40, 2)
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+
+    def lines(attention, rows):
+        return [f"{prefix}heads labelled local (sparsity) {s['sparsity']:.3f} | KV entries read {s['kv_read']:.3f} | "
+                f"{NEW - 1} decode steps" for prefix, s in
+                ((f"row {b}: " if rows > 1 else "", attention.summary(b)) for b in range(rows))]
+
+    attention = enable(hf, "qada", tau=0.5, moments="prompt")
+    generate_hf(hf, ids, mask)
+    s0, s1 = attention.summary(0), attention.summary(1)
+    assert s0["sparsity"] != s1["sparsity"] and s0["sparsity"] != s0["kv_read"]  # each number tells its own
+    want = "\n".join(["method qada at tau 0.5 (given), prompt moments"] + lines(attention, 2))
+    assert attention.report() == want
+    disable(hf)
+    assert attention.report() == want and attention.summary(1) == s1
+    save_calibration(tmp_path / "affine.json", random_calibration(taus={"qada_cal": TAU}))
+    attention = enable(hf, "qada_cal", calibration=tmp_path / "affine.json", tokenizer=tok)
+    generate_hf(hf, long)
+    assert attention.report() == "\n".join([f"method qada_cal at tau {TAU} (the calibration's operating point), "
+                                            "random-words moments, calibration affine.json"] + lines(attention, 1))
+    disable(hf)
+
+
+def test_a_one_token_prompt_is_a_prefill(sharp_dir):
+    """A prompt of one token (BOS, say) is one query on a cache of one key: a prefill, dense, not a decode step; the
+    steps after it decode (within the window: dense's tokens)."""
+    hf, ids = hf_model(sharp_dir), prompt_ids(1)
+    plain = generate_hf(hf, ids)
+    attention = enable(hf, "qada", tau=TAU, moments="prompt")
+    assert generate_hf(hf, ids) == plain and attention.summary()["steps"] == NEW - 1
+    disable(hf)
+
+
+def test_what_a_decode_step_refuses(sharp_dir):
+    """Forward passes on one DynamicCache, as generate's variants make them: a cache cut back to the very length of the
+    last pass of several tokens (an assisted decoder rejecting a candidate), a padding other than the prompt's, and
+    a layer whose scores are scaled otherwise than by 1/sqrt(D) are refused with one line."""
+    hf, ids = hf_model(sharp_dir), prompt_ids(200)
+    enable(hf, "qada", tau=TAU, moments="prompt")
+
+    def forward(ids, cache, mask=None):  # the cache by position: past_key_values before transformers 5.25, then cache
+        with torch.no_grad():
+            return hf(ids, mask, None, cache)
+
+    cache = transformers.DynamicCache(config=hf.config)
+    forward(ids, cache)
+    forward(prompt_ids(3, 1), cache)  # three tokens in one pass: a candidate and two more
+    cache.crop(-1)  # the last rejected: the next token goes where the pass's last one was
+    with pytest.raises(ValueError, match="cut back, as assisted and prompt-lookup decoding do") as e:
+        forward(prompt_ids(1, 2), cache)
+    assert "\n" not in str(e.value)
+    padded = torch.cat([torch.zeros(1, 8, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 8, dtype=torch.long), torch.ones_like(ids)], 1)
+    cache = transformers.DynamicCache(config=hf.config)
+    forward(padded, cache, mask)
+    with pytest.raises(ValueError, match="padded on the left"):  # the padding attended at the next step
+        forward(prompt_ids(1, 2), cache, torch.ones(1, padded.shape[1] + 1, dtype=torch.long))
+    hf.model.layers[1].self_attn.scaling = 0.5
+    with pytest.raises(ValueError, match="layer 1 scales its scores by 0.5, the paths by 1/sqrt\\(16\\)"):
+        generate_hf(hf, ids, new=2)
+    disable(hf)
+
+
+def test_left_padding_reads_a_bool_or_a_float_mask():
+    """Each row's first attended position from transformers' 4D mask at its last query, whether it marks attended
+    positions True or adds 0 to them (and -inf elsewhere); None without padding; one line for a hole in a row."""
+    attended = torch.ones(2, 1, 3, 6, dtype=torch.bool).tril(3)  # causal: the last query attends to every position
+    attended[1, :, :, :2] = False  # row 1 padded by two
+    additive = torch.zeros(attended.shape).masked_fill(~attended, -torch.inf)
+    assert left_padding(attended, 6) == left_padding(additive, 6) == [0, 2]
+    assert left_padding(attended[:1], 6) is None and left_padding(None, 6) is None
+    attended[0, :, :, 3] = False  # a hole: right padding, or a static cache's unfilled positions
+    with pytest.raises(ValueError, match="padded on the left"):
+        left_padding(torch.zeros(attended.shape).masked_fill(~attended, -torch.inf), 6)
+
+
+def test_the_reference_keys_on_disk_are_keyed_by_the_models_weights_config_and_dtype(sharp_dir):
+    """HFModel.identity names a transformers model's keys for ReferenceKeys' file: the same for the same model loaded
+    again, another for changed weights, config or dtype (another model's moments would be served otherwise)."""
+    a, b = load(str(sharp_dir))[0], load(str(sharp_dir))[0]
+    assert a.identity == b.identity
+    c = load(str(sharp_dir))[0]
+    with torch.no_grad():
+        c.hf.model.layers[0].self_attn.k_proj.weight.mul_(2)
+    d = load(str(sharp_dir))[0]
+    d.cfg = dataclasses.replace(d.cfg, rope_theta=2 * d.cfg.rope_theta)
+    e = load(str(sharp_dir), dtype=torch.float64)[0]  # the same values as float32: only the dtype differs
+    assert e.dtype == torch.float64 and e.identity["dtype"] == "float64"
+    assert len({json.dumps(m.identity, sort_keys=True) for m in (a, c, d, e)}) == 4
+
+
 def test_gpt2_is_refused_with_one_line():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
     before = gpt2.config._attn_implementation
@@ -231,6 +335,9 @@ def test_enable_says_a_kernel_choice_that_cannot_run(sharp_dir, monkeypatch):
 
 def test_what_enable_and_disable_refuse(sharp_dir):
     hf, tok = hf_model(sharp_dir), Tokenizer.from_dir(sharp_dir)
+    c = random_calibration()
+    fitted = Calibration(c.a, c.b, c.s, dict(c.settings, n_sink=16, n_local=128))  # a correction of another window
+    unshipped = next(m for m in MODELS if shipped_calibration(m) is None)  # a named model with no correction
     for kwargs, message in [(dict(method="qada_cal", tokenizer=tok), "reads a calibration"),
                             (dict(method="dense", tau=0.5), "tau: the dense path does not read it"),
                             (dict(method="nope"), "unknown method 'nope'"),
@@ -251,7 +358,19 @@ def test_what_enable_and_disable_refuse(sharp_dir):
                             (dict(method="quest_frac", budget_frac=2.0), "budget_frac"),
                             (dict(method="qada", tokenizer="x"), "tokenizer: the model's tokenizer"),
                             (dict(method="static", static_local=torch.ones(2, 2, dtype=torch.bool)),
-                             "static_local: a bool tensor \\(layers, heads\\) = \\(2, 4\\)")]:
+                             "static_local: a bool tensor \\(layers, heads\\) = \\(2, 4\\)"),
+                            (dict(method="qada", tau=0.5, moments="prompt", calibration=random_calibration()),
+                             "calibration: the qada path does not read it"),
+                            (dict(method="qada_cal", calibration=random_calibration(), moments="prompt"),
+                             "corrects the random-words moments' estimate"),
+                            (dict(method="qada_cal", tokenizer=tok, calibration=fitted, n_sink=4, n_local=64),
+                             "was fitted with n_sink 16, not 4"),
+                            (dict(method="qada_sampled_cal", calibration=random_calibration()),
+                             "corrects the gaussian estimate of the bulk mass"),
+                            (dict(method="qada_cal", tokenizer=tok, calibration="qwen2.5-coder-0.5b"),
+                             "qwen2.5-coder-0.5b.json corrects \\(24, 14\\) heads; the model has \\(2, 4\\)"),
+                            (dict(method="qada_cal", tokenizer=tok, calibration=unshipped),
+                             f"{unshipped} ships no calibration")]:
         with pytest.raises(ValueError, match=message):
             enable(hf, **kwargs)
         assert hf.config._attn_implementation == "sdpa"
@@ -264,8 +383,9 @@ def test_what_enable_and_disable_refuse(sharp_dir):
     with pytest.raises(ValueError, match="already enabled"):
         enable(hf, "dense")
     generate_hf(hf, prompt_ids(200), new=3)
-    with pytest.raises(ValueError, match="row 1: the last generation had 1 row"):
-        attention.summary(1)
+    for row in (1, -1):
+        with pytest.raises(ValueError, match=f"row {row}: the last generation had 1 row"):
+            attention.summary(row)
     disable(hf)
 
 
@@ -390,11 +510,14 @@ def test_the_core_imports_neither_transformers_nor_the_adapter():
 
 def test_a_chunked_prefill_through_our_cache_gives_the_whole_prompts_logits(sharp_dir):
     """HFModel.prefill in chunks of 16 (the later chunks attend to the cache the earlier ones filled, under a causal
-    mask offset by the cache's length) against one chunk: the same last logits and the same cache."""
-    from integrations.transformers import load
+    mask offset by the cache's length) against one chunk: the same last logits and the same cache. Left-padded rows
+    (generate.py's stacked caches) are refused in one line: HFModel counts every row's positions from 0."""
     model, _ = load(str(sharp_dir))
     ids = prompt_ids(70, 3)
-    caches = [model.new_cache(ids.shape[1]) for _ in range(2)]
+    caches = [model.new_cache(ids.shape[1]) for _ in range(3)]
     whole, chunked = model.prefill(ids, caches[0]), model.prefill(ids, caches[1], chunk=16)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=1e-5)
+    model.prefill(ids[:, :30], caches[2])
+    with pytest.raises(ValueError, match="HFModel takes caches of rows that start at position 0"):
+        model.decode_step(torch.tensor([1, 2]), KVCache.stack([caches[0], caches[2]], 4))
