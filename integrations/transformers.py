@@ -8,7 +8,7 @@ attention.PATHS (paper Listing 1 and our variants), through transformers' public
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     qada = enable(model, "qada_kv_all_cal", calibration="qwen2.5-coder-0.5b", tokenizer=tok)
     out = model.generate(**tok(prompt, return_tensors="pt"), max_new_tokens=64, do_sample=False)
-    print(qada.report())  # heads labelled local (sparsity) and KV entries read, as generate.py prints them
+    print(qada.report(out))  # heads labelled local (sparsity) and KV entries read, as generate.py prints them
     disable(model)
 
 enable() registers one attention function, an `HFAttention`, under a name of its own (with transformers' SDPA mask)
@@ -170,6 +170,8 @@ class HFAttention:
             finally:
                 hf_logging.set_verbosity(quiet)
         self.inputs = inputs
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        self.eos = [eos] if isinstance(eos, int) else list(eos or [])  # where report(sequences) ends each row
         self.name, self.previous = None, None
         self.store, self.hook = None, None  # HFModel's forward: our KVCache keeps the keys, `hook` decodes
         self.rows, self.decoder = [], None  # this generation's attention per row, and what decodes the batch
@@ -293,28 +295,56 @@ class HFAttention:
     # -----------------------------------------------------------------------------------------------------
     # The report
 
-    def summary(self, row: int = 0) -> dict:
-        """HeadStats.summary of the last generation's row `row`: decode steps, head sparsity, KV read, per layer."""
+    def summary(self, row: int = 0, sequences: torch.Tensor | None = None, eos_token_id=None) -> dict:
+        """HeadStats.summary of the last generation's row `row`: decode steps, head sparsity, KV read, per layer. With
+        `sequences` (generate's output), only the steps up to the row's first end-of-sequence token: transformers
+        decodes a row that has ended, on padding, until every row of the batch has (`eos_token_id`: the model's
+        generation_config's by default)."""
         if not self.rows:
             return {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
         if not 0 <= row < len(self.rows):
             raise ValueError(f"row {row}: the last generation had {len(self.rows)} row(s)")
-        return self.rows[row].stats.summary(self.cfg.num_key_value_heads)
+        stats = self.rows[row].stats
+        if sequences is not None:
+            n = self.steps_to_end(sequences, eos_token_id)[row]
+            stats = dataclasses.replace(stats, labels=stats.labels[:n], oracle=stats.oracle[:n],
+                                        log_masses=stats.log_masses[:n], lengths=stats.lengths[:n],
+                                        reads=stats.reads[:n])
+        return stats.summary(self.cfg.num_key_value_heads)
 
-    def report(self) -> str:
+    def steps_to_end(self, sequences: torch.Tensor, eos_token_id=None) -> list[int]:
+        """Per row of generate's output `sequences` (B, prompt + new), the decode steps that made its new tokens up to
+        its first end-of-sequence token: the first new token comes from the prefill, step i makes token i."""
+        eos = self.eos if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        if not eos:
+            raise ValueError("sequences: the model's generation_config names no eos_token_id; give report(sequences, "
+                             "eos_token_id=...)")
+        if not (isinstance(sequences, torch.Tensor) and sequences.dim() == 2 and sequences.shape[0] == len(self.rows)
+                and sequences.shape[1] > self.prompt_len):
+            shape = tuple(sequences.shape) if isinstance(sequences, torch.Tensor) else type(sequences).__name__
+            raise ValueError(f"sequences: generate's output for the last generation, ({len(self.rows)}, > "
+                             f"{self.prompt_len}) token ids (its rows, prompt then new tokens), got {shape}")
+        ended = torch.isin(sequences[:, self.prompt_len:], torch.tensor(eos, device=sequences.device))  # (B, new)
+        first = torch.where(ended.any(1), ended.int().argmax(1), ended.shape[1]).tolist()  # no end: every step
+        return [min(n, len(r.stats.labels)) for n, r in zip(first, self.rows)]
+
+    def report(self, sequences: torch.Tensor | None = None, eos_token_id=None) -> str:
         """generate.py's lines for the last generation (its decode steps since the last pass of several tokens: a
         forward that scores a text starts anew): the method and where its tau came from, then per row the heads
-        labelled local and the KV entries read."""
+        labelled local and the KV entries read; with `sequences`, each row up to its end (summary)."""
         head = (f"method {self.method}" + (f" at tau {self.tau} ({self.tau_from})" if self.tau is not None else "")
                 + (f", {self.moments_source or 'given'} moments" if "moments" in path_inputs(self.method) else "")
                 + (f", calibration {Path(self.inputs['calibration'].settings['file']).name}"
                    if "calibration" in self.inputs else ""))
         lines = [head]
         for b in range(max(len(self.rows), 1)):
-            s = self.summary(b)
+            s = self.summary(b, sequences, eos_token_id)
             row = f"row {b}: " if len(self.rows) > 1 else ""
             lines.append(f"{row}heads labelled local (sparsity) {s['sparsity']:.3f} | KV entries read {s['kv_read']:.3f}"
                          f" | {s['steps']} decode steps" if s["steps"] else f"{row}no decode step ran")
+        if len(self.rows) > 1 and sequences is None:
+            lines.append("(each row counted to the batch's last step, past its own end: report(sequences), with "
+                         "generate's output, stops each row at its end-of-sequence token)")
         return "\n".join(lines)
 
 
@@ -333,7 +363,8 @@ def enable(model, method: str = "qada_kv_all_cal", tau: float | None = None, cal
     name or a KeyMoments, for the paths that read moments (None: random-words, the paper's Option 2); Option 2's
     sources need `tokenizer` (the model's: its encode(text, add_special_tokens=True) makes the reference prompt).
     inputs: more of what the path reads (static_local, a new path's own). Returns the registered attention: its
-    `report()` and `summary(row)` give the last generation's statistics."""
+    `report(sequences)` and `summary(row, sequences)` give the last generation's statistics, each row up to its
+    end-of-sequence token in generate's output `sequences` (without them, to the batch's last step)."""
     llama_config(model)  # one line for what is not a Llama-family transformers model
     check_kernel()  # QADA_KERNEL said now, not inside generate's first decode step
     current = model.config._attn_implementation

@@ -231,7 +231,9 @@ def test_the_report_states_each_rows_numbers_and_outlives_disable(sharp_dir, tmp
     generate_hf(hf, ids, mask)
     s0, s1 = attention.summary(0), attention.summary(1)
     assert s0["sparsity"] != s1["sparsity"] and s0["sparsity"] != s0["kv_read"]  # each number tells its own
-    want = "\n".join(["method qada at tau 0.5 (given), prompt moments"] + lines(attention, 2))
+    want = "\n".join(["method qada at tau 0.5 (given), prompt moments"] + lines(attention, 2)
+                     + ["(each row counted to the batch's last step, past its own end: report(sequences), with "
+                        "generate's output, stops each row at its end-of-sequence token)"])
     assert attention.report() == want
     disable(hf)
     assert attention.report() == want and attention.summary(1) == s1
@@ -240,6 +242,42 @@ def test_the_report_states_each_rows_numbers_and_outlives_disable(sharp_dir, tmp
     generate_hf(hf, long)
     assert attention.report() == "\n".join([f"method qada_cal at tau {TAU} (the calibration's operating point), "
                                             "random-words moments, calibration affine.json"] + lines(attention, 1))
+    disable(hf)
+
+
+def test_report_of_the_sequences_counts_each_row_to_its_end(sharp_dir):
+    """transformers keeps decoding a batch row that has ended (on padding) until every row has: report(sequences)
+    counts each row up to its end-of-sequence token, as that row decoded alone, which report() without them does not
+    (it says so). Sequences of another shape, or no EOS to look for, are refused with one line."""
+    long, short = prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 40, 2)
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    hf = hf_model(sharp_dir)
+    first, second = generate_hf(hf, ids, mask)
+    k, eos = next((i, t) for i, t in enumerate(second) if i > 2 and t not in first and t not in second[:i])
+    hf.generation_config.eos_token_id = eos  # row 1 ends at new token k, row 0 runs to the end
+    attention = enable(hf, "qada", tau=0.5, moments="prompt")
+    generate_hf(hf, short)
+    alone = attention.summary()
+    assert alone["steps"] == k
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert out[1, ids.shape[1] + k] == eos and out.shape[1] == ids.shape[1] + NEW
+    assert attention.summary(1)["steps"] == NEW - 1 and attention.summary(1, out) == alone
+    assert attention.summary(0, out) == attention.summary(0) and attention.summary(0)["steps"] == NEW - 1
+    assert attention.report(out).splitlines()[2] == (f"row 1: heads labelled local (sparsity) {alone['sparsity']:.3f}"
+                                                     f" | KV entries read {alone['kv_read']:.3f} | {k} decode steps")
+    assert attention.report().splitlines()[-1].startswith("(each row counted to the batch's last step")
+    assert len(attention.report(out).splitlines()) == 3
+    for bad, message in ((out[:1], "sequences: generate's output for the last generation"),
+                         (out[:, :ids.shape[1]], "sequences: generate's output"),
+                         (out.tolist(), "got list")):
+        with pytest.raises(ValueError, match=message):
+            attention.report(bad)
+    attention.eos = []
+    with pytest.raises(ValueError, match="names no eos_token_id"):
+        attention.report(out)
+    assert attention.summary(1, out, eos_token_id=eos) == alone
     disable(hf)
 
 
