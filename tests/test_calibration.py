@@ -133,6 +133,22 @@ def test_the_fits_recover_known_corrections():
     with pytest.raises(ValueError, match="unknown calibration kind"):
         calibrate.fit_calibration(masses, n_bulk, Hkv, "cubic")
 
+    # the offset is the median: a tenth of the steps off by +50 (a bulk far below its estimate) leave it at the shift
+    off = torch.zeros(r.shape)
+    off[: len(off) // 10] = 50.0
+    masses = torch.stack([log_local, log_n + mu + half_var - shift - off, mu, half_var], 2)
+    a, _, _ = calibrate.fit_calibration(masses, n_bulk, Hkv, "offset")
+    torch.testing.assert_close(a, shift.float(), atol=1e-4, rtol=0)
+    # slopes and scales below 0 stop at 0: the corrected ratio never falls as the estimated one rises, and a scale of
+    # sigma_s^2 stays >= 0
+    masses = torch.stack([log_local, log_local - (a0 - b0 * r_est), mu, half_var], 2)  # r falls as r_est rises
+    a, b, _ = calibrate.fit_calibration(masses, n_bulk, Hkv, "affine")
+    assert (b[b0 > 0] == 0).all() and b.abs().max() < 1e-6  # (b0 = 0: no slope to fit either way)
+    torch.testing.assert_close(a, (a0 - b0 * r_est).mean(0).float(), atol=1e-3, rtol=0)  # then a is r's mean
+    masses = torch.stack([log_local, log_n + mu - s0.repeat_interleave(H // Hkv, 1) * half_var, mu, half_var], 2)
+    _, _, s = calibrate.fit_calibration(masses, n_bulk, Hkv, "scale")
+    assert torch.equal(s, torch.zeros(L, Hkv))
+
 
 def test_calibration_files_round_trip_and_refuse_what_they_are_not(tmp_path):
     c = Calibration(torch.randn(3, 4), torch.rand(3, 4), torch.rand(3, 2), {"kind": "affine", "tasks": ["fwe"]})
@@ -198,6 +214,32 @@ def fitted(tiny_dir, tmp_path_factory):
                            "--model", str(tiny_dir), "--out", str(out / "cal")]) == 0
     mp.undo()
     return out / "cal"
+
+
+def test_static_label_frequencies_weight_each_prompt_by_its_steps(tiny_dir, monkeypatch):
+    """oracle_frequency (what lab.calibrate's static labels rank heads by): each head's local fraction over every
+    decode step of every prompt, so a prompt of 3 steps counts three times one of 1; each prompt decodes up to the
+    flag's max_new_tokens or its own task's answer length, whichever is less. The decoding is stood in for: prompt 0
+    labels every head local on 1 step, prompt 1 none on 3."""
+    model, tok = load(str(tiny_dir))
+    L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
+    asked, plan = [], iter([(1, True), (3, False)])
+
+    def decode(model, cache, logits, max_new_tokens, att, eos_ids):
+        asked.append(max_new_tokens)
+        steps, local = next(plan)
+        for _ in range(steps):
+            for layer in range(L):
+                att.stats.record(layer, cache.length, torch.full((H,), local))
+    monkeypatch.setattr(calibrate, "decode", decode)
+    own = calibrate.make_sample("fwe", 0, 400, tok, 1).max_new_tokens
+    freq, steps = calibrate.oracle_frequency(model, tok, "fwe", 400, 2, 1, max_new_tokens=own + 5)
+    assert steps == 4 and torch.equal(freq, torch.full((L, H), 0.25))  # not 0.5, the mean of the prompts' means
+    assert asked == [own, calibrate.make_sample("fwe", 1, 400, tok, 1).max_new_tokens]
+    plan = iter([(0, True)])
+    with pytest.raises(ValueError, match="decoded no step"):
+        calibrate.oracle_frequency(model, tok, "fwe", 400, 1, 1, max_new_tokens=2)
+    assert asked[-1] == 2
 
 
 def test_the_recorded_masses_are_the_true_ones_and_the_gaussian_terms(fitted, tiny_dir):
