@@ -346,6 +346,72 @@ def test_top_k_samples_from_the_k_best_and_only_them():
     assert torch.equal(generate.sample(logits, 1.0, top_k=1), logits.argmax(-1))
 
 
+def test_top_k_past_the_vocabulary_samples_from_all_of_it():
+    """--top-k larger than the vocabulary (no flag check knows the model's) leaves every token in the draw."""
+    logits = torch.tensor([[0.0, 2.0, 1.9]]).repeat(300, 1)
+    got = generate.sample(logits, 1.0, top_k=1000, generator=torch.Generator().manual_seed(0))
+    assert set(got.tolist()) == {0, 1, 2}
+
+
+def test_the_seed_decides_the_draws(tiny_dir, tmp_path, capsys):
+    """At temperature > 0 a run is repeated by its --seed, and another seed draws other tokens."""
+    argv = ["--prompt", str(write_prompt(tmp_path, 30)), "--model", str(tiny_dir), "--method", "dense",
+            "--max-new-tokens", "8", "--temperature", "1", "--json"]
+
+    def drawn(seed):
+        assert generate.main(argv + ["--seed", str(seed)]) == 0
+        return json.loads(capsys.readouterr().out)["new_token_ids"]
+
+    assert drawn(3) == drawn(3) != drawn(4)
+
+
+def test_the_bounds_of_the_flags_are_theirs_to_take(tiny_dir, tmp_path, capsys):
+    """The largest seed torch takes, --max-context at the model's trained context (512, no --rope-theta needed) and
+    --static-sparsity 0 (no head local: the labels all full) run."""
+    labels = tmp_path / "labels.json"
+    save_labels(labels, torch.linspace(0, 1, 8).view(2, 4), {"n_sink": 16, "n_local": 128})
+    base = ["--prompt", str(write_prompt(tmp_path, 200)), "--model", str(tiny_dir), "--max-new-tokens", "3", "--json"]
+    for extra in (["--seed", str(2 ** 64 - 1), "--temperature", "1"], ["--max-context", "512"],
+                  ["--method", "static", "--static-labels", str(labels), "--static-sparsity", "0"]):
+        assert generate.main(base + extra) == 0, extra
+        r = json.loads(capsys.readouterr().out)
+        assert r["new_tokens"] == 3
+    assert r["sparsity"] == 0.0 and r["static_labels"]["sparsity"] == 0
+
+
+def test_a_calibrated_path_takes_the_moments_its_correction_was_fitted_with(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Without --moments, a calibrated path runs on the moments its correction states (the correction is of that
+    estimate), and the record says which."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    calibration = tmp_path / "cal.json"
+    save_calibration(calibration, Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, {"moments_source": "prompt"}))
+    assert generate.main(["--prompt", str(write_prompt(tmp_path, 200)), "--model", str(tiny_dir), "--method",
+                          "qada_cal", "--calibration", str(calibration), "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["moments"] == "prompt"
+
+
+def test_static_labels_of_another_shape_are_refused(tiny_dir, tmp_path, capsys):
+    """Labels of 3 layers for a model of 2: one line naming both shapes, not a layer silently left over."""
+    labels = tmp_path / "labels.json"
+    save_labels(labels, torch.linspace(0, 1, 12).view(3, 4), {"n_sink": 16, "n_local": 128})
+    err = error_of(capsys, ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir), "--method",
+                            "static", "--static-labels", str(labels)])
+    assert f"{labels} labels (3, 4) heads; this model has (2, 4)" in err
+
+
+def test_the_printed_time_is_the_sum_of_its_parts(tiny_dir, tmp_path, capsys):
+    """The report's time line: load + reference moments + prefill + decode, the prefill of a batch every prompt's
+    (batch_prefill_s), of a single prompt its own."""
+    files = [str(write_prompt(tmp_path, 20)), str(write_prompt(tmp_path, 30))]
+    assert generate.main(["--prompt", *files, "--model", str(tiny_dir), "--max-new-tokens", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.splitlines()[0])
+    r.update(load_s=1.0, moments_s=2.0, prefill_s=3.0, batch_prefill_s=7.0, decode_s=4.0)
+    for batch, total, prefill in ((2, 14.0, "7.0 s (all prompts)"), (1, 10.0, "3.0 s")):
+        generate.print_report(dict(r, batch=batch))
+        assert (f"time {total:.1f} s: load 1.0 s | reference moments 2.0 s | prefill {prefill} | decode 4.0 s"
+                in capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("item", ["a-b=1", "=1", "budget"])
 def test_set_takes_a_name_and_a_value(item):
     with pytest.raises(ValueError, match="--set takes NAME=VALUE"):
@@ -488,6 +554,8 @@ BEFORE_LOAD = [
     (["--max-context", "0"], "--max-context must exceed --max-new-tokens"),
     (["--max-new-tokens", "8", "--max-context", "8"], "--max-context must exceed --max-new-tokens (8)"),
     (["--rope-theta", "nan"], "--rope-theta must be a positive number"),
+    (["--rope-theta", "0"], "--rope-theta must be a positive number"),  # a RoPE base of 0: every angle undefined
+    (["--temperature", "1", "--top-k", "0"], "--top-k must be >= 1"),  # not sampling from every token unsaid
     (["--method", "dense", "--tau", "0.5"], "--tau: the dense path has no threshold"),
     (["--method", "oracle", "--moments", "prompt"], "--moments: the oracle path reads no key moments"),
     (["--method", "qada", "--calibration", "{tmp}/nan.json"], "--calibration: the qada path reads no calibration"),

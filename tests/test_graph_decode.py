@@ -8,6 +8,7 @@ eager loop."""
 import contextlib
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -543,6 +544,69 @@ def test_what_cannot_run_from_fixed_buffers_says_why(tiny):
     assert generate.graph_refusal("auto", torch.device("cpu"), [dense], [200], tiny).startswith("no CUDA device")
     with pytest.raises(ValueError, match="decides on the host"):
         StaticAttention.of([build_attention("local", cache)], cache, 4, 4)
+
+
+class CpuProbe:
+    """torch as generate.graph_refusal sees it, its probe tensor made on the CPU whatever device it names: the refusal
+    asked about a CUDA device where there is none."""
+
+    @staticmethod
+    def empty(*shape, device=None, **kw):
+        return torch.empty(*shape, **kw)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def test_graph_refusal_names_the_torch_path_and_a_prompt_inside_the_window(tiny, monkeypatch):
+    """On CUDA a qada path decodes through graphs where it takes the fused kernel and every prompt is longer than its
+    window; else the refusal says which of the two it is. Dense needs no kernel (the model's own decoding replays)."""
+    cache = tiny.new_cache(300)
+    tiny.prefill(torch.randint(0, 100, (1, 200), generator=torch.Generator().manual_seed(0)).to(tiny.device), cache)
+    att = build_attention("qada_cal", cache, n_sink=N_SINK, n_local=N_LOCAL, tau=0.5, moments_source="prompt",
+                          calibration=calibration())
+    dense = build_attention("dense", cache)
+    monkeypatch.setattr(generate, "torch", CpuProbe())
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    assert generate.graph_refusal("auto", cuda, [att], [200], tiny) is None
+    assert generate.graph_refusal("auto", cuda, [att, att], [200, N_LOCAL + 1], tiny) is None
+    for lengths in ([200, N_LOCAL], [N_LOCAL, 200]):  # one row inside its window is enough
+        assert generate.graph_refusal("auto", cuda, [att, att], lengths, tiny) == (
+            f"a prompt fits in the window ({N_LOCAL} tokens): its first steps take the torch path")
+    monkeypatch.setenv("QADA_KERNEL", "torch")
+    assert generate.graph_refusal("auto", cuda, [att], [200], tiny).startswith(
+        "the qada_cal path takes the torch path here (QADA_KERNEL=torch")
+    assert generate.graph_refusal("auto", cuda, [dense], [200], tiny) is None
+    assert generate.graph_refusal("auto", cuda, [dense, dense], [200, N_LOCAL], tiny) is None
+
+
+def test_the_static_loop_ends_rows_at_the_models_end_token_and_samples_as_the_eager_loop(tiny_dir, tmp_path,
+                                                                                         monkeypatch):
+    """run_batch through the static loop (graph_refusal made to find nothing; dense on the CPU: the model's own
+    decoding over the view) and through the eager one: a row ends at the end token the model's folder names (kept,
+    as the last), the other runs on; at temperature 1 both draw the same tokens from the seed, not greedy ones."""
+    monkeypatch.setenv("QADA_KERNEL", "torch")
+    files = [str(write_prompt(tmp_path, n)) for n in (40, 57)]
+    kw = dict(max_new_tokens=6, method="dense", progress=False)
+    refusal = generate.graph_refusal
+
+    def run(model, loop, **more):
+        monkeypatch.setattr(generate, "graph_refusal", (lambda *args: None) if loop == "static" else refusal)
+        reports = generate.run_batch(files, model=str(model), **kw, **more)
+        assert all(r["cuda_graphs"].startswith("on" if loop == "static" else "off") for r in reports)
+        return [r["new_token_ids"] for r in reports]
+
+    free = run(tiny_dir, "eager")
+    end = free[0][2]
+    assert end not in free[0][:2] and end not in free[1], "the prompts need another end token"
+    ending = tmp_path / "ending"
+    shutil.copytree(tiny_dir, ending)
+    (ending / "generation_config.json").write_text(json.dumps({"eos_token_id": end}))
+    for loop in ("eager", "static"):
+        assert run(ending, loop) == [free[0][:3], free[1]], loop
+    drawn = run(tiny_dir, "eager", temperature=1.0, seed=5)
+    assert drawn != free and run(tiny_dir, "static", temperature=1.0, seed=5) == drawn
 
 
 def test_graph_views_reach_past_T_by_at_most_a_quarter():
