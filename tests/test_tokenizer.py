@@ -130,6 +130,19 @@ def test_template_list_dict_tokens_eos_list_and_environment(tmp_path, embedded_d
         t.apply_chat_template(CHATS[0])
 
 
+def test_a_template_saved_apart_and_ids_from_the_configs(tmp_path, embedded_dir):
+    """A folder saved by newer transformers keeps its template in chat_template.jinja, not tokenizer_config.json; a
+    tokenizer that names no BOS token takes generation_config's id, else config.json's."""
+    shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 7, "eos_token_id": 3}))
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"
+    assert (t.bos_id, t.eos_ids) == (7, {3})
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 9}))
+    assert Tokenizer.from_dir(tmp_path).bos_id == 9
+
+
 def test_no_chat_template_raises(tmp_path, embedded_dir):
     shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     t = Tokenizer.from_dir(tmp_path)
