@@ -192,8 +192,8 @@ class HFAttention:
                 raise ValueError(f"{calibration} ships no calibration")
             calibration = shipped_calibration(calibration)
         if isinstance(calibration, Calibration):
-            c, name = calibration, "the given calibration"
-            c = Calibration(c.a, c.b, c.s, dict(c.settings, file=c.settings.get("file", name)))
+            c, name = calibration, "the given calibration"  # as error messages name it; the report: "given"
+            c = Calibration(c.a, c.b, c.s, dict(c.settings, file=c.settings.get("file", "given")))
         else:
             c = read_calibration(str(calibration), self.method, "calibration")
             name = c.settings["file"]

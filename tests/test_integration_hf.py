@@ -175,7 +175,8 @@ def test_a_random_transformers_model_runs_through_enable_and_generate(sharp_dir,
     assert attention.method == "qada_kv_all_cal" and attention.tau == 0.3
     generate_hf(hf, ids, new=8)
     assert attention.summary()["steps"] == 7 and attention.rows[0].stats.label_tensor().shape == (7, 2, 4)
-    assert "heads labelled local (sparsity)" in attention.report()
+    head, line = attention.report().splitlines()
+    assert head.endswith(", calibration given") and line.startswith("heads labelled local (sparsity)")
     disable(hf)
     assert hf.config._attn_implementation == "sdpa" and generate_hf(hf, ids, new=8) == plain
 
