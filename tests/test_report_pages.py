@@ -155,6 +155,8 @@ def test_the_page_paths_get_rows_and_names_in_the_lossless_tables(tmp_path, monk
     cells = page_row(pages, "qada_pages")
     assert (cells["@0.2"], cells["minus Quest @0.2"]) == ("1.00 [1.00, 1.00]", "+0.10 [+0.10, +0.10]")
     assert interval(cells["minus Quest @0.1"])[0] == pytest.approx(0.8 + 0.2 * 5 / 6 - 0.5, abs=0.005)
+    # the group decision alone (the combination's ceiling) has its row too, held against Quest at pages of 16
+    assert page_row(pages, "qada_kv_cal")["Quest alone"] == "quest"
     assert (out / "figKV_score_vs_kv_read.png").is_file() and (out / "fig4_score_vs_sparsity.png").is_file()
     heads, reads = drawn["figKV_score_vs_kv_read.png"]
     assert heads == [records.label("qada_kv_cal")]  # a page budget moves the read, not the head sparsity

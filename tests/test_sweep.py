@@ -678,6 +678,11 @@ def test_a_report_pairs_a_folder_with_an_earlier_one_of_the_same_samples(tmp_pat
     (tmp_path / "old" / "run.json").write_text(json.dumps({"settings": dict(settings, length=800)}))
     with pytest.raises(ValueError, match="not runs of the same samples.*length"):
         report.with_baseline(tmp_path / "new", rows, tmp_path / "old")
+    # a folder whose settings do not say its seed cannot be shown to hold the same samples
+    (tmp_path / "old" / "run.json").write_text(json.dumps({"settings": {k: v for k, v in settings.items()
+                                                                        if k != "seed"}}))
+    with pytest.raises(ValueError, match=r"not runs of the same samples: \['seed'\]"):
+        report.with_baseline(tmp_path / "new", rows, tmp_path / "old")
 
 
 def test_matched_scores_interpolate_between_measured_points_with_paired_draws():
