@@ -657,6 +657,9 @@ def test_the_context_past_the_trained_one_needs_rope_theta_and_dense_needs_no_wi
     assert json.loads(capsys.readouterr().out)["new_tokens"] == 2
     assert "context of 21 (--max-context" in error_of(capsys, argv + ["--max-context", "21", "--method", "dense"])
     assert "--n-local 128 leaves no bulk" in error_of(capsys, argv + ["--max-context", "100", "--method", "local"])
+    assert "--n-local 128 leaves no bulk" in error_of(capsys, argv + ["--max-context", "128", "--method", "local"])
+    assert generate.main(argv + ["--max-context", "129", "--method", "local"]) == 0  # one bulk key at the end
+    capsys.readouterr()
     scaled = tmp_path / "scaled"  # a config whose rope_scaling says how far the model reaches: taken as it says
     save_tiny("llama3-rope-scaling", scaled)
     (scaled / "tokenizer.json").write_text((tiny_dir / "tokenizer.json").read_text())
