@@ -152,6 +152,8 @@ def test_end_to_end_runs_batches_of_different_prompts(tmp_path, monkeypatch):
         [(r["T"], r["sparsity"], r["kv_read"], r["needle"]) for r in rows if r["batch"] == 3]
     with pytest.raises(ValueError, match="PATH@TAU"):
         bench.parse_methods("local@0.5")
+    assert bench.parse_methods("qada@1,quest_frac:1") == [("qada@1", "qada", {"tau": 1.0}),
+                                                         ("quest_frac:1", "quest_frac", {"budget_frac": 1.0})]  # (0, 1]
 
 
 def test_end_to_end_takes_a_calibration_and_reads_prefills_back(tmp_path, monkeypatch):
@@ -253,5 +255,164 @@ def test_the_two_parts_run_apart_into_one_folder(tmp_path, monkeypatch, capsys):
     for part in ("attention", "end_to_end"):
         assert (out / f"{part}.md").is_file() and (out / f"{part}_profile.md").read_text().startswith("Profiles")
     assert len(json.loads((out / "end_to_end.json").read_text())["rows"]) == 1 and (out / "speedup.png").is_file()
+    assert "RoPE theta" not in (out / "end_to_end.md").read_text().splitlines()[0]  # 300 tokens: within the context
     assert bench.run(parts="attention", **common) == 0
     assert f"note: {out} holds an earlier run's attention tables; this run replaces them" in capsys.readouterr().err
+
+
+def cells(columns, row) -> dict:
+    """A table's row as {column title: cell text}, read back from the markdown bench.table writes."""
+    head, _, line = bench.table(columns, [row]).splitlines()
+    return dict(zip([c.strip() for c in head.strip("|").split("|")], [c.strip() for c in line.strip("|").split("|")]))
+
+
+class FakeClock:
+    """time.perf_counter for lab.bench: advanced only by the callables timed (and what the test says), so that each
+    timing is a number the test chose."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_timer_excludes_the_warm_up_rotates_the_order_and_takes_the_median(monkeypatch):
+    """Each callable runs once untimed, then `repeats` rounds in an order rotated each round, each timed call after a
+    cache flush that is not timed itself; the figure is the median of the timed calls (1, 6, 2 -> 2: not the warm-up's
+    9, not the mean 3)."""
+    clock, log = FakeClock(), []
+    monkeypatch.setattr(bench, "time", clock)
+
+    class Flush:
+        def sum(self):
+            log.append("flush")
+            clock.now += 100.0  # outside the timed span
+
+    durations = {"a": [9, 1, 6, 2], "b": [5, 4, 4, 4], "c": [7, 3, 8, 30]}
+
+    def fn(name):
+        def call():
+            log.append(name)
+            clock.now += durations[name][sum(x == name for x in log) - 1]
+        return call
+
+    timer = bench.Timer(torch.device("cpu"), flush=False)
+    timer.flush_buf = Flush()
+    t = timer.interleaved({name: fn(name) for name in "abc"}, repeats=3)
+    assert t == {"a": 2, "b": 4, "c": 8}
+    assert log == ["a", "b", "c"] + ["flush", "a", "flush", "b", "flush", "c"] + ["flush", "b", "flush", "c", "flush",
+                                                                                  "a"] + ["flush", "c", "flush", "a", "flush", "b"]
+
+
+def test_attention_rows_are_the_ratios_of_the_timings(monkeypatch):
+    """bench_attention's rows from timings the test chose (seconds per stack of L layers): ms per layer, speedup =
+    dense / qada at the same f, the packed columns against packed dense, the criterion over packed dense, and the
+    bound at the pattern's f and T; the table puts each under its own title."""
+    seconds = {"dense": 2.0, "packed": 1.0, 1.0: 2.5, 0.5: 1.0, 0.15: 0.5, 0.0: 0.25, "criterion": 0.1}
+
+    class FakeTimer:
+        def interleaved(self, fns, repeats):
+            assert set(fns) == set(seconds) and repeats == 7
+            return dict(seconds)
+
+    rows = bench.bench_attention([300], 7, torch.device("cpu"), FakeTimer())
+    assert [(r["shape"], pytest.approx(r["f"])) for r in rows] == [(s, f) for s in bench.SHAPES for f in bench.FRACTIONS]
+    ideal = 1 / (0.15 + 0.85 * 128 / 300)  # = 1.9506
+    for r in rows:
+        assert r["T"] == 300 and r["fused_ms"] is None and r["fused_of_bound"] is None
+        assert r["ideal"] == pytest.approx(1 / (r["f"] + (1 - r["f"]) * 128 / 300), rel=1e-6)
+    smol = {round(r["f"], 6): r for r in rows if r["shape"] == "SmolLM2-135M"}  # 20 layers
+    r = smol[0.15]
+    assert (r["dense_ms"], r["packed_ms"], r["qada_ms"]) == pytest.approx((100.0, 50.0, 25.0))
+    assert (r["speedup"], r["speedup_packed"], r["criterion"]) == pytest.approx((4.0, 2.0, 0.1))
+    assert (r["ideal"], r["of_bound"], r["of_bound_packed"]) == pytest.approx((ideal, 4.0 / ideal, 2.0 / ideal), rel=1e-6)
+    assert smol[1.0]["speedup"] == pytest.approx(0.8) and smol[1.0]["ideal"] == 1.0
+    assert smol[0.0]["speedup"] == pytest.approx(8.0) and smol[0.0]["speedup_packed"] == pytest.approx(4.0)
+    llama = next(r for r in rows if r["shape"] == "Llama-3-8B" and round(r["f"], 6) == 0.5)  # 5 layers
+    assert (llama["dense_ms"], llama["packed_ms"], llama["qada_ms"]) == pytest.approx((400.0, 200.0, 200.0))
+    assert cells(bench.ATTENTION_COLUMNS, r) == {
+        "shapes": "SmolLM2-135M", "T": "300", "f (KV read)": "0.15", "dense ms": "100.000", "packed dense ms": "50.000",
+        "qada ms": "25.000", "speedup": "4.00x", "ideal": "1.95x", "% of bound": "205%", "speedup vs packed": "2.00x",
+        "% of bound vs packed": "103%", "criterion / packed": "10.0%", "fused kernel ms": "–",
+        "fused % of bound vs packed": "–"}
+
+
+def test_end_to_end_rows_from_chosen_timings_reads_and_answers(tmp_path, monkeypatch):
+    """Part 2's arithmetic on the tiny model with what it measures replaced by numbers the test chose: each row's
+    prefill seconds are its batch's prompts' (1.5, then 1.5 + 2.5), ms per step the median of the timed runs (not the
+    untimed answer run), sparsity and KV read the mean over the batch's rows, the bound dense / (local + read * (dense -
+    local)), and the needles counted per row against that row's own needle, dense first."""
+    from attention import HeadStats
+    from tests.test_generate import make_tiny_dir
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    folder = make_tiny_dir(tmp_path / "tiny")
+    mark = {0: [40, 41], 1: [50, 51]}  # the answer tokens that spell prompt b's needle ("w40 w41", "w50 w51")
+    needle_prompt, prefilled, decode_timed, build = (bench.needle_prompt, bench.prefilled, bench.decode_timed,
+                                                     bench.build_attention)
+    monkeypatch.setattr(bench, "needle_prompt", lambda tok, n, seed=0: (needle_prompt(tok, n, seed)[0],
+                                                                         f"w{mark[seed][0]} w{mark[seed][1]}"))
+    prefills = iter([1.5, 2.5])
+    monkeypatch.setattr(bench, "prefilled", lambda *a: prefilled(*a)[:2] + (next(prefills),))
+    rows_of = []  # (attention, its row: its cache's prompt)
+    caches = []
+
+    def build_attention(method, cache, **kw):
+        att = build(method, cache, **kw)
+        if all(c is not cache for c in caches):
+            caches.append(cache)
+        rows_of.append((att, next(i for i, c in enumerate(caches) if c is cache)))
+        return att
+    monkeypatch.setattr(bench, "build_attention", build_attention)
+    per_row = {0: dict(sparsity=0.9, kv_read=0.2), 1: dict(sparsity=0.5, kv_read=0.6)}
+    monkeypatch.setattr(HeadStats, "summary", lambda self, n: next(per_row[i] for a, i in rows_of if a.stats is self))
+    timed = {"dense": [0.020, 0.100, 0.010], "local": [0.004] * 3, "qada": [0.008, 0.008, 0.050]}  # medians 20, 4, 8 ms
+    calls = {name: 0 for name in timed}
+
+    def fake_decode(model, cache, n, logits, n_new, attn):
+        s, outs = decode_timed(model, cache, n, logits, n_new, attn)
+        name = "dense" if attn is None else getattr(attn, "rows", [attn])[0].method
+        if n_new == bench.NEEDLE_TOKENS:  # the answers: dense finds row 0's needle, qada row 1's, local none
+            found = {"dense": 0, "qada": 1}.get(name)
+            return s, [mark[b] if b == found else [0] * n_new for b in range(len(outs))]
+        calls[name] += 1
+        return timed[name][(calls[name] - 1) % 3], outs
+    monkeypatch.setattr(bench, "decode_timed", fake_decode)
+    rows, _ = bench.bench_end_to_end(str(folder), [300], [1, 2], bench.parse_methods("qada@0.6"), repeats=3, n_new=2,
+                                     device=torch.device("cpu"), dtype=torch.float32, rope_theta=4e5)
+    assert calls == {"dense": 6, "local": 6, "qada": 6}
+    got = [{k: r[k] for k in ("batch", "prefill_s", "dense_ms", "local_ms", "ms", "speedup", "bound", "of_bound",
+                              "sparsity", "kv_read", "needle")} for r in rows]
+    assert got == [
+        dict(batch=1, prefill_s=1.5, dense_ms=pytest.approx(20), local_ms=pytest.approx(4), ms=pytest.approx(8),
+             speedup=pytest.approx(2.5), bound=pytest.approx(20 / 7.2), of_bound=pytest.approx(0.9), sparsity=0.9,
+             kv_read=0.2, needle="1/1, 0/1"),
+        dict(batch=2, prefill_s=4.0, dense_ms=pytest.approx(20), local_ms=pytest.approx(4), ms=pytest.approx(8),
+             speedup=pytest.approx(2.5), bound=pytest.approx(20 / 10.4), of_bound=pytest.approx(1.3),
+             sparsity=pytest.approx(0.7), kv_read=pytest.approx(0.4), needle="1/2, 1/2")]
+    assert {k: v for k, v in cells(bench.E2E_COLUMNS, rows[0]).items() if k not in ("prompt tokens", "RoPE theta")} == {
+        "batch": "1", "prefill s": "1.5", "method": "qada@0.6", "packed dense ms/step": "20.0",
+        "window-only ms/step": "4.0", "method ms/step": "8.0", "speedup": "2.50x", "bound": "2.78x", "% of bound": "90%",
+        "sparsity": "0.90", "KV read": "0.20", "needles found dense, method": "1/1, 0/1"}
+
+
+def test_decode_timed_is_seconds_per_step_and_answers_from_the_first_token(tmp_path, monkeypatch):
+    """decode_timed: n_new decode steps, timed as one span divided by n_new; each row's tokens start with the
+    prefill's argmax (the answer's first token) and number n_new; the cache is left at the prompt."""
+    from model import load_model
+    from tests.test_generate import make_tiny_dir
+    model = load_model(make_tiny_dir(tmp_path / "tiny"))
+    ids = torch.randint(1, 100, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache, first, _ = bench.prefilled(model, ids, 5, None)
+    clock, steps = FakeClock(), []
+    monkeypatch.setattr(bench, "time", clock)
+    step = model.decode_step
+
+    def decode_step(token, cache, attn):
+        steps.append(token.tolist())
+        clock.now += 0.5
+        return step(token, cache, attn)
+    monkeypatch.setattr(model, "decode_step", decode_step)
+    seconds, outs = bench.decode_timed(model, cache, 40, first, 4, None)
+    assert seconds == pytest.approx(0.5) and len(steps) == 4 and cache.length == 40
+    assert outs == [[s[0] for s in steps]] and outs[0][0] == int(first.argmax(-1))

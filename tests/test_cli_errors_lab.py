@@ -441,6 +441,10 @@ BENCH = [  # (argv after --device cpu, what the line names)
     (["--prefill-only", "--parts", "e2e"], "--prefill-only fills --prefill-cache"),
     (["--out", "{a_file}"], "is a file"),
     (["--lengths", "2048,50"], "each length must exceed the window (128), got '2048,50'"),
+    (["--lengths", "128"], "each length must exceed the window (128), got '128'"),  # no bulk left to estimate
+    (["--prefill-only", "--prefill-cache", "{empty}"], "--prefill-only is for the end-to-end part: give --parts e2e"),
+    (["--parts", "attention", "--batches", "1"], "--batches is for the end-to-end part"),
+    (["--parts", "attention", "--rope-theta", "1e5"], "--rope-theta is for the end-to-end part"),
     (["--model", "{missing}"], "no such folder"),  # before the attention part runs (no_model fails it)
     (["--model", "{empty}", "--parts", "e2e"], "has no config.json"),
     (["--model", "{tiny}", "--e2e-methods", "qada_cal@0.2"], "ships no calibration: give --calibration FILE"),
