@@ -177,8 +177,10 @@ class HFAttention:
         self.rows, self.decoder = [], None  # this generation's attention per row, and what decodes the batch
         self.prompt, self.starts, self.prompt_len = None, None, None  # the last prefill's keys, padding and length
         # A row's page index and online moments follow its own keys; beam search reorders the cache's rows under
-        # them. The last layer's newest key (B, Hkv, D), seen again one step later, says whether that happened.
-        self.follows_rows, self.last_key = False, None
+        # them. The last layer's newest key (B, Hkv, D), seen again one step later, says whether that happened:
+        # refused at once where a row keeps such state, else noted (`moved`, on the device: no sync per step) for
+        # report(sequences), whose rows then are not the cache's
+        self.follows_rows, self.last_key, self.moved = False, None, None
 
     def read_calibration(self, calibration, device) -> Calibration:
         """The correction a qada*_cal path reads: a Calibration, a file or a lab.calibrate folder, or a named model
@@ -229,7 +231,7 @@ class HFAttention:
             raise ValueError(f"layer {layer} has a sliding window or a softcap: not supported by the QAdA adapter")
         if layer == 0:
             self.begin_step(key, attention_mask)
-        if layer == self.cfg.num_hidden_layers - 1 and self.follows_rows:
+        if layer == self.cfg.num_hidden_layers - 1:
             self.check_rows(key)
         y = self.decoder(query, key, value, layer)  # (B, H, 1, D)
         return y.transpose(1, 2), None
@@ -238,13 +240,13 @@ class HFAttention:
         """A prompt's forward pass: a new generation begins at layer 0; each layer's keys are kept for Option 1 and the
         page paths."""
         if layer == 0:
-            self.rows, self.decoder = [], None
+            self.rows, self.decoder, self.moved = [], None, None
             self.prompt, self.prompt_len = [None] * self.cfg.num_hidden_layers, key.shape[2]
             self.starts = left_padding(mask, key.shape[2])
         if self.keeps_prompt:
             self.prompt[layer] = key  # (B, Hkv, T, D); the cache's next update makes a new tensor, this one stays
-            if layer == self.cfg.num_hidden_layers - 1:
-                self.last_key = key[:, :, -1].clone()  # (B, Hkv, D): what check_rows compares the next step with
+        if layer == self.cfg.num_hidden_layers - 1:
+            self.last_key = key[:, :, -1].clone()  # (B, Hkv, D): what check_rows compares the next step with
 
     def begin_step(self, key: torch.Tensor, mask) -> None:
         """Layer 0 of a decode step: after a prefill, each row's attention is built; each step, the padding is
@@ -287,9 +289,14 @@ class HFAttention:
 
     def check_rows(self, key: torch.Tensor) -> None:
         """The last layer of a decode step: its key one position back (B, Hkv, D) is still the one each row appended a
-        step ago, or the rows were reordered (that key depends on every token before it)."""
-        if not torch.equal(key[:, :, -2], self.last_key):
-            raise ValueError(REORDERED.format(self.method, self.kept_per_row(self.rows[0])))
+        step ago, or the rows were reordered (that key depends on every token before it): refused where a row keeps
+        state of its own, else kept in `moved`."""
+        if self.follows_rows:
+            if not torch.equal(key[:, :, -2], self.last_key):
+                raise ValueError(REORDERED.format(self.method, self.kept_per_row(self.rows[0])))
+        else:
+            moved = (key[:, :, -2] != self.last_key).any()
+            self.moved = moved if self.moved is None else self.moved | moved
         self.last_key = key[:, :, -1].clone()
 
     # -----------------------------------------------------------------------------------------------------
@@ -299,7 +306,7 @@ class HFAttention:
         """HeadStats.summary of the last generation's row `row`: decode steps, head sparsity, KV read, per layer. With
         `sequences` (generate's output), only the steps up to the row's first end-of-sequence token: transformers
         decodes a row that has ended, on padding, until every row of the batch has (`eos_token_id`: the model's
-        generation_config's by default)."""
+        generation_config's by default). Refused after beam search, whose cache rows are no one sequence each."""
         if not self.rows:
             return {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
         if not 0 <= row < len(self.rows):
@@ -315,6 +322,9 @@ class HFAttention:
     def steps_to_end(self, sequences: torch.Tensor, eos_token_id=None) -> list[int]:
         """Per row of generate's output `sequences` (B, prompt + new), the decode steps that made its new tokens up to
         its first end-of-sequence token: the first new token comes from the prefill, step i makes token i."""
+        if self.moved is not None and bool(self.moved):
+            raise ValueError("sequences: the cache's rows were reordered between decode steps (beam search), so a "
+                             "row's statistics follow no one sequence; report() without them gives each cache row's")
         eos = self.eos if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         if not eos:
             raise ValueError("sequences: the model's generation_config names no eos_token_id; give report(sequences, "

@@ -458,8 +458,13 @@ def test_beam_search_is_refused_where_a_row_keeps_state_of_its_own(sharp_dir, me
     assert "\n" not in str(e.value)
     generate_hf(hf, ids)  # one beam: nothing reordered, nothing refused
     disable(hf)
-    enable(hf, "qada", tau=1.0, moments="prompt")  # fixed moments: nothing kept per row
-    assert torch.equal(hf.generate(ids, **beams), plain)
+    attention = enable(hf, "qada", tau=1.0, moments="prompt")  # fixed moments: nothing kept per row
+    out = hf.generate(ids, **beams)
+    assert torch.equal(out, plain)
+    # its statistics are the cache's rows', which the beams moved between: not one returned sequence's each
+    assert attention.report().count("decode steps") == 3  # the three cache rows
+    with pytest.raises(ValueError, match="reordered between decode steps \\(beam search\\), so a row's statistics"):
+        attention.report(out.expand(3, -1))
     disable(hf)
 
 
