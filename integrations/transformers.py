@@ -33,8 +33,9 @@ in chunks (prefill_chunk_size), where a last chunk of one token is, to an attent
 decoded by the path and counted as the first step. Right padding, static caches, and assisted or prompt-lookup
 decoding (several tokens a pass) are refused with one line; without a cache (use_cache=False, or a forward of the
 whole sequence) every pass is a prefill: dense, and the report says no decode step ran;
-prefill runs on SDPA (not flash-attention), decode eagerly (the paths read labels to the host: no torch.compile or
-CUDA graphs). Tested with transformers 5.25.
+prefill runs on SDPA (not flash-attention), decode eagerly, launch by launch (no CUDA graphs or torch.compile here;
+the torch paths read their labels to the host, the fused kernel does not). Quantized and paged caches are not
+supported and not checked for. Tested with transformers 5.25.
 """
 
 import dataclasses

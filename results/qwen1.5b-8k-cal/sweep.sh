@@ -3,7 +3,7 @@
 # four tasks of results/qwen1.5b-8k (variable tracking among them), 12 samples each (seed 42, as every sweep here).
 # First the model's own corrections (the 0.5B's do not fit its heads), task seed 1, never evaluated: one on the
 # evaluated tasks' generators, one on other task families (none of the four); both resume. Then the sweep:
-#   python -m lab.report results/qwen1.5b-8k-cal
+#   python -m lab.report results/qwen1.5b-8k-cal --with results/qwen1.5b-8k
 # Two ranks of one thread each for the sweep; rerun to resume.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
