@@ -38,7 +38,7 @@ device buffers, the step generate.decode_static replays from CUDA graphs.
 
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -1139,6 +1139,12 @@ class HeadStats:
         if not self.reads or not all(self.reads):
             return None
         return stack_steps(self.reads).double()
+
+    def first(self, n: int) -> "HeadStats":
+        """These statistics up to decode step n, the steps after it left out (a row that ended there but was decoded on,
+        as transformers decodes a batch's finished rows)."""
+        return replace(self, labels=self.labels[:n], oracle=self.oracle[:n], log_masses=self.log_masses[:n],
+                       lengths=self.lengths[:n], reads=self.reads[:n])
 
     def summary(self, n_kv_heads: int) -> dict:
         return summarize(self.label_tensor(), torch.tensor(self.lengths, device="cpu"), n_kv_heads, self.n_local,

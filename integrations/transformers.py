@@ -181,7 +181,7 @@ class HFAttention:
         # them. The last layer's newest key (B, Hkv, D), seen again one step later, says whether that happened:
         # refused at once where a row keeps such state, else noted (`moved`, on the device: no sync per step) for
         # report(sequences), whose rows then are not the cache's
-        self.follows_rows, self.last_key, self.moved = False, None, None
+        self.follows_rows, self.last_key, self.moved = False, None, False
 
     def read_calibration(self, calibration, device) -> Calibration:
         """The correction a qada*_cal path reads: a Calibration, a file or a lab.calibrate folder, or a named model
@@ -241,7 +241,7 @@ class HFAttention:
         """A prompt's forward pass: a new generation begins at layer 0; each layer's keys are kept for Option 1 and the
         page paths."""
         if layer == 0:
-            self.rows, self.decoder, self.moved = [], None, None
+            self.rows, self.decoder, self.moved = [], None, False
             self.prompt, self.prompt_len = [None] * self.cfg.num_hidden_layers, key.shape[2]
             self.starts = left_padding(mask, key.shape[2])
         if self.keeps_prompt:
@@ -296,8 +296,7 @@ class HFAttention:
             if not torch.equal(key[:, :, -2], self.last_key):
                 raise ValueError(REORDERED.format(self.method, self.kept_per_row(self.rows[0])))
         else:
-            moved = (key[:, :, -2] != self.last_key).any()
-            self.moved = moved if self.moved is None else self.moved | moved
+            self.moved = self.moved | (key[:, :, -2] != self.last_key).any()  # a bool tensor once a step has run
         self.last_key = key[:, :, -1].clone()
 
     # -----------------------------------------------------------------------------------------------------
@@ -314,16 +313,13 @@ class HFAttention:
             raise ValueError(f"row {row}: the last generation had {len(self.rows)} row(s)")
         stats = self.rows[row].stats
         if sequences is not None:
-            n = self.steps_to_end(sequences, eos_token_id)[row]
-            stats = dataclasses.replace(stats, labels=stats.labels[:n], oracle=stats.oracle[:n],
-                                        log_masses=stats.log_masses[:n], lengths=stats.lengths[:n],
-                                        reads=stats.reads[:n])
+            stats = stats.first(self.steps_to_end(sequences, eos_token_id)[row])
         return stats.summary(self.cfg.num_key_value_heads)
 
     def steps_to_end(self, sequences: torch.Tensor, eos_token_id=None) -> list[int]:
         """Per row of generate's output `sequences` (B, prompt + new), the decode steps that made its new tokens up to
         its first end-of-sequence token: the first new token comes from the prefill, step i makes token i."""
-        if self.moved is not None and bool(self.moved):
+        if bool(self.moved):
             raise ValueError("sequences: the cache's rows were reordered between decode steps (beam search), so a "
                              "row's statistics follow no one sequence; report() without them gives each cache row's")
         eos = self.eos if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
