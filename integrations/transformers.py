@@ -42,6 +42,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import weakref
 from pathlib import Path
 
 import torch
@@ -171,8 +172,7 @@ class HFAttention:
             finally:
                 hf_logging.set_verbosity(quiet)
         self.inputs = inputs
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        self.eos = [eos] if isinstance(eos, int) else list(eos or [])  # where report(sequences) ends each row
+        self.model = weakref.ref(model)  # report(sequences) reads its generation_config then (a weak ref: see above)
         self.name, self.previous = None, None
         self.store, self.hook = None, None  # HFModel's forward: our KVCache keeps the keys, `hook` decodes
         self.rows, self.decoder = [], None  # this generation's attention per row, and what decodes the batch
@@ -322,7 +322,11 @@ class HFAttention:
         if bool(self.moved):
             raise ValueError("sequences: the cache's rows were reordered between decode steps (beam search), so a "
                              "row's statistics follow no one sequence; report() without them gives each cache row's")
-        eos = self.eos if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        if eos_token_id is None:
+            model = self.model()  # None once the model is gone
+            config = getattr(model, "generation_config", None)
+            eos_token_id = config.eos_token_id if config is not None else None
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         if not eos:
             raise ValueError("sequences: the model's generation_config names no eos_token_id; give report(sequences, "
                              "eos_token_id=...)")

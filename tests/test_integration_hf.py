@@ -249,7 +249,7 @@ def test_the_report_states_each_rows_numbers_and_outlives_disable(sharp_dir, tmp
 def test_report_of_the_sequences_counts_each_row_to_its_end(sharp_dir):
     """transformers keeps decoding a batch row that has ended (on padding) until every row has: report(sequences)
     counts each row up to its end-of-sequence token, as that row decoded alone, which report() without them does not
-    (it says so). Sequences of another shape, or no EOS to look for, are refused with one line."""
+    (it says so); the token is the model's generation_config's when reported, not when enabled. Sequences of another shape, or no EOS to look for, are refused with one line."""
     long, short = prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 40, 2)
     ids = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], 1)])
     mask = torch.ones_like(ids)
@@ -257,8 +257,8 @@ def test_report_of_the_sequences_counts_each_row_to_its_end(sharp_dir):
     hf = hf_model(sharp_dir)
     first, second = generate_hf(hf, ids, mask)
     k, eos = next((i, t) for i, t in enumerate(second) if i > 2 and t not in first and t not in second[:i])
-    hf.generation_config.eos_token_id = eos  # row 1 ends at new token k, row 0 runs to the end
     attention = enable(hf, "qada", tau=0.5, moments="prompt")
+    hf.generation_config.eos_token_id = eos  # after enable(): read when reported. Row 1 ends at new token k, row 0 not
     generate_hf(hf, short)
     alone = attention.summary()
     assert alone["steps"] == k
@@ -275,7 +275,7 @@ def test_report_of_the_sequences_counts_each_row_to_its_end(sharp_dir):
                          (out.tolist(), "got list")):
         with pytest.raises(ValueError, match=message):
             attention.report(bad)
-    attention.eos = []
+    hf.generation_config.eos_token_id = None
     with pytest.raises(ValueError, match="names no eos_token_id"):
         attention.report(out)
     assert attention.summary(1, out, eos_token_id=eos) == alone
