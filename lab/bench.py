@@ -411,8 +411,10 @@ def parse_methods(text: str) -> list[tuple[str, str, dict]]:
             if not 0 < inputs["tau"] <= 1:  # NaN fails too; a tau of 0 would fail only after the dense timing
                 raise ValueError(f"--e2e-methods {item!r}: TAU takes a number in (0, 1]")
         if unit == "budget":
-            if not budget.isdigit():
-                raise ValueError(f"--e2e-methods {item!r}: BUDGET takes a whole number of tokens")
+            P = attention.page_size(name)
+            if not budget.isdigit() or int(budget) < P:  # budget // P pages: below one page it times the window alone
+                raise ValueError(f"--e2e-methods {item!r}: BUDGET takes a whole number of tokens, at least one page "
+                                 f"({P})")
             inputs["budget"] = int(budget)
         elif unit:
             try:

@@ -204,6 +204,7 @@ def test_end_to_end_times_the_page_paths(tmp_path, monkeypatch):
     methods = bench.parse_methods("quest:16,quest:512,qada_pages@0.6:16,quest_frac:0.25")
     assert methods[2] == ("qada_pages@0.6:16", "qada_pages", {"tau": 0.6, "budget": 16})
     assert methods[3] == ("quest_frac:0.25", "quest_frac", {"budget_frac": 0.25})
+    assert bench.parse_methods("quest_p32:32") == [("quest_p32:32", "quest_p32", {"budget": 32})]  # one page of 32
     rows, _ = bench.bench_end_to_end(str(folder), [300], [1, 2], methods, repeats=1, n_new=2,
                                      device=torch.device("cpu"), dtype=torch.float32, rope_theta=4e5,
                                      calibration=str(always_long))
@@ -213,7 +214,7 @@ def test_end_to_end_times_the_page_paths(tmp_path, monkeypatch):
         assert read[B, "quest:16"] < read[B, "quest_frac:0.25"] < read[B, "quest:512"]
         assert read[B, "qada_pages@0.6:16"] < 1 and read[B, "quest:512"] > 0.99  # 512 covers the 268-token bulk
     for bad in ("quest", "quest@0.5:16", "qada_pages:16", "qada_pages@0.6", "quest:-1", "quest_frac:2",
-                "page_oracle:16", "qada@0.6:16"):
+                "page_oracle:16", "qada@0.6:16", "quest:0", "quest:15", "quest_p32:16"):  # 0 pages: the window alone
         with pytest.raises(ValueError, match="--e2e-methods"):
             bench.parse_methods(bad)
 
