@@ -301,7 +301,7 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
                top_k: int | None, static_sparsity: float | None, rope_theta: float | None, max_context: int | None,
                threads: int | None, method: str, moments_source: str | None, static_labels: str | None,
                calibration: str | None, inputs: dict, cuda_graphs: str = "auto", compiled: str = "off",
-               model: str | None = None, seed: int = 0, **_) -> None:
+               model: str | None = None, seed: int | None = None, **_) -> None:
     """Validate the flags before anything is loaded; ValueError carries one clear line. `calibration` and `tau` are
     what the user gave (None: not given)."""
     if method not in PATHS:
@@ -320,8 +320,10 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
         raise ValueError(f"--top-k must be >= 1, got {top_k}")
     if top_k is not None and temperature == 0:
         raise ValueError("--top-k samples among the k most likely tokens: it needs --temperature > 0 (0 is greedy)")
-    if not 0 <= seed < 2 ** 64:  # what torch.Generator.manual_seed takes
+    if seed is not None and not 0 <= seed < 2 ** 64:  # what torch.Generator.manual_seed takes
         raise ValueError(f"--seed must lie in [0, 2**64), got {seed}")
+    if seed is not None and temperature == 0:  # greedy decoding draws nothing: a seed would be ignored
+        raise ValueError("--seed seeds the sampling: it needs --temperature > 0 (0 is greedy)")
     if model is not None and not model.strip():
         raise ValueError("--model is empty: give a named model, a model folder or a hub id (or leave it out)")
     if static_sparsity is not None and "static_local" not in reads:
@@ -438,16 +440,17 @@ def parse_inputs(items: list[str], reserved: set[str] = frozenset()) -> dict:
 
 
 def read_prompts(files: list[str]) -> list[tuple[str, str]]:
-    """(name, text) of every prompt: a UTF-8 text file is one prompt; a .jsonl file holds one per line, each a JSON
-    string or an object with a "prompt" field. FileNotFoundError/ValueError carry one clear line."""
+    """(name, text) of every prompt: a UTF-8 text file (or pipe; "-" standard input, named <stdin>) is one prompt; a
+    .jsonl file holds one per line, each a JSON string or an object with a "prompt" field. FileNotFoundError/ValueError
+    carry one clear line."""
     prompts = []
     for f in files:
-        path = Path(f)
-        if not path.exists():
+        path = Path("<stdin>" if f == "-" else f)
+        if f != "-" and not path.exists():
             raise FileNotFoundError(f"prompt file {path} not found")
-        if not path.is_file():
-            raise ValueError(f"prompt file {path} is not a regular file")
-        data = path.read_bytes()
+        if f != "-" and not (path.is_file() or path.is_fifo()):  # a pipe: --prompt <(...) or /dev/stdin from one
+            raise ValueError(f"prompt file {path} is not a regular file or a pipe (- reads standard input)")
+        data = sys.stdin.buffer.read() if f == "-" else path.read_bytes()
         if b"\0" in data:
             raise ValueError(f"prompt file {path} holds NUL bytes: a binary file, not text")
         try:
@@ -480,8 +483,8 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
 
 def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int = 64, chat: bool = True,
               device: str | None = None, dtype: str = "float32", rope_theta: float | None = None,
-              max_context: int | None = None, seed: int = 0, temperature: float = 0.0, top_k: int | None = None,
-              method: str = "qada", tau: float | None = None, moments_source: str | None = None,
+              max_context: int | None = None, seed: int | None = None, temperature: float = 0.0,
+              top_k: int | None = None, method: str = "qada", tau: float | None = None, moments_source: str | None = None,
               n_sink: int = WINDOW["n_sink"], n_local: int = WINDOW["n_local"], static_labels: str | None = None,
               static_sparsity: float | None = None, calibration: str | None = None, threads: int | None = None,
               progress: bool = True, cuda_graphs: str = "auto", compiled: str = "off", **inputs) -> list[dict]:
@@ -519,7 +522,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         raise ValueError(why)
     if threads:
         torch.set_num_threads(threads)
-    torch.manual_seed(seed)
+    seed = 0 if seed is None and temperature > 0 else seed  # greedy: None, no draw to seed
+    torch.manual_seed(seed or 0)
     times = {}
     t0 = time.perf_counter()
     net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
@@ -569,7 +573,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
         logits = torch.cat([r[1] for r in rows])  # (B, V)
         attention = BatchAttention([r[3] for r in rows], start=cache.start.tolist())
     del caches  # the stack holds the prompts now (the attentions keep moments, not caches)
-    generator = torch.Generator(device).manual_seed(seed)
+    generator = torch.Generator(device).manual_seed(seed or 0)
     refusal = graph_refusal(cuda_graphs, device, [r[3] for r in rows], [len(r[0]) for r in rows], net)
     if compiled == "on":
         net.compile_pointwise()  # compiles at the first step, inside the decode time
@@ -642,7 +646,13 @@ def print_report(r: dict) -> None:
              if r["static_labels"] else "")
           + "".join(f", {name} {value}" for name, value in r["inputs"].items()
                     if name not in WINDOW or r["inputs"][name] != WINDOW[name])  # the default window goes unsaid
-          + f" | {r['device']} {r['dtype']} | peak memory {r['peak_memory_mb']} MB")
+          + f" | {r['device']} {r['dtype']}"
+          # what else moves the tokens, where given (--json holds every setting, --max-context's too)
+          + (f", RoPE theta {r['rope_theta']:g}" if r["rope_theta"] is not None else "")
+          + (f", sampled at temperature {r['sampling']['temperature']:g}"
+             + (f" top-k {r['sampling']['top_k']}" if r["sampling"]["top_k"] else "")
+             + f" seed {r['sampling']['seed']}" if r["sampling"]["temperature"] else "")
+          + f" | peak memory {r['peak_memory_mb']} MB")
     if r["decode_ms_per_token"] is None:  # one new token, from the prefill's logits
         speed = "no decode step"
     else:
@@ -669,9 +679,9 @@ def print_report(r: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt", required=True, nargs="+", action="extend", metavar="FILE",
-                   help="UTF-8 text file holding the prompt (the user turn when chatting); several files, or a .jsonl "
-                        "file of prompts (one JSON string or {\"prompt\": ...} per line), decode as one batch with a "
-                        "report each")
+                   help="UTF-8 text file holding the prompt (the user turn when chatting; - reads standard input); "
+                        "several files, or a .jsonl file of prompts (one JSON string or {\"prompt\": ...} per line), "
+                        "decode as one batch with a report each")
     p.add_argument("--model", default=None, help=f"a named offline model ({', '.join(MODELS)}; default {DEFAULT}), "
                    "a Hugging Face model folder or a hub id")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
@@ -681,7 +691,7 @@ def main(argv=None) -> int:
     p.add_argument("--rope-theta", type=float, default=None, help="override the RoPE base (the paper uses 2e6 for 32k)")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation allowed (default: the "
                    "model's)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: 0; with --temperature)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (the default)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--method", default="qada", choices=list(PATHS), help="decode-time attention path (default: "
@@ -741,7 +751,7 @@ def main(argv=None) -> int:
         own = set(inspect.signature(run_batch).parameters) - {"inputs"}  # its flags', and prompts and progress
         inputs = parse_inputs(args.pop("set"), reserved=own | {"moments", "static_local", "reference"})
         reports = run_batch(args.pop("prompt"), **args, **given, **inputs,
-                            progress=not as_json and sys.stderr.isatty())
+                            progress=sys.stderr.isatty())  # bars on stderr: --json's stdout stays clean
     except (OSError, ValueError) as e:  # bad input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

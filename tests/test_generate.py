@@ -1,8 +1,12 @@
 """The generate.py CLI on a tiny random model: the report against the labels each step decided, prompts shorter
 than the window under every path and moments source, and one clear line for each bad input."""
 
+import io
 import json
 import math
+import os
+import sys
+import threading
 
 import pytest
 import torch
@@ -242,7 +246,8 @@ def test_the_device_is_cpu_cuda_or_cuda_n():
 
 def test_bad_prompt_files_name_the_real_cause(tiny_dir, tmp_path, capsys):
     model = ["--model", str(tiny_dir)]
-    assert error_of(capsys, ["--prompt", "/dev/null"] + model) == "error: prompt file /dev/null is not a regular file"
+    assert error_of(capsys, ["--prompt", "/dev/null"] + model) == \
+        "error: prompt file /dev/null is not a regular file or a pipe (- reads standard input)"
     assert "is not a regular file" in error_of(capsys, ["--prompt", str(tmp_path)] + model)  # a folder
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "fine"}\n{"prompt": 5}\n')
@@ -250,6 +255,18 @@ def test_bad_prompt_files_name_the_real_cause(tiny_dir, tmp_path, capsys):
         f'error: {prompts} line 2: "prompt" must be a string, got int'
     prompts.write_text('"fine"\n["a list"]\n')
     assert "line 2: expected a JSON string or an object" in error_of(capsys, ["--prompt", str(prompts)] + model)
+
+
+def test_a_prompt_comes_from_standard_input_or_a_pipe(tmp_path, monkeypatch):
+    """--prompt - reads standard input, and a pipe (--prompt <(...), /dev/stdin fed by one) reads as a file does."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("piped \u00e9\n".encode())))
+    assert generate.read_prompts(["-"]) == [("<stdin>", "piped \u00e9\n")]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=("through a pipe",))
+    writer.start()
+    assert generate.read_prompts([str(fifo)]) == [(str(fifo), "through a pipe")]
+    writer.join()
 
 
 def test_jsonl_lines_end_at_newlines_only(tmp_path):
@@ -399,6 +416,17 @@ def test_static_labels_of_another_shape_are_refused(tiny_dir, tmp_path, capsys):
     assert f"{labels} labels (3, 4) heads; this model has (2, 4)" in err
 
 
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_bars_show_on_a_terminal_with_or_without_json(tiny_dir, tmp_path, capsys, monkeypatch, terminal):
+    """The bars go to stderr, so --json's lines on stdout stay clean: they show whenever stderr is a terminal."""
+    seen = []
+    monkeypatch.setattr(generate, "run_batch", lambda *a, progress, **kw: seen.append(progress) or [])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    for extra in ([], ["--json"]):
+        assert generate.main(["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(tiny_dir)] + extra) == 0
+    assert seen == [terminal, terminal]
+
+
 def test_the_printed_time_is_the_sum_of_its_parts(tiny_dir, tmp_path, capsys):
     """The report's time line: load + reference moments + prefill + decode, the prefill of a batch every prompt's
     (batch_prefill_s), of a single prompt its own."""
@@ -410,6 +438,22 @@ def test_the_printed_time_is_the_sum_of_its_parts(tiny_dir, tmp_path, capsys):
         generate.print_report(dict(r, batch=batch))
         assert (f"time {total:.1f} s: load 1.0 s | reference moments 2.0 s | prefill {prefill} | decode 4.0 s"
                 in capsys.readouterr().out)
+
+
+def test_the_printed_report_names_what_moves_the_tokens_besides_the_method(tiny_dir, tmp_path, capsys):
+    """--rope-theta and sampling change the tokens: the text report names each one given, and neither when not."""
+    prompt = str(write_prompt(tmp_path, 20))
+    assert generate.main(["--prompt", prompt, "--model", str(tiny_dir), "--max-new-tokens", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    generate.print_report(r)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("method "))
+    assert "RoPE" not in line and "sampled" not in line
+    generate.print_report(dict(r, rope_theta=2e6, max_context=512, sampling={"temperature": 0.7, "top_k": 5,
+                                                                            "seed": 3}))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("method "))
+    assert ", RoPE theta 2e+06, sampled at temperature 0.7 top-k 5 seed 3 | peak memory" in line
+    generate.print_report(dict(r, sampling={"temperature": 1.0, "top_k": None, "seed": 0}))
+    assert "sampled at temperature 1 seed 0 | peak" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("item", ["a-b=1", "=1", "budget"])
@@ -444,11 +488,11 @@ def test_the_record_and_the_report_say_what_decided_the_tokens(tiny_dir, tmp_pat
     assert r["inputs"] == {"n_sink": 16, "n_local": 128, "budget": 32} and r["static_labels"] is None
     assert r["sampling"] == {"temperature": 0.5, "top_k": 3, "seed": 7}
     assert (r["max_context"], r["rope_theta"]) == (512, None)  # the model's trained context: the bound it ran under
-    assert line.startswith("method quest, budget 32 | ")
+    assert line.startswith("method quest, budget 32 | ") and ", sampled at temperature 0.5 top-k 3 seed 7 |" in line
     r, line = both("--method", "static", "--static-labels", str(labels_file), "--static-sparsity", "0.25",
                    "--max-context", "300")
     assert r["static_labels"] == {"file": str(labels_file), "sparsity": 0.25} and r["max_context"] == 300
-    assert r["sampling"] == {"temperature": 0.0, "top_k": None, "seed": 0}
+    assert r["sampling"] == {"temperature": 0.0, "top_k": None, "seed": None}  # greedy: nothing drawn, no seed
     assert line.startswith(f"method static, static labels {labels_file} at sparsity 0.25 | ")
     r, line = both("--method", "static", "--static-labels", str(labels_file))
     assert r["static_labels"]["sparsity"] == generate.STATIC_SPARSITY and f"at sparsity {generate.STATIC_SPARSITY} |" \
@@ -546,6 +590,7 @@ BEFORE_LOAD = [
     (["--threads", "100000"], "--threads must lie in [1, "),  # torch.set_num_threads crashes the process there
     (["--seed", "99999999999999999999999"], "--seed must lie in [0, 2**64)"),
     (["--seed", "-1"], "--seed must lie in [0, 2**64)"),
+    (["--seed", "3"], "--seed seeds the sampling: it needs --temperature > 0"),  # greedy: no draw, the seed ignored
     (["--top-k", "5"], "--top-k samples among the k most likely tokens: it needs --temperature > 0"),
     (["--model", ""], "--model is empty"),
     (["--static-sparsity", "0.7"], "--static-sparsity: the qada path reads no static labels"),  # not ignored
