@@ -346,7 +346,14 @@ class HFAttention:
         head = (f"method {self.method}" + (f" at tau {self.tau} ({self.tau_from})" if self.tau is not None else "")
                 + (f", {self.moments_source or 'given'} moments" if "moments" in path_inputs(self.method) else "")
                 + (f", calibration {Path(self.inputs['calibration'].settings['file']).name}"
-                   if "calibration" in self.inputs else ""))
+                   if "calibration" in self.inputs else "")
+                # the rest of what the path reads as numbers (a page budget, ...) and a window not the paper's, as
+                # generate.py's report names them
+                + "".join(f", {name} {value}" for name, value in self.inputs.items()
+                          if name != "tau" and isinstance(value, (bool, int, float, str)))
+                + "".join(f", {name} {value}" for name, value, paper in (("n_sink", self.n_sink, 16),
+                                                                          ("n_local", self.n_local, 128))
+                          if "n_sink" in path_inputs(self.method) and value != paper))
         lines = [head]
         for b in range(max(len(self.rows), 1)):
             s = self.summary(b, sequences, eos_token_id)
