@@ -1,8 +1,8 @@
 """What the harness's command lines share: a bad argument is one line on stderr and exit 2 (no usage block, no
 traceback), --help shows each default once, and argument types that check a value before anything is loaded.
 
-The checked lists (`ints`, `fractions`) return the text they checked, so that a command's run function takes the
-same strings from Python as from the command line.
+The checked lists (`ints`, `fractions`, `taus`) return the text they checked, so that a command's run function takes
+the same strings from Python as from the command line.
 """
 
 import argparse
@@ -105,16 +105,27 @@ def ints(text: str) -> str:
 
 
 def fractions(text: str) -> str:
-    """An argparse type: comma-separated numbers in [0, 1] (a tau or a sparsity grid, "0.4,0.6"), returned as given;
-    an empty text is an empty grid."""
+    """An argparse type: comma-separated numbers in [0, 1] (a sparsity grid, "0.5,0.8"), returned as given; an empty
+    text is an empty grid."""
+    return numbers_in(text, "[0, 1]", lambda v: 0 <= v <= 1)
+
+
+def taus(text: str) -> str:
+    """An argparse type: comma-separated taus, numbers in (0, 1] (criterion.check_tau), returned as given; an empty
+    text is an empty grid."""
+    return numbers_in(text, "(0, 1]", lambda v: 0 < v <= 1)
+
+
+def numbers_in(text: str, interval: str, inside) -> str:
+    """`text` if it is comma-separated numbers for which `inside` holds (`interval` says which, in the messages)."""
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"takes comma-separated numbers in [0, 1], e.g. 0.6,0.9; got {text!r}"
+        raise argparse.ArgumentTypeError(f"takes comma-separated numbers in {interval}, e.g. 0.6,0.9; got {text!r}"
                                          ) from None
-    bad = [v for v in values if not 0 <= v <= 1]  # NaN fails too
+    bad = [v for v in values if not inside(v)]  # NaN fails too
     if bad:
-        raise argparse.ArgumentTypeError(f"takes numbers in [0, 1], got {bad[0]:g} in {text!r}")
+        raise argparse.ArgumentTypeError(f"takes numbers in {interval}, got {bad[0]:g} in {text!r}")
     return text
 
 

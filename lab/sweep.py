@@ -89,7 +89,7 @@ from criterion import (TAU, check_calibration, check_labels_window, check_tau, c
 from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
-from lab.cli import Parser, at_least, fail, fractions, interrupted, ints, thread_count
+from lab.cli import Parser, at_least, fail, fractions, interrupted, ints, taus as tau_text, thread_count
 from lab.records import (DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records,
                          write_run)
 from lab.report import report
@@ -185,7 +185,8 @@ def build_configs(methods: list[str], taus: list[float], sparsities: list[float]
 
 
 def parse_grids(items: list[str]) -> dict[str, list[float]]:
-    """--grid NAME=v1,v2 (repeatable) -> {NAME: [v1, v2]}, each value in [0, 1] (a budget in tokens: integers >= 1)."""
+    """--grid NAME=v1,v2 (repeatable) -> {NAME: [v1, v2]}, each value in [0, 1] (a tau in (0, 1], a budget in tokens:
+    integers >= 1)."""
     grids = {}
     for item in items or []:
         name, sep, values = item.partition("=")
@@ -195,7 +196,8 @@ def parse_grids(items: list[str]) -> dict[str, list[float]]:
             raise ValueError(f"--grid {name} is given twice; give its values in one: --grid {name}=v1,v2,...")
         try:
             path_and_source(name)  # an unknown name is an error here, not a silently ignored grid
-            grids[name] = parse_grid(ints(values) if threshold_kind(name) == "budget" else fractions(values))
+            check = {"budget": ints, "tau": tau_text}.get(threshold_kind(name), fractions)
+            grids[name] = parse_grid(check(values))
         except Exception as e:  # ValueError or argparse.ArgumentTypeError: one line naming the flag
             raise ValueError(f"--grid {item}: {e}") from None
     return grids
@@ -718,7 +720,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         if name not in graded:
             raise ValueError(f"--grid {name}=...: {name} is not among --methods with a threshold (the context-free "
                              "runs take qada_rw's), so its grid would not be used")
-    for c in every:  # a tau of 0 passes the grids' [0, 1]: refused now, not once the model is loaded
+    for c in every:  # the grids of run() called from Python are unchecked: a tau of 0 refused now, not once loaded
         if threshold_kind(c.method) == "tau":
             try:
                 check_tau(c.threshold)
@@ -858,7 +860,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="dense,local,random,static,static_oracle,oracle,qada_rw,qada_prompt",
                    help="comma-separated methods: a path of attention.PATHS or a named method "
                         f"({', '.join(f'{k}={v[0]}:{v[1]}' for k, v in METHODS.items())})")
-    p.add_argument("--taus", type=fractions, default="0.4,0.6,0.8,0.9", help="tau grid of every configuration with a tau")
+    p.add_argument("--taus", type=tau_text, default="0.4,0.6,0.8,0.9", help="tau grid of every configuration with a tau")
     p.add_argument("--sparsities", type=fractions, default="0.5,0.8",
                    help="sparsity grid of every static-label configuration")
     p.add_argument("--budgets", type=ints, default=BUDGETS, help="token budget grid of every page path that reads "
@@ -869,7 +871,7 @@ def main(argv=None) -> int:
                    help="a configuration's own grid instead of --taus/--sparsities/--budgets (repeatable), e.g. "
                         "oracle=0.6,0.9 or quest=256,1024")
     p.add_argument("--ablations", default="qada_word,qada_long", help="moments ablations, on the first samples only")
-    p.add_argument("--ablation-taus", type=fractions, default="0.6,0.9", help="tau grid of the ablations")
+    p.add_argument("--ablation-taus", type=tau_text, default="0.6,0.9", help="tau grid of the ablations")
     p.add_argument("--ablation-samples", type=at_least(0), default=5, help="samples per task that also run the ablations")
     p.add_argument("--ctxfree-samples", type=at_least(0), default=5, help="context-independent samples (0 = none)")
     p.add_argument("--track", default=None,
