@@ -206,9 +206,14 @@ def parse_grids(items: list[str]) -> dict[str, list[float]]:
 def methods_configs(flag: str, methods: str, taus: list[float], sparsities: list[float],
                     grids: dict | None = None, budgets: list[float] = (), budget_fracs: list[float] = ()
                     ) -> list[Config]:
-    """build_configs of a comma-separated --methods-like flag, an unknown name refused with the flag's name."""
+    """build_configs of a comma-separated --methods-like flag, an unknown name or one named twice refused with the
+    flag's name."""
+    names = [m for m in methods.split(",") if m]
+    twice = [m for m in dict.fromkeys(names) if names.count(m) > 1]
+    if twice:  # decoded twice, written once, and counted twice in the runs written
+        raise ValueError(f"{flag}: names {twice[0]} twice")
     try:
-        return build_configs([m for m in methods.split(",") if m], taus, sparsities, grids, budgets, budget_fracs)
+        return build_configs(names, taus, sparsities, grids, budgets, budget_fracs)
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
 

@@ -351,6 +351,8 @@ SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
     (["--batch", "0"], "argument --batch"),
     (["--tasks", "nope"], "unknown task 'nope'"),
     (["--methods", "dense,nope"], "--methods: unknown method 'nope'"),
+    (["--methods", "dense,dense"], "--methods: names dense twice"),  # decoded twice, one record, "2 runs written"
+    (["--ablations", "qada_word,qada_word"], "--ablations: names qada_word twice"),
     (["--track", "qada_wr"], "--track: unknown method 'qada_wr'"),
     (["--track", "dense,oracle"], "--track oracle: not among --methods, --ablations or the context-free runs"),
     (["--grid", "oracle=abc"], "--grid oracle=abc"),
