@@ -447,16 +447,22 @@ def read_state_dict(model_dir: Path, device=None, dtype=None) -> dict[str, torch
     return state
 
 
-def load_model(model_dir: str | Path, device=None, dtype=torch.float32, rope_theta: float | None = None) -> Llama:
-    """Build the model of a Hugging Face style folder with its weights, strictly: any missing, unexpected or
-    mis-shaped tensor is an error naming it. `rope_theta` overrides the config's base."""
+def read_config(model_dir: str | Path) -> LlamaConfig:
+    """The config of a Hugging Face style folder, without its weights."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model folder")
     try:
-        cfg = LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+        return LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     except json.JSONDecodeError as e:
         raise ValueError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from None
+
+
+def load_model(model_dir: str | Path, device=None, dtype=torch.float32, rope_theta: float | None = None) -> Llama:
+    """Build the model of a Hugging Face style folder with its weights, strictly: any missing, unexpected or
+    mis-shaped tensor is an error naming it. `rope_theta` overrides the config's base."""
+    model_dir = Path(model_dir)
+    cfg = read_config(model_dir)
     if rope_theta is not None:
         if not rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {rope_theta}")

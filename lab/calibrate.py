@@ -36,10 +36,10 @@ from attention import N_SAMPLES, all_scores, build_attention, bulk_sample, dense
 from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_log_bulk, load_calibration, load_local_freq,
                        oracle_log_masses, sampled_log_bulk, save_calibration, save_labels)
 from generate import decode, pick_device
-from lab.cli import Parser, at_least, fail, interrupted, thread_count
+from lab.cli import Parser, at_least, check_context, fail, interrupted, thread_count
 from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
-from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, model_dir
+from weights.checkpoints import DEFAULT, DTYPES, MODELS, config, load, model_dir
 from weights.downloads import cache_dir
 
 
@@ -383,7 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder for TASK.json and ruler.json (with --qada: masses.pt and "
                    "KIND.json); what it holds from other settings is refused unless --force")
     p.add_argument("--tasks", required=True, type=some_tasks, help="comma-separated tasks")
-    p.add_argument("--length", type=at_least(1), default=4096, help="prompt + answer token budget")
+    p.add_argument("--length", type=at_least(1), default=4096, help="prompt + answer token budget, at most the "
+                   "model's trained context (further where its config has rope_scaling)")
     p.add_argument("--samples", type=at_least(1), default=4, help="calibration prompts per task")
     p.add_argument("--seed", type=int, default=1, help="task seed (keep it different from the evaluation's 42)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=32, help="decode steps per prompt at most (oracle; "
@@ -430,6 +431,7 @@ def main(argv=None) -> int:
             check_labels(out, a.tasks, a.tasks, dict(length=a.length, samples=a.samples, seed=a.seed,
                                                      max_new_tokens=a.max_new_tokens, tau=TAU, n_sink=16, n_local=128,
                                                      **known), a.force)
+        check_context(a.length, config(a.hf or a.model))  # its config alone, before the weights load
         if a.threads:
             torch.set_num_threads(a.threads)
         if a.hf is not None:  # transformers is an extra: imported only when asked for

@@ -89,12 +89,12 @@ from criterion import (TAU, check_calibration, check_labels_window, check_tau, c
 from generate import decode_batch, parse_inputs, pick_device
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
-from lab.cli import Parser, at_least, fail, fractions, interrupted, ints, taus as tau_text, thread_count
+from lab.cli import Parser, at_least, check_context, fail, fractions, interrupted, ints, taus as tau_text, thread_count
 from lab.records import (DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records,
                          write_run)
 from lab.report import report
 from lab.tasks import CTXFREE, TASK_CONFIGS, ctxfree_sample, make_sample, score
-from weights.checkpoints import DEFAULT, DTYPES, load
+from weights.checkpoints import DEFAULT, DTYPES, config, load
 from weights.downloads import cache_dir
 
 # The paper's methods (section 4.1) as a path of attention.PATHS plus the source of what it reads:
@@ -758,6 +758,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a folder")
     model = model or DEFAULT  # the name, not None, so a run keeps its model when the default changes
+    with rank_zero_first(rank, world):  # a named model is converted once, by rank 0, into the shared cache
+        check_context(length, config(model, progress))  # its config alone: the weights load once the folder is held
     settings = dict(tasks=task_list, length=length, seed=seed, stop=stop, n_sink=n_sink, n_local=n_local, model=model,
                     calib_seed=calib_seed, dtype=dtype)
     if extra_inputs:
@@ -860,7 +862,8 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", type=task_text,
                    default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,fwe",
                    help="comma-separated tasks (tasks.TASKS); '' for the context-free samples alone")
-    p.add_argument("--length", type=at_least(1), default=4096, help="prompt + answer token budget")
+    p.add_argument("--length", type=at_least(1), default=4096, help="prompt + answer token budget, at most the "
+                   "model's trained context (further where its config has rope_scaling)")
     p.add_argument("--samples", type=at_least(1), default=20, help="samples per task")
     p.add_argument("--methods", default="dense,local,random,static,static_oracle,oracle,qada_rw,qada_prompt",
                    help="comma-separated methods: a path of attention.PATHS or a named method "

