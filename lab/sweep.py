@@ -84,9 +84,10 @@ from tqdm import tqdm
 import decode_kernels
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, bulk_estimate,
                        path_inputs, summarize)
-from criterion import (TAU, check_calibration, check_labels_window, check_tau, check_window, load_calibration,
-                       load_local_freq, static_labels)
+from criterion import (TAU, Calibration, check_calibration, check_labels_window, check_tau, check_window,
+                       load_calibration, load_local_freq, static_labels)
 from generate import decode_batch, parse_inputs, pick_device
+from model import read_config
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
 from lab.cli import Parser, at_least, check_context, fail, fractions, interrupted, ints, taus as tau_text, thread_count
@@ -94,8 +95,9 @@ from lab.records import (DamagedRecord, file_records, ids_hash, read_records, re
                          write_run)
 from lab.report import report
 from lab.tasks import CTXFREE, TASK_CONFIGS, ctxfree_sample, make_sample, score
-from weights.checkpoints import DEFAULT, DTYPES, config, load
+from weights.checkpoints import DEFAULT, DTYPES, load, resolve
 from weights.downloads import cache_dir
+from weights.tokenizer import Tokenizer
 
 # The paper's methods (section 4.1) as a path of attention.PATHS plus the source of what it reads:
 # moments.SOURCES for a path that reads moments, "random", "calibrated" or "own-task" for one that reads
@@ -392,17 +394,8 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
     """The reference prompts' keys (Option 2), static label frequencies and QAdA calibrations (from
     `calibration_dirs`: "" for --calibration, "transfer-" for --calibration-transfer) that the configurations read."""
     sources = {path_and_source(c.method) for c in configs}
-    calibrations = {}
-    for src, path in calibration_files(configs, calibration_dirs).items():
-        calibrations[src] = load_calibration(path, model.device)
-        cfg = model.cfg
-        estimates = {bulk_estimate(p) for p, src2 in sources if src2 == src and "calibration" in path_inputs(p)}
-        if len(estimates) > 1:
-            raise ValueError(f"the {src} calibration is read by paths of both estimates; use a source per estimate")
-        check_calibration(calibrations[src], path, cfg.num_hidden_layers, cfg.num_attention_heads,
-                          cfg.num_key_value_heads, calibrate_kwargs["n_sink"], calibrate_kwargs["n_local"],
-                          estimate=estimates.pop())
-        calibrations[src].settings.setdefault("moments_source", "random-words")
+    calibrations = read_calibrations(configs, calibration_dirs, model.cfg, calibrate_kwargs.get("n_sink"),
+                                     calibrate_kwargs.get("n_local"), model.device)  # the window where one is read
     moments = {src for path, src in sources if "moments" in path_inputs(path) and "calibration" not in path_inputs(path)}
     moments |= {c.settings["moments_source"] for c in calibrations.values() if c.estimate == "gaussian"}
     words = {reference_words(m) for m in moments} - {None}
@@ -416,6 +409,24 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
             res["static_freq"] = calibrate.ensure(model, tok, tasks, static_labels_dir, **calibrate_kwargs,
                                                   hint=LABELS_HINT)
     return res
+
+
+def read_calibrations(configs: list[Config], calibration_dirs: dict[str, Path | None] | None, cfg, n_sink: int,
+                      n_local: int, device=None) -> dict[str, Calibration]:
+    """{source: its calibration} for the configurations' calibrated paths (calibration_files), each checked against
+    the model's shape (cfg: model.LlamaConfig), the window and the estimate its paths correct; ValueError with one
+    line otherwise."""
+    sources = {path_and_source(c.method) for c in configs}
+    calibrations = {}
+    for src, path in calibration_files(configs, calibration_dirs).items():
+        calibrations[src] = load_calibration(path, device)
+        estimates = {bulk_estimate(p) for p, src2 in sources if src2 == src and "calibration" in path_inputs(p)}
+        if len(estimates) > 1:
+            raise ValueError(f"the {src} calibration is read by paths of both estimates; use a source per estimate")
+        check_calibration(calibrations[src], path, cfg.num_hidden_layers, cfg.num_attention_heads,
+                          cfg.num_key_value_heads, n_sink, n_local, estimate=estimates.pop())
+        calibrations[src].settings.setdefault("moments_source", "random-words")
+    return calibrations
 
 
 LABELS_HINT = ("keep the --calib-* and --static-tasks settings they were made with, or give another --static-labels "
@@ -758,8 +769,15 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a folder")
     model = model or DEFAULT  # the name, not None, so a run keeps its model when the default changes
+    # What is checked against the model reads its config and tokenizer, not its weights, so that a run refused here
+    # makes no --out folder; the weights load once the folder is held
     with rank_zero_first(rank, world):  # a named model is converted once, by rank 0, into the shared cache
-        check_context(length, config(model, progress))  # its config alone: the weights load once the folder is held
+        model_folder = resolve(model, progress)
+    cfg, tok = read_config(model_folder), Tokenizer.from_dir(model_folder)
+    check_context(length, cfg)
+    for t in task_list:  # a length too short for a task
+        make_sample(t, 0, length, tok, seed)
+    read_calibrations(every, {"": calibration, "transfer-": calibration_transfer}, cfg, n_sink, n_local)
     settings = dict(tasks=task_list, length=length, seed=seed, stop=stop, n_sink=n_sink, n_local=n_local, model=model,
                     calib_seed=calib_seed, dtype=dtype)
     if extra_inputs:
@@ -802,8 +820,6 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                       f"the merge the damaged files are kept beside as *.damaged): {'; '.join(damaged[:3])}"
                       + (" ..." if len(damaged) > 3 else ""), file=sys.stderr)
             net, tok = load(model, device=device, dtype=DTYPES[dtype], progress=progress)
-            for t in task_list:  # a length too short for a task is said now, before run.json is written
-                make_sample(t, 0, length, tok, seed)
             resources = load_resources(net, tok, task_list, every, labels_dir,
                                        dict(length=length, samples=calib_samples, seed=calib_seed,
                                             max_new_tokens=calib_max_new_tokens, n_sink=n_sink, n_local=n_local,

@@ -486,6 +486,22 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, tiny_
     one_line(capsys, rc, message)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--length", "100"], "a length of 100 tokens is too short for fwe"),
+    (["--length", "600"], "--length 600 exceeds the model's trained context of 512"),
+    (["--methods", "dense,qada_cal", "--calibration", "{cal}/window.json"], "n_local 64, not 128"),
+    (["--methods", "dense,dense"], "--methods: names dense twice"),
+], ids=["too-short", "past-the-context", "calibration-window", "flag"])
+def test_a_refused_sweep_makes_no_out_folder(tmp_path, tiny_dir, no_model, capsys, argv, message):
+    """What refuses a run is found before --out is made (and before the weights load: the model's config and
+    tokenizer serve the checks): the folder appears only once the run goes ahead."""
+    where = places(tmp_path, tiny_dir)
+    out = tmp_path / "new" / "out"
+    argv = ["--out", str(out), "--model", str(tiny_dir)] + RUN + [a.format(**where) for a in argv]
+    one_line(capsys, sweep.main(argv), message)
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_length_past_the_trained_context_is_refused_unless_the_config_extends_it():
     """lab.sweep's and lab.calibrate's --length, held as generate.py's --max-context is: up to the model's trained
     context, or past it where the config's rope_scaling says how far the model reaches."""
