@@ -2,8 +2,8 @@
 
     python -m lab.report results/ruler-4k
 
-Reads OUT's records (lab.records.result_files: samples.jsonl.xz, or the plain files of a run in progress) and writes
-into OUT:
+Reads RUN's records (lab.records.result_files: samples.jsonl.xz, or the plain files of a run in progress) and writes
+into RUN:
     summary.csv       task x config: n, score (x100), sparsity, KV-read fraction, answer tokens, decode time
     summary.md        the same as pivot tables, with the dense score and the local-window floor per task
     analysis.md       lossless sparsity and KV read with paired-bootstrap intervals, score / dense per configuration
@@ -15,6 +15,8 @@ into OUT:
     fig4_score_vs_sparsity.png, figKV_score_vs_kv_read.png (when the KV-group, page or peers' paths ran),
     fig5efg_moments_ablation.png (when the ablations ran), fig6a_sparsity_along_answer.png,
     fig6bc_sparsity_vs_tau.png, fig7_long_context_heads.png, figC_recall_long_context_heads.png
+--out DIR writes them into DIR instead; --tasks that leave out some of the run's tasks write only there, from those
+tasks' records alone (RUN's own files cover the whole run, summary.csv as the tables).
 Averages over tasks use only the samples every compared config has finished, so a partial run compares like
 with like. Sparsity = fraction of (decode step, layer, head) labelled local, averaged per sample. A damaged record
 line stops the report with its file and line; --skip-damaged leaves it out and states how many at the top of
@@ -73,7 +75,7 @@ def partial_note(info: dict | None, rows) -> list[str]:
             "resumes it.", ""]
 
 
-def write_summary(out: Path, rows, tasks, notes: list[str] = ()):
+def write_summary(out: Path, rows, tasks, notes: list[str] = (), name: str | None = None):
     srows = summary_rows(rows)
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(srows[0]))
@@ -82,7 +84,7 @@ def write_summary(out: Path, rows, tasks, notes: list[str] = ()):
             w.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
     g = group(rows)
     configs = sorted({r["config"] for r in rows if r["task"] in tasks}, key=config_sort_key)
-    lines = [f"# Summary of {out.name}", "",
+    lines = [f"# Summary of {name or out.name}", "",
              "Score = RULER string match x 100, averaged over samples. Sparsity = fraction of (decode step, layer, "
              "head) labelled local. KV read = fraction of KV entries read; for the oracle it is implied by its labels "
              "(what a path that skips by them would read): the oracle path itself reads every entry to find them. "
@@ -603,10 +605,10 @@ def recall_table(rr: list[dict]) -> list[str]:
     return lines
 
 
-def write_analysis(out: Path, rows, tasks, cur, points, rr, notes: list[str] = ()):
+def write_analysis(out: Path, rows, tasks, cur, points, rr, notes: list[str] = (), name: str | None = None):
     g = group(rows)
     task_rows = [r for r in rows if r["task"] in tasks]
-    lines = [f"# Analysis of {out.name}", ""] + list(notes) + write_lossless(out, rows, tasks) + [""]
+    lines = [f"# Analysis of {name or out.name}", ""] + list(notes) + write_lossless(out, rows, tasks) + [""]
     lines += ["## Score / dense per configuration, paired bootstrap 95 % interval", "",
               score_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + score_table(points) + [""]
     lines += ["## Score / dense at matched head sparsity and KV read, paired bootstrap 95 % interval", "",
@@ -705,11 +707,14 @@ def with_baseline(out: Path, rows: list[dict], other: Path, on_damage=None) -> l
 
 
 def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str | Path] = (),
-           skip_damaged: bool = False) -> None:
-    """The tables and plots of the run folder `out` (with the records of `baselines` paired in). A damaged record
-    line raises lab.records.DamagedRecord; with `skip_damaged` it is left out, and the count and places are printed
-    and written at the top of summary.md and analysis.md."""
+           skip_damaged: bool = False, to: str | Path | None = None) -> None:
+    """The tables and plots of the run folder `out` (with the records of `baselines` paired in), written into `to`
+    (default: `out`). `tasks` that leave out some of the run's are written only to another folder, with the records
+    of those tasks alone: a run folder's own files cover the whole run. A damaged record line raises
+    lab.records.DamagedRecord; with `skip_damaged` it is left out, and the count and places are printed and written
+    at the top of summary.md and analysis.md."""
     out = Path(out)
+    to = Path(to) if to is not None else out
     damaged = []
     on_damage = damaged.append if skip_damaged else None
     rows = read_records(out, on_damage)
@@ -723,26 +728,36 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
         return
     info = read_run(out) if (out / "run.json").is_file() else None
     run_tasks = info["settings"].get("tasks") if info else None
+    whole = run_tasks or sorted({r["task"] for r in rows} - {CTXFREE})
+    whole = [t for t in whole if any(r["task"] == t for r in rows)]
     if tasks is None:
-        tasks = run_tasks or sorted({r["task"] for r in rows} - {CTXFREE})
-        tasks = [t for t in tasks if any(r["task"] == t for r in rows)]
-    else:
-        unknown = [t for t in tasks if not any(r["task"] == t for r in rows)]
-        if unknown:
-            raise ValueError(f"--tasks {','.join(unknown)}: no record of it in {out} (its tasks: "
-                             f"{', '.join(sorted({r['task'] for r in rows}))})")
+        tasks = whole
+    unknown = [t for t in tasks if not any(r["task"] == t for r in rows)]
+    if unknown:
+        raise ValueError(f"--tasks {','.join(unknown)}: no record of it in {out} (its tasks: "
+                         f"{', '.join(sorted({r['task'] for r in rows}))})")
+    left = [t for t in whole if t not in tasks]
+    if left and to.resolve() == out.resolve():  # summary.md of some tasks beside the whole run's summary.csv
+        raise ValueError(f"--tasks {','.join(tasks)} leaves out {','.join(left)}: {out}'s own tables cover the whole "
+                         "run; give --out DIR for the tables of these tasks")
     partial = partial_note(info, rows)
     if partial:
         print(partial[0].replace("**", ""), file=sys.stderr)
     notes = damage_note(damaged) + partial  # stated at the top of both files
-    cur = write_summary(out, rows, tasks, notes)
+    name = out.name
+    if left:  # the subset's files hold its records alone, summary.csv too, and say whose they are
+        rows = [r for r in rows if r["task"] in tasks or r["task"] == CTXFREE]
+        name = f"{out.name}, tasks {', '.join(tasks)}"
+        notes = [f"Records of {out} (`--tasks {','.join(tasks)}`): {', '.join(left)} left out.", ""] + notes
+    to.mkdir(parents=True, exist_ok=True)
+    cur = write_summary(to, rows, tasks, notes, name)
     points = measured_points(rows, tasks)  # the bootstrap behind both the table and Fig. 4
     # Appendix C: QAdA's tracked runs against the static oracle, the oracle's head frequencies on the task's prompts
     rr = recall_rows([r for r in rows if r["task"] in tasks and r["method"] in RECALL_METHODS],
                      static_oracle_freq(group(rows), tasks))
-    write_analysis(out, rows, tasks, cur, points, rr, notes)
-    plots(out, rows, tasks, cur, rr, points)
-    print(f"tables and plots written to {out}")
+    write_analysis(to, rows, tasks, cur, points, rr, notes, name)
+    plots(to, rows, tasks, cur, rr, points)
+    print(f"tables and plots written to {to}")
 
 
 def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None) -> str:
@@ -830,15 +845,17 @@ def compare_runs(a: str | Path, b: str | Path, on_damage=None, tasks: list[str] 
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m lab.report", description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="run folder of lab.sweep (with --dense-table: a folder of run folders)")
-    p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's); with "
-                   "--compare or --dense-table, of those tables' tasks")
+    p.add_argument("run", metavar="RUN", help="run folder of lab.sweep (with --dense-table: a folder of run folders)")
+    p.add_argument("--out", default=None, metavar="DIR", help="folder for the tables and figures (default: RUN); "
+                   "needed for --tasks that leave out some of the run's, as RUN's own cover the whole run")
+    p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's; leaving some "
+                   "out, written to --out DIR); with --compare or --dense-table, of those tables' tasks")
     p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
-                   "under OUT (a pilot over models and lengths), written to OUT/dense.md")
+                   "under RUN (a pilot over models and lengths), written to RUN/dense.md")
     p.add_argument("--with", dest="baselines", action="append", default=[], metavar="OTHER", help="also the records "
                    "of the run folder OTHER (the same samples: an earlier sweep's baseline configurations, or the "
-                   "peers of lab.peers), paired with OUT's; repeat for several")
-    p.add_argument("--compare", default=None, metavar="OTHER", help="compare the records of OUT with those of the run "
+                   "peers of lab.peers), paired with RUN's; repeat for several")
+    p.add_argument("--compare", default=None, metavar="OTHER", help="compare the records of RUN with those of the run "
                    "folder OTHER (e.g. fp32 against bf16)")
     p.add_argument("--skip-damaged", action="store_true", help="leave out record lines that are damaged (cut "
                    "mid-file, not a record, a compressed file cut short) and state how many, and where, on stderr and "
@@ -853,21 +870,25 @@ def main(argv=None) -> int:
         for flag, given in (("--compare", a.compare), ("--dense-table", a.dense_table)):
             if given and a.baselines:  # --with pairs records for the tables of one run, which these do not write
                 raise ValueError(f"--with is for one run's tables; {flag} reads no baseline")
+            if given and a.out:
+                raise ValueError(f"--out is for one run's tables; {flag} writes none")
         if a.compare and a.dense_table:
             raise ValueError("--compare and --dense-table are two different tables: give one")
-        for folder in [a.out] + ([a.compare] if a.compare else []) + a.baselines:
+        if a.out and Path(a.out).exists() and not Path(a.out).is_dir():
+            raise ValueError(f"--out {a.out} is a file; give a folder")
+        for folder in [a.run] + ([a.compare] if a.compare else []) + a.baselines:
             if not Path(folder).is_dir():
                 what = "a file, not a run folder" if Path(folder).exists() else "no such run folder"
                 raise FileNotFoundError(f"{folder}: {what}")
-            if not (a.dense_table and folder == a.out) and not is_run_folder(folder):
+            if not (a.dense_table and folder == a.run) and not is_run_folder(folder):
                 raise ValueError(f"{folder} is not a run folder: no run.json and no samples*.jsonl[.xz] (lab.sweep "
                                  "--out writes them; for a folder of run folders: --dense-table)")
         if a.compare:
-            print(compare_runs(a.out, a.compare, on_damage, tasks))
+            print(compare_runs(a.run, a.compare, on_damage, tasks))
         elif a.dense_table:
-            print(dense_table(a.out, on_damage, tasks))
+            print(dense_table(a.run, on_damage, tasks))
         else:
-            report(a.out, tasks, a.baselines, a.skip_damaged)
+            report(a.run, tasks, a.baselines, a.skip_damaged, a.out)
         if damaged:  # report() states its own
             print(f"warning: left out {len(damaged)} damaged record line(s) (--skip-damaged): {'; '.join(damaged)}",
                   file=sys.stderr)

@@ -131,6 +131,27 @@ def test_the_report_of_an_unfinished_sweep_says_it_is_partial(tmp_path, capsys):
     assert "partial" not in capsys.readouterr().err and "partial" not in (out / "summary.md").read_text()
 
 
+def test_the_tables_of_some_of_a_runs_tasks_go_to_another_folder(tmp_path, capsys):
+    """lab.report RUN --tasks SUBSET would write the subset's summary.md, analysis.md and figures over RUN's own, beside
+    RUN's summary.csv of every task: refused in one line, RUN untouched. With --out DIR the subset's files go there,
+    summary.csv too, and their first lines say whose tasks they hold. --tasks naming every task of the run, in
+    another order (results/ruler-4k's README), writes RUN's own."""
+    body = b"".join(json.dumps(record(task=t, index=i, config=c)).encode() + b"\n"
+                    for t in ("fwe", "vt") for i in range(2) for c in ("dense", "local"))
+    out = run_folder(tmp_path / "run", body, settings={"tasks": ["fwe", "vt"]})
+    one_line(capsys, report.main([str(out), "--tasks", "vt"]), "--tasks vt leaves out fwe", "give --out DIR")
+    assert sorted(p.name for p in out.iterdir()) == ["run.json", "samples.jsonl"]
+    sub = tmp_path / "vt"
+    assert report.main([str(out), "--tasks", "vt", "--out", str(sub)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["run.json", "samples.jsonl"]
+    summary = (sub / "summary.md").read_text()
+    assert summary.startswith("# Summary of run, tasks vt\n") and "fwe left out" in summary and "| fwe |" not in summary
+    assert (sub / "analysis.md").read_text().startswith("# Analysis of run, tasks vt\n")
+    assert {line.split(",")[0] for line in (sub / "summary.csv").read_text().splitlines()[1:]} == {"vt"}
+    assert report.main([str(out), "--tasks", "vt,fwe"]) == 0
+    assert (out / "summary.md").read_text().startswith("# Summary of run\n")
+
+
 def test_a_sweep_of_context_free_samples_alone_gets_whole_tables(tmp_path):
     """--tasks '' (the context-free samples only): every table's rows have its header's columns, and the sparsity
     table has the context-free configs' rows."""
@@ -412,6 +433,8 @@ REPORT = [  # (argv, what the line names)
     (["{prompts_a}", "--compare", "{prompts_b}"], "did not decode the same prompts: fwe#0 has 300 prompt tokens in"),
     (["{empty}", "--dense-table", "--with", "{run}"], "--with is for one run's tables; --dense-table reads no"),
     (["{empty}", "--dense-table", "--compare", "{run}"], "--compare and --dense-table are two different tables"),
+    (["{run}", "--compare", "{run}", "--out", "{empty}"], "--out is for one run's tables; --compare writes none"),
+    (["{run}", "--out", "{a_file}"], "--out {a_file} is a file"),
 ]
 CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
     (["--out", "{empty}"], "the following arguments are required: --tasks"),
