@@ -736,7 +736,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         if name not in graded:
             raise ValueError(f"--grid {name}=...: {name} is not among --methods with a threshold (the context-free "
                              "runs take qada_rw's), so its grid would not be used")
-    for c in every:  # the grids of run() called from Python are unchecked: a tau of 0 refused now, not once loaded
+    for c in every:  # the grids of run() called from Python are unchecked: a tau of 0 refused here, before loading
         if threshold_kind(c.method) == "tau":
             try:
                 check_tau(c.threshold)
@@ -777,6 +777,11 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     check_context(length, cfg)
     for t in task_list:  # a length too short for a task
         make_sample(t, 0, length, tok, seed)
+    if ctxfree_samples:
+        try:
+            ctxfree_sample(0, length, tok, seed)
+        except ValueError as e:  # said of the samples asked for, not of qa_2, whose documents they take
+            raise ValueError(f"the context-free samples (--ctxfree-samples, built on qa_2's documents): {e}") from None
     read_calibrations(every, {"": calibration, "transfer-": calibration_transfer}, cfg, n_sink, n_local)
     settings = dict(tasks=task_list, length=length, seed=seed, stop=stop, n_sink=n_sink, n_local=n_local, model=model,
                     calib_seed=calib_seed, dtype=dtype)

@@ -514,7 +514,9 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, tiny_
     (["--length", "600"], "--length 600 exceeds the model's trained context of 512"),
     (["--methods", "dense,qada_cal", "--calibration", "{cal}/window.json"], "n_local 64, not 128"),
     (["--methods", "dense,dense"], "--methods: names dense twice"),
-], ids=["too-short", "past-the-context", "calibration-window", "flag"])
+    (["--tasks", "", "--ctxfree-samples", "1", "--track", "", "--length", "150"],
+     "the context-free samples (--ctxfree-samples, built on qa_2's documents): a length of 150 tokens is too short"),
+], ids=["too-short", "past-the-context", "calibration-window", "flag", "context-free-too-short"])
 def test_a_refused_sweep_makes_no_out_folder(tmp_path, tiny_dir, no_model, capsys, argv, message):
     """What refuses a run is found before --out is made (and before the weights load: the model's config and
     tokenizer serve the checks): the folder appears only once the run goes ahead."""
