@@ -443,6 +443,10 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
     """(name, text) of every prompt: a UTF-8 text file (or pipe; "-" standard input, named <stdin>) is one prompt; a
     .jsonl file holds one per line, each a JSON string or an object with a "prompt" field. FileNotFoundError/ValueError
     carry one clear line."""
+    if files.count("-") > 1:
+        raise ValueError("--prompt - is given twice: standard input holds one prompt (or one .jsonl of them)")
+    if "-" in files and sys.stdin is None:
+        raise ValueError("--prompt -: this process has no standard input")
     prompts = []
     for f in files:
         path = Path("<stdin>" if f == "-" else f)

@@ -261,12 +261,19 @@ def test_a_prompt_comes_from_standard_input_or_a_pipe(tmp_path, monkeypatch):
     """--prompt - reads standard input, and a pipe (--prompt <(...), /dev/stdin fed by one) reads as a file does."""
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("piped \u00e9\n".encode())))
     assert generate.read_prompts(["-"]) == [("<stdin>", "piped \u00e9\n")]
+    with pytest.raises(ValueError, match="--prompt - is given twice"):
+        generate.read_prompts(["-", "-"])
+    monkeypatch.setattr(sys, "stdin", None)  # started with standard input closed
+    with pytest.raises(ValueError, match="--prompt -: this process has no standard input"):
+        generate.read_prompts(["-"])
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    writer = threading.Thread(target=fifo.write_text, args=("through a pipe",))
-    writer.start()
-    assert generate.read_prompts([str(fifo)]) == [(str(fifo), "through a pipe")]
-    writer.join()
+    writer = threading.Thread(target=fifo.write_text, args=("through a pipe",), daemon=True)  # a daemon: a refused
+    writer.start()  # pipe, never opened for reading, fails the test instead of hanging the suite
+    try:
+        assert generate.read_prompts([str(fifo)]) == [(str(fifo), "through a pipe")]
+    finally:
+        writer.join(timeout=5)
 
 
 def test_jsonl_lines_end_at_newlines_only(tmp_path):
