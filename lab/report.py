@@ -739,7 +739,9 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
     left = [t for t in whole if t not in tasks]
     if left and to.resolve() == out.resolve():  # summary.md of some tasks beside the whole run's summary.csv
         raise ValueError(f"--tasks {','.join(tasks)} leaves out {','.join(left)}: {out}'s own tables cover the whole "
-                         "run; give --out DIR for the tables of these tasks")
+                         "run; give --out DIR, a folder other than the run's, for the tables of these tasks")
+    if to.resolve() != out.resolve() and is_run_folder(to):  # its tables are its own records'
+        raise ValueError(f"--out {to} is another run's folder: its tables are of its own records; give a new folder")
     partial = partial_note(info, rows)
     if partial:
         print(partial[0].replace("**", ""), file=sys.stderr)

@@ -134,7 +134,7 @@ def test_the_report_of_an_unfinished_sweep_says_it_is_partial(tmp_path, capsys):
 def test_the_tables_of_some_of_a_runs_tasks_go_to_another_folder(tmp_path, capsys):
     """lab.report RUN --tasks SUBSET would write the subset's summary.md, analysis.md and figures over RUN's own, beside
     RUN's summary.csv of every task: refused in one line, RUN untouched. With --out DIR the subset's files go there,
-    summary.csv too, and their first lines say whose tasks they hold. --tasks naming every task of the run, in
+    summary.csv too, and their first lines say whose tasks they hold; never into another run's folder. --tasks naming every task of the run, in
     another order (results/ruler-4k's README), writes RUN's own."""
     body = b"".join(json.dumps(record(task=t, index=i, config=c)).encode() + b"\n"
                     for t in ("fwe", "vt") for i in range(2) for c in ("dense", "local"))
@@ -150,6 +150,9 @@ def test_the_tables_of_some_of_a_runs_tasks_go_to_another_folder(tmp_path, capsy
     assert {line.split(",")[0] for line in (sub / "summary.csv").read_text().splitlines()[1:]} == {"vt"}
     assert report.main([str(out), "--tasks", "vt,fwe"]) == 0
     assert (out / "summary.md").read_text().startswith("# Summary of run\n")
+    other = run_folder(tmp_path / "other", body, settings={"tasks": ["fwe", "vt"]})  # another run's own tables
+    one_line(capsys, report.main([str(out), "--tasks", "vt", "--out", str(other)]), "is another run's folder")
+    assert sorted(p.name for p in other.iterdir()) == ["run.json", "samples.jsonl"]
 
 
 def test_a_sweep_of_context_free_samples_alone_gets_whole_tables(tmp_path):
