@@ -52,7 +52,7 @@ from transformers.utils import logging as hf_logging
 from attention import BatchAttention, build_attention, bulk_estimate, missing_inputs, path_inputs
 from criterion import Calibration, check_calibration, check_tau, check_window
 from decode_kernels import check_kernel
-from generate import default_tau, read_calibration
+from generate import WINDOW, default_tau, read_calibration
 from model import KVCache, LlamaConfig
 from moments import SOURCES, OnlineMoments, ReferenceKeys, reference_words
 from weights.checkpoints import MODELS, shipped_calibration
@@ -323,8 +323,11 @@ class HFAttention:
             raise ValueError("sequences: the cache's rows were reordered between decode steps (beam search), so a "
                              "row's statistics follow no one sequence; report() without them gives each cache row's")
         if eos_token_id is None:
-            model = self.model()  # None once the model is gone
-            config = getattr(model, "generation_config", None)
+            model = self.model()
+            if model is None:
+                raise ValueError("sequences: the model is gone, and with it its generation_config's eos_token_id; "
+                                 "give report(sequences, eos_token_id=...)")
+            config = model.generation_config
             eos_token_id = config.eos_token_id if config is not None else None
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         if not eos:
@@ -351,9 +354,8 @@ class HFAttention:
                 # generate.py's report names them
                 + "".join(f", {name} {value}" for name, value in self.inputs.items()
                           if name != "tau" and isinstance(value, (bool, int, float, str)))
-                + "".join(f", {name} {value}" for name, value, paper in (("n_sink", self.n_sink, 16),
-                                                                          ("n_local", self.n_local, 128))
-                          if "n_sink" in path_inputs(self.method) and value != paper))
+                + "".join(f", {name} {value}" for name, value in (("n_sink", self.n_sink), ("n_local", self.n_local))
+                          if "n_sink" in path_inputs(self.method) and value != WINDOW[name]))
         lines = [head]
         for b in range(max(len(self.rows), 1)):
             s = self.summary(b, sequences, eos_token_id)

@@ -284,6 +284,11 @@ def test_report_of_the_sequences_counts_each_row_to_its_end(sharp_dir):
         attention.report(out)
     assert attention.summary(1, out, eos_token_id=eos) == alone
     disable(hf)
+    del hf
+    gc.collect()  # the adapter holds the model weakly: gone, its end-of-sequence token is asked for
+    with pytest.raises(ValueError, match="the model is gone"):
+        attention.report(out)
+    assert attention.summary(1, out, eos_token_id=eos) == alone
 
 
 def test_a_one_token_prompt_is_a_prefill(sharp_dir):
