@@ -488,7 +488,8 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
 def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int = 64, chat: bool = True,
               device: str | None = None, dtype: str = "float32", rope_theta: float | None = None,
               max_context: int | None = None, seed: int | None = None, temperature: float = 0.0,
-              top_k: int | None = None, method: str = "qada", tau: float | None = None, moments_source: str | None = None,
+              top_k: int | None = None, method: str = "qada", tau: float | None = None,
+              moments_source: str | None = None,
               n_sink: int = WINDOW["n_sink"], n_local: int = WINDOW["n_local"], static_labels: str | None = None,
               static_sparsity: float | None = None, calibration: str | None = None, threads: int | None = None,
               progress: bool = True, cuda_graphs: str = "auto", compiled: str = "off", **inputs) -> list[dict]:

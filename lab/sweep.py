@@ -889,7 +889,8 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="dense,local,random,static,static_oracle,oracle,qada_rw,qada_prompt",
                    help="comma-separated methods: a path of attention.PATHS or a named method "
                         f"({', '.join(f'{k}={v[0]}:{v[1]}' for k, v in METHODS.items())})")
-    p.add_argument("--taus", type=tau_text, default="0.4,0.6,0.8,0.9", help="tau grid of every configuration with a tau")
+    p.add_argument("--taus", type=tau_text, default="0.4,0.6,0.8,0.9",
+                   help="tau grid of every configuration with a tau")
     p.add_argument("--sparsities", type=fractions, default="0.5,0.8",
                    help="sparsity grid of every static-label configuration")
     p.add_argument("--budgets", type=ints, default=BUDGETS, help="token budget grid of every page path that reads "

@@ -134,8 +134,8 @@ def test_the_report_of_an_unfinished_sweep_says_it_is_partial(tmp_path, capsys):
 def test_the_tables_of_some_of_a_runs_tasks_go_to_another_folder(tmp_path, capsys):
     """lab.report RUN --tasks SUBSET would write the subset's summary.md, analysis.md and figures over RUN's own, beside
     RUN's summary.csv of every task: refused in one line, RUN untouched. With --out DIR the subset's files go there,
-    summary.csv too, and their first lines say whose tasks they hold; never into another run's folder. --tasks naming every task of the run, in
-    another order (results/ruler-4k's README), writes RUN's own."""
+    summary.csv too, and their first lines say whose tasks they hold; never into another run's folder. --tasks naming
+    every task of the run, in another order (results/ruler-4k's README), writes RUN's own."""
     body = b"".join(json.dumps(record(task=t, index=i, config=c)).encode() + b"\n"
                     for t in ("fwe", "vt") for i in range(2) for c in ("dense", "local"))
     out = run_folder(tmp_path / "run", body, settings={"tasks": ["fwe", "vt"]})

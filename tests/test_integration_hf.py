@@ -215,8 +215,9 @@ def test_left_padded_rows_decode_as_each_alone(sharp_dir, method, moments):
 
 
 def test_the_report_states_each_rows_numbers_and_outlives_disable(sharp_dir, tmp_path):
-    """report(): the method, its tau and where it came from, the moments, the correction's file and the rest of what
-    the path reads (a page budget, a window not the paper's), then one line per row of the last generation with that row's summary; the same after disable() (the statistics stay)."""
+    """report(): the method, its tau and where it came from, the moments, the correction's file and the rest of what the
+    path reads (a page budget, a window not the paper's), then one line per row of the last generation with that row's
+    summary; the same after disable() (the statistics stay)."""
     tok, hf = Tokenizer.from_dir(sharp_dir), hf_model(sharp_dir)
     long, short = prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 40, 2)
     ids = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], 1)])
@@ -251,9 +252,10 @@ def test_the_report_states_each_rows_numbers_and_outlives_disable(sharp_dir, tmp
 
 
 def test_report_of_the_sequences_counts_each_row_to_its_end(sharp_dir):
-    """transformers keeps decoding a batch row that has ended (on padding) until every row has: report(sequences)
-    counts each row up to its end-of-sequence token, as that row decoded alone, which report() without them does not
-    (it says so); the token is the model's generation_config's when reported, not when enabled. Sequences of another shape, or no EOS to look for, are refused with one line."""
+    """transformers keeps decoding a batch row that has ended (on padding) until every row has: report(sequences) counts
+    each row up to its end-of-sequence token, as that row decoded alone, which report() without them does not (it says
+    so); the token is the model's generation_config's when reported, not when enabled. Sequences of another shape, or no
+    EOS to look for, are refused with one line."""
     long, short = prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 40, 2)
     ids = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], 1)])
     mask = torch.ones_like(ids)
