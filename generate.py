@@ -223,6 +223,17 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux: the process peak
 
 
+def check_context(length: int, cfg, flag: str, hint: str | None = None) -> None:
+    """ValueError with one line where `length` tokens reach past the model's trained context (cfg: model.LlamaConfig):
+    positions the model never saw, which it reads as garbage, quietly. A config's rope_scaling says how far the model
+    reaches itself. `hint`: what the command offers instead (default: a length within the context). lab.sweep and
+    lab.calibrate hold their --length to it too."""
+    trained = cfg.max_position_embeddings
+    if length > trained and not cfg.rope_scaling:
+        raise ValueError(f"{flag} {length} exceeds the model's trained context of {trained}; "
+                         + (hint or f"give at most {trained}"))
+
+
 def input_file(path: str, flag: str, default_name: str) -> Path:
     """The file behind --calibration or --static-labels: the file itself, or `default_name` inside a folder that
     lab.calibrate wrote (lab.sweep takes such folders; both CLIs take either)."""
@@ -534,10 +545,8 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
     times["load_s"] = time.perf_counter() - t0
     trained = net.cfg.max_position_embeddings
-    # positions the model never saw: garbage, quietly (a config's rope_scaling says how far the model reaches itself)
-    if max_context and max_context > trained and rope_theta is None and not net.cfg.rope_scaling:
-        raise ValueError(f"--max-context {max_context} exceeds the model's trained context of {trained}; past it give "
-                         "--rope-theta too (the paper: 2e6 for 32k)")
+    if max_context and rope_theta is None:  # a RoPE base given is the user's own reach past the trained context
+        check_context(max_context, net.cfg, "--max-context", "past it give --rope-theta too (the paper: 2e6 for 32k)")
     max_context = max_context or trained
     if "n_local" in path_inputs(method) and n_local >= max_context:
         raise ValueError(f"--n-local {n_local} leaves no bulk in a context of at most {max_context} tokens "

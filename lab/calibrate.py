@@ -35,8 +35,8 @@ import torch
 from attention import N_SAMPLES, all_scores, build_attention, bulk_sample, dense
 from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_log_bulk, load_calibration, load_local_freq,
                        oracle_log_masses, sampled_log_bulk, save_calibration, save_labels)
-from generate import decode, pick_device
-from lab.cli import Parser, at_least, check_context, fail, interrupted, thread_count
+from generate import check_context, decode, pick_device
+from lab.cli import Parser, at_least, fail, interrupted, thread_count
 from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
 from weights.checkpoints import DEFAULT, DTYPES, MODELS, config, load, model_dir
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
             check_labels(out, a.tasks, a.tasks, dict(length=a.length, samples=a.samples, seed=a.seed,
                                                      max_new_tokens=a.max_new_tokens, tau=TAU, n_sink=16, n_local=128,
                                                      **known), a.force)
-        check_context(a.length, config(a.hf or a.model))  # its config alone, before the weights load
+        check_context(a.length, config(a.hf or a.model), "--length")  # its config alone, before the weights load
         if a.threads:
             torch.set_num_threads(a.threads)
         if a.hf is not None:  # transformers is an extra: imported only when asked for

@@ -129,15 +129,6 @@ def numbers_in(text: str, interval: str, inside) -> str:
     return text
 
 
-def check_context(length: int, cfg, flag: str = "--length") -> None:
-    """ValueError with one line where `length` tokens reach past the model's trained context (cfg: model.LlamaConfig):
-    positions the model never saw, which it reads as garbage, quietly (generate.py holds --max-context so). A config's
-    rope_scaling says how far the model reaches itself."""
-    trained = cfg.max_position_embeddings
-    if length > trained and not cfg.rope_scaling:
-        raise ValueError(f"{flag} {length} exceeds the model's trained context of {trained}; give at most {trained}")
-
-
 def fresh_folder(root: str) -> Path:
     """A new folder root/YYYYmmdd-HHMMSS (-2, -3, ... when that exists): where a command writes by default, so that a
     run never overwrites an earlier one's, the committed results/ least of all."""

@@ -86,11 +86,11 @@ from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, bu
                        path_inputs, summarize)
 from criterion import (TAU, Calibration, check_calibration, check_labels_window, check_tau, check_window,
                        load_calibration, load_local_freq, static_labels)
-from generate import decode_batch, parse_inputs, pick_device
+from generate import check_context, decode_batch, parse_inputs, pick_device
 from model import read_config
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
-from lab.cli import Parser, at_least, check_context, fail, fractions, interrupted, ints, taus as tau_text, thread_count
+from lab.cli import Parser, at_least, fail, fractions, interrupted, ints, taus as tau_text, thread_count
 from lab.records import (DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records,
                          write_run)
 from lab.report import report
@@ -774,7 +774,7 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     with rank_zero_first(rank, world):  # a named model is converted once, by rank 0, into the shared cache
         model_folder = resolve(model, progress)
     cfg, tok = read_config(model_folder), Tokenizer.from_dir(model_folder)
-    check_context(length, cfg)
+    check_context(length, cfg, "--length")
     for t in task_list:  # a length too short for a task
         make_sample(t, 0, length, tok, seed)
     if ctxfree_samples:

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from criterion import Calibration, save_calibration, save_labels
-from lab import bench, calibrate, cli, records, report, sweep
+import generate
+from lab import bench, calibrate, records, report, sweep
 from model import LlamaConfig
 from tests.test_generate import make_tiny_dir
 
@@ -533,10 +534,11 @@ def test_a_refused_sweep_makes_no_out_folder(tmp_path, tiny_dir, no_model, capsy
 def test_a_length_past_the_trained_context_is_refused_unless_the_config_extends_it():
     """lab.sweep's and lab.calibrate's --length, held as generate.py's --max-context is: up to the model's trained
     context, or past it where the config's rope_scaling says how far the model reaches."""
-    cli.check_context(512, LlamaConfig(max_position_embeddings=512))
+    generate.check_context(512, LlamaConfig(max_position_embeddings=512), "--length")
     with pytest.raises(ValueError, match="--length 513 exceeds the model's trained context of 512; give at most 512"):
-        cli.check_context(513, LlamaConfig(max_position_embeddings=512))
-    cli.check_context(4096, LlamaConfig(max_position_embeddings=512, rope_scaling={"rope_type": "linear", "factor": 8}))
+        generate.check_context(513, LlamaConfig(max_position_embeddings=512), "--length")
+    generate.check_context(4096, LlamaConfig(max_position_embeddings=512, rope_scaling={"rope_type": "linear",
+                                                                                       "factor": 8}), "--length")
 
 
 def test_static_tasks_name_the_tasks_of_the_ruler_labels(tmp_path, tiny_dir, monkeypatch):
