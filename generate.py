@@ -34,9 +34,9 @@ from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, StaticAttention, bu
                        missing_inputs, path_inputs, static_refusal)
 from criterion import (TAU, Calibration, check_calibration, check_labels_window, check_tau, check_window,
                        load_calibration, load_labels)
-from model import KVCache
+from model import KVCache, read_config
 from moments import SOURCES, ReferenceKeys, reference_words
-from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, shipped_calibration
+from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, resolve, shipped_calibration
 from weights.downloads import cache_dir
 
 
@@ -542,15 +542,16 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
     torch.manual_seed(seed or 0)
     times = {}
     t0 = time.perf_counter()
-    net, tok = load(model, device, DTYPES[dtype], rope_theta, progress)
-    times["load_s"] = time.perf_counter() - t0
-    trained = net.cfg.max_position_embeddings
+    folder = resolve(model, progress)  # fetched or converted on first use; its config is checked before its weights
+    cfg = read_config(folder)
     if max_context and rope_theta is None:  # a RoPE base given is the user's own reach past the trained context
-        check_context(max_context, net.cfg, "--max-context", "past it give --rope-theta too (the paper: 2e6 for 32k)")
-    max_context = max_context or trained
+        check_context(max_context, cfg, "--max-context", "past it give --rope-theta too (the paper: 2e6 for 32k)")
+    max_context = max_context or cfg.max_position_embeddings
     if "n_local" in path_inputs(method) and n_local >= max_context:
         raise ValueError(f"--n-local {n_local} leaves no bulk in a context of at most {max_context} tokens "
                          "(--max-context, default the model's)")
+    net, tok = load(str(folder), device, DTYPES[dtype], rope_theta, progress)
+    times["load_s"] = time.perf_counter() - t0
     sources = fit_sources(sources, net, method, static_labels)
     t0 = time.perf_counter()
     words = reference_words(moments_source) if "moments" in path_inputs(method) else None

@@ -634,6 +634,9 @@ BEFORE_LOAD = [
     (["--method", "quest", "--set", "budget=64", "--set", "budget=128"], "--set budget is given twice"),
     (["--method", "static", "--static-labels", "{tmp}/labels.json", "--n-local", "64"],
      "holds the oracle's statistics with n_local 128, not 64"),
+    (["--max-context", "1024"], "--max-context 1024 exceeds the model's trained context of 512"),  # from its config
+    (["--max-context", "100"], "--n-local 128 leaves no bulk in a context of at most 100 tokens"),
+    (["--n-local", "512"], "--n-local 512 leaves no bulk in a context of at most 512 tokens"),  # the model's default
 ]
 
 
