@@ -285,6 +285,8 @@ def test_convert_rejects_other_architectures_and_files(tmp_path):
         convert(tmp_path / "notes.txt", tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="no such GGUF file"):
         convert(tmp_path / "missing.gguf", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="a folder, not a GGUF file"):
+        convert(tmp_path, tmp_path / "out")
 
 
 def test_cli_converts_a_file_and_reports_errors_in_one_line(tmp_path):

@@ -332,7 +332,8 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
 
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
-        raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
+        raise FileNotFoundError(f"{gguf_path}: " + ("a folder, not a GGUF file" if gguf_path.is_dir() else
+                                                    "no such GGUF file"))
     with open(gguf_path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{gguf_path} is not a GGUF file (it does not start with b'GGUF')")
