@@ -36,7 +36,7 @@ from attention import N_SAMPLES, all_scores, build_attention, bulk_sample, dense
 from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_log_bulk, load_calibration, load_local_freq,
                        oracle_log_masses, sampled_log_bulk, save_calibration, save_labels)
 from generate import check_context, decode, pick_device
-from lab.cli import Parser, at_least, fail, interrupted, thread_count
+from lab.cli import Parser, at_least, fail, interrupted, named_twice, thread_count
 from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
 from weights.checkpoints import DEFAULT, DTYPES, MODELS, config, load, model_dir
@@ -74,9 +74,9 @@ def task_names(text: str) -> list[str]:
     unknown = [t for t in names if t not in TASKS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
-    twice = [t for t in dict.fromkeys(names) if names.count(t) > 1]
+    twice = named_twice(names)
     if twice:  # its samples would count twice in every average, and in a calibration's fit
-        raise argparse.ArgumentTypeError(f"names {twice[0]} twice")
+        raise argparse.ArgumentTypeError(f"names {twice} twice")
     return names
 
 

@@ -129,6 +129,11 @@ def numbers_in(text: str, interval: str, inside) -> str:
     return text
 
 
+def named_twice(names: list[str]) -> str | None:
+    """The first name that a comma-separated list (--tasks, --methods) gives more than once, else None."""
+    return next((n for n in dict.fromkeys(names) if names.count(n) > 1), None)
+
+
 def fresh_folder(root: str) -> Path:
     """A new folder root/YYYYmmdd-HHMMSS (-2, -3, ... when that exists): where a command writes by default, so that a
     run never overwrites an earlier one's, the committed results/ least of all."""

@@ -90,7 +90,8 @@ from generate import check_context, decode_batch, parse_inputs, pick_device
 from model import read_config
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
-from lab.cli import Parser, at_least, fail, fractions, interrupted, ints, taus as tau_text, thread_count
+from lab.cli import (Parser, at_least, fail, fractions, interrupted, ints, named_twice, taus as tau_text,
+                     thread_count)
 from lab.records import (DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records,
                          write_run)
 from lab.report import report
@@ -211,9 +212,9 @@ def methods_configs(flag: str, methods: str, taus: list[float], sparsities: list
     """build_configs of a comma-separated --methods-like flag, an unknown name or one named twice refused with the
     flag's name."""
     names = [m for m in methods.split(",") if m]
-    twice = [m for m in dict.fromkeys(names) if names.count(m) > 1]
+    twice = named_twice(names)
     if twice:  # decoded twice, written once, and counted twice in the runs written
-        raise ValueError(f"{flag}: names {twice[0]} twice")
+        raise ValueError(f"{flag}: names {twice} twice")
     try:
         return build_configs(names, taus, sparsities, grids, budgets, budget_fracs)
     except ValueError as e:
