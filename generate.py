@@ -647,6 +647,13 @@ def run(prompt: str, model: str | None = None, **kwargs) -> dict:
     return run_batch([prompt], model, **kwargs)[0]
 
 
+def inputs_said(inputs: dict) -> str:
+    """", NAME VALUE" for each input a path read as a number or a word (a page budget, the window), as the reports
+    name them after the method: tau is said apart, and the paper's window goes unsaid."""
+    return "".join(f", {name} {value}" for name, value in inputs.items()
+                   if name != "tau" and isinstance(value, (bool, int, float, str)) and value != WINDOW.get(name))
+
+
 def print_report(r: dict) -> None:
     if r["batch"] > 1:
         print(f"=== {r['prompt']} ({r['batch']} prompts decoded as one batch)")
@@ -659,8 +666,7 @@ def print_report(r: dict) -> None:
           + (f", calibration {Path(r['calibration']).name}" if r.get("calibration") else "")
           + (f", static labels {r['static_labels']['file']} at sparsity {r['static_labels']['sparsity']}"
              if r["static_labels"] else "")
-          + "".join(f", {name} {value}" for name, value in r["inputs"].items()
-                    if name not in WINDOW or r["inputs"][name] != WINDOW[name])  # the default window goes unsaid
+          + inputs_said(r["inputs"])
           + f" | {r['device']} {r['dtype']}"
           # what else moves the tokens, where given (--json holds every setting, --max-context's too)
           + (f", RoPE theta {r['rope_theta']:g}" if r["rope_theta"] is not None else "")

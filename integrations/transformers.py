@@ -52,7 +52,7 @@ from transformers.utils import logging as hf_logging
 from attention import BatchAttention, build_attention, bulk_estimate, missing_inputs, path_inputs
 from criterion import Calibration, check_calibration, check_tau, check_window
 from decode_kernels import check_kernel
-from generate import WINDOW, default_tau, read_calibration
+from generate import default_tau, inputs_said, read_calibration
 from model import KVCache, LlamaConfig
 from moments import SOURCES, OnlineMoments, ReferenceKeys, reference_words
 from weights.checkpoints import MODELS, shipped_calibration
@@ -350,12 +350,9 @@ class HFAttention:
                 + (f", {self.moments_source or 'given'} moments" if "moments" in path_inputs(self.method) else "")
                 + (f", calibration {Path(self.inputs['calibration'].settings['file']).name}"
                    if "calibration" in self.inputs else "")
-                # the rest of what the path reads as numbers (a page budget, ...) and a window not the paper's, as
-                # generate.py's report names them
-                + "".join(f", {name} {value}" for name, value in self.inputs.items()
-                          if name != "tau" and isinstance(value, (bool, int, float, str)))
-                + "".join(f", {name} {value}" for name, value in (("n_sink", self.n_sink), ("n_local", self.n_local))
-                          if "n_sink" in path_inputs(self.method) and value != WINDOW[name]))
+                # the rest of what the path reads as numbers (a page budget, ...) and a window not the paper's
+                + inputs_said(self.inputs | ({"n_sink": self.n_sink, "n_local": self.n_local}
+                                             if "n_sink" in path_inputs(self.method) else {})))
         lines = [head]
         for b in range(max(len(self.rows), 1)):
             s = self.summary(b, sequences, eos_token_id)
