@@ -24,6 +24,7 @@ import json
 import math
 import numbers
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -303,13 +304,51 @@ def check_settings_window(settings: dict, name, n_sink: int | None, n_local: int
             raise ValueError(f"{name} {made} {key} {settings[key]}, not {value}")
 
 
+def weights_probe(model: torch.nn.Module) -> list[float]:
+    """Eight weights of the first layer's k_proj and eight of the last's, spread over each matrix: enough to tell two
+    checkpoints of one shape apart (a correction or static labels hold for the weights they were fitted on, stored as
+    settings["weights_probe"]). Hugging Face's parameter names, which model.Llama mirrors, so the same checkpoint run
+    by transformers gives the same probe."""
+    k_proj = {int(m[1]): p for n, p in model.named_parameters()
+              if (m := re.search(r"layers\.(\d+)\.self_attn\.k_proj\.weight$", n))}
+    if not k_proj:
+        raise ValueError(f"{type(model).__name__} has no layers.N.self_attn.k_proj weights to tell its checkpoint by")
+    probe = []
+    for w in (k_proj[min(k_proj)], k_proj[max(k_proj)]):
+        flat = w.detach().flatten()
+        picks = torch.linspace(0, flat.numel() - 1, 8, device=flat.device).long()
+        probe += [float(f"{x:.6g}") for x in flat[picks].float().tolist()]  # once per file or run, not per step
+    return probe
+
+
+def check_weights(settings: dict, name, probe: list[float], made: str) -> None:
+    """That a file `name` saved with `settings` was fitted on the weights whose weights_probe is `probe`; ValueError
+    with one line otherwise, "{name} {made} other weights than this model's ...". Equal within 1 % per weight, so
+    that the same checkpoint loaded in another dtype (bf16 rounds by up to 0.4 %) passes and a quantized copy does
+    not. A file saved without a probe is not checked."""
+    fitted = settings.get("weights_probe")
+    if fitted is None:
+        return
+    if not isinstance(fitted, list) or not all(isinstance(x, (int, float)) for x in fitted):
+        raise ValueError(f"{name}: its weights_probe must be a list of numbers (criterion.weights_probe)")
+    if len(fitted) != len(probe) or any(abs(a - b) > 0.01 * max(abs(a), abs(b)) + 1e-6 for a, b in zip(fitted, probe)):
+        model = Path(str(settings.get("model", "another model"))).name
+        command = "python -m lab.calibrate" + (" --qada" if "kind" in settings else "")  # a correction has a kind
+        raise ValueError(f"{name} {made} other weights than this model's (those of {model}); fit one for this model "
+                         f"with {command}")
+
+
 def check_calibration(c: Calibration, name, L: int | None, H: int | None, Hkv: int | None, n_sink: int | None,
-                      n_local: int | None, moments_source: str | None = None, estimate: str | None = None) -> None:
+                      n_local: int | None, moments_source: str | None = None, estimate: str | None = None,
+                      probe: list[float] | None = None) -> None:
     """That the correction `c` (from file `name`) fits a model of (L, H) heads on Hkv KV heads, the window it is used
-    with and, if given, the moments and the estimate (attention.bulk_estimate) it corrects; ValueError with one line
-    otherwise. What is None is not checked (a CLI checks the file before the model is loaded, the heads after)."""
+    with and, if given, the moments and the estimate (attention.bulk_estimate) it corrects and the weights (their
+    weights_probe) it was fitted on; ValueError with one line otherwise. What is None is not checked (a CLI checks the
+    file before the model is loaded, the heads and weights after)."""
     if L is not None and (tuple(c.a.shape) != (L, H) or (c.s is not None and tuple(c.s.shape) != (L, Hkv))):
         raise ValueError(f"{name} corrects {tuple(c.a.shape)} heads; the model has ({L}, {H}) on {Hkv} KV heads")
+    if probe is not None:
+        check_weights(c.settings, name, probe, "was fitted on")
     check_settings_window(c.settings, name, n_sink, n_local, "was fitted with")
     if estimate is not None and c.estimate != estimate:
         raise ValueError(f"{name} corrects the {c.estimate} estimate of the bulk mass, this method decides with the "

@@ -32,8 +32,8 @@ from tqdm import tqdm
 import decode_kernels
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, StaticAttention, build_attention, bulk_estimate,
                        missing_inputs, path_inputs, static_refusal)
-from criterion import (TAU, Calibration, check_calibration, check_labels_window, check_tau, check_window,
-                       load_calibration, load_labels)
+from criterion import (TAU, Calibration, check_calibration, check_labels_window, check_tau, check_weights,
+                       check_window, load_calibration, load_labels, weights_probe)
 from model import KVCache, read_config
 from moments import SOURCES, ReferenceKeys, reference_words
 from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, resolve, shipped_calibration
@@ -262,33 +262,40 @@ def read_calibration(path: str, method: str, flag: str = "--calibration") -> Cal
 def read_sources(method: str, static_labels: str | None, static_sparsity: float, calibration: str | None,
                  moments_source: str, n_sink: int, n_local: int) -> dict:
     """The files the path reads besides the prompt, read and checked before any model is loaded: QAdA's correction
-    (lab.calibrate --qada) and static labels (lab.calibrate), as build_attention's keywords (on the CPU)."""
+    (lab.calibrate --qada) and static labels (lab.calibrate), as build_attention's keywords (on the CPU), and the
+    labels' settings (static_settings, which fit_sources checks and drops)."""
     inputs = path_inputs(method)
-    correction = static_local = None
+    correction = static_local = static_settings = None
     if "calibration" in inputs:
         correction = read_calibration(calibration, method)
         check_calibration(correction, correction.settings["file"], None, None, None, n_sink, n_local, moments_source,
                           bulk_estimate(method))
     if "static_local" in inputs:
         path = input_file(static_labels, "--static-labels", "ruler.json")
-        static_local, settings = load_labels(path, static_sparsity)
-        check_labels_window(settings, path, n_sink, n_local)  # the oracle's statistics of another window: refused
-    return {"static_local": static_local, "calibration": correction}
+        static_local, static_settings = load_labels(path, static_sparsity)
+        # the oracle's statistics of another window: refused
+        check_labels_window(static_settings, path, n_sink, n_local)
+        static_settings["file"] = str(path)
+    return {"static_local": static_local, "calibration": correction, "static_settings": static_settings}
 
 
 def fit_sources(sources: dict, model, method: str, static_labels: str | None) -> dict:
-    """read_sources' tensors checked against the loaded model's heads and moved to its device."""
+    """read_sources' tensors checked against the loaded model's heads and weights (a file fitted on another
+    checkpoint of the same shape is refused: criterion.weights_probe), and moved to its device."""
     cfg = model.cfg
     L, H, Hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
     out = dict(sources)
+    static_settings = out.pop("static_settings")
     if sources["calibration"] is not None:
         c = sources["calibration"]
-        check_calibration(c, c.settings["file"], L, H, Hkv, None, None)
+        check_calibration(c, c.settings["file"], L, H, Hkv, None, None, probe=weights_probe(model))
         out["calibration"] = c.to(model.device)
     if sources["static_local"] is not None:
         if tuple(sources["static_local"].shape) != (L, H):
             raise ValueError(f"{static_labels} labels {tuple(sources['static_local'].shape)} heads; this model has "
                              f"({L}, {H})")
+        check_weights(static_settings, static_settings["file"], weights_probe(model),
+                      "holds the oracle's statistics of")
         out["static_local"] = sources["static_local"].to(model.device)
     return out
 

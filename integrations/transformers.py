@@ -50,7 +50,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.utils import logging as hf_logging
 
 from attention import BatchAttention, build_attention, bulk_estimate, missing_inputs, path_inputs
-from criterion import Calibration, check_calibration, check_tau, check_window
+from criterion import Calibration, check_calibration, check_tau, check_window, weights_probe
 from decode_kernels import check_kernel
 from generate import default_tau, inputs_said, read_calibration
 from model import KVCache, LlamaConfig
@@ -134,7 +134,7 @@ class HFAttention:
         if "moments" in reads and not isinstance(moments, str):
             inputs = dict(inputs, moments=moments)  # a KeyMoments of the caller's
         if "calibration" in reads:
-            inputs["calibration"] = self.read_calibration(calibration, device)
+            inputs["calibration"] = self.read_calibration(calibration, device, weights_probe(model))
         if tau is not None:
             check_tau(tau)
         self.tau, self.tau_from = (tau, "given") if tau is not None else default_tau(method, inputs.get("calibration"))
@@ -183,9 +183,10 @@ class HFAttention:
         # report(sequences), whose rows then are not the cache's
         self.follows_rows, self.last_key, self.moved = False, None, False
 
-    def read_calibration(self, calibration, device) -> Calibration:
+    def read_calibration(self, calibration, device, probe: list[float]) -> Calibration:
         """The correction a qada*_cal path reads: a Calibration, a file or a lab.calibrate folder, or a named model
-        (weights.checkpoints) whose shipped one it takes; checked against the model, the window and the moments."""
+        (weights.checkpoints) whose shipped one it takes; checked against the model (its shape, and its weights by
+        their criterion.weights_probe), the window and the moments."""
         if calibration is None:
             raise ValueError(f"the {self.method} path reads a calibration: give enable(model, calibration=FILE) "
                              f"(made by python -m lab.calibrate --qada --hf MODEL), or a named model's "
@@ -202,7 +203,7 @@ class HFAttention:
             name = c.settings["file"]
         cfg = self.cfg
         check_calibration(c, name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                          self.n_sink, self.n_local, self.moments_source, bulk_estimate(self.method))
+                          self.n_sink, self.n_local, self.moments_source, bulk_estimate(self.method), probe)
         return c.to(device)
 
     # -----------------------------------------------------------------------------------------------------
@@ -431,6 +432,9 @@ class HFModel:
     @property
     def device(self) -> torch.device:
         return next(self.hf.parameters()).device
+
+    def named_parameters(self):  # transformers' names, which criterion.weights_probe reads as model.Llama's
+        return self.hf.named_parameters()
 
     @property
     def dtype(self) -> torch.dtype:

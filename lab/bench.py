@@ -78,7 +78,7 @@ import torch
 import attention
 import decode_kernels
 from attention import BatchAttention, build_attention
-from criterion import TAU, check_calibration, load_calibration, qada_labels
+from criterion import TAU, check_calibration, load_calibration, qada_labels, weights_probe
 from generate import pick_device
 from lab.calibrate import calibration_file
 from lab.cli import Parser, at_least, fail, fresh_folder, ints, positive_float, thread_count
@@ -495,7 +495,7 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
         if correction is not None:
             cfg = model.cfg
             check_calibration(correction, calibration, cfg.num_hidden_layers, cfg.num_attention_heads,
-                              cfg.num_key_value_heads, N_SINK, N_LOCAL, "random-words", estimate)
+                              cfg.num_key_value_heads, N_SINK, N_LOCAL, "random-words", estimate, weights_probe(model))
         reference = ReferenceKeys(model, tok, n_max=max(T, model.cfg.max_position_embeddings), root=cache_dir() / "moments")
         prompts = [needle_prompt(tok, T - NEEDLE_TOKENS, seed=b) for b in range(max(batches))]  # different needles
         if prefill_only:  # the files and the reference keys only: no cache held, none read back

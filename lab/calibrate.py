@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 
 from attention import N_SAMPLES, all_scores, build_attention, bulk_sample, dense
-from criterion import (CALIBRATION_KINDS, TAU, Calibration, gaussian_log_bulk, load_calibration, load_local_freq,
-                       oracle_log_masses, sampled_log_bulk, save_calibration, save_labels)
+from criterion import (CALIBRATION_KINDS, TAU, Calibration, check_weights, gaussian_log_bulk, load_calibration,
+                       load_local_freq, oracle_log_masses, sampled_log_bulk, save_calibration, save_labels,
+                       weights_probe)
 from generate import check_context, decode, pick_device
 from lab.cli import Parser, at_least, fail, interrupted, named_twice, thread_count
 from lab.tasks import TASKS, make_sample
@@ -167,21 +168,25 @@ def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int
             print(f"calibrating static labels on {task} ({samples} prompts, seed {seed})...", file=sys.stderr)
         freq, steps = oracle_frequency(model, tok, task, length, samples, seed, max_new_tokens, n_sink, n_local,
                                        progress=progress)
-        save_labels(path, freq, dict(settings, steps=steps, seconds=round(time.perf_counter() - t0, 1)))
+        save_labels(path, freq, dict(settings, steps=steps, seconds=round(time.perf_counter() - t0, 1),
+                                     weights_probe=weights_probe(model)))
         out[task] = freq
     mean = torch.stack([out[t] for t in ruler_tasks]).mean(0)
     save_labels(folder / "ruler.json", mean, dict(tasks=ruler_tasks, length=length, samples=samples, seed=seed, tau=TAU,
-                                                   n_sink=n_sink, n_local=n_local, model=str(model.model_dir)))
+                                                   n_sink=n_sink, n_local=n_local, model=str(model.model_dir),
+                                                   weights_probe=weights_probe(model)))
     out["ruler"] = mean
     return out
 
 
-def label_frequencies(given: str | Path, L: int, H: int) -> torch.Tensor:
+def label_frequencies(given: str | Path, L: int, H: int, probe: list[float] | None = None) -> torch.Tensor:
     """The oracle local frequencies (L, H) of a static labels file (lab.calibrate's TASK.json or ruler.json),
-    checked against the model's heads; one-line errors."""
-    freq, _ = load_local_freq(given)
+    checked against the model's heads and, given its criterion.weights_probe, its weights; one-line errors."""
+    freq, settings = load_local_freq(given)
     if tuple(freq.shape) != (L, H):
         raise ValueError(f"{given} holds labels of {tuple(freq.shape)} heads; the model has ({L}, {H})")
+    if probe is not None:
+        check_weights(settings, given, probe, "holds the oracle's statistics of")
     return freq
 
 
@@ -368,12 +373,12 @@ def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samp
         raise ValueError(f"no decode step of the calibration prompts went past the window ({n_local} tokens): nothing "
                          "to fit; give a longer --length or more --max-new-tokens")
     masses, n_bulk = torch.cat([m for m, _ in chosen]), torch.cat([n for _, n in chosen])
-    out = {}
+    out, probe = {}, weights_probe(model)  # the weights fitted on: another checkpoint of this shape is refused
     for kind in CALIBRATION_KINDS:
         a, b, s = fit_calibration(masses, n_bulk, model.cfg.num_key_value_heads, kind, eps)
         extra = {"eps": eps} if kind == "quantile" else {"n_samples": N_SAMPLES} if kind == "sampled" else {}
         out[kind] = Calibration(a, b, s, dict(settings, kind=kind, estimate="sampled" if kind == "sampled" else
-                                              "gaussian", steps=int(masses.shape[0]), **extra))
+                                              "gaussian", steps=int(masses.shape[0]), weights_probe=probe, **extra))
         save_calibration(folder / f"{kind}.json", out[kind])
     return out
 

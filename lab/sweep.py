@@ -85,7 +85,7 @@ import decode_kernels
 from attention import (ANALYSIS_ONLY, PATHS, BatchAttention, DecodeAttention, build_attention, bulk_estimate,
                        path_inputs, summarize)
 from criterion import (TAU, Calibration, check_calibration, check_labels_window, check_tau, check_window,
-                       load_calibration, load_local_freq, static_labels)
+                       load_calibration, load_local_freq, static_labels, weights_probe)
 from generate import check_context, decode_batch, parse_inputs, pick_device
 from model import read_config
 from moments import ReferenceKeys, reference_words
@@ -395,8 +395,9 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
     """The reference prompts' keys (Option 2), static label frequencies and QAdA calibrations (from
     `calibration_dirs`: "" for --calibration, "transfer-" for --calibration-transfer) that the configurations read."""
     sources = {path_and_source(c.method) for c in configs}
+    probe = weights_probe(model)  # a calibration or static labels fitted on other weights of this shape are refused
     calibrations = read_calibrations(configs, calibration_dirs, model.cfg, calibrate_kwargs.get("n_sink"),
-                                     calibrate_kwargs.get("n_local"), model.device)  # the window where one is read
+                                     calibrate_kwargs.get("n_local"), model.device, probe)  # the window where one is read
     moments = {src for path, src in sources if "moments" in path_inputs(path) and "calibration" not in path_inputs(path)}
     moments |= {c.settings["moments_source"] for c in calibrations.values() if c.estimate == "gaussian"}
     words = {reference_words(m) for m in moments} - {None}
@@ -405,7 +406,7 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
     if any(src != "random" for path, src in sources if "static_local" in path_inputs(path)):
         if static_labels_dir is not None and Path(static_labels_dir).is_file():  # one file: the static labels
             res["static_freq"] = {"ruler": calibrate.label_frequencies(static_labels_dir, model.cfg.num_hidden_layers,
-                                                                       model.cfg.num_attention_heads)}
+                                                                       model.cfg.num_attention_heads, probe)}
         else:
             res["static_freq"] = calibrate.ensure(model, tok, tasks, static_labels_dir, **calibrate_kwargs,
                                                   hint=LABELS_HINT)
@@ -413,10 +414,10 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
 
 
 def read_calibrations(configs: list[Config], calibration_dirs: dict[str, Path | None] | None, cfg, n_sink: int,
-                      n_local: int, device=None) -> dict[str, Calibration]:
+                      n_local: int, device=None, probe: list[float] | None = None) -> dict[str, Calibration]:
     """{source: its calibration} for the configurations' calibrated paths (calibration_files), each checked against
-    the model's shape (cfg: model.LlamaConfig), the window and the estimate its paths correct; ValueError with one
-    line otherwise."""
+    the model's shape (cfg: model.LlamaConfig), the window, the estimate its paths correct and, once the model is
+    loaded, its weights (probe: criterion.weights_probe); ValueError with one line otherwise."""
     sources = {path_and_source(c.method) for c in configs}
     calibrations = {}
     for src, path in calibration_files(configs, calibration_dirs).items():
@@ -425,7 +426,7 @@ def read_calibrations(configs: list[Config], calibration_dirs: dict[str, Path | 
         if len(estimates) > 1:
             raise ValueError(f"the {src} calibration is read by paths of both estimates; use a source per estimate")
         check_calibration(calibrations[src], path, cfg.num_hidden_layers, cfg.num_attention_heads,
-                          cfg.num_key_value_heads, n_sink, n_local, estimate=estimates.pop())
+                          cfg.num_key_value_heads, n_sink, n_local, estimate=estimates.pop(), probe=probe)
         calibrations[src].settings.setdefault("moments_source", "random-words")
     return calibrations
 

@@ -11,9 +11,9 @@ import torch
 
 import generate
 from attention import DecodeAttention, all_scores, bulk_sample
-from criterion import (CALIBRATION_KINDS, Calibration, Correction, check_calibration, gaussian_form,
+from criterion import (CALIBRATION_KINDS, Calibration, Correction, check_calibration, check_weights, gaussian_form,
                        load_calibration, load_labels, oracle_log_masses, qada_labels, save_calibration,
-                       save_labels)
+                       save_labels, weights_probe)
 from lab import calibrate, records, sweep
 from moments import FixedMoments, ReferenceKeys
 from tests.test_generate import make_tiny_dir, write_prompt
@@ -367,3 +367,48 @@ def test_calibration_mismatches_are_one_clear_line(tmp_path, capsys):
     assert "unknown task 'nope'" in capsys.readouterr().err
     assert calibrate.main(["--qada", "--tasks", "fwe", "--samples", "0", "--out", str(tmp_path)]) == 2
     assert "argument --samples: must be at least 1" in capsys.readouterr().err
+
+
+def test_weights_probe_tells_checkpoints_apart_but_not_dtypes(tiny_dir, tmp_path):
+    probe = weights_probe(load(str(tiny_dir))[0])
+    assert len(probe) == 16 and len(set(probe)) == 16  # 8 spread weights of the first and the last layer's k_proj
+    for dtype in (torch.bfloat16, torch.float16):  # the same checkpoint in another dtype passes
+        check_weights({"weights_probe": probe}, "f.json", weights_probe(load(str(tiny_dir), dtype=dtype)[0]), "x")
+    other = weights_probe(load(str(make_tiny_dir(tmp_path / "other", seed=1)))[0])
+    with pytest.raises(ValueError, match="f.json was fitted on other weights than this model's"):
+        check_weights({"weights_probe": probe}, "f.json", other, "was fitted on")
+    for i in (0, 15):  # one weight of either layer off by 2 % is another checkpoint; by 0.4 % (bf16's rounding) not
+        check_weights({"weights_probe": probe}, "f.json", probe[:i] + [probe[i] * 1.004] + probe[i + 1:], "x")
+        with pytest.raises(ValueError, match="other weights"):
+            check_weights({"weights_probe": probe}, "f.json", probe[:i] + [probe[i] * 1.02] + probe[i + 1:], "x")
+    check_weights({}, "old.json", other, "x")  # a file saved before probes: not checked
+    with pytest.raises(ValueError, match="old.json: its weights_probe must be a list of numbers"):
+        check_weights({"weights_probe": "abc"}, "old.json", other, "x")
+
+
+def test_files_fitted_on_other_weights_are_refused_in_one_line(fitted, tiny_dir, tmp_path, capsys, monkeypatch):
+    """A correction or static labels fitted on one checkpoint, given with another of the same shape: generate.py and
+    lab.sweep refuse them (the heads fit, so only the weights tell); the checkpoint they were fitted on runs."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    other = make_tiny_dir(tmp_path / "other", seed=1)
+    probe = weights_probe(load(str(tiny_dir))[0])
+    assert all(load_calibration(fitted / f"{k}.json").settings["weights_probe"] == probe for k in CALIBRATION_KINDS)
+    save_labels(tmp_path / "ruler.json", torch.rand(2, 4), {"n_sink": 16, "n_local": 128, "weights_probe": probe,
+                                                             "model": str(tiny_dir)})
+    prompt = str(write_prompt(tmp_path, 300))
+    for method, given in (("qada_cal", ["--calibration", str(fitted / "affine.json")]),
+                          ("static", ["--static-labels", str(tmp_path / "ruler.json")])):
+        argv = ["--prompt", prompt, "--max-new-tokens", "2", "--json", "--n-sink", "16", "--method", method] + given
+        assert generate.main(argv + ["--model", str(tiny_dir)]) == 0
+        capsys.readouterr()
+        assert generate.main(argv + ["--model", str(other)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"other weights than this model's (those of {tiny_dir.name})" in err
+        assert ("was fitted on" if method == "qada_cal" else "holds the oracle's statistics of") in err
+    run = ["--tasks", "fwe", "--length", "400", "--samples", "1", "--taus", "0.6", "--ablations", "",
+           "--ctxfree-samples", "0", "--track", "", "--no-report"]
+    for method, given in (("qada_cal", ["--calibration", str(fitted)]),
+                          ("static", ["--static-labels", str(tmp_path / "ruler.json")])):
+        assert sweep.main(["--out", str(tmp_path / f"run-{method}"), "--methods", method, "--model", str(other)]
+                          + given + run) == 2
+        assert "other weights than this model's" in capsys.readouterr().err

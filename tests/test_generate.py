@@ -19,11 +19,11 @@ from weights import checkpoints
 from tests.test_model import save_tiny
 
 
-def make_tiny_dir(path):
+def make_tiny_dir(path, seed: int = 0):
     """A tiny random Llama (2 layers, 4 query heads, 2 KV heads, context 512) with a word-level tokenizer over
-    w0 .. w99 (no chat template), saved as a model folder at `path`."""
+    w0 .. w99 (no chat template), saved as a model folder at `path`; its weights drawn from `seed`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    save_tiny("llama-gqa", path)
+    save_tiny("llama-gqa", path, seed)
     vocab = {f"w{i}": i for i in range(100)} | {"<unk>": 100}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

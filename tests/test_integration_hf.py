@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from attention import build_attention, path_inputs  # noqa: E402
-from criterion import Calibration, load_calibration, save_calibration  # noqa: E402
+from criterion import Calibration, load_calibration, save_calibration, weights_probe  # noqa: E402
 from generate import decode, default_tau  # noqa: E402
 from integrations.transformers import HFAttention, disable, enable, left_padding, load  # noqa: E402
 from lab import calibrate  # noqa: E402
@@ -383,10 +383,14 @@ def test_enable_says_a_kernel_choice_that_cannot_run(sharp_dir, monkeypatch):
     assert hf.config._attn_implementation == "sdpa"
 
 
-def test_what_enable_and_disable_refuse(sharp_dir):
+def test_what_enable_and_disable_refuse(sharp_dir, tmp_path):
     hf, tok = hf_model(sharp_dir), Tokenizer.from_dir(sharp_dir)
     c = random_calibration()
     fitted = Calibration(c.a, c.b, c.s, dict(c.settings, n_sink=16, n_local=128))  # a correction of another window
+    # one fitted on the same shape's other weights, the plain tiny model's: told by the probe alone
+    probe = weights_probe(load_model(make_tiny_dir(tmp_path / "plain")))
+    elsewhere = Calibration(c.a, c.b, c.s, dict(c.settings, weights_probe=probe, model="plain"))
+    assert weights_probe(hf) == weights_probe(load_model(sharp_dir))  # transformers' names are model.Llama's
     unshipped = next(m for m in MODELS if shipped_calibration(m) is None)  # a named model with no correction
     for kwargs, message in [(dict(method="qada_cal", tokenizer=tok), "reads a calibration"),
                             (dict(method="dense", tau=0.5), "tau: the dense path does not read it"),
@@ -415,6 +419,8 @@ def test_what_enable_and_disable_refuse(sharp_dir):
                              "corrects the random-words moments' estimate"),
                             (dict(method="qada_cal", tokenizer=tok, calibration=fitted, n_sink=4, n_local=64),
                              "was fitted with n_sink 16, not 4"),
+                            (dict(method="qada_cal", tokenizer=tok, calibration=elsewhere),
+                             "the given calibration was fitted on other weights than this model's \\(those of plain\\)"),
                             (dict(method="qada_sampled_cal", calibration=random_calibration()),
                              "corrects the gaussian estimate of the bulk mass"),
                             (dict(method="qada_cal", tokenizer=tok, calibration="qwen2.5-coder-0.5b"),
@@ -523,6 +529,7 @@ def test_calibrate_through_the_adapter_equals_ours(sharp_dir, tmp_path):
     torch.testing.assert_close(m2, m1, atol=1e-4, rtol=1e-4)
     a, b = load_calibration(tmp_path / "ours" / "affine.json"), load_calibration(tmp_path / "hf" / "affine.json")
     torch.testing.assert_close(b.a, a.a, atol=1e-3, rtol=1e-3)
+    assert b.settings["weights_probe"] == a.settings["weights_probe"]  # either one's correction runs on the other
     assert calibrate.main(args + ["--model", str(sharp_dir), "--hf", str(sharp_dir), "--out", str(tmp_path)]) == 2
 
 
