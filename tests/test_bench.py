@@ -189,6 +189,10 @@ def test_end_to_end_takes_a_calibration_and_reads_prefills_back(tmp_path, monkey
     rows, _ = bench.bench_end_to_end(str(folder), [300], [1], bench.parse_methods("qada_cal@0.6"),
                                      **dict(kw, calibration=str(local)))
     assert rows[0]["sparsity"] == 1.0 and plain[0][0] < 1.0
+    elsewhere = tmp_path / "elsewhere.json"  # fitted on other weights of this shape
+    save_calibration(elsewhere, Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, {"weights_probe": [0.5] * 16}))
+    with pytest.raises(ValueError, match="elsewhere.json was fitted on other weights than this model's"):
+        bench.bench_end_to_end(str(folder), [300], [1], methods, **dict(kw, calibration=str(elsewhere)))
 
 
 def test_end_to_end_times_the_page_paths(tmp_path, monkeypatch):
