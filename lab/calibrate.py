@@ -133,13 +133,14 @@ def check_labels(folder: Path, tasks: list[str], ruler_tasks: list[str], common:
             raise ValueError(f"{path} holds static labels of other settings ({differences(old, want)}); {hint}")
 
 
-def same_labels(path: Path, settings: dict) -> torch.Tensor | None:
-    """The local frequencies of the labels file `path` if it holds `settings`; None if not, unreadable or absent."""
+def same_labels(path: Path, settings: dict) -> tuple[torch.Tensor, dict] | None:
+    """The local frequencies of the labels file `path` and its settings if it holds `settings`; None if not,
+    unreadable or absent."""
     try:
         freq, old = load_local_freq(path)
     except (OSError, ValueError):
         return None
-    return None if differences(old, settings) else freq
+    return None if differences(old, settings) else (freq, old)
 
 
 def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int, seed: int, max_new_tokens: int,
@@ -155,13 +156,17 @@ def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int
                   n_local=n_local, model=str(model.model_dir))
     check_labels(folder, tasks, ruler_tasks, common, force, hint)  # before a file is written
     folder.mkdir(parents=True, exist_ok=True)
-    out = {}
+    out, probe = {}, weights_probe(model)
+    probed = set()  # the tasks whose file records the weights (one kept from before probes does not)
     for task in tasks:
         settings = dict(task=task, **common)
         path = folder / f"{task}.json"
         kept = same_labels(path, settings)
         if kept is not None:
-            out[task] = kept
+            check_weights(kept[1], path, probe, "holds the oracle's statistics of")  # the same folder, new weights
+            out[task] = kept[0]
+            if "weights_probe" in kept[1]:
+                probed.add(task)
             continue
         t0 = time.perf_counter()
         if progress:
@@ -169,12 +174,14 @@ def ensure(model, tok, tasks: list[str], folder: Path, length: int, samples: int
         freq, steps = oracle_frequency(model, tok, task, length, samples, seed, max_new_tokens, n_sink, n_local,
                                        progress=progress)
         save_labels(path, freq, dict(settings, steps=steps, seconds=round(time.perf_counter() - t0, 1),
-                                     weights_probe=weights_probe(model)))
+                                     weights_probe=probe))
         out[task] = freq
+        probed.add(task)
     mean = torch.stack([out[t] for t in ruler_tasks]).mean(0)
+    # the probe where every task's file has one: a rerun over files from before probes rewrites ruler.json unchanged
     save_labels(folder / "ruler.json", mean, dict(tasks=ruler_tasks, length=length, samples=samples, seed=seed, tau=TAU,
                                                    n_sink=n_sink, n_local=n_local, model=str(model.model_dir),
-                                                   weights_probe=weights_probe(model)))
+                                                   **({"weights_probe": probe} if probed >= set(ruler_tasks) else {})))
     out["ruler"] = mean
     return out
 

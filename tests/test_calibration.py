@@ -12,8 +12,8 @@ import torch
 import generate
 from attention import DecodeAttention, all_scores, bulk_sample
 from criterion import (CALIBRATION_KINDS, Calibration, Correction, check_calibration, check_weights, gaussian_form,
-                       load_calibration, load_labels, oracle_log_masses, qada_labels, save_calibration,
-                       save_labels, weights_probe)
+                       load_calibration, load_labels, load_local_freq, oracle_log_masses, qada_labels,
+                       save_calibration, save_labels, weights_probe)
 from lab import calibrate, records, sweep
 from moments import FixedMoments, ReferenceKeys
 from tests.test_generate import make_tiny_dir, write_prompt
@@ -240,6 +240,26 @@ def test_static_label_frequencies_weight_each_prompt_by_its_steps(tiny_dir, monk
     with pytest.raises(ValueError, match="decoded no step"):
         calibrate.oracle_frequency(model, tok, "fwe", 400, 1, 1, max_new_tokens=2)
     assert asked[-1] == 2
+
+
+def test_static_labels_record_their_weights_and_a_rerun_leaves_older_files_as_they_are(tiny_dir, tmp_path,
+                                                                                         monkeypatch):
+    model, tok = load(str(tiny_dir))
+    monkeypatch.setattr(calibrate, "oracle_frequency", lambda *a, **k: (torch.rand(2, 4), 3))  # the oracle stood in for
+    folder, probe = tmp_path / "labels", weights_probe(model)
+    calibrate.ensure(model, tok, ["fwe", "vt"], folder, 400, 1, 1, 4, progress=False)
+    assert all(load_local_freq(folder / f"{n}.json")[1]["weights_probe"] == probe for n in ("fwe", "vt", "ruler"))
+    for name in ("fwe", "vt", "ruler"):  # as files written before the probe
+        freq, settings = load_local_freq(folder / f"{name}.json")
+        save_labels(folder / f"{name}.json", freq, {k: v for k, v in settings.items() if k != "weights_probe"})
+    before = (folder / "ruler.json").read_bytes()
+    monkeypatch.setattr(calibrate, "oracle_frequency", lambda *a, **k: pytest.fail("recalibrated"))
+    calibrate.ensure(model, tok, ["fwe", "vt"], folder, 400, 1, 1, 4, progress=False)
+    assert (folder / "ruler.json").read_bytes() == before  # a committed folder stays as it was
+    freq, settings = load_local_freq(folder / "fwe.json")
+    save_labels(folder / "fwe.json", freq, dict(settings, weights_probe=[0.5] * 16))  # new weights in the same folder
+    with pytest.raises(ValueError, match="fwe.json holds the oracle's statistics of other weights than this model's"):
+        calibrate.ensure(model, tok, ["fwe", "vt"], folder, 400, 1, 1, 4, progress=False)
 
 
 def test_the_recorded_masses_are_the_true_ones_and_the_gaussian_terms(fitted, tiny_dir):
