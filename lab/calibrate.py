@@ -358,7 +358,9 @@ def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samp
                     dtype=str(model.dtype).removeprefix("torch."))
     path = folder / "masses.pt"
     check_fits(folder, settings, eps, force)
-    data = read_masses(path, settings, force) or {"settings": settings, "prompts": {}}
+    probe = weights_probe(model)  # the weights fitted on: another checkpoint of this shape is refused
+    data = read_masses(path, settings, force) or {"settings": dict(settings, weights_probe=probe), "prompts": {}}
+    check_weights(data["settings"], path, probe, "holds the masses of")  # the same folder, new weights
     folder.mkdir(parents=True, exist_ok=True)
     words = reference_words(moments_source)
     reference = ReferenceKeys(model, tok, words, root=cache_dir() / "moments", progress=progress) if words else None
@@ -380,12 +382,13 @@ def calibrate_qada(model, tok, tasks: list[str], folder: Path, length: int, samp
         raise ValueError(f"no decode step of the calibration prompts went past the window ({n_local} tokens): nothing "
                          "to fit; give a longer --length or more --max-new-tokens")
     masses, n_bulk = torch.cat([m for m, _ in chosen]), torch.cat([n for _, n in chosen])
-    out, probe = {}, weights_probe(model)  # the weights fitted on: another checkpoint of this shape is refused
+    # the probe of masses recorded with one: a refit from masses recorded before probes rewrites its files unchanged
+    out, fitted_on = {}, {"weights_probe": probe} if "weights_probe" in data["settings"] else {}
     for kind in CALIBRATION_KINDS:
         a, b, s = fit_calibration(masses, n_bulk, model.cfg.num_key_value_heads, kind, eps)
         extra = {"eps": eps} if kind == "quantile" else {"n_samples": N_SAMPLES} if kind == "sampled" else {}
         out[kind] = Calibration(a, b, s, dict(settings, kind=kind, estimate="sampled" if kind == "sampled" else
-                                              "gaussian", steps=int(masses.shape[0]), weights_probe=probe, **extra))
+                                              "gaussian", steps=int(masses.shape[0]), **fitted_on, **extra))
         save_calibration(folder / f"{kind}.json", out[kind])
     return out
 

@@ -5,6 +5,7 @@ own correction with the right sign, the fits recovering known corrections, the c
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -260,6 +261,32 @@ def test_static_labels_record_their_weights_and_a_rerun_leaves_older_files_as_th
     save_labels(folder / "fwe.json", freq, dict(settings, weights_probe=[0.5] * 16))  # new weights in the same folder
     with pytest.raises(ValueError, match="fwe.json holds the oracle's statistics of other weights than this model's"):
         calibrate.ensure(model, tok, ["fwe", "vt"], folder, 400, 1, 1, 4, progress=False)
+
+
+def test_corrections_record_their_weights_and_a_refit_leaves_older_files_as_they_are(fitted, tiny_dir, tmp_path,
+                                                                                       monkeypatch, capsys):
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    folder, probe = tmp_path / "cal", weights_probe(load(str(tiny_dir))[0])
+    shutil.copytree(fitted, folder)
+    masses = torch.load(folder / "masses.pt", weights_only=True)
+    assert masses["settings"]["weights_probe"] == probe
+    masses["settings"].pop("weights_probe")  # as masses and corrections recorded before the probe
+    torch.save(masses, folder / "masses.pt")
+    for kind in CALIBRATION_KINDS:
+        c = load_calibration(folder / f"{kind}.json")
+        assert c.settings.pop("weights_probe") == probe
+        save_calibration(folder / f"{kind}.json", c)
+    before = {kind: (folder / f"{kind}.json").read_bytes() for kind in CALIBRATION_KINDS}
+    monkeypatch.setattr(calibrate, "prompt_masses", lambda *a, **k: pytest.fail("recorded again"))
+    argv = ["--qada", "--tasks", "fwe", "--length", "400", "--samples", "2", "--max-new-tokens", "6", "--model",
+            str(tiny_dir), "--out", str(folder)]  # the fixture's command
+    assert calibrate.main(argv) == 0
+    assert {kind: (folder / f"{kind}.json").read_bytes() for kind in CALIBRATION_KINDS} == before  # committed: as was
+    masses["settings"]["weights_probe"] = [0.5] * 16  # new weights in the same folder
+    torch.save(masses, folder / "masses.pt")
+    capsys.readouterr()
+    assert calibrate.main(argv) == 2
+    assert "masses.pt holds the masses of other weights than this model's" in capsys.readouterr().err
 
 
 def test_the_recorded_masses_are_the_true_ones_and_the_gaussian_terms(fitted, tiny_dir):
