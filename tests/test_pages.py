@@ -16,7 +16,7 @@ from criterion import Calibration, save_calibration, window_mask
 from lab import records, report, sweep
 from model import KVCache
 from moments import FixedMoments, bulk_end
-from pages import PageIndex, candidates, page_count, page_positions, page_shares, upper_bounds
+from pages import PageIndex, candidates, page_count, page_positions, page_shares, pages_upto, stacked, upper_bounds
 from tests.test_generate import make_tiny_dir, write_prompt
 
 H, HKV, D = 6, 2, 16
@@ -93,6 +93,19 @@ def test_the_index_grows_past_the_capacity_it_was_made_with():
     for size in (0, -4):  # pages of no positions: a ZeroDivisionError, or bounds of nonsense
         with pytest.raises(ValueError, match=f"page_size must be at least 1, got {size}"):
             PageIndex(None, size, N_SINK)
+
+
+def test_a_page_of_one_position_is_its_key():
+    k = rand(HKV, 40, D, seed=4)
+    lo, hi = PageIndex(None, 1, N_SINK).bounds(0, k)  # page_size 1 is a valid page, Quest's bound then exact
+    assert torch.equal(lo, k[:, N_SINK:]) and torch.equal(hi, k[:, N_SINK:])
+
+
+def test_a_context_within_the_sinks_has_no_pages():
+    # never a negative count: 3 positions under 16 sinks in pages of 4 are 0 pages, not ceil(-13 / 4) = -3
+    assert [pages_upto(T, 16, 4) for T in (0, 3, 11, 16, 17, 20, 21)] == [0, 0, 0, 0, 1, 1, 2]
+    lo, hi = stacked([PageIndex(None, 4, 16)], 0, rand(1, HKV, 3, D), [0], 3)  # a batch's buffers of 3 positions
+    assert lo.shape == hi.shape == (1, HKV, 0, D)
 
 
 def test_quests_bound_is_its_definition_and_bounds_every_score_of_the_page():
