@@ -47,6 +47,14 @@ def test_the_estimate_is_the_mean_exp_of_the_sample_times_t_bulk():
     torch.testing.assert_close(sampled_log_bulk(big, n_bulk), sampled_log_bulk(scores, n_bulk) + 500)
 
 
+def test_a_sample_spread_past_fp32s_range_stays_finite():
+    # exp relative to the largest sampled score: e^100 overflows fp32, e^-100 only underflows to 0
+    scores = torch.tensor([[0.0, 100.0, 40.0]])
+    e = scores.double().exp()
+    for z, mean in ((0.0, e.mean(-1)), (2.0, e.mean(-1) + 2.0 * e.std(-1) / math.sqrt(3))):
+        torch.testing.assert_close(sampled_log_bulk(scores, 1000, z).double(), (mean * 1000).log())
+
+
 @pytest.mark.parametrize("rule", [None, "mean"])
 def test_a_sample_of_the_whole_bulk_is_the_oracle(rule):
     """With at least as many samples as bulk keys every bulk key is read once: the true mass, the oracle's labels."""
