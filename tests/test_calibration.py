@@ -186,6 +186,16 @@ def test_calibration_files_round_trip_and_refuse_what_they_are_not(tmp_path):
             load_calibration(tmp_path / "tau.json")
 
 
+@pytest.mark.parametrize("entry", ["a", "b", "s"])
+def test_a_calibration_with_a_value_not_finite_is_refused(tmp_path, entry):
+    # a NaN anywhere, the variance scale s included, would label heads long-context silently (NaN >= x is False)
+    c = {"a": torch.zeros(3, 4), "b": torch.ones(3, 4), "s": torch.ones(3, 2)}
+    c[entry][1, 1] = math.nan
+    save_calibration(tmp_path / "c.json", Calibration(c["a"], c["b"], c["s"], {"kind": "affine"}))
+    with pytest.raises(ValueError, match="values that are not finite numbers"):
+        load_calibration(tmp_path / "c.json")
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_dir(tmp_path_factory.mktemp("tiny_cal"))
