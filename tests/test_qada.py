@@ -80,6 +80,29 @@ def test_a_tensor_of_taus_gives_the_threshold_a_float_gives():
     assert tau_logit(torch.tensor([1.0])).item() == math.inf
 
 
+def test_a_tensor_of_taus_gives_the_mean_rules_cap_a_float_gives():
+    # criterion.bulk_cap of the float64 taus the batch paths and the kernel pass (kernel_thresholds) is the float
+    # path's 1 - tau rounded once to fp32; rounding tau to fp32 first moves it by an ulp for about 40 % of the taus
+    from criterion import bulk_cap
+    taus = torch.linspace(0.01, 0.99, 999, dtype=torch.float64)
+    floats = torch.tensor([bulk_cap(float(t)) for t in taus], dtype=torch.float32)
+    assert bulk_cap(taus).dtype == torch.float32 and torch.equal(bulk_cap(taus), floats)
+
+
+def test_a_tensor_of_bulk_sizes_gives_the_estimate_an_int_gives():
+    # one T_bulk per row of a batch (a tensor) against each row's int: log T_bulk taken in float64 then rounded, as
+    # math.log's; an fp32 log differs by an ulp for some sizes (7, 47, 49, ...), and a label at the threshold flips.
+    # q = 0 leaves log T_bulk alone in the estimate, so no matmul's rounding enters the comparison
+    D = 8
+    form = gaussian_form(rand(HKV, D, seed=1), random_cov(HKV, D, seed=2))
+    n_bulk = torch.arange(1, 2001)
+    rows = tuple(x.expand(len(n_bulk), *x.shape) for x in form)  # one form per row, as attention.stacked_forms
+    batched = gaussian_log_bulk(torch.zeros(len(n_bulk), H, D), rows, n_bulk[:, None])
+    ints = torch.stack([gaussian_log_bulk(torch.zeros(H, D), form, n) for n in n_bulk.tolist()])
+    assert torch.equal(batched, ints)
+    assert torch.equal(ints[:, 0], torch.tensor([math.log(n) for n in n_bulk.tolist()], dtype=torch.float32))
+
+
 def test_the_window_sizes_every_caller_checks():
     """criterion.check_window, which DecodeAttention, generate.py, lab.sweep and the HF adapter call: integers with
     0 <= n_sink < n_local, in the caller's spelling."""
