@@ -280,6 +280,17 @@ def test_static_labels_pick_the_most_often_local_heads(tmp_path):
             static_labels(freq, bad)
 
 
+def test_static_labels_break_ties_by_layer_then_head():
+    # a stable sort: of heads equally often local, the first in (layer, head) order; an unstable one picks others
+    # from 32 heads on (torch's CPU sort), and the same frequencies would give other labels than the run they came from
+    freq = torch.full((4, 8), 0.5)
+    freq[3, 7] = 0.9
+    labels = static_labels(freq, 9 / 32)
+    assert labels[3, 7] and labels[0].all() and labels.sum() == 9
+    groups = static_labels(torch.full((4, 8), 0.5), 0.25, n_kv_heads=8)  # 32 KV heads of one query head each
+    assert groups[0].all() and groups.sum() == 8
+
+
 # --- statistics ----------------------------------------------------------------------------------------------
 
 
