@@ -419,6 +419,32 @@ def test_online_moments_refuse_a_cache_rolled_back_and_make_moments_its_inputs(t
     assert make_moments("random-words", cache, reference).n_keys == N_LOCAL - N_SINK  # 400 tokens: the floor
 
 
+def test_moments_count_their_bulk_keys_and_refuse_a_cache_one_position_shorter():
+    # a cache of T positions: prompt_moments' bulk is [n_sink, T - (n_local - n_sink)); OnlineMoments refuses a cache
+    # rolled back by a single position (a rejected draft token), not only by many
+    from types import SimpleNamespace
+    T = 300
+    cache = SimpleNamespace(k=rand(2, 1, HKV, T, D, seed=6), length=T)
+    bulk = bulk_end(T, N_SINK, N_LOCAL) - N_SINK
+    assert prompt_moments(cache, N_SINK, N_LOCAL).n_keys == bulk == T - N_LOCAL
+    online = OnlineMoments(cache, N_SINK, N_LOCAL)
+    online.mean_cov(0, cache.k[0, 0, :, :T])
+    with pytest.raises(ValueError, match="rolled back"):
+        online.mean_cov(0, cache.k[0, 0, :, :T - 1])
+
+
+def test_the_random_words_are_the_same_in_every_process():
+    # the reference prompt is drawn from a sorted word list: a set's order changes with the string hash seed, so
+    # another process (another rank, a later run) would draw other words and compute other moments
+    import os
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    code = "from moments import random_words_text; print(random_words_text(30, 0))"
+    texts = {subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(texts) == 1 and len(texts.pop().split()) == 30
+
+
 def test_prompt_moments_stay_those_of_the_prefill(tiny):
     """Option 1 as the paper runs it: the moments QAdA reads after many steps are the prefilled prompt's
     bulk moments (float64 recomputation), not those of the grown context."""
