@@ -1,17 +1,19 @@
 """The QAdA criterion, the attention paths and the key moments, each held against an independent computation."""
 
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import attention
 from attention import DecodeAttention, HeadStats, kv_read_fraction, mixed_attention, reference_attention
-from criterion import (Calibration, check_tau, check_window, gaussian_form, gaussian_log_bulk, load_labels, oracle_labels,
-                       oracle_log_masses, qada_labels, save_labels,
-                       static_labels)
+from criterion import (Calibration, bulk_cap, check_tau, check_window, gaussian_form, gaussian_log_bulk, load_labels,
+                       oracle_labels, oracle_log_masses, qada_labels, save_labels, static_labels, tau_logit)
 from moments import (SHARED, FixedMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov,
                      prompt_moments, reference_end)
 from pages import PageIndex
@@ -73,7 +75,6 @@ def test_a_tensor_of_taus_gives_the_threshold_a_float_gives():
     """criterion.tau_logit of a batch's taus (the kernel's and the batched paths') is the float path's, rounded
     once to fp32: computed in fp32 it differs by an ulp for about a third of the taus, and a share at the threshold
     is then labelled by one path and not the other."""
-    from criterion import tau_logit
     taus = torch.linspace(0.01, 0.99, 999)
     floats = torch.tensor([tau_logit(float(t)) for t in taus], dtype=torch.float32)
     assert tau_logit(taus).dtype == torch.float32 and torch.equal(tau_logit(taus), floats)
@@ -83,7 +84,6 @@ def test_a_tensor_of_taus_gives_the_threshold_a_float_gives():
 def test_a_tensor_of_taus_gives_the_mean_rules_cap_a_float_gives():
     # criterion.bulk_cap of the float64 taus the batch paths and the kernel pass (kernel_thresholds) is the float
     # path's 1 - tau rounded once to fp32; rounding tau to fp32 first moves it by an ulp for about 40 % of the taus
-    from criterion import bulk_cap
     taus = torch.linspace(0.01, 0.99, 999, dtype=torch.float64)
     floats = torch.tensor([bulk_cap(float(t)) for t in taus], dtype=torch.float32)
     assert bulk_cap(taus).dtype == torch.float32 and torch.equal(bulk_cap(taus), floats)
@@ -422,7 +422,6 @@ def test_online_moments_refuse_a_cache_rolled_back_and_make_moments_its_inputs(t
 def test_moments_count_their_bulk_keys_and_refuse_a_cache_one_position_shorter():
     # a cache of T positions: prompt_moments' bulk is [n_sink, T - (n_local - n_sink)); OnlineMoments refuses a cache
     # rolled back by a single position (a rejected draft token), not only by many
-    from types import SimpleNamespace
     T = 300
     cache = SimpleNamespace(k=rand(2, 1, HKV, T, D, seed=6), length=T)
     bulk = bulk_end(T, N_SINK, N_LOCAL) - N_SINK
@@ -436,8 +435,6 @@ def test_moments_count_their_bulk_keys_and_refuse_a_cache_one_position_shorter()
 def test_the_random_words_are_the_same_in_every_process():
     # the reference prompt is drawn from a sorted word list: a set's order changes with the string hash seed, so
     # another process (another rank, a later run) would draw other words and compute other moments
-    import os
-    import subprocess
     root = Path(__file__).resolve().parent.parent
     code = "from moments import random_words_text; print(random_words_text(30, 0))"
     texts = {subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
