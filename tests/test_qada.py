@@ -219,6 +219,17 @@ def test_all_local_is_the_local_path_and_static_zero_is_dense(T):
     assert (local - static0).abs().max() > 1e-3  # the window really differs from dense here
 
 
+def test_static_reads_the_labels_of_the_layer_it_decodes():
+    # layer 0 all long-context, layer 1 all local: a static path that read layer 0's labels at every layer is dense
+    q, k, v = random_qkv(300, seed=4)
+    static_local = torch.stack([torch.zeros(H, dtype=torch.bool), torch.ones(H, dtype=torch.bool)])  # (L, H)
+    attn = make_attention("static", static_local=static_local, L=2)
+    y0, y1 = call(attn, q, k, v, layer=0), call(attn, q, k, v, layer=1)
+    assert [labels.tolist() for labels in attn.stats.labels[0]] == static_local.tolist()
+    assert (y0 - call(make_attention("dense"), q, k, v)).abs().max() < 1e-5
+    assert (y1 - call(make_attention("local"), q, k, v)).abs().max() < 1e-6
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("T", [N_LOCAL + 1, 257, 1500])
 @pytest.mark.parametrize("pattern", [0, 1, 2, 3])
