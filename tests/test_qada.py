@@ -320,6 +320,17 @@ def test_kv_read_fraction_counts_gqa_groups():
     assert s["sparsity"] == pytest.approx(11 / 12) and s["layer_sparsity"] == [pytest.approx(11 / 12)]
 
 
+def test_the_first_steps_keep_the_reads_of_those_steps_only():
+    # integrations/transformers.py reports a row that ended early through HeadStats.first: a page path's reads are cut
+    # where its labels and lengths are, or the KV read counts the steps decoded after the answer ended
+    stats = HeadStats(N_LOCAL)
+    for step, T in enumerate((400, 401, 402)):
+        stats.record(0, T, torch.zeros(H, dtype=torch.bool), read=torch.full((HKV,), 100 * (step + 1)))
+    first = stats.first(2)
+    assert first.lengths == [400, 401] and first.read_tensor().shape == (2, 1, HKV)
+    assert first.summary(HKV)["kv_read"] == pytest.approx((100 + 200) / (400 + 401))
+
+
 def test_oracle_labels_and_agreement_equal_brute_force():
     """The tracked oracle labels equal Eq. 2 from every score in float64, and the agreement counts are those
     of QAdA's labels against these independent oracle labels."""
