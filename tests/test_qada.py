@@ -12,7 +12,7 @@ import torch
 
 import attention
 from attention import DecodeAttention, HeadStats, kv_read_fraction, mixed_attention, reference_attention
-from criterion import (Calibration, bulk_cap, check_tau, check_window, gaussian_form, gaussian_log_bulk, load_labels,
+from criterion import (TAU, Calibration, bulk_cap, check_tau, check_window, gaussian_form, gaussian_log_bulk, load_labels,
                        oracle_labels, oracle_log_masses, qada_labels, save_labels, static_labels, tau_logit)
 from moments import (SHARED, FixedMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov,
                      prompt_moments, reference_end)
@@ -356,6 +356,34 @@ def test_oracle_labels_and_agreement_equal_brute_force():
     a = attn.stats.summary(HKV)["agreement"]
     assert a == {"TP": int((labels & want).sum()), "FP": int((labels & ~want).sum()),
                  "TN": int((~labels & ~want).sum()), "FN": int((~labels & want).sum())}
+
+
+def test_the_tracked_log_masses_are_the_equations_in_float64():
+    """oracle_view's four rows, from which lab.sweep takes Table 2's errors of the Gaussian estimate: the window's and
+    the bulk's true log masses, the path's Gaussian estimate (its moments, T_bulk = T - n_local) and the Gaussian of
+    this step's own bulk keys (sinks and window left out), each log T_bulk + q mu / sqrt(d) + q S q / 2d written
+    plainly; and the oracle's labels at the path's tau, not criterion.TAU."""
+    T, tau = 600, 0.25
+    q, k, v = random_qkv(T, seed=5)
+    q = q * torch.linspace(0.5, 2.5, H)[:, None]  # flat to peaked heads: shares on both sides of tau and TAU
+    attn = make_attention("qada", tau=tau)
+    attn.stats.track_oracle = True
+    call(attn, q, k, v)
+    window = list(range(N_SINK)) + list(range(T - (N_LOCAL - N_SINK), T))
+    bulk = list(range(N_SINK, T - (N_LOCAL - N_SINK)))
+    want = torch.empty(4, H, dtype=torch.float64)
+    for h in range(H):
+        qh, kh = q[h].double(), k[h // (H // HKV)].double()
+        s = kh @ qh / math.sqrt(D)
+        want[0, h], want[1, h] = s[window].logsumexp(0), s[bulk].logsumexp(0)
+        path_moments = attn.moments.mean[0, h // (H // HKV)].double(), attn.moments.cov[0, h // (H // HKV)].double()
+        own_moments = kh[bulk].mean(0), torch.cov(kh[bulk].T, correction=0)
+        for row, (mu, cov) in ((2, path_moments), (3, own_moments)):
+            want[row, h] = math.log(T - N_LOCAL) + qh @ mu / math.sqrt(D) + qh @ cov @ qh / (2 * D)
+    torch.testing.assert_close(attn.stats.log_masses[0][0].double(), want, atol=1e-4, rtol=1e-5)
+    shares = torch.sigmoid(want[0] - want[1])
+    assert torch.equal(attn.stats.oracle_tensor()[0, 0], shares >= tau) and 0 < int((shares >= tau).sum()) < H
+    assert ((shares >= tau) != (shares >= TAU)).any()  # the two thresholds label some head differently
 
 
 # --- moments -------------------------------------------------------------------------------------------------
