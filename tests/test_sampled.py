@@ -85,6 +85,16 @@ def test_the_interval_only_makes_heads_long_context():
     assert sampled_log_bulk(one, 1).isfinite().all()
 
 
+def test_the_upper_entry_decides_on_the_upper_end_of_the_interval():
+    # the registry's qada_sampled_upper is the sampled estimate at z = 2, not the plain one under another name
+    q, k, v = qkv(H=16, Hkv=4, T=3000, seed=2)
+    kw = dict(layer=1, n_sink=N_SINK, n_local=N_LOCAL, tau=0.05)
+    _, upper = attention.PATHS["qada_sampled_upper"](q, k, v, **kw)
+    _, plain = attention.PATHS["qada_sampled"](q, k, v, **kw)
+    _, at_2 = attention.qada_sampled(q, k, v, **kw, n_samples=attention.N_SAMPLES, z=2.0)
+    assert torch.equal(upper, at_2) and not torch.equal(upper, plain)
+
+
 def test_a_local_group_reads_only_its_window_and_the_sampled_keys(monkeypatch):
     """Group 0's bulk is NaN except at the sampled positions (the keys there: values are not read to decide), and its
     queries point away from its keys, so it is local; the output must stay finite and equal the window's."""
