@@ -159,6 +159,26 @@ def test_rows_that_start_elsewhere_read_their_own_window_and_pages():
 
 
 @pytest.mark.parametrize("method", ["quest", "qada_pages"])
+def test_a_row_shorter_than_its_sinks_reads_each_of_its_positions_once(monkeypatch, method):
+    """A row of fewer positions than N_SINK (a prompt of two tokens): its gathered sinks run past the cache's end,
+    clamped onto its last position, and are masked out there; its attention is full attention over its own two
+    positions, as its own path gives it (LENGTHS' shortest row holds more than the sinks)."""
+    monkeypatch.setattr(attention, "fused", lambda q: False)
+    g = torch.Generator().manual_seed(11)
+    lengths, T = [60, 2], 60
+    q = torch.randn(2, H, 1, D, generator=g)
+    k, v = torch.randn(2, HKV, T, D, generator=g), torch.randn(2, HKV, T, D, generator=g)
+    start = [T - n for n in lengths]
+    rows = attentions(method, [16, 16], calibration())[:2]
+    y = page_rows(rows, q, k, v, 0, [0, 1], start, torch.empty_like(q))
+    full = attention.reference_attention(q[1, :, 0], k[1, :, -2:], v[1, :, -2:], torch.zeros(H, dtype=torch.bool),
+                                         N_SINK, N_LOCAL)
+    torch.testing.assert_close(y[1, :, 0], full, rtol=0, atol=1e-5)
+    alone = BatchAttention(attentions(method, [16, 16], calibration())[:2], start=start, batched=False)(q, k, v, 0)
+    torch.testing.assert_close(y, alone, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["quest", "qada_pages"])
 def test_host_reads_per_layer_do_not_grow_with_the_batch(monkeypatch, method):
     """The host syncs of page_rows (a tensor read into Python, or a shape that depends on values) are the same at 1
     row as at 4: which groups are long-context (qada_pages), and the most pages a (row, KV head) pair reads."""
