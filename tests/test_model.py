@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import MLP, LlamaConfig, RMSNorm, RoPE, load_model
+from model import MLP, KVCache, LlamaConfig, RMSNorm, RoPE, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -231,6 +231,22 @@ def test_a_cache_refuses_what_it_cannot_hold(tmp_path):
     stacked = KVCache.stack(caches, 4)
     with pytest.raises(ValueError, match="a stacked \\(left-padded\\) cache decodes one token at a time"):
         model(ids[:, :1].repeat(2, 3), stacked)
+
+
+def test_the_copies_of_a_stacked_caches_row_0_start_where_it_does():
+    # KVCache.repeat_rows (lab.sweep's continuations of one prefill): each copy of row 0 keeps row 0's first filled
+    # position, one per copy, so that its padding stays masked and its RoPE positions its own
+    cfg = LlamaConfig.from_hf(TINY)
+    caches = [KVCache(cfg, n) for n in (3, 5)]
+    for c, n in zip(caches, (3, 5)):
+        c.k.normal_(generator=torch.Generator().manual_seed(n))
+        c.v.normal_(generator=torch.Generator().manual_seed(n + 10))
+        c.length = n
+    stacked = KVCache.stack(caches, 2)
+    repeated = stacked.repeat_rows(3)
+    assert repeated.start.tolist() == [2, 2, 2] and repeated.length == 5
+    assert torch.equal(repeated.k, stacked.k[:, :1].expand(-1, 3, -1, -1, -1))
+    assert torch.equal(repeated.v, stacked.v[:, :1].expand(-1, 3, -1, -1, -1))
 
 
 def test_config_defaults_and_bounds_are_transformers(tmp_path):
