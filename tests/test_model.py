@@ -88,11 +88,11 @@ def test_half_precision_runs_close(tmp_path):
 def test_rms_norm_in_half_precision_is_transformers_bit_for_bit():
     # the mean square and the scaling in fp32, rounded once to the input's dtype, as transformers' LlamaRMSNorm: in
     # bf16 throughout, the scale is rounded to 8 bits and outputs move by an ulp (fp32 tests cannot see it)
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 256, generator=g) * torch.logspace(-3, 1, 64)[:, None]).bfloat16()
     weight = 1 + 0.1 * torch.randn(256, generator=g)
-    ours, theirs = RMSNorm(256, 1e-6).bfloat16(), LlamaRMSNorm(256, eps=1e-6).bfloat16()
+    theirs = transformers.models.llama.modeling_llama.LlamaRMSNorm(256, eps=1e-6).bfloat16()
+    ours = RMSNorm(256, 1e-6).bfloat16()
     with torch.no_grad():
         ours.weight.copy_(weight), theirs.weight.copy_(weight)
         assert torch.equal(ours(x), theirs(x))
