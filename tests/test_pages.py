@@ -311,6 +311,18 @@ def test_a_budget_that_covers_everything_is_dense(T, method):
     assert read.tolist() == [T] * HKV and not labels.any()
 
 
+@pytest.mark.parametrize("T", [1, N_SINK + 1, N_LOCAL])
+@pytest.mark.parametrize("method", PAGE_PATHS)
+def test_a_context_inside_the_window_is_read_once(T, method):
+    """No bulk: every page path reads the T entries held per KV head, whatever its budget (T, not its window's n_local:
+    the KV read of a short context is then 1, a dense path's)."""
+    q, k, v = qkv(T, seed=19)
+    inputs = page_inputs(method, T, k) | dict(budget=16, budget_frac=0.5, tau=0.6)
+    y, _, read = PATHS[method](q, k, v, **{n: inputs[n] for n in attention.path_inputs(method)})
+    assert (y - dense(q, k, v)[0]).abs().max() < 1e-5
+    assert read.tolist() == [T] * HKV
+
+
 @pytest.mark.parametrize("method", ["quest", "qada_pages", "page_oracle"])
 def test_a_planted_needle_s_page_is_chosen(method):
     """One bulk key far along head 0's query, one page of budget: the needle's page must be read, and head 0's output
