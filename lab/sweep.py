@@ -594,9 +594,11 @@ def rank_zero_first(rank: int, world: int):
     calibration files, run.json), they then read instead of writing it at the same time."""
     if world > 1 and rank > 0:
         dist.barrier()
-    yield
-    if world > 1 and rank == 0:
-        dist.barrier()
+    try:
+        yield
+    finally:  # rank 0 failing inside the block still lets the others through: they fail on their own, not wait a week
+        if world > 1 and rank == 0:
+            dist.barrier()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -145,3 +145,32 @@ def test_a_bad_device_is_one_line(tmp_path, capsys, device, message):
     assert sweep.main(["--out", str(tmp_path / "run"), "--device", device]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+RANK_ZERO_FAILS = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+from lab import sweep
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=timedelta(seconds=30))
+try:
+    with sweep.rank_zero_first(rank, 2):
+        if rank == 0:
+            raise RuntimeError("rank 0 failed inside the block")
+    print("through")
+except RuntimeError as e:
+    print(e)
+"""
+
+
+def test_rank_zero_failing_first_lets_the_other_ranks_through(tmp_path):
+    """Rank 0 raising inside rank_zero_first still meets the barrier on its way out: rank 1 gets through and goes on
+    to fail on its own error, instead of waiting in the barrier until rank 0's process is gone (a rank 0 that catches
+    the error and lives on would hold it there for lab.sweep's whole timeout, a week)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_ZERO_FAILS, str(rank), str(tmp_path / "store")], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert outs == ["rank 0 failed inside the block", "through"]
