@@ -315,6 +315,9 @@ def weights_probe(model: torch.nn.Module) -> list[float]:
         raise ValueError(f"{type(model).__name__} has no layers.N.self_attn.k_proj weights to tell its checkpoint by")
     probe = []
     for w in (k_proj[min(k_proj)], k_proj[max(k_proj)]):
+        if w.is_meta:  # offloaded by accelerate's device_map: the values live in its hooks (the adapter brings them in)
+            raise ValueError("the k_proj weights a weights_probe reads are on the meta device (offloaded), with no "
+                             "values to tell the checkpoint by")
         flat = w.detach().flatten()
         picks = torch.linspace(0, flat.numel() - 1, 8, device=flat.device).long()
         probe += [float(f"{x:.6g}") for x in flat[picks].float().tolist()]  # once per file or run, not per step

@@ -35,14 +35,17 @@ decoding (several tokens a pass) are refused with one line; without a cache (use
 whole sequence) every pass is a prefill: dense, and the report says no decode step ran;
 prefill runs on SDPA (not flash-attention), decode eagerly, launch by launch (no CUDA graphs or torch.compile here;
 the torch paths read their labels to the host, the fused kernel does not). Quantized and paged caches are not
-supported and not checked for. Tested with transformers 5.25.
+supported and not checked for. A model offloaded in part by accelerate's device_map runs: the correction's
+weights check and the reference keys' identity read the offloaded weights' values. Tested with transformers 5.25.
 """
 
 import dataclasses
 import hashlib
 import json
 import math
+import re
 import weakref
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -76,6 +79,32 @@ def llama_config(model) -> LlamaConfig:
         raise ValueError(f"{type(model).__name__} (model_type {kind!r}) is not a Llama-family decoder: the QAdA adapter "
                          f"takes {', '.join(FAMILY)} models (rotary keys, grouped-query attention)")
     return LlamaConfig.from_hf(config.to_dict())
+
+
+@contextmanager
+def onloaded(model, names: list[str]):
+    """The parameters and buffers `names` of `model` (state_dict names) hold their values while the block runs: where
+    accelerate's device_map offloaded them ("cpu" or "disk": on the meta device, their values in its hooks), their
+    modules are brought onto their execution device, as their forward would, and sent back after."""
+    modules = {model.get_submodule(name.rpartition(".")[0]) for name in names}
+    offloaded = [m for m in modules if any(t.is_meta for t in [*m.parameters(False), *m.buffers(False)])]
+    if not offloaded:
+        yield
+        return
+    from accelerate.utils import align_module_device  # whatever offloaded the model is installed
+
+    with ExitStack() as stack:
+        for module in offloaded:
+            stack.enter_context(align_module_device(module))
+        yield
+
+
+def offloaded_probe(model) -> list[float]:
+    """criterion.weights_probe of a model that may lie partly offloaded: its first and last k_proj onloaded."""
+    layers = {int(m[1]): name for name, _ in model.named_parameters()
+              if (m := re.search(r"layers\.(\d+)\.self_attn\.k_proj\.weight$", name))}
+    with onloaded(model, [layers[min(layers)], layers[max(layers)]] if layers else []):
+        return weights_probe(model)
 
 
 def left_padding(mask: torch.Tensor | None, T: int) -> list[int] | None:
@@ -134,7 +163,7 @@ class HFAttention:
         if "moments" in reads and not isinstance(moments, str):
             inputs = dict(inputs, moments=moments)  # a KeyMoments of the caller's
         if "calibration" in reads:
-            inputs["calibration"] = self.read_calibration(calibration, device, weights_probe(model))
+            inputs["calibration"] = self.read_calibration(calibration, device, offloaded_probe(model))
         if tau is not None:
             check_tau(tau)
         self.tau, self.tau_from = (tau, "given") if tau is not None else default_tau(method, inputs.get("calibration"))
@@ -447,8 +476,10 @@ class HFModel:
         if self._identity is None:
             h = hashlib.sha256(json.dumps(dataclasses.asdict(self.cfg), sort_keys=True).encode())
             for name, p in self.hf.state_dict().items():
-                flat = p.detach().reshape(-1)
-                picked = flat[torch.arange(64, device=flat.device) * (flat.numel() - 1) // 63]
+                with onloaded(self.hf, [name]):  # an offloaded weight's values, not the meta device's none
+                    module, _, attr = name.rpartition(".")
+                    flat = getattr(self.hf.get_submodule(module), attr).detach().reshape(-1)
+                    picked = flat[torch.arange(64, device=flat.device) * (flat.numel() - 1) // 63]
                 h.update(f"{name}{tuple(p.shape)}".encode() + picked.float().cpu().numpy().tobytes())
             self._identity = {"weights": h.hexdigest()[:16], "runner": "transformers",
                               "dtype": str(self.dtype).removeprefix("torch.")}

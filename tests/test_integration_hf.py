@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from attention import build_attention, path_inputs  # noqa: E402
 from criterion import Calibration, load_calibration, save_calibration, weights_probe  # noqa: E402
 from generate import decode, default_tau  # noqa: E402
-from integrations.transformers import HFAttention, disable, enable, left_padding, load  # noqa: E402
+from integrations.transformers import HFAttention, HFModel, disable, enable, left_padding, load  # noqa: E402
 from lab import calibrate  # noqa: E402
 from model import KVCache, load_model  # noqa: E402
 from moments import ReferenceKeys  # noqa: E402
@@ -583,3 +583,32 @@ def test_a_chunked_prefill_through_our_cache_gives_the_whole_prompts_logits(shar
     model.prefill(ids[:, :30], caches[2])
     with pytest.raises(ValueError, match="HFModel takes caches of rows that start at position 0"):
         model.decode_step(torch.tensor([1, 2]), KVCache.stack([caches[0], caches[2]], 4))
+
+
+def test_a_model_offloaded_in_part_is_probed_and_decodes_as_in_memory(sharp_dir, tmp_path):
+    """A model loaded with accelerate's device_map, its last layer offloaded to disk (its weights on the meta device,
+    their values in accelerate's hooks): the calibrated path checks the correction against the offloaded k_proj's
+    values and decodes the tokens and labels of the model held whole in memory."""
+    pytest.importorskip("accelerate")
+    whole = hf_model(sharp_dir)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    offloaded = transformers.AutoModelForCausalLM.from_pretrained(sharp_dir, dtype=torch.float32, device_map=device_map,
+                                                                  offload_folder=str(tmp_path / "offload")).eval()
+    offloaded.generation_config.eos_token_id, offloaded.generation_config.pad_token_id = None, 0
+    assert offloaded.model.layers[1].self_attn.k_proj.weight.is_meta
+    with pytest.raises(ValueError, match="on the meta device"):  # the core's probe says why it cannot read them
+        weights_probe(offloaded)
+    c = random_calibration(taus={"qada_cal": TAU})
+    c.settings["weights_probe"] = weights_probe(whole)
+    tok, ids, tokens, labels, identities = Tokenizer.from_dir(sharp_dir), prompt_ids(), [], [], []
+    for hf in (whole, offloaded):
+        attention = enable(hf, "qada_cal", calibration=c, tokenizer=tok)
+        tokens.append(generate_hf(hf, ids))
+        labels.append(attention.rows[0].stats.label_tensor())
+        identities.append(HFModel(hf, attention).identity)  # what keys Option 2's reference keys on disk
+        disable(hf)
+    assert tokens[0] == tokens[1] and torch.equal(labels[0], labels[1]) and identities[0] == identities[1]
+    other = Calibration(c.a, c.b, c.s, dict(c.settings, weights_probe=[x * 1.1 for x in c.settings["weights_probe"]]))
+    with pytest.raises(ValueError, match="other weights"):  # the offloaded values are what the check reads
+        enable(offloaded, "qada_cal", calibration=other, tokenizer=tok)
