@@ -4,7 +4,7 @@
 
 Reads RUN's records (lab.records.result_files: samples.jsonl.xz, or the plain files of a run in progress) and writes
 into RUN:
-    summary.csv       task x config: n, score (x100), sparsity, KV-read fraction, answer tokens, decode time
+    summary.csv       task x config: n, score (0-1), sparsity, KV-read fraction, answer tokens, decode time
     summary.md        the same as pivot tables, with the dense score and the local-window floor per task
     analysis.md       lossless sparsity and KV read with paired-bootstrap intervals, score / dense per configuration
                       with its interval, the KV-group rules against per-head QAdA, the paper's claims against ours
