@@ -179,7 +179,8 @@ def plots(out: Path, rows, tasks, cur, rr, points):
             ax.grid(alpha=0.3)
         for ax in axes.ravel()[len(show):]:
             ax.axis("off")
-        axes[0, 0].legend(fontsize=8)
+        if axes[0, 0].get_legend_handles_labels()[0]:  # records without per-step sparsity: no curve to label
+            axes[0, 0].legend(fontsize=8)
         fig.suptitle(f"Sparsity along the answer, tau {MAIN_TAU:g} (mean ± std over samples)")
         fig.tight_layout()
         fig.savefig(out / "fig6a_sparsity_along_answer.png", dpi=120)
@@ -194,7 +195,8 @@ def plots(out: Path, rows, tasks, cur, rr, points):
         cv = curves(task_rows, tasks, comp + ["dense"])
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
         for m in comp_methods:
-            cs = [c for c in comp if c.startswith(m + "@") and c in cv]
+            # a score / dense exists only where dense scored: a run whose dense scored 0 on every task has none
+            cs = [c for c in comp if c.startswith(m + "@") and c in cv and cv[c]["norm"] is not None]
             if cs:
                 ax.plot([cv[c]["sparsity"] for c in cs], [cv[c]["norm"] for c in cs], marker="o", color=color(m), label=label(m))
                 for c in cs:
@@ -203,7 +205,8 @@ def plots(out: Path, rows, tasks, cur, rr, points):
         ax.set_ylabel("normalised score (score / dense)")
         ax.set_title(f"Moments ablations ({cv[comp[0]]['n'] if comp and comp[0] in cv else 0} samples in common; labels: tau)", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # no point drawn: nothing to label
+            ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "fig5efg_moments_ablation.png", dpi=120)
         plt.close(fig)

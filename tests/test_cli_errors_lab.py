@@ -171,6 +171,20 @@ def test_a_sweep_of_context_free_samples_alone_gets_whole_tables(tmp_path):
     assert "| qada_rw@0.6 | 0.800 |" in text
 
 
+def test_a_run_whose_dense_scored_nothing_gets_its_figures(tmp_path, capsys):
+    """Dense scoring 0 on every task (a small model on a hard task) leaves no score / dense to plot: the moments
+    ablation figure is drawn without those points, not a traceback from matplotlib."""
+    def rec(i, config):
+        tau = {"threshold": 0.6, "path": "qada", "threshold_kind": "tau"} if "@" in config else {}
+        return record("fwe", i, config) | tau | {"score": 0.0}
+    body = b"".join(json.dumps(rec(i, c)).encode() + b"\n" for i in range(2)
+                    for c in ("dense", "qada_rw@0.6", "qada_word@0.6"))
+    out = run_folder(tmp_path / "run", body, settings={"tasks": ["fwe"]})
+    assert report.main([str(out)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert (out / "fig5efg_moments_ablation.png").is_file()
+
+
 def test_with_no_tasks_a_static_method_calibrates_nothing(tmp_path, tiny_dir, monkeypatch):
     """--tasks '' runs the context-free samples alone, so the tasks' configurations are not run and what they would
     read is not made: no static labels calibrated (on no tasks, which failed inside torch.stack)."""
