@@ -23,6 +23,7 @@ line stops the report with its file and line; --skip-damaged leaves it out and s
 summary.md and analysis.md.
 """
 
+import argparse
 import csv
 import math
 import sys
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.cli import Parser, fail
+from lab.cli import Parser, fail, named_twice
 from lab.plots import plots
 from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, DamagedRecord, common_indices, config_sort_key,
                         confusion, curves, drawn_mean, group, head_counts, is_run_folder, label, lossless_draws,
@@ -845,12 +846,23 @@ def compare_runs(a: str | Path, b: str | Path, on_damage=None, tasks: list[str] 
     return "\n".join(lines) + "\n"
 
 
+def task_subset(text: str) -> list[str]:
+    """--tasks: comma-separated names of the run's tasks (an argparse type); whether the records hold them is checked
+    against the run. A task named twice is refused: its rows would show twice and count twice in every mean over
+    tasks."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    twice = named_twice(names)
+    if twice:
+        raise argparse.ArgumentTypeError(f"names {twice} twice")
+    return names
+
+
 def main(argv=None) -> int:
     p = Parser(prog="python -m lab.report", description=__doc__.split("\n\n")[0])
     p.add_argument("run", metavar="RUN", help="run folder of lab.sweep (with --dense-table: a folder of run folders)")
     p.add_argument("--out", default=None, metavar="DIR", help="folder for the tables and figures (default: RUN); "
                    "needed for --tasks that leave out some of the run's, as RUN's own cover the whole run")
-    p.add_argument("--tasks", default=None, help="comma-separated subset of tasks (default: the run's; leaving some "
+    p.add_argument("--tasks", default=None, type=task_subset, help="comma-separated subset of tasks (default: the run's; leaving some "
                    "out, written to --out DIR); with --compare or --dense-table, of those tables' tasks")
     p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
                    "under RUN (a pilot over models and lengths), written to RUN/dense.md")
@@ -867,7 +879,7 @@ def main(argv=None) -> int:
         return a
     damaged = []
     on_damage = damaged.append if a.skip_damaged else None
-    tasks = a.tasks.split(",") if a.tasks else None
+    tasks = a.tasks or None  # '' is every task, as no --tasks
     try:
         for flag, given in (("--compare", a.compare), ("--dense-table", a.dense_table)):
             if given and a.baselines:  # --with pairs records for the tables of one run, which these do not write

@@ -441,6 +441,7 @@ REPORT = [  # (argv, what the line names)
     (["{run}", "--with", "{empty}"], "{empty} is not a run folder"),
     (["{run}", "--with", "{records_only}"], "{records_only} has records but no run.json"),
     (["{run}", "--tasks", "vt"], "--tasks vt: no record of it"),
+    (["{run}", "--tasks", "fwe,fwe"], "argument --tasks: names fwe twice"),  # its rows twice, counted twice
     (["{empty}", "--dense-table"], "no run folder in it"),
     (["{no_settings}"], 'run.json: no "settings"'),
     (["{cut}"], "cut/samples.jsonl:3:"),
