@@ -402,8 +402,9 @@ def main(argv=None) -> int:
                    "model's trained context (further where its config has rope_scaling)")
     p.add_argument("--samples", type=at_least(1), default=4, help="calibration prompts per task")
     p.add_argument("--seed", type=int, default=1, help="task seed (keep it different from the evaluation's 42)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=32, help="decode steps per prompt at most (oracle; "
-                   "dense with --qada)")
+    # the first new token comes from the prefill, so 1 would decode no step and fail only after every prompt
+    p.add_argument("--max-new-tokens", type=at_least(2), default=32, help="new tokens per prompt at most, the first "
+                   "from the prefill, each after it a decode step (oracle; dense with --qada)")
     p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a hub id "
                    f"(default: {DEFAULT})")
     p.add_argument("--hf", default=None, metavar="MODEL_OR_FOLDER", help="instead of --model: the model (named, a "

@@ -926,8 +926,9 @@ def main(argv=None) -> int:
     p.add_argument("--calib-samples", type=at_least(1), default=1, help="calibration prompts per task (when "
                    "calibrating)")
     p.add_argument("--calib-seed", type=int, default=1, help="task seed of the calibration prompts (not --seed)")
-    p.add_argument("--calib-max-new-tokens", type=at_least(1), default=24, help="oracle decode steps per calibration "
-                   "prompt")
+    # the first new token comes from the prefill, so 1 would decode no step and fail only after calibrating
+    p.add_argument("--calib-max-new-tokens", type=at_least(2), default=24, help="new tokens per calibration prompt, "
+                   "the first from the prefill, each after it an oracle decode step")
     p.add_argument("--seed", type=int, default=42, help="task seed of the evaluated prompts (RULER's)")
     p.add_argument("--stop", default="eos", choices=["eos", "sentence"],
                    help="end an answer at EOS / max new tokens only (eos, RULER's rule: the headline numbers), or also "

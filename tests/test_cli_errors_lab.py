@@ -3,6 +3,7 @@ line on stderr and exit 2, found before a model loads; nothing written is replac
 default folder); a sweep folder is locked while a sweep writes it; a damaged record stops lab.report and a sweep's
 resume with its file and line, unless --skip-damaged, which leaves it out and counts it."""
 
+import dataclasses
 import hashlib
 import json
 import lzma
@@ -573,10 +574,25 @@ def test_static_tasks_name_the_tasks_of_the_ruler_labels(tmp_path, tiny_dir, mon
     assert sweep.main(argv + ["--static-tasks", "vt,,qa_1"]) == 2 and seen[-1] == (["fwe", "vt", "qa_1"], ["vt", "qa_1"])
 
 
-def test_calibrate_qada_with_no_step_past_the_window_says_so(tmp_path, tiny_dir, capsys):
-    """One new token is the prefill's: no decode step runs, so no mass is recorded and there is nothing to fit."""
+def test_one_new_token_decodes_no_step_and_is_refused_before_loading(tmp_path, tiny_dir, no_model, capsys):
+    """One new token is the prefill's: a calibration with no decode step fits nothing, said at once rather than after
+    every prompt's prefill, and no --out folder is made."""
+    for qada in ([], ["--qada"]):
+        one_line(capsys, calibrate.main(["--model", str(tiny_dir), "--device", "cpu", "--tasks", "fwe", "--length",
+                                         "400", "--max-new-tokens", "1", "--out", str(tmp_path / "cal")] + qada),
+                 "argument --max-new-tokens: must be at least 2")
+    one_line(capsys, sweep.main(["--out", str(tmp_path / "run"), "--model", str(tiny_dir), "--calib-max-new-tokens",
+                                 "1"] + RUN), "argument --calib-max-new-tokens: must be at least 2")
+    assert not (tmp_path / "cal").exists() and not (tmp_path / "run").exists()
+
+
+def test_calibrate_qada_with_no_step_past_the_window_says_so(tmp_path, tiny_dir, capsys, monkeypatch):
+    """Answers that end at their first token (the prefill's): no decode step runs, so no mass is recorded and there
+    is nothing to fit."""
+    make = calibrate.make_sample
+    monkeypatch.setattr(calibrate, "make_sample", lambda *a, **k: dataclasses.replace(make(*a, **k), max_new_tokens=1))
     rc = calibrate.main(["--model", str(tiny_dir), "--device", "cpu", "--qada", "--tasks", "fwe", "--length", "400",
-                         "--samples", "1", "--max-new-tokens", "1", "--out", str(tmp_path / "cal")])
+                         "--samples", "1", "--max-new-tokens", "4", "--out", str(tmp_path / "cal")])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err  # after the prompt's progress line, one line of error
     assert err.splitlines()[-1].startswith("error: no decode step of the calibration prompts went past the window "
