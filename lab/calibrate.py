@@ -40,8 +40,10 @@ from generate import check_context, decode, pick_device
 from lab.cli import Parser, at_least, fail, interrupted, named_twice, thread_count
 from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
-from weights.checkpoints import DEFAULT, DTYPES, MODELS, config, load, model_dir
+from model import read_config
+from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, model_dir, resolve
 from weights.downloads import cache_dir
+from weights.tokenizer import Tokenizer
 
 
 @torch.inference_mode()
@@ -447,7 +449,11 @@ def main(argv=None) -> int:
             check_labels(out, a.tasks, a.tasks, dict(length=a.length, samples=a.samples, seed=a.seed,
                                                      max_new_tokens=a.max_new_tokens, tau=TAU, n_sink=16, n_local=128,
                                                      **known), a.force)
-        check_context(a.length, config(a.hf or a.model), "--length")  # its config alone, before the weights load
+        folder = resolve(a.hf or a.model)
+        check_context(a.length, read_config(folder), "--length")  # its config alone, before the weights load
+        tok = Tokenizer.from_dir(folder)  # the tokenizer either way loads (ours, of the folder)
+        for task in a.tasks:  # a length too short for a task: said now, not after the weights load and --out is made
+            make_sample(task, 0, a.length, tok, a.seed)
         if a.threads:
             torch.set_num_threads(a.threads)
         if a.hf is not None:  # transformers is an extra: imported only when asked for

@@ -467,6 +467,7 @@ CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
     (["--tasks", "fwe", "--eps", "nan", "--out", "{empty}"], "argument --eps: must lie in (0, 1)"),
     (["--tasks", "fwe", "--out", "{a_file}"], "is a file"),
     (["--tasks", "fwe", "--length", "600", "--out", "{empty}"], "--length 600 exceeds the model's trained context of 512"),
+    (["--tasks", "fwe,vt", "--length", "130", "--out", "{missing}"], "a length of 130 tokens is too short for fwe"),
     (["--tasks", "fwe", "--eps", "0.1", "--out", "{empty}"], "--eps sets how --qada fits its correction; without "
      "--qada it is unused"),
     (["--tasks", "fwe", "--moments", "prompt", "--out", "{empty}"], "--moments sets how --qada fits"),
@@ -544,6 +545,15 @@ def test_a_refused_sweep_makes_no_out_folder(tmp_path, tiny_dir, no_model, capsy
     out = tmp_path / "new" / "out"
     argv = ["--out", str(out), "--model", str(tiny_dir)] + RUN + [a.format(**where) for a in argv]
     one_line(capsys, sweep.main(argv), message)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_refused_calibration_makes_no_out_folder(tmp_path, tiny_dir, no_model, capsys):
+    """A length too short for a task is found from the model's tokenizer before the weights load and --out is made."""
+    for qada in ([], ["--qada"]):
+        one_line(capsys, calibrate.main(["--model", str(tiny_dir), "--device", "cpu", "--tasks", "fwe", "--length",
+                                         "130", "--out", str(tmp_path / "new" / "cal")] + qada),
+                 "a length of 130 tokens is too short for fwe")
     assert not (tmp_path / "new").exists()
 
 
