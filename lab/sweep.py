@@ -216,9 +216,13 @@ def methods_configs(flag: str, methods: str, taus: list[float], sparsities: list
     if twice:  # decoded twice, written once, and counted twice in the runs written
         raise ValueError(f"{flag}: names {twice} twice")
     try:
-        return build_configs(names, taus, sparsities, grids, budgets, budget_fracs)
+        configs = build_configs(names, taus, sparsities, grids, budgets, budget_fracs)
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
+    twice = named_twice([c.key for c in configs])
+    if twice:  # a grid value given twice (0.6,0.6 or 0.6,0.60): as a method named twice
+        raise ValueError(f"{flag}: the threshold grid of {twice.split('@')[0]} gives {twice} twice")
+    return configs
 
 
 def task_text(text: str) -> str:

@@ -395,6 +395,8 @@ SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
     (["--length", "600"], "--length 600 exceeds the model's trained context of 512"),  # positions it never saw
     (["--methods", "dense,dense"], "--methods: names dense twice"),  # decoded twice, one record, "2 runs written"
     (["--ablations", "qada_word,qada_word"], "--ablations: names qada_word twice"),
+    (["--methods", "dense,qada", "--taus", "0.6,0.60"], "--methods: the threshold grid of qada gives qada@0.6 twice"),
+    (["--methods", "dense,quest", "--grid", "quest=64,64"], "the threshold grid of quest gives quest@64 twice"),
     (["--track", "qada_wr"], "--track: unknown method 'qada_wr'"),
     (["--track", "dense,oracle"], "--track oracle: not among --methods, --ablations or the context-free runs"),
     (["--grid", "oracle=abc"], "--grid oracle=abc"),
