@@ -763,19 +763,22 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
     print(f"tables and plots written to {to}")
 
 
-def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None) -> str:
+def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None, out: str | Path | None = None
+                ) -> str:
     """Markdown: dense score per task in every lab.sweep run folder under `root` (a pilot's model x length grid),
     with the seconds per sample (prefill + decode), and the mean over tasks (`tasks` alone, when given). Writes
-    root/dense.md too."""
+    dense.md too, into `out` (default: root). root/dense.md covers every task of its runs: the table of some of
+    them needs an `out` of its own."""
     root = Path(root)
-    runs = []
+    runs, every = [], set()  # every: the tasks of any dense record, --tasks aside
     metas = sorted(root.glob("*/run.json"))
     if not metas:
         raise ValueError(f"{root}: no run folder in it (no */run.json); --dense-table takes a folder of run folders")
     for meta in metas:
         settings = read_run(meta.parent)["settings"]
-        rows = [r for r in read_records(meta.parent, on_damage) if r.get("method") == "dense" and r.get("score") is not None
-                and (tasks is None or r["task"] in tasks)]
+        rows = [r for r in read_records(meta.parent, on_damage) if r.get("method") == "dense" and r.get("score") is not None]
+        every.update(r["task"] for r in rows)
+        rows = [r for r in rows if tasks is None or r["task"] in tasks]
         if rows:
             runs.append((settings.get("model") or "smollm2-135m", settings["length"], settings.get("dtype", "float32"),
                          rows, meta.parent.name))
@@ -786,6 +789,10 @@ def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None
     missing = [t for t in tasks or () if t not in found]
     if missing:
         raise ValueError(f"--tasks {','.join(missing)}: no dense record of it in the run folders under {root}")
+    left_out = [t for t in TASK_ORDER if t in every and t not in found]
+    if left_out and (out is None or Path(out).resolve() == root.resolve()):  # not over the whole table
+        raise ValueError(f"--tasks {','.join(tasks)} leaves out {','.join(left_out)}: {root / 'dense.md'} covers "
+                         "every task; give --out DIR, another folder, for the table of these tasks")
     tasks = found
     names = [f"{m} {n // 1024}k" if n % 1024 == 0 else f"{m} {n}" for m, n, _, _ in runs]
     head = [f"{name} ({folder})" if names.count(name) > 1 else name for name, folder in zip(names, folders)]
@@ -809,7 +816,9 @@ def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None
     secs = [float(np.median([r["prefill_s"] + r["decode_s"] * r.get("batch", 1) for r in rows])) for *_, rows in runs]
     lines.append("| s/sample | " + " | ".join(f"{s:.0f}" for s in secs) + " |")
     text = "\n".join(lines) + "\n"
-    (root / "dense.md").write_text(text)
+    to = Path(out) if out is not None else root
+    to.mkdir(parents=True, exist_ok=True)
+    (to / "dense.md").write_text(text)
     return text
 
 
@@ -860,12 +869,13 @@ def task_subset(text: str) -> list[str]:
 def main(argv=None) -> int:
     p = Parser(prog="python -m lab.report", description=__doc__.split("\n\n")[0])
     p.add_argument("run", metavar="RUN", help="run folder of lab.sweep (with --dense-table: a folder of run folders)")
-    p.add_argument("--out", default=None, metavar="DIR", help="folder for the tables and figures (default: RUN); "
-                   "needed for --tasks that leave out some of the run's, as RUN's own cover the whole run")
+    p.add_argument("--out", default=None, metavar="DIR", help="folder for the tables and figures, or "
+                   "--dense-table's dense.md (default: RUN); needed for --tasks that leave out some of the run's, as "
+                   "RUN's own cover the whole run")
     p.add_argument("--tasks", default=None, type=task_subset, help="comma-separated subset of tasks (default: the run's; leaving some "
                    "out, written to --out DIR); with --compare or --dense-table, of those tables' tasks")
     p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
-                   "under RUN (a pilot over models and lengths), written to RUN/dense.md")
+                   "under RUN (a pilot over models and lengths), written to RUN/dense.md (--out DIR: DIR/dense.md)")
     p.add_argument("--with", dest="baselines", action="append", default=[], metavar="OTHER", help="also the records "
                    "of the run folder OTHER (the same samples: an earlier sweep's baseline configurations, or the "
                    "peers of lab.peers), paired with RUN's; repeat for several")
@@ -884,8 +894,8 @@ def main(argv=None) -> int:
         for flag, given in (("--compare", a.compare), ("--dense-table", a.dense_table)):
             if given and a.baselines:  # --with pairs records for the tables of one run, which these do not write
                 raise ValueError(f"--with is for one run's tables; {flag} reads no baseline")
-            if given and a.out:
-                raise ValueError(f"--out is for one run's tables; {flag} writes none")
+        if a.compare and a.out:  # printed only; --dense-table writes dense.md, into --out where given
+            raise ValueError("--out is for one run's tables; --compare writes none")
         if a.compare and a.dense_table:
             raise ValueError("--compare and --dense-table are two different tables: give one")
         if a.out and Path(a.out).exists() and not Path(a.out).is_dir():
@@ -900,7 +910,7 @@ def main(argv=None) -> int:
         if a.compare:
             print(compare_runs(a.run, a.compare, on_damage, tasks))
         elif a.dense_table:
-            print(dense_table(a.run, on_damage, tasks))
+            print(dense_table(a.run, on_damage, tasks, a.out))
         else:
             report(a.run, tasks, a.baselines, a.skip_damaged, a.out)
         if damaged:  # report() states its own

@@ -824,10 +824,27 @@ def test_compare_and_the_dense_table_keep_to_the_tasks_asked(tmp_path):
             if line.startswith("| dense") or line.startswith("| local")}
     assert rows == {"| dense": "2", "| local": "2"}  # vt's 2 samples, not fwe's 3 beside them
     assert " 5 " in report.compare_runs(a, b)
-    table = report.dense_table(tmp_path / "pilot", tasks=["vt"])
+    table = report.dense_table(tmp_path / "pilot", tasks=["vt"], out=tmp_path / "vt")
     assert "| vt |" in table and "| fwe |" not in table and "--tasks vt" in table
+    assert (tmp_path / "vt" / "dense.md").read_text() == table
     with pytest.raises(ValueError, match="--tasks niah_single_1: no dense record of it"):
         report.dense_table(tmp_path / "pilot", tasks=["niah_single_1"])
+
+
+def test_the_dense_table_of_some_tasks_goes_to_another_folder(tmp_path, capsys):
+    """RUN/dense.md covers every task of the runs under RUN: --dense-table --tasks SUBSET without --out (or with RUN
+    as --out) is refused in one line, the committed table untouched; --tasks naming every task writes it."""
+    body = b"".join(json.dumps(record(task=t, index=i)).encode() + b"\n" for t in ("fwe", "vt") for i in range(2))
+    run_folder(tmp_path / "pilot" / "a", body, settings={"tasks": ["fwe", "vt"], "length": 512})
+    whole = report.dense_table(tmp_path / "pilot")
+    for out in ([], ["--out", str(tmp_path / "pilot")]):
+        one_line(capsys, report.main([str(tmp_path / "pilot"), "--dense-table", "--tasks", "vt"] + out),
+                 "--tasks vt leaves out fwe", "give --out DIR")
+        assert (tmp_path / "pilot" / "dense.md").read_text() == whole
+    assert report.main([str(tmp_path / "pilot"), "--dense-table", "--tasks", "vt", "--out", str(tmp_path / "vt")]) == 0
+    assert "| fwe |" not in (tmp_path / "vt" / "dense.md").read_text()
+    assert report.main([str(tmp_path / "pilot"), "--dense-table", "--tasks", "vt,fwe"]) == 0
+    assert "| fwe |" in (tmp_path / "pilot" / "dense.md").read_text()
 
 
 def test_the_dense_table_names_each_run_apart(tmp_path):
