@@ -81,7 +81,7 @@ from attention import BatchAttention, build_attention
 from criterion import TAU, check_calibration, load_calibration, qada_labels, weights_probe
 from generate import pick_device
 from lab.calibrate import calibration_file
-from lab.cli import Parser, at_least, fail, fresh_folder, ints, positive_float, thread_count
+from lab.cli import Parser, at_least, fail, fresh_folder, ints, make_folder, positive_float, thread_count
 from model import KVCache, LlamaConfig
 from moments import FixedMoments, ReferenceKeys
 from weights.checkpoints import DEFAULT, DTYPES, load, resolve, shipped_calibration
@@ -714,11 +714,10 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
             resolve(model, progress=False)
         if threads:
             torch.set_num_threads(threads)
+        out = make_folder(out if out is not None else fresh_folder("runs/bench"))  # the last check: made once all pass
     except (OSError, ValueError, argparse.ArgumentTypeError) as e:
         return fail(e)
     setup = setup_line(device)
-    out = Path(out) if out is not None else fresh_folder("runs/bench")
-    out.mkdir(parents=True, exist_ok=True)
     for part, name in (("attention", "attention"), ("e2e", "end_to_end")):
         if parts in (part, "all") and not prefill_only and (out / f"{name}.json").is_file():  # said, not silent
             print(f"note: {out} holds an earlier run's {name} tables; this run replaces them", file=sys.stderr)

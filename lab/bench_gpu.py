@@ -95,7 +95,7 @@ from attention import (BatchAttention, DecodeAttention, HeadStats, StaticAttenti
 from criterion import TAU, Calibration
 from generate import decode_batch, decode_static, graph_view, pick_device, step_attention, step_clock
 from lab.bench import full_pattern, ideal_speedup, lengths_above_window, pattern_moments, qada_kernel
-from lab.cli import Parser, at_least, fail, fresh_folder, ints
+from lab.cli import Parser, at_least, fail, fresh_folder, ints, make_folder
 from model import KVCache, Llama, LlamaConfig
 from moments import FixedMoments, bulk_end, mean_cov
 from pages import PAGE_SIZE, PageIndex
@@ -731,15 +731,13 @@ def main(argv=None) -> int:
                              "CUDA on this machine (--parts attention runs on the CPU under TRITON_INTERPRET=1)")
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels are defined
             raise ValueError("no CUDA here; the fused kernel runs on the CPU only under TRITON_INTERPRET=1")
-        if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
-            raise ValueError(f"--out {args.out} is a file; give a folder")
+        out = make_folder(args.out if args.out is not None else fresh_folder("runs/bench-gpu"))  # before any timing
     except ValueError as e:
         return fail(e)
     decode_kernels.set_launch(args.launch)
     setup = setup_line(device)
     command = "python -m lab.bench_gpu " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(setup, flush=True)
-    out = Path(args.out) if args.out is not None else fresh_folder("runs/bench-gpu")
     if args.parts in ("attention", "all"):
         print(table(ATTENTION_COLUMNS, []), flush=True)
         rows = []

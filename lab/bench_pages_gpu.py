@@ -54,7 +54,7 @@ import decode_kernels
 from criterion import Calibration, gaussian_form
 from lab.bench import full_pattern, lengths_above_window
 from lab.bench_gpu import kernel_us, launch, named_us
-from lab.cli import Parser, at_least, fail, fresh_folder, ints
+from lab.cli import Parser, at_least, fail, fresh_folder, ints, make_folder
 from moments import FixedMoments
 from pages import PageIndex, candidates, upper_bounds
 
@@ -425,6 +425,10 @@ def main(argv=None) -> int:
         return fail("--interpret-smoke runs the kernels through Triton's interpreter: set TRITON_INTERPRET=1")
     if not smoke and not torch.cuda.is_available():
         return fail("no CUDA here; --interpret-smoke (with TRITON_INTERPRET=1) runs the code paths on the CPU")
+    try:  # said now, not after the timings; made once every other check has passed
+        out = make_folder(args.out or fresh_folder("runs/bench-gpu-pages"))
+    except ValueError as e:
+        return fail(e)
     device = torch.device("cpu" if smoke else "cuda")
     lengths = args.lengths or lengths_above_window(DEFAULTS["lengths"])
     batches, budgets = ([int(x) for x in (getattr(args, name) or DEFAULTS[name]).split(",")]
@@ -437,7 +441,6 @@ def main(argv=None) -> int:
     checks = self_check(device, next(iter(shapes.values())), args.page_size)
     print("\n".join(checks), flush=True)
     rows = bench(shapes, lengths, batches, budgets, args.fraction, args.page_size, device, reps)
-    out = Path(args.out) if args.out else fresh_folder("runs/bench-gpu-pages")
     write(out, rows, checks, device, list(sys.argv[1:] if argv is None else argv), args.fraction, args.page_size)
     print(f"wrote {out / 'pages.md'}")
     return 0

@@ -134,6 +134,19 @@ def named_twice(names: list[str]) -> str | None:
     return next((n for n in dict.fromkeys(names) if names.count(n) > 1), None)
 
 
+def make_folder(path: str | Path, flag: str = "--out") -> Path:
+    """The folder `path` made, with its parents, before a command's work begins: a place that cannot hold it (a
+    file, a read-only or missing mount) is one line naming `flag`, not a traceback after the minutes of timing."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file; give a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot make the folder ({e.strerror or e})") from None
+    return path
+
+
 def fresh_folder(root: str) -> Path:
     """A new folder root/YYYYmmdd-HHMMSS (-2, -3, ... when that exists): where a command writes by default, so that a
     run never overwrites an earlier one's, the committed results/ least of all."""

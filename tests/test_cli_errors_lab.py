@@ -755,6 +755,26 @@ def test_bench_pages_gpu_arguments_are_one_line_and_exit_2_before_any_timing(tmp
     one_line(capsys, bench_pages_gpu.main([a.format(a_file=tmp_path / "a_file") for a in argv]), message)
 
 
+def test_an_out_that_cannot_be_made_is_one_line_before_any_timing(tmp_path, no_model, capsys, monkeypatch):
+    """--out under a file (or on a read-only mount) was a traceback from mkdir, after the timings in lab.bench_gpu and
+    lab.bench_pages_gpu: one line now, and nothing timed."""
+    bench_gpu = pytest.importorskip("lab.bench_gpu")
+    bench_pages_gpu = pytest.importorskip("lab.bench_pages_gpu")
+
+    def timed(*a, **k):
+        raise AssertionError("timed before the folder was made")
+    monkeypatch.setattr(bench_gpu, "bench_attention", timed)
+    monkeypatch.setattr(bench_pages_gpu, "self_check", timed)
+    (tmp_path / "a_file").write_text("x")
+    out = ["--out", str(tmp_path / "a_file" / "sub")]
+    one_line(capsys, bench.main(["--device", "cpu", "--parts", "attention", "--lengths", "300"] + out),
+             "cannot make the folder")
+    one_line(capsys, bench_gpu.main(["--parts", "attention", "--lengths", "300", "--batches", "1", "--quick"] + out),
+             "cannot make the folder")
+    smoke = [] if torch.cuda.is_available() else ["--interpret-smoke"]  # its CPU run is the interpreter's
+    one_line(capsys, bench_pages_gpu.main(smoke + out), "cannot make the folder")
+
+
 @pytest.mark.parametrize("argv, message", [(["--samples", "0"], "argument --samples: must be at least 1"),
                                            (["--threads", "0"], "argument --threads: must be at least 1"),
                                            (["--threads", "100000"], "argument --threads: must lie in [1, "),
