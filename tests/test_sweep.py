@@ -6,12 +6,14 @@ import json
 import math
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from lab import records, report, sweep
+from criterion import load_labels
+from lab import calibrate, records, report, sweep
 from tests.test_generate import kv_read_by_hand, make_tiny_dir
 
 N_SINK, N_LOCAL = 16, 128
@@ -629,8 +631,6 @@ def test_kv_read_differences_are_paired():
 
 
 def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch, capsys):
-    from lab import calibrate
-    from criterion import load_labels
     tok = TinyTokenizer()
     kwargs = dict(length=400, samples=2, seed=5, max_new_tokens=6, progress=True)
     freqs = calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)
@@ -645,6 +645,17 @@ def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch, ca
     monkeypatch.setattr(calibrate, "oracle_frequency", lambda *a, **k: pytest.fail("recalibrated"))
     again = calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)  # same settings: read back
     assert torch.allclose(again["niah_single_1"].cpu(), freqs["niah_single_1"].cpu())
+    # a clone on another machine: the files record the model's folder in the cache of the machine that made them
+    for name, model in (("niah_single_1.json", "/elsewhere/.cache/qada/models/"), ("ruler.json", "/other/home/")):
+        data = json.loads((tmp_path / name).read_text())
+        data["settings"]["model"] = model + Path(str(tiny.model_dir)).name
+        (tmp_path / name).write_text(json.dumps(data))
+    moved = calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)  # the same model: read back
+    assert torch.allclose(moved["niah_single_1"].cpu(), freqs["niah_single_1"].cpu())
+    data["settings"]["model"] = "/other/home/another-model"
+    (tmp_path / "ruler.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="ruler.json holds static labels of other settings .model: '/other/home/an"):
+        calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)
 
 
 def test_records_are_read_compressed_and_plain_and_merged_into_one_compressed_file(tmp_path):
