@@ -708,12 +708,12 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
         decode_kernels.check_kernel()
         if out is not None and Path(out).exists() and not Path(out).is_dir():
             raise ValueError(f"--out {out} is a file; give a folder")
-        if prefill_cache and Path(prefill_cache).exists() and not Path(prefill_cache).is_dir():
-            raise ValueError(f"--prefill-cache {prefill_cache} is a file; give a folder")
         if parts in ("e2e", "all"):  # a model that is not to be had: said now, not after the attention part's minutes
             resolve(model, progress=False)
         if threads:
             torch.set_num_threads(threads)
+        if prefill_cache:  # a folder that cannot be made: said before minutes of prefill, not after
+            make_folder(prefill_cache, "--prefill-cache")
         out = make_folder(out if out is not None else fresh_folder("runs/bench"))  # the last check: made once all pass
     except (OSError, ValueError, argparse.ArgumentTypeError) as e:
         return fail(e)

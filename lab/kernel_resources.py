@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import decode_kernels
-from lab.cli import Parser, at_least, fail
+from lab.cli import Parser, at_least, fail, make_folder
 
 # The compile, in a fresh interpreter: each spec's kernel compiled for sys.argv[1]; with a folder as sys.argv[2],
 # each cubin written there as <i>.cubin. `aligned`: the arguments the JIT would mark divisible by 16.
@@ -197,8 +197,10 @@ def main(argv=None) -> int:
         return args
     try:
         import triton
+        if args.out:  # said before the compiles
+            make_folder(args.out)
         lines = table(args.arch)
-    except (RuntimeError, ImportError) as e:
+    except (RuntimeError, ImportError, ValueError) as e:
         return fail(e)
     head = [f"# The fused step's kernels compiled for sm_{args.arch}: Llama-3-8B, bf16, 32k", "",
             f"`{' '.join(['python -m lab.kernel_resources', *(argv if argv is not None else sys.argv[1:])])}`", "",
@@ -206,7 +208,6 @@ def main(argv=None) -> int:
     text = "\n".join(head + lines) + "\n"
     print(text)
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "kernel_resources.md").write_text(text)
     return 0
 

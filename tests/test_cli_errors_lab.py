@@ -755,9 +755,10 @@ def test_bench_pages_gpu_arguments_are_one_line_and_exit_2_before_any_timing(tmp
     one_line(capsys, bench_pages_gpu.main([a.format(a_file=tmp_path / "a_file") for a in argv]), message)
 
 
-def test_an_out_that_cannot_be_made_is_one_line_before_any_timing(tmp_path, no_model, capsys, monkeypatch):
+def test_an_out_that_cannot_be_made_is_one_line_before_any_timing(tmp_path, tiny_dir, no_model, capsys, monkeypatch):
     """--out under a file (or on a read-only mount) was a traceback from mkdir, after the timings in lab.bench_gpu and
-    lab.bench_pages_gpu: one line now, and nothing timed."""
+    lab.bench_pages_gpu (and after the compiles in lab.kernel_resources; lab.bench's --prefill-cache after a prefill):
+    one line now, and nothing timed."""
     bench_gpu = pytest.importorskip("lab.bench_gpu")
     bench_pages_gpu = pytest.importorskip("lab.bench_pages_gpu")
 
@@ -773,6 +774,14 @@ def test_an_out_that_cannot_be_made_is_one_line_before_any_timing(tmp_path, no_m
              "cannot make the folder")
     smoke = [] if torch.cuda.is_available() else ["--interpret-smoke"]  # its CPU run is the interpreter's
     one_line(capsys, bench_pages_gpu.main(smoke + out), "cannot make the folder")
+    kernel_resources = pytest.importorskip("lab.kernel_resources")
+    monkeypatch.setattr(kernel_resources, "table", timed)  # the compiles come after the folder
+    one_line(capsys, kernel_resources.main(out), "cannot make the folder")
+    # lab.bench's prefill cache: said before the minutes of prefill, not from torch.save after them
+    monkeypatch.setattr(bench, "bench_end_to_end", timed)
+    one_line(capsys, bench.main(["--device", "cpu", "--parts", "e2e", "--model", str(tiny_dir),
+                                 "--prefill-cache", str(tmp_path / "a_file" / "prefills")]),
+             f"--prefill-cache {tmp_path / 'a_file' / 'prefills'}: cannot make the folder")
 
 
 @pytest.mark.parametrize("argv, message", [(["--samples", "0"], "argument --samples: must be at least 1"),
