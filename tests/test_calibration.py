@@ -166,9 +166,11 @@ def test_calibration_files_round_trip_and_refuse_what_they_are_not(tmp_path):
     (tmp_path / "masses.pt").write_bytes(b"\x80\x02PK\x00\xff")
     (tmp_path / "text.json").write_text("a, b")
     (tmp_path / "no_a.json").write_text(json.dumps({"settings": {}, "b": [[1.0]], "s": None}))
+    (tmp_path / "list.json").write_text("[]")
     for name, message in (("ruler.json", "holds static labels (python -m lab.calibrate), not a QAdA correction"),
                           ("masses.pt", "is not a calibration file: not UTF-8 text (a binary file?)"),
                           ("text.json", "is not a calibration file: not JSON ("),
+                          ("list.json", "is not a calibration file: a JSON list, not an object"),  # not "list indices"
                           ("no_a.json", "is not a calibration file: it has no 'a' entry")):  # not "KeyError: 'a'"
         with pytest.raises(ValueError, match=re.escape(f"{tmp_path / name} {message}")):
             load_calibration(tmp_path / name)
@@ -176,6 +178,8 @@ def test_calibration_files_round_trip_and_refuse_what_they_are_not(tmp_path):
         load_labels(tmp_path / "c.json", 0.5)
     with pytest.raises(ValueError, match="is not a static labels file: not UTF-8 text"):
         load_labels(tmp_path / "masses.pt", 0.5)
+    with pytest.raises(ValueError, match="is not a static labels file: a JSON list, not an object"):
+        load_labels(tmp_path / "list.json", 0.5)
     (tmp_path / "s.json").write_text(json.dumps({"settings": {}, "a": [[1.0] * 4] * 3, "b": [[1.0] * 4] * 3,
                                                   "s": [[1.0] * 2] * 2}))  # s of 2 layers for a and b's 3
     with pytest.raises(ValueError, match="do not match"):
