@@ -597,6 +597,7 @@ BEFORE_LOAD = [
     (["--threads", "100000"], "--threads must lie in [1, "),  # torch.set_num_threads crashes the process there
     (["--seed", "99999999999999999999999"], "--seed must lie in [0, 2**64)"),
     (["--seed", "-1"], "--seed must lie in [0, 2**64)"),
+    (["--seed", str(2 ** 64), "--temperature", "1"], "--seed must lie in [0, 2**64)"),  # the bound itself is out
     (["--seed", "3"], "--seed seeds the sampling: it needs --temperature > 0"),  # greedy: no draw, the seed ignored
     (["--top-k", "5"], "--top-k samples among the k most likely tokens: it needs --temperature > 0"),
     (["--model", ""], "--model is empty"),
@@ -607,6 +608,7 @@ BEFORE_LOAD = [
     (["--max-new-tokens", "8", "--max-context", "8"], "--max-context must exceed --max-new-tokens (8)"),
     (["--rope-theta", "nan"], "--rope-theta must be a positive number"),
     (["--rope-theta", "0"], "--rope-theta must be a positive number"),  # a RoPE base of 0: every angle undefined
+    (["--rope-theta", "inf"], "--rope-theta must be a positive number"),  # every angle 0: no position told apart
     (["--temperature", "1", "--top-k", "0"], "--top-k must be >= 1"),  # not sampling from every token unsaid
     (["--method", "dense", "--tau", "0.5"], "--tau: the dense path has no threshold"),
     (["--method", "oracle", "--moments", "prompt"], "--moments: the oracle path reads no key moments"),
@@ -629,6 +631,8 @@ BEFORE_LOAD = [
     (["--method", "quest", "--set", "pages=abc"], "--set pages: the page index is built from the prompt's keys"),
     (["--set", "progress=1"], "--set progress: not set with --set"),  # run_batch's own keywords
     (["--set", "prompts=1"], "--set prompts: not set with --set"),
+    (["--set", "moments=abc"], "--set moments: not set with --set"),  # what the command builds from --moments
+    (["--method", "dense", "--set", "budget=64"], "--set budget: the dense path does not read it"),  # not ignored
     (["--method", "quest"], "the quest path reads budget; give --set budget=TOKENS"),  # before a long prefill
     (["--method", "quest_frac"], "the quest_frac path reads budget_frac; give --set budget_frac=SHARE"),
     (["--method", "quest", "--set", "budget=64", "--set", "budget=128"], "--set budget is given twice"),
