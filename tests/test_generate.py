@@ -288,6 +288,17 @@ def test_jsonl_lines_end_at_newlines_only(tmp_path):
     assert [name for name, _ in generate.read_prompts([str(upper)])] == [f"{upper}:1", f"{upper}:2"]
 
 
+def test_blank_jsonl_lines_are_skipped_and_a_jsonl_of_none_is_refused(tmp_path):
+    """A .jsonl line of spaces or tabs only is blank, skipped as an empty one is (its prompts keep their line numbers);
+    a .jsonl with no prompt at all is refused in one line, not decoded as an empty batch."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"one"\n  \t\n\n"two"\n   \n')
+    assert generate.read_prompts([str(prompts)]) == [(f"{prompts}:1", "one"), (f"{prompts}:4", "two")]
+    prompts.write_text("\n  \n\t\n")
+    with pytest.raises(ValueError, match=f"^no prompt in {prompts}$"):
+        generate.read_prompts([str(prompts)])
+
+
 def test_corrupt_weights(tiny_dir, tmp_path, capsys):
     import shutil
     broken = tmp_path / "broken"
