@@ -244,6 +244,20 @@ def test_the_device_is_cpu_cuda_or_cuda_n():
             generate.pick_device(bad)
 
 
+def test_cuda_under_torchrun_is_the_local_ranks_and_a_gpu_past_the_count_is_refused(monkeypatch):
+    """On a machine with two GPUs (torch.cuda stood in for): under torchrun a bare or default cuda is
+    cuda:LOCAL_RANK, so the ranks do not share one GPU, while a cuda:N given stays; cuda:2 is past the count."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert generate.pick_device(None) == generate.pick_device("cuda") == "cuda"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert generate.pick_device(None) == generate.pick_device("cuda") == generate.pick_device("cuda:1") == "cuda:1"
+    assert generate.pick_device("cuda:0") == "cuda:0"
+    with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 2 CUDA device\(s\)"):
+        generate.pick_device("cuda:2")
+
+
 def test_bad_prompt_files_name_the_real_cause(tiny_dir, tmp_path, capsys):
     model = ["--model", str(tiny_dir)]
     assert error_of(capsys, ["--prompt", "/dev/null"] + model) == \
