@@ -495,9 +495,10 @@ def test_set_takes_a_name_and_a_value(item):
 
 
 def test_sampling_at_a_tiny_temperature_is_greedy_not_a_crash():
-    """Logits over a temperature of 1e-40 overflow fp32; taken from the row's max they leave the best token alone."""
+    """Logits over a temperature of 1e-40 overflow fp32, and over 1e-310 (a subnormal, which --temperature takes) fp64;
+    taken from the row's max they leave the best token alone."""
     logits = torch.randn(4, 1000) * 5
-    for t in (1e-40, 1e-300):
+    for t in (1e-40, 1e-300, 1e-310):
         assert torch.equal(generate.sample(logits, t, generator=torch.Generator().manual_seed(0)), logits.argmax(-1))
     assert torch.equal(generate.sample(logits, 1e-40, top_k=3), logits.argmax(-1))
 
@@ -714,6 +715,8 @@ def test_a_kernel_choice_that_cannot_run_is_said_before_loading(tiny_dir, tmp_pa
     monkeypatch.setenv("QADA_KERNEL", "triton")
     monkeypatch.setattr(generate.decode_kernels, "triton", None)
     assert error_of(capsys, argv).startswith("error: QADA_KERNEL=triton: triton is not installed")
+    assert error_of(capsys, argv + ["--kernel", "triton"]).startswith("error: --kernel triton: triton is not installed")
+    monkeypatch.delenv("QADA_KERNEL")  # --kernel alone asks for it: the flag sets QADA_KERNEL, which the check reads
     assert error_of(capsys, argv + ["--kernel", "triton"]).startswith("error: --kernel triton: triton is not installed")
 
 
