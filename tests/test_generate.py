@@ -580,6 +580,11 @@ def test_calibration_and_static_labels_take_a_file_or_a_folder(tiny_dir, tmp_pat
             capsys.readouterr()
     assert generate.main(base + ["--method", "qada_cal", "--calibration", str(folder)]) == 0
     assert json.loads(capsys.readouterr().out)["calibration"] == str(folder / "affine.json")
+    # a folder of lab.calibrate --qada holds both estimates' corrections: a sampled path reads sampled.json
+    save_calibration(folder / "sampled.json", Calibration(torch.zeros(2, 4), torch.ones(2, 4), None,
+                                                         {"moments_source": "random-words", "estimate": "sampled"}))
+    assert generate.main(base + ["--method", "qada_sampled_cal", "--calibration", str(folder)]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"] == str(folder / "sampled.json")
 
 
 def test_interrupt_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
