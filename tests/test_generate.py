@@ -697,6 +697,22 @@ def test_compile_without_a_compiler_says_so_before_loading(tiny_dir, tmp_path, c
     assert "torch.compile needs a C++ compiler (g++, or $CXX)" in error_of(capsys, argv + ["--compile", "on"])
 
 
+def test_compile_asks_for_the_compiler_inductor_calls_and_on_cuda_for_triton(monkeypatch):
+    """--compile on needs the C++ compiler named by $CXX (g++ when unset) on the CPU, whatever else is on PATH, and
+    triton on CUDA, where it writes Triton kernels and no C++."""
+    on_path = {"g++"}
+    monkeypatch.setattr(generate.shutil, "which", lambda name: f"/usr/bin/{name}" if name in on_path else None)
+    monkeypatch.delenv("CXX", raising=False)
+    assert generate.compiler_missing(torch.device("cpu")) is None
+    monkeypatch.setenv("CXX", "clang++")
+    assert "a C++ compiler (clang++, or $CXX)" in generate.compiler_missing(torch.device("cpu"))
+    on_path.add("clang++")
+    assert generate.compiler_missing(torch.device("cpu")) is None
+    monkeypatch.setattr(generate.decode_kernels, "triton", None)
+    assert generate.compiler_missing(torch.device("cuda")) == (
+        "--compile on: on CUDA torch.compile needs triton (pip install triton)")
+
+
 def test_prompt_files_binary_or_not_utf8_are_refused_and_a_bom_is_read(tiny_dir, tmp_path, capsys):
     model = ["--model", str(tiny_dir)]
     binary = tmp_path / "weights.bin"
