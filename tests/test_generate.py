@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import shutil
 import sys
 import threading
 
@@ -314,7 +315,6 @@ def test_blank_jsonl_lines_are_skipped_and_a_jsonl_of_none_is_refused(tmp_path):
 
 
 def test_corrupt_weights(tiny_dir, tmp_path, capsys):
-    import shutil
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dir, broken)
     weights = broken / "model.safetensors"
@@ -412,6 +412,27 @@ def test_the_seed_decides_the_draws(tiny_dir, tmp_path, capsys):
         return json.loads(capsys.readouterr().out)["new_token_ids"]
 
     assert drawn(3) == drawn(3) != drawn(4)
+    assert generate.main(argv) == 0  # no --seed: seed 0, and the record says so
+    r = json.loads(capsys.readouterr().out)
+    assert r["sampling"]["seed"] == 0 and r["new_token_ids"] == drawn(0)
+
+
+def test_no_chat_sends_the_raw_text_and_threads_sets_torchs(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A model whose tokenizer has a chat template wraps the prompt in it, --no-chat sends the raw text alone; and
+    --threads N is torch's number of CPU threads for the run."""
+    chat = tmp_path / "chat"
+    shutil.copytree(tiny_dir, chat)
+    (chat / "chat_template.jinja").write_text("w1 w2 {% for m in messages %}{{ m['content'] }}{% endfor %}")
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)  # the test's own threads left as they are
+    argv = ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(chat), "--method", "dense",
+            "--max-new-tokens", "2", "--json"]
+    for extra, tokens in (([], 22), (["--no-chat"], 20)):
+        assert generate.main(argv + extra) == 0
+        assert json.loads(capsys.readouterr().out)["prompt_tokens"] == tokens
+    assert threads == []
+    assert generate.main(argv + ["--threads", "1"]) == 0
+    assert threads == [1]
 
 
 def test_the_bounds_of_the_flags_are_theirs_to_take(tiny_dir, tmp_path, capsys):
