@@ -15,6 +15,7 @@ import torch
 from attention import PATHS, bulk_estimate, decision_read, path_inputs
 from criterion import Calibration, save_calibration, save_labels
 import generate
+import model as model_module
 from moments import SOURCES
 from weights import checkpoints
 from tests.test_model import save_tiny
@@ -357,7 +358,6 @@ def test_decode_speed_counts_decode_steps_after_the_first(tiny_dir, tmp_path, ca
     comes from the prefill's logits), and after the first step, which is reported apart (on a GPU it compiles the
     kernels and captures a graph). A clock that only the model's decode steps advance: 10 s the first, 1 s each
     after it."""
-    import model as model_module
     now = [0.0]
     monkeypatch.setattr(generate, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
     step = model_module.Llama.decode_step
@@ -385,6 +385,25 @@ def test_decode_speed_counts_decode_steps_after_the_first(tiny_dir, tmp_path, ca
     assert generate.main(["--prompt", prompts[0], "--model", str(tiny_dir), "--max-new-tokens", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert (r["decode_first_step_ms"], r["decode_ms_per_token"], r["decode_tok_s"]) == (10000.0, 10000.0, 0.1)
+
+
+def test_a_batchs_prefill_and_moments_times_add_up_over_its_prompts(tiny_dir, tmp_path, monkeypatch):
+    """A batch's prefill time is its prompts' prefills together, each row keeping its own, and its moments time
+    holds every row's attention build: on a clock that only each prefill (1 s) and build (0.25 s) advance."""
+    now = [0.0]
+    monkeypatch.setattr(generate, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    prefill, build = model_module.Llama.prefill, generate.build_attention
+
+    def timed(seconds, f):
+        def run(*args, **kwargs):
+            now[0] += seconds
+            return f(*args, **kwargs)
+        return run
+    monkeypatch.setattr(model_module.Llama, "prefill", timed(1.0, prefill))
+    monkeypatch.setattr(generate, "build_attention", timed(0.25, build))
+    files = [str(write_prompt(tmp_path, n)) for n in (20, 30, 40)]
+    reports = generate.run_batch(files, str(tiny_dir), max_new_tokens=2, method="local", progress=False)
+    assert [(r["prefill_s"], r["batch_prefill_s"], r["moments_s"]) for r in reports] == [(1.0, 3.0, 0.75)] * 3
 
 
 def test_top_k_samples_from_the_k_best_and_only_them():
