@@ -111,7 +111,8 @@ def test_a_path_with_a_new_input_runs_through_generate_the_sweep_and_the_report(
 
     # unset, misspelt, or set for a path that does not read it: one line naming the input, exit 2
     assert generate.main(argv) == 2 and "reads share" in capsys.readouterr().err
-    assert generate.main(argv + ["--set", "shar=0.5"]) == 2 and "--set shar" in capsys.readouterr().err
+    assert generate.main(argv + ["--set", "shar=0.5"]) == 2 and "--set shar: the toy_share path does not read it" in \
+        capsys.readouterr().err
     assert generate.main(argv + ["--set", "tau=0.5"]) == 2 and "flag of its own" in capsys.readouterr().err
 
     out = tmp_path / "run"
