@@ -904,9 +904,10 @@ def main(argv=None) -> int:
     p.add_argument("--sparsities", type=fractions, default="0.5,0.8",
                    help="sparsity grid of every static-label configuration")
     p.add_argument("--budgets", type=ints, default=BUDGETS, help="token budget grid of every page path that reads "
-                   "one (quest, qada_pages, page_oracle, ...: tokens read beyond the window, budget // P pages)")
+                   "one (quest, qada_pages, page_oracle, ...: tokens read beyond the window, budget // P pages; 0 "
+                   "or below a page: the window alone, the curve's end)")
     p.add_argument("--budget-fracs", type=fractions, default=BUDGET_FRACS, help="budget grid, as fractions of the "
-                   "context, of the page paths that read one (the *_frac paths)")
+                   "context, of the page paths that read one (the *_frac paths; 0: the window alone)")
     p.add_argument("--grid", action="append", default=[], metavar="NAME=v1,v2",
                    help="a configuration's own grid instead of --taus/--sparsities/--budgets (repeatable), e.g. "
                         "oracle=0.6,0.9 or quest=256,1024")
