@@ -99,6 +99,16 @@ def onloaded(model, names: list[str]):
         yield
 
 
+def held_device(model) -> torch.device:
+    """The device the model computes on: its first parameter's, passing over those offloaded to the meta device (an
+    offloaded embedding runs on the device its hook brings it to, the one the rest of the model holds)."""
+    device = next((p.device for p in model.parameters() if not p.is_meta), None)
+    if device is None:
+        raise ValueError("every parameter of the model is offloaded (on the meta device): keep some of it on the "
+                         "device it should decode on")
+    return device
+
+
 def offloaded_probe(model) -> list[float]:
     """criterion.weights_probe of a model that may lie partly offloaded: its first and last k_proj onloaded."""
     layers = {int(m[1]): name for name, _ in model.named_parameters()
@@ -142,7 +152,7 @@ class HFAttention:
         self.cfg = llama_config(model)  # the model itself is not kept: transformers' registry keeps this object
         self.method, self.n_sink, self.n_local = method, n_sink, n_local
         reads = path_inputs(method)  # ValueError naming the methods for an unknown one
-        device = next(model.parameters()).device
+        device = held_device(model)
         given = [name for name in inputs if name not in reads]
         given += [name for name, value in (("tau", tau), ("calibration", calibration), ("moments", moments))
                   if value is not None and name not in reads]
@@ -460,7 +470,7 @@ class HFModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.hf.parameters()).device
+        return held_device(self.hf)
 
     def named_parameters(self):  # transformers' names, which criterion.weights_probe reads as model.Llama's
         return self.hf.named_parameters()

@@ -586,12 +586,13 @@ def test_a_chunked_prefill_through_our_cache_gives_the_whole_prompts_logits(shar
 
 
 def test_a_model_offloaded_in_part_is_probed_and_decodes_as_in_memory(sharp_dir, tmp_path):
-    """A model loaded with accelerate's device_map, its last layer offloaded to disk (its weights on the meta device,
-    their values in accelerate's hooks): the calibrated path checks the correction against the offloaded k_proj's
-    values and decodes the tokens and labels of the model held whole in memory."""
+    """A model loaded with accelerate's device_map, its embeddings and last layer offloaded to disk (their weights on
+    the meta device, their values in accelerate's hooks): the calibrated path decodes on the device the rest of the
+    model holds, checks the correction against the offloaded k_proj's values, and decodes the tokens and labels of the
+    model held whole in memory."""
     pytest.importorskip("accelerate")
     whole = hf_model(sharp_dir)
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+    device_map = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
                   "model.rotary_emb": "cpu", "lm_head": "cpu"}
     offloaded = transformers.AutoModelForCausalLM.from_pretrained(sharp_dir, dtype=torch.float32, device_map=device_map,
                                                                   offload_folder=str(tmp_path / "offload")).eval()
@@ -612,3 +613,7 @@ def test_a_model_offloaded_in_part_is_probed_and_decodes_as_in_memory(sharp_dir,
     other = Calibration(c.a, c.b, c.s, dict(c.settings, weights_probe=[x * 1.1 for x in c.settings["weights_probe"]]))
     with pytest.raises(ValueError, match="other weights"):  # the offloaded values are what the check reads
         enable(offloaded, "qada_cal", calibration=other, tokenizer=tok)
+    with torch.device("meta"):  # nothing held anywhere: no device to decode on, said in one line
+        nowhere = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    with pytest.raises(ValueError, match="every parameter of the model is offloaded"):
+        enable(nowhere, "dense")
