@@ -115,9 +115,12 @@ def differences(old: dict, want: dict) -> str:
     """The first settings `old` holds otherwise than `want`, as "key: old there, new asked"; "" if none. The model is
     told by its folder's name: files record the folder as it was on the machine that made them, and the same model in
     another machine's cache (another home or QADA_CACHE) is the same model; its weights are told by weights_probe."""
+    def model(path: str) -> tuple[bool, str]:  # through transformers (--hf) or ours, and the folder's name
+        return path.startswith("transformers:"), Path(path.removeprefix("transformers:")).name
+
     def same(key, a, b):
         if key == "model" and isinstance(a, str) and isinstance(b, str):
-            return Path(a).name == Path(b).name
+            return model(a) == model(b)
         return a == b
     diff = [f"{k}: {old.get(k)!r} there, {v!r} asked" for k, v in want.items() if not same(k, old.get(k), v)]
     return "; ".join(diff[:2])

@@ -652,10 +652,11 @@ def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch, ca
         (tmp_path / name).write_text(json.dumps(data))
     moved = calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)  # the same model: read back
     assert torch.allclose(moved["niah_single_1"].cpu(), freqs["niah_single_1"].cpu())
-    data["settings"]["model"] = "/other/home/another-model"
-    (tmp_path / "ruler.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="ruler.json holds static labels of other settings .model: '/other/home/an"):
-        calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)
+    for other in ("/other/home/another-model", "transformers:/other/home/" + Path(str(tiny.model_dir)).name):
+        data["settings"]["model"] = other  # another model, or this one run through transformers (lab.calibrate --hf)
+        (tmp_path / "ruler.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=f"ruler.json holds static labels of other settings .model: '{other}'"):
+            calibrate.ensure(tiny, tok, ["niah_single_1"], tmp_path, **kwargs)
 
 
 def test_records_are_read_compressed_and_plain_and_merged_into_one_compressed_file(tmp_path):
