@@ -838,3 +838,22 @@ def test_the_agreement_tables_by_hand():
     runs = [{"task": "a", "config": "oracle@0.6", "steps": 10, "local_freq": [[1.0]]},
             {"task": "a", "config": "oracle@0.6", "steps": 30, "local_freq": [[0.0]]}]
     assert records.static_oracle_freq(records.group(runs), ["a"]) == {"a": [[0.25]]}
+
+
+# --- the draws: where they place the configurations, the low end of the intervals, the rules they follow -----------
+
+
+def test_bootstrap_draws_place_configurations_where_their_drawn_samples_put_them():
+    """One task of two samples, the configuration keeping dense's score at sparsity 0.4 on sample 0 and 0.6 on sample
+    1 (KV read the rest): a draw of sample 0 twice places it at 0.4, of sample 1 twice at 0.6, of both at 0.5, so the
+    lossless draws take just these three values (not 0.5 every time, the place on all samples). Likewise the matched
+    score at sparsity 0.7 between it (at x) and m@2 (1.0, scoring 0.5 of dense): 1 - 0.5 * (0.7 - x) / (1.0 - x) is
+    0.8 on all samples (x = 0.5), 0.75 for sample 0 twice, 0.875 for sample 1 twice."""
+    rows = [row("a", i, "dense", 1.0, 0.0) for i in range(2)]
+    rows += [row("a", i, "qada_rw@0.6", 1.0, [0.4, 0.6][i]) for i in range(2)]
+    boot = records.lossless_draws(rows, ["a"], {"qada_rw": ["qada_rw@0.6"]}, n_boot=200)["qada_rw"]["boot"]
+    assert np.unique(np.round(boot, 9)).tolist() == [0.4, 0.5, 0.6]
+    rows += [row("a", i, "m@2", 0.5, 1.0) for i in range(2)]
+    draws = records.matched_draws(rows, ["a"], {"m": ["qada_rw@0.6", "m@2"]}, "sparsity", (0.7,), n_boot=200)["m"]
+    assert draws[0, 0] == pytest.approx(0.8)
+    assert np.unique(np.round(draws[1:, 0], 9)).tolist() == [0.75, 0.8, 0.875]
