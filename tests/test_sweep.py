@@ -857,3 +857,19 @@ def test_bootstrap_draws_place_configurations_where_their_drawn_samples_put_them
     draws = records.matched_draws(rows, ["a"], {"m": ["qada_rw@0.6", "m@2"]}, "sparsity", (0.7,), n_boot=200)["m"]
     assert draws[0, 0] == pytest.approx(0.8)
     assert np.unique(np.round(draws[1:, 0], 9)).tolist() == [0.75, 0.8, 0.875]
+
+
+def test_the_low_end_of_the_intervals_is_the_draws_2_5th_percentile():
+    """Twelve samples in each of two tasks, dense 1; qada_rw@0.8 keeps it at sparsity 0.5, qada_rw@0.6 (sparsity 0.7)
+    scores 0.7 on task a's samples 0 and 1. A draw holding k of those two (k ~ Binomial(12, 1/6)) normalises to
+    (1 - 0.3 k / 12 + 1) / 2 = 1 - k / 80, lossless for k <= 4: P(k >= 5) = 3.6 %, between 2.5 % and 5 %, so the 2.5th
+    percentile of the lossless draws is 0.5 and their 5th 0.7. At matched sparsity 0.6, halfway, the score is
+    1 - k / 160: P(k >= 6) = 0.8 % and P(k >= 4) = 12.5 %, so the 2.5th percentile is k = 5 (0.96875), the 5th k = 4
+    (0.975); the 97.5th is k = 0 (P = 11 %), 1.0; the point k = 2, 0.9875."""
+    rows = [row(t, i, "dense", 1.0, 0.0) for t in ("a", "b") for i in range(12)]
+    rows += [row(t, i, "qada_rw@0.8", 1.0, 0.5) for t in ("a", "b") for i in range(12)]
+    rows += [row(t, i, "qada_rw@0.6", 0.7 if t == "a" and i < 2 else 1.0, 0.7) for t in ("a", "b") for i in range(12)]
+    sp, = records.lossless_table(rows, ["a", "b"], n_boot=2000)
+    assert (sp["lossless"], sp["lo"], sp["hi"]) == pytest.approx((0.7, 0.5, 0.7))
+    m, = records.matched_table(rows, ["a", "b"], "sparsity", targets=(0.6,), n_boot=2000)
+    assert m[0.6] == pytest.approx((0.9875, 0.96875, 1.0))
