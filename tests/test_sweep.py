@@ -873,3 +873,17 @@ def test_the_low_end_of_the_intervals_is_the_draws_2_5th_percentile():
     assert (sp["lossless"], sp["lo"], sp["hi"]) == pytest.approx((0.7, 0.5, 0.7))
     m, = records.matched_table(rows, ["a", "b"], "sparsity", targets=(0.6,), n_boot=2000)
     assert m[0.6] == pytest.approx((0.9875, 0.96875, 1.0))
+
+
+def test_the_worst_task_rule_holds_in_the_draws_too():
+    """As in test_the_worst_task_rule_is_stricter_than_the_mean (every sample alike, so each interval is its point):
+    by the worst task the interval is [0.5, 0.5], not the mean rule's [0.8, 0.8]; the sparsest point measured is 0.8
+    either way."""
+    rows = []
+    for task, loss in (("a", 1.0), ("b", 0.9)):
+        for i in range(4):
+            rows.append(dict(task=task, index=i, config="dense", method="dense", score=1.0, sparsity=0.0, kv_read=1.0))
+            rows.append(dict(task=task, index=i, config="m@1", method="m", score=1.0, sparsity=0.5, kv_read=0.6))
+            rows.append(dict(task=task, index=i, config="m@2", method="m", score=loss, sparsity=0.8, kv_read=0.3))
+    worst = records.lossless_table(rows, ["a", "b"], n_boot=20, worst=True)[0]
+    assert (worst["lossless"], worst["lo"], worst["hi"], worst["max_sparsity"]) == (0.5, 0.5, 0.5, 0.8)
