@@ -887,3 +887,17 @@ def test_the_worst_task_rule_holds_in_the_draws_too():
             rows.append(dict(task=task, index=i, config="m@2", method="m", score=loss, sparsity=0.8, kv_read=0.3))
     worst = records.lossless_table(rows, ["a", "b"], n_boot=20, worst=True)[0]
     assert (worst["lossless"], worst["lo"], worst["hi"], worst["max_sparsity"]) == (0.5, 0.5, 0.5, 0.8)
+
+
+def test_a_sample_without_sparsity_is_left_out_of_its_configurations_place():
+    """An answer that ended at its first token has no sparsity (None): m@1 at 0.6 on sample 0 and none on sample 1
+    sits at 0.6 (not 0.3 as if it were 0, nor nowhere), so at sparsity 0.8, halfway to m@2 (1.0, half of dense's
+    score), the matched score is 0.75, on all samples and on every draw that holds sample 0 (one of sample 1 alone
+    places m@1 nowhere)."""
+    rows = [row("a", i, "dense", 1.0, 0.0) for i in range(2)]
+    rows += [row("a", 0, "m@1", 1.0, 0.6), dict(row("a", 1, "m@1", 1.0, 0.6), sparsity=None)]
+    rows += [row("a", i, "m@2", 0.5, 1.0) for i in range(2)]
+    draws = records.matched_draws(rows, ["a"], {"m": ["m@1", "m@2"]}, "sparsity", (0.8,), n_boot=20)["m"]
+    assert draws[0, 0] == pytest.approx(0.75)
+    placed = draws[1:, 0][~np.isnan(draws[1:, 0])]
+    assert 0 < len(placed) < 20 and placed.tolist() == pytest.approx([0.75] * len(placed))
