@@ -901,3 +901,17 @@ def test_a_sample_without_sparsity_is_left_out_of_its_configurations_place():
     assert draws[0, 0] == pytest.approx(0.75)
     placed = draws[1:, 0][~np.isnan(draws[1:, 0])]
     assert 0 < len(placed) < 20 and placed.tolist() == pytest.approx([0.75] * len(placed))
+
+
+def test_the_peers_dense_control_and_presses_without_head_sparsity_are_no_rows():
+    """hf_dense (lab.peers' dense through transformers) is a control, not a method; a press (no head sparsity) has
+    no row on the head-sparsity axis of the matched table, only on the KV-read one."""
+    rows = [row("a", i, "dense", 1.0, 0.0) for i in range(2)]
+    rows += [row("a", i, "hf_dense", 1.0, 0.0) for i in range(2)]
+    rows += [row("a", i, c, 1.0, sp) for i in range(2) for c, sp in (("qada_rw@0.6", 0.5), ("qada_rw@0.2", 0.9))]
+    rows += [dict(row("a", i, c, 1.0, 0.0), sparsity=None, kv_read=kv) for i in range(2)
+             for c, kv in (("snapkv@0.25", 0.3), ("snapkv@0.75", 0.7))]
+    assert list(records.method_configs(rows, ["a"])) == ["qada_rw", "snapkv"]
+    assert [r["method"] for r in records.matched_table(rows, ["a"], "sparsity", targets=(0.7,), n_boot=10)] == ["qada_rw"]
+    assert [r["method"] for r in records.matched_table(rows, ["a"], "kv_read", targets=(0.5,), n_boot=10)] == [
+        "qada_rw", "snapkv"]
