@@ -915,3 +915,14 @@ def test_the_peers_dense_control_and_presses_without_head_sparsity_are_no_rows()
     assert [r["method"] for r in records.matched_table(rows, ["a"], "sparsity", targets=(0.7,), n_boot=10)] == ["qada_rw"]
     assert [r["method"] for r in records.matched_table(rows, ["a"], "kv_read", targets=(0.5,), n_boot=10)] == [
         "qada_rw", "snapkv"]
+
+
+def test_the_high_end_of_a_points_interval_is_the_draws_97_5th_percentile():
+    """Twelve samples in each of two tasks, dense 0.5 on all; the configuration 0.5 too, but 0.65 on task a's samples
+    0 and 1. A draw holding k of those two (k ~ Binomial(12, 1/6)) normalises to ((0.5 + 0.15 k / 12) / 0.5 + 1) / 2
+    = 1 + k / 80: P(k >= 6) = 0.8 % and P(k >= 5) = 3.6 %, so the 97.5th percentile is k = 5
+    (1.0625), the 95th k = 4 (1.05); the 2.5th k = 0 (P = 11 %), 1.0; the point k = 2, 1.025."""
+    rows = [row(t, i, "dense", 0.5, 0.0) for t in ("a", "b") for i in range(12)]
+    rows += [row(t, i, "qada_rw@0.6", 0.65 if t == "a" and i < 2 else 0.5, 0.7) for t in ("a", "b") for i in range(12)]
+    p = records.score_points(rows, ["a", "b"], "qada_rw@0.6", n_boot=2000)
+    assert (p["norm"], p["lo"], p["hi"]) == pytest.approx((1.025, 1.0, 1.0625))
