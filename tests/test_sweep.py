@@ -926,3 +926,13 @@ def test_the_high_end_of_a_points_interval_is_the_draws_97_5th_percentile():
     rows += [row(t, i, "qada_rw@0.6", 0.65 if t == "a" and i < 2 else 0.5, 0.7) for t in ("a", "b") for i in range(12)]
     p = records.score_points(rows, ["a", "b"], "qada_rw@0.6", n_boot=2000)
     assert (p["norm"], p["lo"], p["hi"]) == pytest.approx((1.025, 1.0, 1.0625))
+
+
+def test_score_points_leave_out_draws_where_dense_scores_0():
+    """One task, dense scoring 1 on sample 0 and 0 on sample 1, the configuration 1 on both: on all samples 1 / 0.5 = 2;
+    a draw of sample 0 twice gives 1, of both 2, and one of sample 1 twice has no ratio and is left out (not counted as
+    0), so the interval is [1, 2]."""
+    rows = [row("a", i, "dense", [1.0, 0.0][i], 0.0) for i in range(2)]
+    rows += [row("a", i, "qada_rw@0.6", 1.0, 0.7) for i in range(2)]
+    p = records.score_points(rows, ["a"], "qada_rw@0.6", n_boot=200)
+    assert (p["norm"], p["lo"], p["hi"]) == (2.0, 1.0, 2.0)
