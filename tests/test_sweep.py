@@ -936,3 +936,18 @@ def test_score_points_leave_out_draws_where_dense_scores_0():
     rows += [row("a", i, "qada_rw@0.6", 1.0, 0.7) for i in range(2)]
     p = records.score_points(rows, ["a"], "qada_rw@0.6", n_boot=200)
     assert (p["norm"], p["lo"], p["hi"]) == (2.0, 1.0, 2.0)
+
+
+def test_means_over_three_tasks_are_means_not_medians():
+    """Three tasks, every sample alike (each interval its point): the configuration scores 1, 1 and 0.7 of dense at
+    sparsity 0.5, 0.6 and 1.0, so score / dense is (1 + 1 + 0.7) / 3 = 0.9 (the median would be 1) and it sits at
+    (0.5 + 0.6 + 1.0) / 3 = 0.7 on all samples and in every draw (the median 0.6): scoring as dense, its lossless
+    point and interval are 0.7."""
+    tasks = ("a", "b", "c")
+    rows = [row(t, i, "dense", 1.0, 0.0) for t in tasks for i in range(3)]
+    rows += [row(t, i, "qada_rw@0.6", sc, sp) for t, sc, sp in zip(tasks, (1.0, 1.0, 0.7), (0.5, 0.6, 1.0)) for i in range(3)]
+    p = records.score_points(rows, list(tasks), "qada_rw@0.6", n_boot=20)
+    assert (p["norm"], p["lo"], p["hi"]) == pytest.approx((0.9, 0.9, 0.9))
+    kept = [dict(r, score=1.0) for r in rows]  # lossless: the point is where the configuration sits
+    sp, = records.lossless_table(kept, list(tasks), n_boot=20)
+    assert (sp["lossless"], sp["lo"], sp["hi"]) == pytest.approx((0.7, 0.7, 0.7))
