@@ -951,3 +951,12 @@ def test_means_over_three_tasks_are_means_not_medians():
     kept = [dict(r, score=1.0) for r in rows]  # lossless: the point is where the configuration sits
     sp, = records.lossless_table(kept, list(tasks), n_boot=20)
     assert (sp["lossless"], sp["lo"], sp["hi"]) == pytest.approx((0.7, 0.7, 0.7))
+
+
+def test_a_task_without_records_yet_leaves_the_lossless_point_and_interval_as_they_are():
+    """Task b listed but not yet run (no records): task a alone decides, the point 0.7 and its interval [0.7, 0.7]
+    (every sample alike), not an interval of NaN from b's empty draws."""
+    rows = [row("a", i, "dense", 1.0, 0.0) for i in range(3)]
+    rows += [row("a", i, c, 1.0, sp) for i in range(3) for c, sp in (("qada_rw@0.8", 0.5), ("qada_rw@0.6", 0.7))]
+    sp, = records.lossless_table(rows, ["a", "b"], n_boot=20)
+    assert (sp["lossless"], sp["lo"], sp["hi"], sp["n"]) == pytest.approx((0.7, 0.7, 0.7, 3))
