@@ -960,3 +960,19 @@ def test_a_task_without_records_yet_leaves_the_lossless_point_and_interval_as_th
     rows += [row("a", i, c, 1.0, sp) for i in range(3) for c, sp in (("qada_rw@0.8", 0.5), ("qada_rw@0.6", 0.7))]
     sp, = records.lossless_table(rows, ["a", "b"], n_boot=20)
     assert (sp["lossless"], sp["lo"], sp["hi"], sp["n"]) == pytest.approx((0.7, 0.7, 0.7, 3))
+
+
+def test_run_recall_by_hand_and_none_where_the_oracle_never_needs_the_whole_context():
+    """One tracked run of one layer of 4 heads, 10 steps: QAdA local on heads 0-2 every step (sparsity 0.75), the
+    oracle on head 0 alone (0.25), both on head 0. The oracle needs the whole context on heads 1-3 (30 step-heads);
+    QAdA labels long head 3's 10 of them, 1/3; static labels at QAdA's own sparsity 0.75 make the 3 most local heads
+    (frequencies 0.9, 0.1, 0.8, 0.7: heads 0, 2, 3) local and leave head 1's 10 long, 1/3 (at the oracle's 0.25, head 0
+    alone local, all 30). A run where the oracle keeps every head local has no recall (None), and recall_rows gives
+    its task no row."""
+    run = {"task": "a", "config": "qada_rw@0.6", "steps": 10, "local_freq": [[1.0, 1.0, 1.0, 0.0]],
+           "oracle_freq": [[1.0, 0.0, 0.0, 0.0]], "both_freq": [[1.0, 0.0, 0.0, 0.0]]}
+    freq = [[0.9, 0.1, 0.8, 0.7]]
+    assert records.run_recall(run, freq) == pytest.approx((1 / 3, 1 / 3))
+    local = dict(run, oracle_freq=[[1.0] * 4], both_freq=[[1.0, 1.0, 1.0, 0.0]])
+    assert records.run_recall(local, freq) is None
+    assert records.recall_rows([local], {"a": freq}) == []
