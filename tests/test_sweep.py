@@ -976,3 +976,21 @@ def test_run_recall_by_hand_and_none_where_the_oracle_never_needs_the_whole_cont
     local = dict(run, oracle_freq=[[1.0] * 4], both_freq=[[1.0, 1.0, 1.0, 0.0]])
     assert records.run_recall(local, freq) is None
     assert records.recall_rows([local], {"a": freq}) == []
+
+
+def test_summary_rows_and_head_counts_by_hand():
+    """summary.md's row of one (task, configuration): the plain mean of each field over its records, the KV read its
+    own (not 1 - sparsity: a KV-group path reads more), a sparsity of None (an answer ended at its first token) left
+    out. head_counts sums step-weighted frequencies over tracked runs only (an untracked run is left out), and
+    curves' sparsity spread is the population std across tasks: 0.6 and 0.8 -> 0.1."""
+    recs = [dict(row("a", 0, "qada_kv@0.6", 1.0, 0.8), kv_read=0.5, n_new=2, decode_s=0.1),
+            dict(row("a", 1, "qada_kv@0.6", 0.0, 0.8), sparsity=None, kv_read=0.7, n_new=4, decode_s=0.3)]
+    (s,) = records.summary_rows(recs)
+    assert {k: s[k] for k in ("method", "threshold", "n", "score", "sparsity", "new_tokens")} == {
+        "method": "qada_kv", "threshold": 0.6, "n": 2, "score": 0.5, "sparsity": 0.8, "new_tokens": 3.0}
+    assert (s["kv_read"], s["decode_s"]) == pytest.approx((0.6, 0.2))
+    tracked = {"steps": 10, "local_freq": [[1.0, 0.5]], "oracle_freq": [[0.5, 0.0]], "both_freq": [[0.5, 0.0]]}
+    S, q, o, b = records.head_counts([tracked, dict(tracked, steps=30, local_freq=[[0.0, 1.0]]), {"steps": 50}])
+    assert S == 40 and q.tolist() == [[10.0, 35.0]] and o.tolist() == [[20.0, 0.0]] and b.tolist() == [[20.0, 0.0]]
+    rows = [row(t, 0, "dense", 1.0, 0.0) for t in "ab"] + [row(t, 0, "qada_rw@0.6", 1.0, sp) for t, sp in zip("ab", (0.6, 0.8))]
+    assert records.curves(rows, ["a", "b"], ["qada_rw@0.6"])["qada_rw@0.6"]["sparsity_std"] == pytest.approx(0.1)
