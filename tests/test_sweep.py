@@ -994,3 +994,16 @@ def test_summary_rows_and_head_counts_by_hand():
     assert S == 40 and q.tolist() == [[10.0, 35.0]] and o.tolist() == [[20.0, 0.0]] and b.tolist() == [[20.0, 0.0]]
     rows = [row(t, 0, "dense", 1.0, 0.0) for t in "ab"] + [row(t, 0, "qada_rw@0.6", 1.0, sp) for t, sp in zip("ab", (0.6, 0.8))]
     assert records.curves(rows, ["a", "b"], ["qada_rw@0.6"])["qada_rw@0.6"]["sparsity_std"] == pytest.approx(0.1)
+
+
+def test_a_matched_difference_counts_the_samples_both_methods_finished():
+    """Dense and qada_rw ran samples 0-2, static samples 0 and 1 only: qada_rw's row against static is on the 2
+    samples all of them finished (n 2, not qada_rw's own 3), its score there 1.0 (sample 2, where it scores 0, is
+    out) and its difference from static (0.5 of dense at every sparsity) +0.5."""
+    rows = [row("a", i, "dense", 1.0, 0.0) for i in range(3)]
+    rows += [row("a", i, c, 0.0 if i == 2 else 1.0, sp) for i in range(3)
+             for c, sp in (("qada_rw@0.6", 0.5), ("qada_rw@0.2", 0.9))]
+    rows += [row("a", i, c, 0.5, sp) for i in range(2) for c, sp in (("static@0.5", 0.5), ("static@0.9", 0.9))]
+    got, = records.matched_table(rows, ["a"], "sparsity", targets=(0.7,), against="static", n_boot=20,
+                                 methods=["qada_rw"])
+    assert got["n"] == 2 and got[0.7] == pytest.approx((1.0, 1.0, 1.0)) and got["vs 0.7"] == pytest.approx((0.5, 0.5, 0.5))
