@@ -1007,3 +1007,10 @@ def test_a_matched_difference_counts_the_samples_both_methods_finished():
     got, = records.matched_table(rows, ["a"], "sparsity", targets=(0.7,), against="static", n_boot=20,
                                  methods=["qada_rw"])
     assert got["n"] == 2 and got[0.7] == pytest.approx((1.0, 1.0, 1.0)) and got["vs 0.7"] == pytest.approx((0.5, 0.5, 0.5))
+
+
+def test_mean_draws_leave_out_a_task_without_values():
+    """A task with no values yet is no task of the mean: {a: [1, 3], b: []} gives 2 (task a's mean), and every draw
+    is a mean of task a's draws alone (1, 2 or 3), never NaN."""
+    point, boot = records.mean_draws({"a": [1.0, 3.0], "b": []}, n_boot=50)
+    assert point == 2.0 and set(boot.tolist()) <= {1.0, 2.0, 3.0}
