@@ -716,7 +716,9 @@ def test_matched_scores_interpolate_between_measured_points_with_paired_draws():
 
 def test_the_worst_task_rule_is_stricter_than_the_mean():
     """Task a keeps everything at both points, task b 0.9 of dense at the sparser one: by the mean over tasks (0.95)
-    the sparser point is lossless, by the worst task (0.9) only the denser one."""
+    the sparser point is lossless, by the worst task (0.9) only the denser one. Every sample alike, so each interval
+    is its point: the worst task's rule holds in the draws too ([0.5, 0.5], not the mean rule's [0.8, 0.8]), and the
+    sparsest point measured is 0.8 either way."""
     rows = []
     for task, loss in (("a", 1.0), ("b", 0.9)):
         for i in range(4):
@@ -726,6 +728,8 @@ def test_the_worst_task_rule_is_stricter_than_the_mean():
     mean_rule = records.lossless_table(rows, ["a", "b"], n_boot=20)[0]
     worst_rule = records.lossless_table(rows, ["a", "b"], n_boot=20, worst=True)[0]
     assert (mean_rule["lossless"], worst_rule["lossless"]) == (0.8, 0.5)  # mean 0.95 passes, the worst task 0.9 not
+    assert (worst_rule["lo"], worst_rule["hi"], worst_rule["max_sparsity"]) == (0.5, 0.5, 0.8)
+    assert (mean_rule["lo"], mean_rule["hi"], mean_rule["max_sparsity"]) == (0.8, 0.8, 0.8)
 
 
 # --- the statistics where samples differ: pairing, the 95 % percentiles, means of task means ----------------------
@@ -873,20 +877,6 @@ def test_the_low_end_of_the_intervals_is_the_draws_2_5th_percentile():
     assert (sp["lossless"], sp["lo"], sp["hi"]) == pytest.approx((0.7, 0.5, 0.7))
     m, = records.matched_table(rows, ["a", "b"], "sparsity", targets=(0.6,), n_boot=2000)
     assert m[0.6] == pytest.approx((0.9875, 0.96875, 1.0))
-
-
-def test_the_worst_task_rule_holds_in_the_draws_too():
-    """As in test_the_worst_task_rule_is_stricter_than_the_mean (every sample alike, so each interval is its point):
-    by the worst task the interval is [0.5, 0.5], not the mean rule's [0.8, 0.8]; the sparsest point measured is 0.8
-    either way."""
-    rows = []
-    for task, loss in (("a", 1.0), ("b", 0.9)):
-        for i in range(4):
-            rows.append(dict(task=task, index=i, config="dense", method="dense", score=1.0, sparsity=0.0, kv_read=1.0))
-            rows.append(dict(task=task, index=i, config="m@1", method="m", score=1.0, sparsity=0.5, kv_read=0.6))
-            rows.append(dict(task=task, index=i, config="m@2", method="m", score=loss, sparsity=0.8, kv_read=0.3))
-    worst = records.lossless_table(rows, ["a", "b"], n_boot=20, worst=True)[0]
-    assert (worst["lossless"], worst["lo"], worst["hi"], worst["max_sparsity"]) == (0.5, 0.5, 0.5, 0.8)
 
 
 def test_a_sample_without_sparsity_is_left_out_of_its_configurations_place():
