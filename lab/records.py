@@ -318,8 +318,12 @@ def paired_values(rows, scores: dict, configs, field: str) -> dict[str, dict[str
 
 
 def drawn_mean(values: dict[str, dict[str, np.ndarray]], pick: dict, config: str) -> float:
-    """Mean over tasks of `config`'s mean value (paired_values) on the picked samples of each task."""
-    return float(np.mean([np.nanmean(v[config][pick[t]]) for t, v in values.items()]))
+    """Mean over tasks of `config`'s mean value (paired_values) on the picked samples of each task. A task whose
+    picked samples all lack the value (each answer ended at its first token) sits out of this draw's mean, as
+    paired_mean leaves it out of the point; NaN only when every task does."""
+    picked = [v[config][pick[t]] for t, v in values.items()]
+    means = [x[~np.isnan(x)].mean() for x in picked if not np.isnan(x).all()]
+    return float(np.mean(means)) if means else float("nan")
 
 
 def paired_mean(g, scores: dict, config: str, field: str) -> float | None:

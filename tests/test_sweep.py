@@ -6,6 +6,7 @@ import json
 import math
 import re
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -819,6 +820,13 @@ def test_means_are_over_tasks_and_over_the_samples_dense_ran():
     values = records.paired_values(uneven, scores, ["x@1"], "sparsity")
     full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
     assert records.drawn_mean(values, full, "x@1") == pytest.approx(0.7)
+    # a draw that picks only samples without a sparsity in one task (answers ended at their first token): that task
+    # sits out of the draw's mean, as it does out of the point, instead of turning the draw (and the interval) NaN
+    values["b"]["x@1"][0] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert records.drawn_mean(values, {"a": np.arange(4), "b": np.array([0, 0])}, "x@1") == pytest.approx(0.9)
+        assert np.isnan(records.drawn_mean({"b": values["b"]}, {"b": np.array([0])}, "x@1"))
     assert report.verdict(-0.1, 0.0, 0.0) == "not resolved"  # touching 0 from below is not yet reversed
 
 
