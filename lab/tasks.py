@@ -577,11 +577,22 @@ CTXFREE_QUESTION = "Can you describe LLMs in a few sentences?"
 
 
 def ctxfree_sample(index: int, length: int, tokenizer, seed: int = 42) -> Sample:
-    """qa_2 sample `index` with its question replaced by CTXFREE_QUESTION; unscored (no reference outputs)."""
-    s = make_sample("qa_2", index, length, tokenizer, seed)
-    content = s.input.rsplit("Question:", 1)[0] + f"Question: {CTXFREE_QUESTION}"
-    messages = s.messages[:-1] + [{"role": "user", "content": content}]
-    prompt = render(messages, "", tokenizer)
-    s.task, s.messages, s.input, s.answer_prefix, s.prompt = CTXFREE, messages, content, "", prompt
-    s.outputs, s.max_new_tokens, s.n_prompt_tokens = [], 32, len(tokenizer.encode(prompt))
-    return s
+    """qa_2 sample `index` with its question replaced by CTXFREE_QUESTION; unscored (no reference outputs).
+
+    Its prompt + 32 new tokens fit in `length`: where the new question is longer than the old one and its answer
+    prefix, and the qa_2 sample was that close to its budget, the qa_2 sample is refitted to a length short by the
+    excess.
+    """
+    fit = length
+    while True:
+        s = make_sample("qa_2", index, fit, tokenizer, seed)
+        content = s.input.rsplit("Question:", 1)[0] + f"Question: {CTXFREE_QUESTION}"
+        messages = s.messages[:-1] + [{"role": "user", "content": content}]
+        prompt = render(messages, "", tokenizer)
+        s.task, s.messages, s.input, s.answer_prefix, s.prompt = CTXFREE, messages, content, "", prompt
+        s.outputs, s.max_new_tokens, s.n_prompt_tokens = [], 32, len(tokenizer.encode(prompt))
+        over = s.n_prompt_tokens + s.max_new_tokens - length
+        if over <= 0:
+            s.length = length
+            return s
+        fit -= over

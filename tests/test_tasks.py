@@ -616,3 +616,18 @@ def test_a_memoised_fit_of_a_dead_tokenizer_is_not_reused():
     tasks._fitted[(id(fresh), "fwe", 1024, 42)] = (lambda: None, want.knob - 1)  # left by a collected tokenizer
     assert tasks.make_sample("fwe", 0, 1024, fresh) == want
 
+
+def test_the_context_free_sample_fits_where_its_question_is_the_longer(toy_qa):
+    """A qa_2 sample exactly at its budget whose question (with its ' Answer:' prefix) is shorter than
+    CTXFREE_QUESTION still gives a context-free sample within the length, one document fewer (kept as it is at the
+    length it fills exactly)."""
+    tok = StandInTokenizer()
+    assert len(tok.encode("Why 0? Answer:")) < len(tok.encode(tasks.CTXFREE_QUESTION))
+    for knob in (3, 5, 8):
+        length = tasks._build("qa_2", 0, 4096, tok, 42, knob).n_prompt_tokens + 32  # qa_2 fills it exactly
+        s = tasks.ctxfree_sample(0, length, tok)
+        assert s.length == length and s.n_prompt_tokens == len(tok.encode(s.prompt))
+        assert s.n_prompt_tokens + s.max_new_tokens <= length, knob
+        assert s.meta["n_documents"] == knob - 1  # one document makes room for the longer question
+        exact = s.n_prompt_tokens + 32  # a context-free sample that fills its length is kept as it is
+        assert tasks.ctxfree_sample(0, exact, tok).prompt == s.prompt
