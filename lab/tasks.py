@@ -591,6 +591,7 @@ def ctxfree_sample(index: int, length: int, tokenizer, seed: int = 42) -> Sample
         prompt = render(messages, "", tokenizer)
         s.task, s.messages, s.input, s.answer_prefix, s.prompt = CTXFREE, messages, content, "", prompt
         s.outputs, s.max_new_tokens, s.n_prompt_tokens = [], 32, len(tokenizer.encode(prompt))
+        s.meta = {**s.meta, "question": CTXFREE_QUESTION}
         over = s.n_prompt_tokens + s.max_new_tokens - length
         if over <= 0:
             s.length = length

@@ -568,10 +568,12 @@ def test_qa_2_is_refused_rather_than_cut_to_one_supporting_paragraph(toy_qa):
 
 def test_the_context_free_prompt_keeps_every_document_and_leaves_the_answer_open(toy_qa):
     """The context-free sample cuts qa_2's text at its last 'Question:' (a document may quote one), so every
-    document stays, and its prompt ends with the open assistant turn (no ' Answer:' prefix)."""
+    document stays, and its prompt ends with the open assistant turn (no ' Answer:' prefix); its meta names the
+    question it asks, not qa_2's."""
     tok = StandInTokenizer()
     s = tasks.ctxfree_sample(0, 4096, tok)
     assert sorted(_documents(s)) == sorted(toy_qa)
+    assert s.meta["question"] == tasks.CTXFREE_QUESTION and "gold_documents" in s.meta
     assert s.prompt.endswith(f"Question: {tasks.CTXFREE_QUESTION}<|end|>\n<|assistant|>\n")
 
 
