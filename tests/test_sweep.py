@@ -259,13 +259,16 @@ def test_random_heads_match_the_requested_sparsity(sparsity):
 
 def test_random_heads_are_drawn_anew_for_each_sample(tiny, resources):
     """The random-heads baseline draws its heads per (task, sample, sparsity): one draw for every sample would make
-    the baseline one fixed head set, which a lucky or unlucky draw would bias over the whole run."""
+    the baseline one fixed head set, which a lucky or unlucky draw would bias over the whole run; one draw for every
+    sparsity would nest the sparsities' head sets."""
     tok, res = resources
     cfg = sweep.Config("random", 0.5)
     class S:  # noqa: E701
         task, index = "niah_single_1", 0
     first = sweep.config_labels(cfg, "random", tiny, S, res, seed=3)
     assert torch.equal(first, sweep.config_labels(cfg, "random", tiny, S, res, seed=3))  # reproducible
+    more = sweep.config_labels(sweep.Config("random", 0.75), "random", tiny, S, res, seed=3)
+    assert not bool((first <= more).all())  # another sparsity draws anew, not 0.5's heads and some more
     S.index = 1
     assert not torch.equal(first, sweep.config_labels(cfg, "random", tiny, S, res, seed=3))
 
@@ -297,7 +300,8 @@ def test_kv_label_sources_take_whole_kv_groups(tiny, resources):
     L, H, Hkv = tiny.cfg.num_hidden_layers, tiny.cfg.num_attention_heads, tiny.cfg.num_key_value_heads
     G = H // Hkv
     gen = torch.Generator().manual_seed(0)  # frequencies in no order, so heads and groups rank differently
-    res = dict(res, static_freq={"ruler": torch.rand(L, H, generator=gen), "niah_single_1": torch.rand(L, H, generator=gen)})
+    ruler = torch.rand(L, H, generator=gen)  # the task's ranking reversed: the two sources pick other groups
+    res = dict(res, static_freq={"ruler": ruler, "niah_single_1": 1 - ruler})
     class S:  # noqa: E701
         task, index = "niah_single_1", 0
     for name, freq in (("static_kv", res["static_freq"]["ruler"]), ("static_oracle_kv", res["static_freq"]["niah_single_1"])):
@@ -339,6 +343,8 @@ def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path, monkeypatch):
     assert sweep.sweep(tiny, tok, out, jobs, fresh(), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False) == 0
     rows = records.read_records(out)
     assert len(rows) == 9 and len({(r["task"], r["index"], r["config"]) for r in rows}) == 9
+    hashes = {(r["index"], r["ids_sha1"]) for r in rows}  # each sample's prompt, as lab.report --with pairs them
+    assert len(hashes) == 2 and len({h for _, h in hashes}) == 2
     # the same records as a run in one go: resumed, sample 1's static oracle still learns from sample 0's oracle
     # records (read back from the file, not from the run that decoded them), not from the calibration prompts
     whole = tmp_path / "whole"
@@ -365,7 +371,7 @@ def test_ctxfree_runs_without_qada_among_the_methods(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("text, done", [(" 1234567.", False), (" 1234567. This", True), (" France.\n", True),
                                         ("", False), (":\n", False), (':\n\n1. "abc"\n2. "', False), (" a, b, c. ", True),
-                                        (" 3.5 is", False), (" 12. ", False)])
+                                        (" 3.5 is", False), (" 12. ", False), (" 123. ", True)])
 def test_sentence_stop_rule(text, done):
     assert sweep.answer_finished("niah_single_1", text) == done
     assert sweep.answer_finished("cwe", text) is False  # list answers only stop at EOS or in a loop
