@@ -428,6 +428,8 @@ SWEEP = [  # (argv after --out OUT --model TINY and RUN, what the line names)
     (["--methods", "dense,qada_cal_offset", "--calibration", "{cal}/affine.json"],
      "holds the affine correction, not the offset one"),
     (["--methods", "dense", "--calibration", "{cal}"], "--calibration {cal}: no method of --methods reads it"),
+    (["--methods", "dense,qada_cal_transfer", "--calibration-transfer", "{cal}", "--calibration", "{cal}"],
+     "--calibration {cal}: no method of --methods reads it"),  # the *_transfer methods read the other flag's
     (["--methods", "dense,static_oracle", "--sparsities", "0.5", "--static-labels", "{labels}/ruler.json"],
      "is one file; static_oracle reads one per task"),
     (["--methods", "dense,static", "--sparsities", "0.5", "--static-labels", "{labels}"],
@@ -613,19 +615,74 @@ def test_calibrate_qada_with_no_step_past_the_window_says_so(tmp_path, tiny_dir,
 
 def test_a_shard_keeps_the_command_another_shard_recorded_while_it_ran(tmp_path, tiny_dir, monkeypatch):
     """--shard processes run side by side and each adds its command to run.json when it starts and completes it at
-    its end: the last to end keeps the others' (it read run.json when it started, before they ended)."""
+    its end: the last to end keeps the others' (it read run.json when it started, before they ended). Shard K of N
+    decodes every N-th task from the K-th (whole tasks, not every N-th sample) into samples.K.jsonl and merges
+    nothing: another shard's file stays where it is."""
     out = tmp_path / "out"
+    out.mkdir()
+    (out / "samples.0.jsonl").write_text(json.dumps(record()) + "\n")  # shard 0's, written meanwhile
+    seen = {}
 
-    def other_shard_ends(net, tok, folder, *args):  # this shard's decoding, during which the other one ends
+    def other_shard_ends(net, tok, folder, mine, *args):  # this shard's decoding, during which the other one ends
+        seen.update(jobs=[(t, i) for t, i, _ in mine], path=args[8])
         info = json.loads((folder / "run.json").read_text())
         info["runs"].append({"command": "the other shard"})
         (folder / "run.json").write_text(json.dumps(info))
         return 0
     monkeypatch.setattr(sweep, "sweep", other_shard_ends)
-    assert sweep.main(["--out", str(out), "--model", str(tiny_dir), "--shard", "0/2"] + RUN) == 0
+    argv = ["--out", str(out), "--model", str(tiny_dir), "--shard", "1/3"] + RUN + ["--tasks", "fwe,niah_single_1"]
+    assert sweep.main(argv) == 0
+    assert seen == {"jobs": [("niah_single_1", 0), ("niah_single_1", 1)], "path": out / "samples.1.jsonl"}
+    assert (out / "samples.0.jsonl").is_file() and not (out / "samples.jsonl.xz").exists()
     runs = json.loads((out / "run.json").read_text())["runs"]
     assert len(runs) == 2 and runs[1] == {"command": "the other shard"}
     assert runs[0]["lines_written"] == 0 and runs[0]["started"] and runs[0]["finished"]  # this one's, completed
+
+
+def test_torchrun_refuses_a_shard_by_hand(tmp_path, tiny_dir, no_model, capsys, monkeypatch):
+    """Under torchrun the ranks split the sweep, so a --shard K/N given as well would be silently ignored: refused in
+    one line before a model loads or --out is made."""
+    monkeypatch.setattr(sweep.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sweep.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(sweep.dist, "get_world_size", lambda: 2)
+    argv = ["--out", str(tmp_path / "out"), "--model", str(tiny_dir), "--shard", "1/2"] + RUN
+    one_line(capsys, sweep.main(argv), "--shard splits a sweep by hand")
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_from_python_refuses_a_tau_of_0_before_loading(tmp_path, tiny_dir, no_model, monkeypatch):
+    """sweep.run called from Python takes values that no CLI parser checked: a tau of 0 is refused there, naming the
+    method, and a batch of 0, before a model loads or --out is made."""
+    seen, run = {}, sweep.run
+    monkeypatch.setattr(sweep, "run", lambda **kwargs: seen.update(kwargs))
+    assert sweep.main(["--out", str(tmp_path / "out"), "--model", str(tiny_dir)] + RUN) == 0
+    with pytest.raises(ValueError, match=re.escape("oracle (--taus, --ablation-taus or --grid): ")):
+        run(**dict(seen, methods="dense,oracle", taus="0,0.6"))
+    with pytest.raises(ValueError, match="--batch must be at least 1, got 0"):  # no batch of rows to decode
+        run(**dict(seen, batch=0))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_resume_with_other_tasks_adds_them_to_the_settings(tmp_path, tiny_dir, monkeypatch):
+    """--tasks is no setting that clashes: a folder resumed with another task goes on, and run.json's settings name
+    the tasks of both runs, the earlier first (lab.report's tables read them)."""
+    out = tmp_path / "out"
+    settings = dict(tasks=["niah_single_1"], length=400, seed=42, stop="eos", n_sink=16, n_local=128,
+                    model=str(tiny_dir), calib_seed=1, dtype="float32")
+    run_folder(out, LINES[0], settings=settings)
+    monkeypatch.setattr(sweep, "sweep", lambda *args: 0)
+    assert sweep.main(["--out", str(out), "--model", str(tiny_dir)] + RUN) == 0
+    assert json.loads((out / "run.json").read_text())["settings"]["tasks"] == ["niah_single_1", "fwe"]
+
+
+def test_a_grid_of_qada_rw_reaches_the_context_free_runs(tmp_path, tiny_dir, no_model, monkeypatch):
+    """--grid qada_rw=... with qada_rw run only on the context-free samples is their grid, not a grid that no
+    configuration takes: the run goes on (up to the model's loading here)."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    argv = ["--out", str(tmp_path / "out"), "--model", str(tiny_dir)] + RUN + ["--ctxfree-samples", "1", "--grid",
+                                                                              "qada_rw=0.9"]
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        sweep.main(argv)
 
 
 def test_a_killed_sweep_leaves_its_command_in_run_json(tmp_path, tiny_dir, monkeypatch):
@@ -826,13 +883,14 @@ def test_quick_keeps_the_grids_of_the_methods_it_runs(tmp_path, tiny_dir, no_mod
 
 
 def test_quick_sees_the_flags_given_not_their_values(tmp_path, tiny_dir, monkeypatch):
-    """--quick applies its defaults where a flag was not given: a value that spells a flag's name (an --out folder
-    called length) does not count as that flag, so the quick length still applies."""
+    """--quick applies its defaults where a flag was not given (one given keeps its value): a value that spells a
+    flag's name (an --out folder called length) does not count as that flag, so the quick length still applies."""
     seen = {}
     monkeypatch.setattr(sweep, "run", lambda **kwargs: seen.update(kwargs))
     monkeypatch.chdir(tmp_path)
-    assert sweep.main(["--quick", "--out", "length", "--model", str(tiny_dir)]) == 0
+    assert sweep.main(["--quick", "--out", "length", "--model", str(tiny_dir), "--samples", "1"]) == 0
     assert seen["length"] == sweep.QUICK["length"] and seen["out"] == "length"
+    assert seen["samples"] == 1 != sweep.QUICK["samples"]  # a flag given keeps its value
 
 
 def test_an_unknown_method_lists_each_choice_once():
