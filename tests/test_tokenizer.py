@@ -143,6 +143,19 @@ def test_a_template_saved_apart_and_ids_from_the_configs(tmp_path, embedded_dir)
     assert Tokenizer.from_dir(tmp_path).bos_id == 9
 
 
+def test_a_template_saved_apart_wins_over_tokenizer_config(tmp_path, embedded_dir):
+    """A folder with a template in both places (a repo that added chat_template.jinja and kept an older template in
+    tokenizer_config.json) renders chat_template.jinja's, as transformers does; it rendered the other one."""
+    from transformers import AutoTokenizer
+
+    shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "old{{ messages[0]['content'] }}"}))
+    (tmp_path / "chat_template.jinja").write_text("new{{ messages[0]['content'] }}")
+    chat = [{"role": "user", "content": "hi"}]
+    theirs = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(chat, tokenize=False)
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(chat) == theirs == "newhi"
+
+
 def test_no_chat_template_raises(tmp_path, embedded_dir):
     shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     t = Tokenizer.from_dir(tmp_path)

@@ -59,7 +59,7 @@ class Tokenizer:
         config = _read_json(path / "config.json")
 
         template = _pick_template(tok_config.get("chat_template"))
-        if template is None and (path / "chat_template.jinja").is_file():  # newer transformers save it apart
+        if (path / "chat_template.jinja").is_file():  # newer transformers save it apart; as there, it wins
             template = (path / "chat_template.jinja").read_text()
         special = {k: _token_str(tok_config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         special = {k: v for k, v in special.items() if v is not None}
