@@ -228,6 +228,34 @@ def test_resolve_local_folders_files_and_bad_names(tmp_path):
         resolve("no such model")
 
 
+def test_a_hub_id_fetches_what_a_model_folder_needs_and_no_other_weights(tmp_path, monkeypatch):
+    """resolve(owner/name) asks the hub for every file model.py and Tokenizer.from_dir read (shards and their index,
+    the stop ids of generation_config.json, the chat template saved apart in chat_template.jinja), not for other
+    formats' copies of the weights. Without chat_template.jinja a recent repo's chat prompt went out as raw text."""
+    import fnmatch
+
+    import huggingface_hub
+
+    asked = {}
+
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        asked.update(repo_id=repo_id, patterns=allow_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert resolve("owner/model-1.5B") == tmp_path and asked["repo_id"] == "owner/model-1.5B"
+    assert asked["patterns"] is not None
+
+    def fetched(name):
+        return any(fnmatch.fnmatch(name, p) for p in asked["patterns"])
+
+    for name in ("config.json", "generation_config.json", "model.safetensors", "model-00001-of-00002.safetensors",
+                 "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert fetched(name), name
+    for name in ("pytorch_model.bin", "model.gguf", "consolidated.00.pth", "tf_model.h5"):
+        assert not fetched(name), name
+
+
 # ---- the Qwen2.5-Coder models against transformers reading the same GGUF ----
 
 def transformers_logits(name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float], set[str]]:

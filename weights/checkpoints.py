@@ -62,7 +62,7 @@ MODELS = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT = "qwen2.5-coder-0.5b"  # answers the shipped example and stops; SmolLM2 answers, then repeats itself
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
 
 
 def shipped_calibration(name: str) -> Path | None:
