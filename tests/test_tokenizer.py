@@ -156,6 +156,19 @@ def test_a_template_saved_apart_wins_over_tokenizer_config(tmp_path, embedded_di
     assert Tokenizer.from_dir(tmp_path).apply_chat_template(chat) == theirs == "newhi"
 
 
+def test_template_environment_has_loop_controls_strftime_now_and_tojson_options():
+    """What transformers' template environment offers and shipped templates use: {% break %} (loopcontrols),
+    strftime_now (Llama 3.x's date line), tojson's indent and sort_keys (tool schemas); an empty template is none."""
+    from datetime import datetime
+
+    template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}"
+                "|{{ strftime_now('%Y') }}|{{ {'b': 1, 'a': [2]} | tojson(indent=1, sort_keys=True) }}")
+    rendered = Tokenizer(None, template).apply_chat_template(CHATS[1])
+    year = datetime.now().strftime("%Y")
+    assert rendered == f"You answer in one word.|{year}|" + json.dumps({"a": [2], "b": 1}, indent=1)
+    assert not Tokenizer(None, "").has_chat_template
+
+
 def test_no_chat_template_raises(tmp_path, embedded_dir):
     shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     t = Tokenizer.from_dir(tmp_path)
