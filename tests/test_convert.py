@@ -81,9 +81,12 @@ GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", 
 
 
 def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: str = "llama",
-                    eot: int | None = None) -> dict[str, np.ndarray]:
+                    eot: int | None = None, tokenizer: str = "gpt2", pre: str | None = None,
+                    omit: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Write a 2-layer Llama (or Qwen2: q/k/v biases, q/k not permuted, pre-tokenizer qwen2) GGUF with random
-    F32 weights, and an end-of-turn token id `eot` where given; return the HF-layout weights it encodes."""
+    F32 weights, and an end-of-turn token id `eot` where given; `tokenizer` and `pre` override the tokenizer's
+    names, `omit` leaves out metadata a GGUF may lack ("head_count_kv", "vocab_size", "rope_freq_base"); return the
+    HF-layout weights it encodes."""
     import gguf
     from tokenizers import pre_tokenizers
 
@@ -91,6 +94,7 @@ def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ċ Ġ"]
     tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["he", "ll", "hell", "hello", "Ġw", "ĊĠ"]
+    tokens.append("<tool_call>")  # a user-defined added token (GGUF type 4), as Qwen2.5 has
     V, C, F, H, Hkv, D = len(tokens), TINY["hidden"], TINY["ffn"], TINY["heads"], TINY["kv_heads"], TINY["head_dim"]
     rng = np.random.default_rng(0)
 
@@ -118,16 +122,19 @@ def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: 
     w.add_embedding_length(C)
     w.add_feed_forward_length(F)
     w.add_head_count(H)
-    w.add_head_count_kv(Hkv)
+    if "head_count_kv" not in omit:
+        w.add_head_count_kv(Hkv)
     if not qwen:  # Qwen2 GGUFs have no rope.dimension_count: head_dim is hidden / heads
         w.add_rope_dimension_count(D)
-    w.add_rope_freq_base(500000.0)
+    if "rope_freq_base" not in omit:
+        w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(V)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if qwen else "smollm")
+    if "vocab_size" not in omit:
+        w.add_vocab_size(V)
+    w.add_tokenizer_model(tokenizer)
+    w.add_tokenizer_pre(pre or ("qwen2" if qwen else "smollm"))
     w.add_token_list(tokens)
-    w.add_token_types([3] * len(specials) + [1] * (V - len(specials)))
+    w.add_token_types([3] * len(specials) + [1] * (V - len(specials) - 1) + [4])
     w.add_token_merges(merges)
     w.add_bos_token_id(0 if qwen else 1)
     w.add_eos_token_id(2)
@@ -156,6 +163,10 @@ def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: 
     w.write_tensors_to_file()
     w.close()
     return hf
+
+
+def pieces_of(tok, ids) -> list[str]:
+    return [tok.tokenizer.id_to_token(i) for i in ids]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -191,6 +202,18 @@ def test_convert_tiny_gguf_round_trip(tmp_path, tied):
     assert pieces == ["hello", "Ġw", "o", "r", "l", "d", "ĊĠ", "4", "2", "<|im_end|>"]
     assert tok.eos_ids == {2} and tok.bos_id == 1
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n"
+    # every digit a pre-token of its own (llama.cpp's smollm split), even where a merge could join digits
+    assert [p for p, _ in tok.tokenizer.pre_tokenizer.pre_tokenize_str("a 123\n 45")] == [
+        "a", "Ġ", "1", "2", "3", "ĊĠ", "4", "5"]
+    # control tokens are special (dropped when decoding), a user-defined one is kept whole and kept; bytes decode back;
+    # no BOS on raw text when the GGUF does not ask for one
+    text = "<|im_start|>hello world<|im_end|><tool_call>"
+    assert tok.decode(tok.encode(text)) == "hello world<tool_call>"
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    assert pieces_of(tok, tok.encode("<tool_call>hello")) == ["<tool_call>", "hello"]
+    assert tok.encode("hello", add_special_tokens=True) == tok.encode("hello")
+    header = (out / "model.safetensors").read_bytes()[:8]
+    assert int.from_bytes(header, "little") % 8 == 0  # the data starts 8-byte aligned
 
 
 def test_convert_tiny_gguf_with_add_bos_adds_bos_to_raw_text_only(tmp_path):
@@ -244,6 +267,12 @@ def test_convert_tiny_qwen2_gguf(tmp_path):
     # part of \p{N} and "\s+(?!\S)" leaves it alone, so " ", "4", "2".
     assert pieces == ["hello", "Ġw", "o", "r", "l", "d", "Ċ", "Ġ", "4", "2", "<|im_end|>"]
     assert tok.encode("cafe\u0301") == tok.encode("caf\u00e9")  # NFC before the split
+    # the pre-tokens are the regex's matches and no finer (GPT-2's regex after it would cut "'T" into "'", "T")
+    regex = pytest.importorskip("regex")
+    from tokenizers import decoders
+    for text in ["DON'T you THINK'S? We've I'd", "a\n 1\n  22\t333 x  44, 0.5e-3", "   \n \n\r\n    x\u3000y  "]:
+        pre = tok.tokenizer.pre_tokenizer.pre_tokenize_str(text)
+        assert [decoders.ByteLevel().decode([p]) for p, _ in pre] == regex.findall(convert_gguf.QWEN2_SPLIT, text), text
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -259,6 +288,102 @@ def test_tiny_folder_logits_equal_transformers_reading_the_gguf(tmp_path, arch):
     ids = torch.randint(0, ours.cfg.vocab_size, (1, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, last_only=False), theirs.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_tiny_folder_tokenizer_reads_in_transformers_with_its_tokens_and_text(tmp_path):
+    """transformers' AutoTokenizer on the converted folder: the GGUF's bos/eos/pad/unk tokens, and decoding gives the
+    text back: the folder turns off the clean-up of spaces before punctuation (transformers 4.x applies it to BPE too;
+    5.x ignores it there with a warning)."""
+    transformers = pytest.importorskip("transformers")
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    assert json.loads((out / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is False
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    assert (hf.bos_token, hf.eos_token, hf.pad_token, hf.unk_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>",
+                                                                        "<|endoftext|>")
+    text = "hello , world . it 's"
+    assert hf.decode(hf(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_metadata_a_gguf_may_lack_takes_the_defaults(tmp_path, monkeypatch):
+    """A GGUF without head_count_kv (multi-head attention: as many KV heads as heads) converts to the weights it holds;
+    one without vocab_size (then the token list's length) or rope.freq_base (Llama's 10000) gives transformers' logits
+    on the same file. (transformers' loader leaves the q/k rows permuted when head_count_kv is missing, so it is no
+    oracle for that one.)"""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from safetensors.torch import load_file
+
+    from model import load_model
+
+    monkeypatch.setitem(TINY, "kv_heads", TINY["heads"])
+    expected = write_tiny_gguf(tmp_path / "mha.gguf", omit=("head_count_kv",))
+    out = convert(tmp_path / "mha.gguf", tmp_path / "mha")
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == TINY["heads"]
+    weights = load_file(out / "model.safetensors")
+    assert all(torch.equal(weights[name], torch.from_numpy(w)) for name, w in expected.items())
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", omit=("vocab_size", "rope_freq_base"))
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_theta"] == 10000.0
+    assert config["vocab_size"] == len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
+    ours = load_model(out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, last_only=False), theirs.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_head_dim_is_the_rope_dimension_count(tmp_path, monkeypatch):
+    """A Llama GGUF whose heads are narrower than hidden / heads (Mistral-Nemo: 32 heads of 128 in 5120) takes head_dim
+    from rope.dimension_count: here 4 heads of 8 in 48, and the folder loads with those shapes."""
+    from model import load_model
+
+    monkeypatch.setitem(TINY, "hidden", 48)
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    assert json.loads((out / "config.json").read_text())["head_dim"] == TINY["head_dim"]
+    assert load_model(out).cfg.head_dim == TINY["head_dim"]
+
+
+def test_a_non_finite_weight_is_refused_naming_the_tensor(tmp_path):
+    """A GGUF holding a NaN (a damaged file, a broken quantization) is refused naming the tensor, and leaves neither
+    the folder nor its temporary sibling, instead of converting into a model that answers NaN."""
+    import gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    t = next(t for t in gguf.GGUFReader(tmp_path / "tiny.gguf").tensors if t.name == "blk.1.ffn_up.weight")
+    data = bytearray((tmp_path / "tiny.gguf").read_bytes())
+    data[t.data_offset + 8:t.data_offset + 12] = np.float32(np.nan).tobytes()
+    (tmp_path / "nan.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="GGUF tensor blk.1.ffn_up.weight holds non-finite values"):
+        convert_gguf.convert_atomically(tmp_path / "nan.gguf", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.gguf", "tiny.gguf"]
+
+
+def test_a_concurrent_conversion_that_finished_first_is_taken_and_other_rename_errors_raise(tmp_path, monkeypatch):
+    """Two runs converting the same model: the one whose rename finds the other's complete folder takes it; a rename
+    failing otherwise is raised, not taken for success. Neither leaves its temporary folder."""
+    import shutil
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+
+    def other_run_first(src, dst):
+        shutil.copytree(src, dst)
+        raise OSError(39, "Directory not empty")
+
+    monkeypatch.setattr(convert_gguf.os, "replace", other_run_first)
+    assert convert_gguf.convert_atomically(tmp_path / "tiny.gguf", tmp_path / "a") == tmp_path / "a"
+    assert convert_gguf.is_complete(tmp_path / "a")
+
+    def failing(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(convert_gguf.os, "replace", failing)
+    with pytest.raises(OSError, match="No space left"):
+        convert_gguf.convert_atomically(tmp_path / "tiny.gguf", tmp_path / "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "tiny.gguf"]
 
 
 def test_chunked_dequantization_gives_the_same_file(tmp_path, monkeypatch):
@@ -287,6 +412,27 @@ def test_convert_rejects_other_architectures_and_files(tmp_path):
         convert(tmp_path / "missing.gguf", tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="a folder, not a GGUF file"):
         convert(tmp_path, tmp_path / "out")
+
+
+def test_convert_refuses_a_tokenizer_it_cannot_rebuild_before_writing_weights(tmp_path):
+    """A SentencePiece GGUF (tokenizer.ggml.model "llama": Llama-2, Mistral) or a pre-tokenizer split not reproduced
+    here (Llama-3's "llama-bpe") would tokenize silently wrong: refused, before the output folder is made."""
+    for tokenizer, pre in [("llama", "smollm"), ("gpt2", "llama-bpe")]:
+        write_tiny_gguf(tmp_path / "other.gguf", tokenizer=tokenizer, pre=pre)
+        with pytest.raises(ValueError, match=f"tokenizer '{tokenizer}' with pre-tokenizer '{pre}' is not supported"):
+            convert(tmp_path / "other.gguf", tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+
+
+def test_only_the_known_tensor_names_map():
+    """Biases only on q/k/v; any other tensor (an MLP bias, Qwen3's q_norm, Llama-3.1's rope_freqs, a longer name) is
+    refused by name rather than written into a folder the model cannot load."""
+    assert convert_gguf.hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
+    assert convert_gguf.hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+    for name in ("blk.0.ffn_up.bias", "blk.0.attn_output.bias", "blk.0.attn_q_norm.weight", "rope_freqs.weight",
+                 "blk.0.attn_q.weight.scale"):
+        with pytest.raises(ValueError, match=f"unexpected GGUF tensor '{name}'"):
+            convert_gguf.hf_name(name)
 
 
 def test_cli_converts_a_file_and_reports_errors_in_one_line(tmp_path):
