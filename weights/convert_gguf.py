@@ -378,6 +378,9 @@ def main(argv=None) -> int:
         return e.code
     out = Path(args.out) if args.out else Path(args.gguf).with_suffix("")
     try:
+        if args.out is None and Path(args.gguf).suffix != ".gguf":  # the default folder would be the file itself
+            raise ValueError(f"--gguf {args.gguf} does not end in .gguf, so no output folder follows from it; "
+                             "give --out FOLDER")
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file; give a folder")
         path = convert_atomically(Path(args.gguf), out, progress=True)
