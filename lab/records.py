@@ -322,7 +322,7 @@ def drawn_mean(values: dict[str, dict[str, np.ndarray]], pick: dict, config: str
     picked samples all lack the value (each answer ended at its first token) sits out of this draw's mean, as
     paired_mean leaves it out of the point; NaN only when every task does."""
     picked = [v[config][pick[t]] for t, v in values.items()]
-    means = [x[~np.isnan(x)].mean() for x in picked if not np.isnan(x).all()]
+    means = [np.nanmean(x) for x in picked if not np.isnan(x).all()]
     return float(np.mean(means)) if means else float("nan")
 
 
