@@ -181,13 +181,17 @@ def _check_vt(s):
     assert not any(n in s.input[: s.input.rindex("Memorize and track")] for n in s.outputs)
 
 
+def _cwe_words(text: str) -> list[str]:
+    # the entries of a numbered list "1. a 2. b ...": a few vocabulary words have a space ("dust storm")
+    return re.findall(r"(?<!\S)\d+\. (.+?)(?= \d+\. |\n|$)", text)
+
+
 def _check_cwe(s):
-    entries = re.findall(r"\d+\. (\S+)", s.input.split("\n")[1])
-    counts = Counter(entries)
+    counts = Counter(_cwe_words(s.input.split("\n")[1]))
     assert len(s.outputs) == 10 and set(s.outputs) <= set(counts)
     others = [c for w, c in counts.items() if w not in s.outputs]
     assert min(counts[w] for w in s.outputs) > max(others)
-    assert not set(s.outputs) & set(re.findall(r"\d+\. (\S+)", s.messages[0]["content"]))  # example is disjoint
+    assert not set(s.outputs) & set(_cwe_words(s.messages[0]["content"]))  # example is disjoint
 
 
 def _check_fwe(s):
@@ -432,11 +436,6 @@ def test_variable_tracking_example_takes_at_most_a_quarter(tok):
         shot = s.input[: s.input.rindex("Memorize and track")]
         assert abs(len(tok.encode(shot)) - min(500, length // 4)) <= per_line, length
         assert 10_000 <= s.meta["value"] <= 99_999
-
-
-def _cwe_words(text: str) -> list[str]:
-    # the entries of a numbered list "1. a 2. b ...": a few vocabulary words have a space ("dust storm")
-    return re.findall(r"(?<!\S)\d+\. (.+?)(?= \d+\. |\n|$)", text)
 
 
 def test_cwe_repeats_each_word_by_its_regime_and_answers_the_example(tok):
