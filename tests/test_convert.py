@@ -441,6 +441,10 @@ def test_cli_converts_a_file_and_reports_errors_in_one_line(tmp_path):
     done = subprocess.run(cli + [str(tmp_path / "tiny.gguf")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert convert_gguf.is_complete(tmp_path / "tiny") and f"wrote {tmp_path / 'tiny'}" in done.stdout
+    # The suffix in capitals (as some downloads name it) gives the default folder too.
+    (tmp_path / "upper.GGUF").write_bytes((tmp_path / "tiny.gguf").read_bytes())
+    assert convert_gguf.main(["--gguf", str(tmp_path / "upper.GGUF")]) == 0
+    assert convert_gguf.is_complete(tmp_path / "upper")
 
     failed = subprocess.run(cli + [str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "x")], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)

@@ -378,7 +378,7 @@ def main(argv=None) -> int:
         return e.code
     out = Path(args.out) if args.out else Path(args.gguf).with_suffix("")
     try:
-        if args.out is None and Path(args.gguf).suffix != ".gguf":  # the default folder would be the file itself
+        if args.out is None and Path(args.gguf).suffix.lower() != ".gguf":  # else the default folder is the file
             raise ValueError(f"--gguf {args.gguf} does not end in .gguf, so no output folder follows from it; "
                              "give --out FOLDER")
         if out.exists() and not out.is_dir():
