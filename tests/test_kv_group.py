@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attention import DecodeAttention, kv_read_fraction, reference_attention
-from criterion import local_labels, static_labels
+from criterion import Calibration, local_labels, static_labels
 from moments import FixedMoments
 from tests.test_qada import eq7_share, rand
 
@@ -29,10 +29,10 @@ def heads(T, seed=0):
     return q, k, v, mean, cov
 
 
-def run(method, tau, q, k, v, mean, cov):
+def run(method, tau, q, k, v, mean, cov, **inputs):
     T = k.shape[1]
     moments = None if mean is None else FixedMoments(mean[None], cov[None], T - N_LOCAL)
-    attn = DecodeAttention(method, N_SINK, N_LOCAL, dict(tau=tau, moments=moments))
+    attn = DecodeAttention(method, N_SINK, N_LOCAL, dict(tau=tau, moments=moments, **inputs))
     y = attn(q[None, :, None], k[None], v[None], 0)[0, :, 0]
     return y, attn.stats.labels[-1][0]
 
@@ -91,6 +91,26 @@ def test_oracle_kv_labels_equal_mean_true_share():
         mixed += 0 < int(want.sum()) < H
         assert (y - reference_attention(q, k, v, want, N_SINK, N_LOCAL)).abs().max() < 1e-5
     assert mixed >= 2
+
+
+@pytest.mark.parametrize("calibrated,plain", [("qada_cal", "qada"), ("qada_kv_cal", "qada_kv"),
+                                              ("qada_kv_all_cal", "qada_kv_all"), ("qada_sampled_cal", "qada_sampled"),
+                                              ("qada_kv_sampled_cal", "qada_kv_sampled")])
+def test_a_calibrated_entry_under_the_identity_correction_is_its_plain_twin(calibrated, plain):
+    """a = 0, b = 1 and the variance term as it is leave Eq. 7 (or the sampled estimate) unchanged: each calibrated
+    registry entry then labels and reads as the entry it corrects, so it decides with the same group rule. The rules
+    differ at these thresholds (per head, mean, all), so a twin with another rule is told apart."""
+    T = 700
+    q, k, v, mean, cov = heads(T)
+    identity = Calibration(torch.zeros(1, H), torch.ones(1, H), None, {})
+    differ = 0
+    for tau in torch.linspace(0.1, 0.9, 9).tolist():
+        y, labels = run(calibrated, tau, q, k, v, mean, cov, calibration=identity)
+        y_plain, labels_plain = run(plain, tau, q, k, v, mean, cov)
+        assert torch.equal(labels, labels_plain) and torch.equal(y, y_plain), tau
+        others = ("qada_sampled", "qada_kv_sampled") if "sampled" in plain else ("qada", "qada_kv", "qada_kv_all")
+        differ += len({tuple(run(other, tau, q, k, v, mean, cov)[1].tolist()) for other in others}) == len(others)
+    assert differ  # a tau where every rule labels otherwise
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])

@@ -277,12 +277,16 @@ def test_qada_pages_decides_as_qada_kv_cal_and_reads_the_groups_top_pages(T, met
         assert torch.equal(read, read_by_hand(chosen, T, P, 0 < n < m, long))
 
 
+@pytest.mark.parametrize("negative", [False, True])
 @pytest.mark.parametrize("T", [N_LOCAL + 1, 301])
 @pytest.mark.parametrize("budget", [8, 16, 48])
-def test_the_page_oracle_reads_each_heads_pages_of_largest_true_mass(T, budget):
+def test_the_page_oracle_reads_each_heads_pages_of_largest_true_mass(T, budget, negative):
     """Its ranking counts a page's bulk positions only: a key in the window's part of the last candidate page (planted
-    along head 0's query) must not make that page head 0's."""
+    along head 0's query) must not make that page head 0's. With every score below zero, the last page's positions past
+    the bulk must add nothing either (a padding position at score 0 would outweigh a whole page)."""
     q, k, v = qkv(T, seed=5)
+    if negative:
+        q, k = q.abs(), -k.abs() - 0.5
     k[0, bulk_end(T, N_SINK, N_LOCAL) + 1] = 4 * q[0]
     y, labels, read = PATHS["page_oracle"](q, k, v, n_sink=N_SINK, n_local=N_LOCAL, budget=budget)
     scores = torch.einsum("hgd,htd->hgt", q.double().view(HKV, G, D), k.double()).reshape(H, T) / math.sqrt(D)
@@ -353,6 +357,22 @@ def test_a_page_index_of_another_page_size_is_refused():
     with pytest.raises(ValueError, match="pages of 16 tokens"):
         PATHS["quest_p32"](q, k, v, layer=0, n_sink=N_SINK, n_local=N_LOCAL, pages=PageIndex(None, 16, N_SINK),
                            budget=64)
+
+
+def test_a_page_size_entry_reads_the_pages_its_name_says():
+    """quest_p64 and its like: the page size the entry fixes (build_attention makes its PageIndex at it) is its name's,
+    and its path reads pages of that size; the other entries read Quest's 16."""
+    sized = {m: int(m.rsplit("_p", 1)[1]) for m in PAGE_PATHS if m.rsplit("_p", 1)[-1].isdigit()}
+    assert sorted(sized.values()) == [32, 32, 32, 64, 64, 64]
+    assert all(attention.page_size(m) == 16 for m in PAGE_PATHS if m not in sized)
+    q, k, v = qkv(301)
+    for method, P in sized.items():
+        assert attention.page_size(method) == P
+        inputs = page_inputs(method, 301, k) | dict(budget=2 * P, pages=PageIndex(None, P, N_SINK))
+        y, _, read = PATHS[method](q, k, v, **{n: inputs[n] for n in attention.path_inputs(method)})
+        base = PATHS[method.rsplit("_p", 1)[0]]
+        want, _, want_read = base(q, k, v, **{n: inputs[n] for n in attention.path_inputs(method)}, page_size=P)
+        assert torch.equal(y, want) and torch.equal(read, want_read), method
 
 
 # --- the KV read through DecodeAttention and HeadStats ----------------------------------------------------

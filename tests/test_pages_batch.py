@@ -11,10 +11,10 @@ import generate
 from attention import BatchAttention, DecodeAttention, page_batchable, page_rows
 from criterion import Calibration
 from model import KVCache, load_model
-from moments import FixedMoments
+from moments import FixedMoments, OnlineMoments
 from pages import PageIndex, candidates
 from tests.test_generate import make_tiny_dir
-from tests.test_pages import D, H, HKV, N_LOCAL, N_SINK
+from tests.test_pages import D, H, HKV, N_LOCAL, N_SINK, prefilled
 
 L = 2
 LENGTHS = [301, N_LOCAL + 1, 20, 150]  # the longest, just above the window, within it, between; each grows 1 a step
@@ -176,6 +176,64 @@ def test_a_row_shorter_than_its_sinks_reads_each_of_its_positions_once(monkeypat
     torch.testing.assert_close(y[1, :, 0], full, rtol=0, atol=1e-5)
     alone = BatchAttention(attentions(method, [16, 16], calibration())[:2], start=start, batched=False)(q, k, v, 0)
     torch.testing.assert_close(y, alone, rtol=0, atol=1e-5)
+
+
+def test_a_row_exactly_the_windows_length_and_rows_of_their_own_tau_decide_as_alone(monkeypatch):
+    """Two rows of one context at tau 0.05 and 0.95, and a row of exactly N_LOCAL positions (no bulk: every head local
+    and nothing read past its window, however its Gaussian term would decide): page_rows gives each row the output,
+    labels and KV read of its own path."""
+    monkeypatch.setattr(attention, "fused", lambda q: False)
+    g = torch.Generator().manual_seed(12)
+    lengths, T = [90, 90, N_LOCAL], 90
+    q = torch.randn(3, H, 1, D, generator=g)
+    k, v = torch.randn(3, HKV, T, D, generator=g), torch.randn(3, HKV, T, D, generator=g)
+    q[1], k[1], v[1] = q[0], k[0], v[0]
+    start = [T - n for n in lengths]
+
+    def rows():
+        out = attentions("qada_pages", [16, 16, 16], calibration())[:3]
+        for a, tau in zip(out, (0.05, 0.95, 0.95)):
+            a.inputs["tau"] = tau
+        return out
+    together, alone = rows(), BatchAttention(rows(), start=start, batched=False)
+    for layer in range(L):  # layer 0's correction fixes two groups whatever tau (calibration); layer 1's does not
+        y = page_rows(together, q, k, v, layer, [0, 1, 2], start, torch.empty_like(q))
+        torch.testing.assert_close(y, alone(q, k, v, layer), rtol=0, atol=1e-5)
+    for a, b in zip(alone.rows, together):
+        assert torch.equal(b.stats.label_tensor(), a.stats.label_tensor())
+        assert torch.equal(b.stats.read_tensor(), a.stats.read_tensor())
+    labels = [a.stats.label_tensor()[0, 1] for a in alone.rows]
+    assert not torch.equal(labels[0], labels[1]) and labels[2].all()  # the taus decide apart
+
+
+def test_rows_decode_together_only_on_one_entry_window_and_calibration_with_fixed_moments():
+    """page_rows takes the first row's entry, window and calibration for every row and reads fixed moments: a row that
+    differs in any, or tracks the oracle (every score, row by row), keeps the rows on their own paths."""
+    correction = calibration()
+    rows = attentions("qada_pages", BUDGETS["small"][0], correction)
+    assert page_batchable(rows)
+    inputs = rows[1].inputs
+    tracked = attentions("qada_pages", BUDGETS["small"][0], correction)[1]
+    tracked.stats.track_oracle = True
+    growing = OnlineMoments(prefilled(torch.randn(HKV, 60, D, generator=torch.Generator().manual_seed(1)), 100),
+                            N_SINK, N_LOCAL)
+    for odd in (attentions("qada_pages_sum", BUDGETS["small"][0], correction)[1],  # another entry
+                DecodeAttention("qada_pages", N_SINK, 2 * N_LOCAL, inputs),  # another window
+                DecodeAttention("qada_pages", N_SINK, N_LOCAL, inputs | dict(calibration=calibration())),  # its own
+                DecodeAttention("qada_pages", N_SINK, N_LOCAL, inputs | dict(moments=growing)),
+                tracked):
+        assert not page_batchable(rows[:1] + [odd] + rows[2:])
+
+
+def test_cache_gather_copies_each_pairs_positions_from_a_cache_of_any_layout():
+    """The positions of (row, KV head) pairs, as advanced indexing copies them: from a cache sliced to its filled length
+    (each position a row of D contiguous values, read through one index_select) and from a layout whose positions are
+    no such rows (the head dim not innermost)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, HKV, 50, D, generator=g)
+    b, h, pos = torch.tensor([2, 0, 1]), torch.tensor([1, 1, 0]), torch.randint(0, 40, (3, 7), generator=g)
+    for view in (x[:, :, :40], x.transpose(2, 3).contiguous().transpose(2, 3)[:, :, :40]):
+        assert torch.equal(attention.cache_gather(view, b, h, pos), view[b[:, None], h[:, None], pos])
 
 
 @pytest.mark.parametrize("method", ["quest", "qada_pages"])

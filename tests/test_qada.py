@@ -219,6 +219,15 @@ def test_all_local_is_the_local_path_and_static_zero_is_dense(T):
     assert (local - static0).abs().max() > 1e-3  # the window really differs from dense here
 
 
+@pytest.mark.parametrize("method", list(attention.PATHS))
+def test_every_path_answers_in_the_caches_dtype(method):
+    """The model's next matmul takes the cache's dtype: a path that computes in fp32 (the oracle's reference) casts
+    back. Past the window, so that every path decides and reads its bulk."""
+    q, k, v = random_qkv(300, seed=5, dtype=torch.bfloat16)
+    y = call(make_attention(method), q, k, v)
+    assert y.dtype == torch.bfloat16 and y.isfinite().all()
+
+
 def test_static_reads_the_labels_of_the_layer_it_decodes():
     # layer 0 all long-context, layer 1 all local: a static path that read layer 0's labels at every layer is dense
     q, k, v = random_qkv(300, seed=4)

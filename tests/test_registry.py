@@ -143,3 +143,14 @@ def test_the_readmes_snippet_runs_as_written(tiny_dir, tmp_path, capsys, monkeyp
     assert generate.main(["--prompt", str(write_prompt(tmp_path, 300)), "--model", str(tiny_dir), "--method", name,
                           "--max-new-tokens", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["sparsity"] == 0.5  # half the query heads local at every step
+
+
+def test_a_misspelt_method_or_an_input_left_none_is_refused_when_the_attention_is_made(registered):
+    """In Python as on the command line: a misspelt method is told the registered ones, and an input handed as None
+    (a keyword left unset) is missing, not given, before any step is decoded."""
+    with pytest.raises(ValueError, match="unknown method 'toy_shar'; choose from .*toy_share"):
+        attention.DecodeAttention("toy_shar")
+    with pytest.raises(ValueError, match="the toy_share path reads share; give --set share=VALUE"):
+        attention.DecodeAttention("toy_share", 4, 16, dict(share=None))
+    assert attention.DecodeAttention("toy_share", 4, 16, dict(share=0.5)).inputs == dict(n_sink=4, n_local=16,
+                                                                                          share=0.5)
