@@ -964,8 +964,9 @@ def static_refusal(rows: list[DecodeAttention]) -> str | None:
         return (f"the {first.method} path decides on the host (dense, the fused qada paths and the page paths run from "
                 "fixed buffers)")
     for a in rows:
-        if (a.method, a.n_sink, a.n_local, a.inputs.get("calibration")) != (
-                first.method, first.n_sink, first.n_local, first.inputs.get("calibration")):
+        # one correction object for every row, as BatchAttention batches them (== would compare its tensors)
+        if ((a.method, a.n_sink, a.n_local) != (first.method, first.n_sink, first.n_local)
+                or a.inputs.get("calibration") is not first.inputs.get("calibration")):
             return "the rows run different paths"
         if (a.inputs.get("budget"), a.inputs.get("budget_frac")) != (
                 first.inputs.get("budget"), first.inputs.get("budget_frac")):

@@ -533,6 +533,11 @@ def test_what_cannot_run_from_fixed_buffers_says_why(tiny):
     rows[1] = build_attention("quest", cache, n_sink=N_SINK, n_local=N_LOCAL, budget=32, pages=PageIndex(cache, 32))
     assert static_refusal(rows) == ("a page index holds pages of 32 tokens after 16 sinks; the path reads pages of 16 "
                                     "after 4")
+    kw = dict(n_sink=N_SINK, n_local=N_LOCAL, tau=0.5, moments_source="prompt")
+    one, other = calibration(), calibration()  # two objects (alike here): the step holds the first row's for all
+    assert static_refusal([build_attention("qada_cal", cache, calibration=one, **kw)] * 2) is None
+    assert static_refusal([build_attention("qada_cal", cache, calibration=c, **kw) for c in (one, other)]) == (
+        "the rows run different paths")
     with pytest.raises(ValueError, match="not in static mode"):
         StaticAttention.of(rows[:1], cache, 4, 4)
     assert "the static path decides on the host" in why("static", static_local=torch.zeros(2, 4, dtype=torch.bool))
