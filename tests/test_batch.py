@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attention import BatchAttention, DecodeAttention, path_inputs, reference_attention
-from criterion import Calibration
+from criterion import Calibration, gaussian_form
 import generate
 from model import load_model
 from tests.test_generate import make_tiny_dir, write_prompt
@@ -40,6 +40,8 @@ def test_batch_attention_gives_each_row_its_own_attention_on_its_own_part_of_the
     assert len(atts[1].stats.lengths) == 1 and len(atts[0].stats.lengths) == 2  # the ended row's path never ran
     with pytest.raises(ValueError, match="rows"):
         BatchAttention(atts, start=[0, 1])
+    with pytest.raises(ValueError, match="a batch of 2 rows for 3 attentions"):  # not a short batch read as 3
+        rows(q[:2], k[:2], v[:2], 0)
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
@@ -87,6 +89,103 @@ def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, method, d
     y = rows(q, k, v, 0)
     assert torch.equal(y[2], torch.zeros_like(y[2])) and len(rows.rows[2].stats.lengths) == 1
     torch.testing.assert_close(y[3].float(), want[0][3].float(), rtol=0, atol=tol)
+
+
+def test_rows_whose_moments_change_every_step_decode_as_each_row_alone():
+    """Moments that are not FixedMoments (here those of the latest keys, new at every step) keep the rows off the
+    batched decision, which makes each set of rows' forms once: over several steps, each row's labels and output are
+    its own path's."""
+    B, H, Hkv, T, D, steps = 2, 4, 2, 100, 16, 3
+
+    class Latest:  # the moments of the row's 8 latest keys
+        def quadratic_form(self, layer, k):
+            return gaussian_form(k[:, -8:].float().mean(1) * 4, torch.eye(D).expand(Hkv, D, D) * 0.1)
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(steps, B, H, 1, D, generator=g) * 2
+    k, v = torch.randn(B, Hkv, T + steps, D, generator=g), torch.randn(B, Hkv, T + steps, D, generator=g)
+    alone, rows = ([DecodeAttention("qada", 4, 32, dict(tau=0.3, moments=Latest())) for _ in range(B)]
+                   for _ in range(2))
+    alone, together = BatchAttention(alone, start=[0, 10], batched=False), BatchAttention(rows, start=[0, 10])
+    for step in range(steps):
+        n = T + step + 1
+        torch.testing.assert_close(together(q[step], k[:, :, :n], v[:, :, :n], 0),
+                                   alone(q[step], k[:, :, :n], v[:, :, :n], 0), rtol=0, atol=1e-5)
+    for a, b in zip(alone.rows, together.rows):
+        assert torch.equal(b.stats.label_tensor(), a.stats.label_tensor())
+    labels = torch.stack([a.stats.label_tensor() for a in alone.rows])  # (B, steps, 1, H)
+    assert (labels[:, 1:] != labels[:, :1]).any()  # the labels move with the moments
+
+
+def test_rows_with_their_own_window_or_correction_decode_as_each_row_alone():
+    """The batched decision takes one path, one window and one correction for every row: rows on other qada paths,
+    with other windows, or with corrections that are other objects (here of other values), are each decided on their
+    own path, as alone."""
+    from moments import FixedMoments
+    B, H, Hkv, T, D, L = 2, 4, 2, 200, 16, 1
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, H, 1, D, generator=g) * torch.linspace(0.5, 3.0, H)[:, None, None]
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    moments = FixedMoments(torch.zeros(L, Hkv, D), torch.eye(D).expand(L, Hkv, D, D) * 0.1, 100)
+    corrections = [Calibration(torch.full((L, H), a), torch.ones(L, H), None, {}) for a in (2.0, -2.0)]
+
+    def rows(batched):
+        windows = [DecodeAttention("qada", 4, n_local, dict(tau=0.3, moments=moments, calibration=corrections[0]))
+                   for n_local in (32, 64)]
+        paths = [DecodeAttention(m, 4, 32, dict(tau=0.2, moments=moments)) for m in ("qada", "qada_kv")]  # row 1:
+        # its group rule labels a group local whose heads qada's per-head rule parts
+        own = [DecodeAttention("qada_cal", 4, 32, dict(tau=0.3, moments=moments, calibration=c)) for c in corrections]
+        return [BatchAttention(r, start=[0, 20], batched=batched) for r in (paths, windows, own)]
+
+    for alone, together in zip(rows(False), rows(True)):
+        torch.testing.assert_close(together(q, k, v, 0), alone(q, k, v, 0), rtol=0, atol=1e-5)
+        assert [torch.equal(a.stats.label_tensor(), b.stats.label_tensor())
+                for a, b in zip(alone.rows, together.rows)] == [True, True]
+    labels = torch.stack([a.stats.label_tensor()[0, 0] for a in alone.rows])
+    assert labels[0].all() and not labels[1].any()  # the corrections part the rows
+
+
+@pytest.mark.parametrize("short", [16, 32])
+def test_a_row_within_its_window_keeps_the_batch_off_the_batched_decision(short):
+    """A row whose context fits its window (n_local = 32 positions here, or fewer) has no bulk to decide on: its path
+    attends to all of it, every head local, and the rows are not decided together; every row decodes as alone."""
+    from moments import FixedMoments
+    B, H, Hkv, T, D = 2, 4, 2, 100, 16
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    moments = FixedMoments(torch.zeros(1, Hkv, D), torch.eye(D).expand(1, Hkv, D, D) * 0.01, 100)
+
+    def rows(batched):
+        atts = [DecodeAttention("qada", 4, 32, dict(tau=0.3, moments=moments)) for _ in range(B)]
+        return BatchAttention(atts, start=[0, T - short], batched=batched)
+
+    alone, together = rows(False), rows(True)
+    torch.testing.assert_close(together(q, k, v, 0), alone(q, k, v, 0), rtol=0, atol=1e-5)
+    assert [torch.equal(a.stats.label_tensor(), b.stats.label_tensor()) for a, b in zip(alone.rows, together.rows)] == [
+        True, True] and together.rows[1].stats.label_tensor().all()
+
+
+def test_a_row_that_tracks_the_oracle_keeps_the_batch_off_the_batched_decision():
+    """The oracle's statistics read every score of a row, on its own path: with one row tracking them the rows are not
+    decided together, and that row's oracle labels and masses are recorded beside its labels, as alone."""
+    from moments import FixedMoments
+    B, H, Hkv, T, D = 2, 4, 2, 100, 16
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    moments = FixedMoments(torch.zeros(1, Hkv, D), torch.eye(D).expand(1, Hkv, D, D) * 0.01, 100)
+
+    def rows(batched):
+        atts = [DecodeAttention("qada", 4, 32, dict(tau=0.3, moments=moments)) for _ in range(B)]
+        atts[0].stats.track_oracle = True
+        return BatchAttention(atts, start=[0, 10], batched=batched)
+
+    alone, together = rows(False), rows(True)
+    torch.testing.assert_close(together(q, k, v, 0), alone(q, k, v, 0), rtol=0, atol=1e-5)
+    tracked, want = together.rows[0].stats, alone.rows[0].stats
+    assert tracked.oracle_tensor().shape == (1, 1, H) and torch.equal(tracked.oracle_tensor(), want.oracle_tensor())
+    assert torch.equal(tracked.log_masses[0][0], want.log_masses[0][0])
 
 
 @pytest.fixture(scope="module")

@@ -42,8 +42,10 @@ def tiny(tiny_dir):
 
 def calibration(device=None):
     """A correction that spreads the heads' estimated log ratios (the tiny random model's are all alike), so that
-    each step labels some heads local and some not."""
+    each step labels some heads local and some not; the other way round in layer 1, so that each layer's own
+    correction matters."""
     a = torch.linspace(-1.5, 1.5, 4, device=device).repeat(2, 1)  # (L, H)
+    a[1] = a[1].flip(0)
     return Calibration(a, torch.ones(2, 4, device=device), torch.tensor([[0.8, 1.2], [1.1, 0.9]], device=device), {})
 
 
@@ -533,6 +535,9 @@ def test_what_cannot_run_from_fixed_buffers_says_why(tiny):
     rows[1] = build_attention("quest", cache, n_sink=N_SINK, n_local=N_LOCAL, budget=32, pages=PageIndex(cache, 32))
     assert static_refusal(rows) == ("a page index holds pages of 32 tokens after 16 sinks; the path reads pages of 16 "
                                     "after 4")
+    rows[1] = build_attention("quest", cache, n_sink=N_SINK, n_local=N_LOCAL, budget=32, pages=PageIndex(cache, 16))
+    assert static_refusal(rows) == ("a page index holds pages of 16 tokens after 16 sinks; the path reads pages of 16 "
+                                    "after 4")  # the right page size, counted from other sinks
     kw = dict(n_sink=N_SINK, n_local=N_LOCAL, tau=0.5, moments_source="prompt")
     one, other = calibration(), calibration()  # two objects (alike here): the step holds the first row's for all
     assert static_refusal([build_attention("qada_cal", cache, calibration=one, **kw)] * 2) is None

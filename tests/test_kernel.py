@@ -476,6 +476,27 @@ def test_run_path_dispatches_a_qada_path_to_the_kernel_and_the_path_itself_stays
     torch.testing.assert_close(y, want_y, atol=2e-5, rtol=1e-4)
 
 
+def test_run_path_gives_the_kernel_the_moments_and_correction_of_its_layer(monkeypatch):
+    """At layer 1 of two whose moments (then whose corrections) differ, run_path's kernel labels and attends as the
+    torch path at layer 1, which labels otherwise than at layer 0."""
+    q, k, v, _, _ = case(1, 6, 2, 16, 300, seed=8)
+    q, k, v = q[0], k[0], v[0]
+    mean = torch.randn(2, 2, 16, generator=torch.Generator().manual_seed(3)) * 0.3
+    cov = torch.stack([random_cov(2, 16, seed=s) for s in (1, 2)]) * torch.tensor([20.0, 0.2])[:, None, None, None]
+    identity = Calibration(torch.zeros(2, 6), torch.ones(2, 6), None, {})
+    layer_0_long = Calibration(torch.tensor([[-5.0] * 6, [0.0] * 6]), torch.ones(2, 6), None, {})
+    for moments, calibration in ((FixedMoments(mean, cov, 1000), identity),  # layer 0's bulk estimated far larger
+                                 (FixedMoments(mean[[1, 1]], cov[[1, 1]], 1000), layer_0_long)):
+        inputs = dict(n_sink=N_SINK, n_local=N_LOCAL, tau=0.5, moments=moments, calibration=calibration)
+        monkeypatch.setenv("QADA_KERNEL", "torch")
+        _, at_0 = attention.run_path("qada_cal", q, k, v, layer=0, **inputs)
+        want_y, want = attention.run_path("qada_cal", q, k, v, layer=1, **inputs)
+        monkeypatch.setenv("QADA_KERNEL", "triton")
+        y, labels = attention.run_path("qada_cal", q, k, v, layer=1, **inputs)
+        assert torch.equal(labels, want) and not torch.equal(want, at_0)
+        torch.testing.assert_close(y, want_y, atol=2e-5, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Skipping: a local group's bulk is poisoned with NaN, which any read of it would carry into the output.
 

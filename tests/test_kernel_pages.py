@@ -14,10 +14,11 @@ import torch
 
 import attention
 import decode_kernels
+from criterion import Calibration
 from decode_kernels import fused_pages, fused_qada
 from lab import bench_pages_gpu, kernel_resources
 from lab.kernel_resources import compile_launches, nvidia_backend
-from moments import bulk_end
+from moments import FixedMoments, bulk_end
 from pages import PageIndex, candidates, page_count, stacked
 from tests.test_kernel import Launch, Recorded
 from tests.test_pages import brute_pages, calibrations, moments_of, shares_by_hand, split, top
@@ -613,3 +614,32 @@ def test_run_path_dispatches_a_page_path_to_the_kernel(method, monkeypatch):
     if method.startswith("qada"):
         assert 0 < int(labels.sum()) < len(labels)  # a local group and a long one: both kinds of row
     torch.testing.assert_close(y, want_y, atol=2e-5, rtol=1e-4)
+
+
+def test_run_path_gives_the_page_kernel_its_layers_pages_moments_and_correction(monkeypatch):
+    """At layer 1 of two (layer 0's keys already in the page index, its moments, then its correction, labelling every
+    head local), run_path's page kernel reads, labels and attends as the torch path at layer 1, over a bulk that ends
+    one key into its last page: a budget of a few pages ranks layer 1's own pages, a budget of all reads that key."""
+    T = N_LOCAL + 16 * 16 + 1  # the bulk: 16 pages of 16 and one key
+    assert candidates(T, N_SINK, N_LOCAL, 16) == candidates(T - 1, N_SINK, N_LOCAL, 16) + 1
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(H, D, generator=g) * 1.5
+    k, v = torch.randn(2, HKV, T, D, generator=g), torch.randn(2, HKV, T, D, generator=g)
+    mean = torch.stack([-3 * q.view(HKV, G, D).mean(1), k[1].mean(1)])  # layer 0's bulk far below its window
+    cov = torch.eye(D).expand(2, HKV, D, D) * 0.1
+    identity = Calibration(torch.zeros(2, H), torch.ones(2, H), None, {})
+    layer_0_local = Calibration(torch.tensor([[10.0] * H, [0.0] * H]), torch.ones(2, H), None, {})
+    for moments, calibration, budget in ((FixedMoments(mean, cov, 1000), identity, 48),
+                                         (FixedMoments(mean[[1, 1]], cov, 1000), layer_0_local, 10_000)):
+        inputs = dict(n_sink=N_SINK, n_local=N_LOCAL, tau=0.5, moments=moments, calibration=calibration,
+                      pages=PageIndex(None, 16, N_SINK), budget=budget)
+        inputs["pages"].bounds(0, k[0])  # layer 0's pages in the index (a local group's step scores none)
+        monkeypatch.setenv("QADA_KERNEL", "torch")
+        _, at_0, _ = attention.run_path("qada_pages", q, k[0], v[0], layer=0, **inputs)
+        want_y, want, want_read = attention.run_path("qada_pages", q, k[1], v[1], layer=1, **inputs)
+        monkeypatch.setenv("QADA_KERNEL", "triton")
+        y, labels, read = attention.run_path("qada_pages", q, k[1], v[1], layer=1, **inputs)
+        assert at_0.all() and not want.any()
+        assert torch.equal(labels, want) and torch.equal(read.long(), want_read.long())
+        torch.testing.assert_close(y, want_y, atol=2e-5, rtol=1e-4)
+    assert (want_read == T).all()  # every candidate page read, the one-key page too

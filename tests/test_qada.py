@@ -117,6 +117,22 @@ def test_the_window_sizes_every_caller_checks():
         DecodeAttention("local", n_sink=128, n_local=128)
 
 
+def test_decode_attention_refuses_a_missing_input_and_a_bad_tau():
+    """DecodeAttention, the Python entry that bypasses the CLI's checks: a path given no value for what it reads is
+    refused naming it (not a KeyError), and so is a tau outside (0, 1]; what the path does not read is dropped."""
+    moments = make_attention("qada").moments
+    with pytest.raises(ValueError, match="the qada path reads tau; give --set tau=VALUE"):
+        DecodeAttention("qada", N_SINK, N_LOCAL, dict(moments=moments))
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="tau must lie in"):
+            DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=bad, moments=moments))
+    att = DecodeAttention("local", N_SINK, N_LOCAL, dict(tau=1.5, moments=moments))
+    assert att.inputs == {"n_sink": N_SINK, "n_local": N_LOCAL} and att.tau is None
+    q, k, v = random_qkv(200)
+    with pytest.raises(ValueError, match="decodes one row"):  # two rows are BatchAttention's
+        att(q[None, :, None].expand(2, -1, -1, -1), k[None].expand(2, -1, -1, -1), v[None].expand(2, -1, -1, -1), 0)
+
+
 def test_qada_labels_follow_the_local_share():
     """A head whose window scores dwarf the Gaussian bulk estimate is local, and the converse."""
     D, T = 8, 1000
@@ -340,6 +356,28 @@ def test_the_first_steps_keep_the_reads_of_those_steps_only():
     assert first.summary(HKV)["kv_read"] == pytest.approx((100 + 200) / (400 + 401))
 
 
+def test_reads_reported_at_some_steps_only_leave_the_kv_read_to_the_labels():
+    # a step without a reported read (a path that reports none, or a step recorded without one) makes the reported
+    # reads unusable: the KV read is then the one the labels imply, over every step
+    stats = HeadStats(N_LOCAL)
+    labels = torch.tensor([True] * 3 + [False] * 3)  # group 0 local, group 1 long
+    for T, read in ((400, None), (401, torch.full((HKV,), 7))):
+        stats.record(0, T, labels, read=read)
+    assert stats.read_tensor() is None
+    assert stats.summary(HKV)["kv_read"] == pytest.approx((N_LOCAL + 400 + N_LOCAL + 401) / (2 * 400 + 2 * 401))
+
+
+def test_the_first_steps_keep_the_oracles_agreement_of_those_steps_only():
+    stats = HeadStats(N_LOCAL, track_oracle=True)
+    local, long = torch.ones(H, dtype=torch.bool), torch.zeros(H, dtype=torch.bool)
+    for oracle in (local, long, long):  # the path's labels all local: agreeing at step 0, not after
+        stats.record(0, 400, local, oracle, torch.zeros(4, H))
+    first = stats.first(1)
+    assert first.summary(HKV)["agreement"] == {"TP": H, "FP": 0, "TN": 0, "FN": 0}
+    assert stats.summary(HKV)["agreement"] == {"TP": H, "FP": 2 * H, "TN": 0, "FN": 0}
+    assert len(first.log_masses) == 1
+
+
 def test_oracle_labels_and_agreement_equal_brute_force():
     """The tracked oracle labels equal Eq. 2 from every score in float64, and the agreement counts are those
     of QAdA's labels against these independent oracle labels."""
@@ -393,6 +431,19 @@ def test_the_tracked_log_masses_are_the_equations_in_float64():
     shares = torch.sigmoid(want[0] - want[1])
     assert torch.equal(attn.stats.oracle_tensor()[0, 0], shares >= tau) and 0 < int((shares >= tau).sum()) < H
     assert ((shares >= tau) != (shares >= TAU)).any()  # the two thresholds label some head differently
+
+
+@pytest.mark.parametrize("T", [N_LOCAL - 1, N_LOCAL])
+def test_the_tracked_masses_of_a_context_within_the_window_have_no_bulk(T):
+    """No bulk keys: the oracle labels every head local, the bulk's true mass is 0 and neither Gaussian estimate
+    exists (NaN), rather than moments of no keys asked for."""
+    q, k, v = random_qkv(T, seed=T)
+    attn = make_attention("qada", tau=0.5)
+    attn.stats.track_oracle = True
+    call(attn, q, k, v)
+    masses = attn.stats.log_masses[0][0]
+    assert attn.stats.oracle_tensor()[0, 0].all() and (masses[1] == -math.inf).all()
+    assert masses[2:].isnan().all() and masses[0].isfinite().all()
 
 
 # --- moments -------------------------------------------------------------------------------------------------
