@@ -141,7 +141,7 @@ def quest(q, k, v, *, layer, n_sink, n_local, pages, budget, budget_frac, page_s
     y_window, log_local = window_attention(q, k, v, n_sink, n_local)
     H, T = q.shape[0], k.shape[1]
     m = candidates(T, n_sink, n_local, page_size)
-    chosen, scored = top_pages(lambda: upper_bounds(q, *index_bounds(pages, page_size, layer, k, m)), m,
+    chosen, scored = top_pages(lambda: upper_bounds(q, *index_bounds(pages, page_size, n_sink, layer, k, m)), m,
                                page_count(T, page_size, budget, budget_frac), H, q.device)  # (H, m)
     y, page_read = paged_attention(q, k, v, chosen, y_window, log_local, n_sink, n_local, page_size)
     read = min(T, n_local) + page_read + scored * chosen.shape[1]  # (Hkv,): window, pages, every candidate's bound
@@ -176,7 +176,7 @@ def qada_pages(q, k, v, *, layer, n_sink, n_local, tau, moments, calibration, pa
     if n_long:  # the long groups' bounds only: a local group reads no page statistics
 
         def group_bounds():  # (n_long, m): the heads' bounds combined per group
-            lo, hi = index_bounds(pages, page_size, layer, k, m)
+            lo, hi = index_bounds(pages, page_size, n_sink, layer, k, m)
             b = upper_bounds(q.view(Hkv, -1, D)[long].reshape(-1, D), lo[long], hi[long]).view(n_long, -1, m)
             return group_ranking(b, combine, log_local.view(Hkv, -1)[long], page_size, 1 / math.sqrt(D))
 
@@ -384,12 +384,13 @@ def paged_attention(q, k, v, chosen, y_window, log_local, n_sink, n_local, page_
     return y, read
 
 
-def index_bounds(pages: PageIndex, page_size: int, layer: int, k: torch.Tensor, m: int):
+def index_bounds(pages: PageIndex, page_size: int, n_sink: int, layer: int, k: torch.Tensor, m: int):
     """The min and max (Hkv, m, D) of the m candidate pages, from the PageIndex a path reads (brought up to date with
-    its cache k), which must hold pages of the path's own size."""
-    if pages.page_size != page_size:
-        raise ValueError(f"the page index holds pages of {pages.page_size} tokens; this path reads pages of "
-                         f"{page_size}")
+    its cache k), which must hold pages of the path's own size counted from its own sinks (else page j would cover
+    other positions than the path's candidate j)."""
+    if (pages.page_size, pages.n_sink) != (page_size, n_sink):
+        raise ValueError(f"the page index holds pages of {pages.page_size} tokens after {pages.n_sink} sinks; this "
+                         f"path reads pages of {page_size} after {n_sink}")
     lo, hi = pages.bounds(layer, k)
     return lo[:, :m], hi[:, :m]
 
@@ -530,7 +531,8 @@ def row_pages(rows: list, qs, k, layer: int, live: list[int], start: list[int], 
         for i in dict.fromkeys(i for i, _ in ranked):  # each ranking row once, in order
             heads = [h for ii, h in ranked if ii == i]
             b = live[i]
-            lo_b, hi_b = index_bounds(rows[b].inputs["pages"], P, layer, k[b, :, start[b]:], m[i])  # (Hkv, m, D)
+            lo_b, hi_b = index_bounds(rows[b].inputs["pages"], P, rows[b].n_sink, layer, k[b, :, start[b]:],
+                                      m[i])  # (Hkv, m, D)
             if len(heads) == Hkv:
                 bound = upper_bounds(qs[i], lo_b, hi_b)  # (H, m)
             else:  # a head at a time, on views of the index
@@ -756,7 +758,7 @@ def fused_page_step(method: str, q, k, v, *, layer, n_sink, n_local, pages, budg
     them."""
     options = page_options(method, dict(budget=budget, budget_frac=budget_frac))
     P = options["page_size"]
-    lo, hi = index_bounds(pages, P, layer, k, candidates(k.shape[1], n_sink, n_local, P))  # (Hkv, m, D) each
+    lo, hi = index_bounds(pages, P, n_sink, layer, k, candidates(k.shape[1], n_sink, n_local, P))  # (Hkv, m, D)
     zero, tau = _one_row(q.device, tau)
     decide = {}
     if page_kind(method) is qada_pages:  # QAdA's group decision, as qada_kv_cal takes it

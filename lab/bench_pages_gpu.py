@@ -229,7 +229,7 @@ def self_check(device: torch.device, dims: dict, P: int) -> list[str]:
                     want_y, want_labels, _ = attention.qada_pages(q[i], kk, vv, **common, tau=0.3,
                                                                   moments=moments[i], calibration=calibration)
                 m = candidates(kk.shape[1], N_SINK, N_LOCAL, P)
-                bounds = upper_bounds(q[i], *attention.index_bounds(common["pages"], P, 0, kk, m))  # (H, m)
+                bounds = upper_bounds(q[i], *attention.index_bounds(common["pages"], P, N_SINK, 0, kk, m))  # (H, m)
                 if not torch.equal(labels[i], want_labels):
                     raise RuntimeError(f"self-check {name} {dtype}: labels differ from the torch path's")
                 picked = chosen[i].float()
