@@ -10,6 +10,7 @@ from attention import BatchAttention, DecodeAttention, path_inputs, reference_at
 from criterion import Calibration, gaussian_form
 import generate
 from model import load_model
+from moments import FixedMoments
 from tests.test_generate import make_tiny_dir, write_prompt
 
 
@@ -52,7 +53,6 @@ def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, method, d
     decision (one window pass and one Gaussian term for every row) gives each row the labels and output of its own
     path, and a row that ended is left out of it. The row-by-row path is not called on the batched route. Both
     routes through the torch path and through the fused kernel (which writes each live row's output in place)."""
-    from moments import FixedMoments
     if kernel == "triton":
         pytest.importorskip("triton")
     monkeypatch.setenv("QADA_KERNEL", kernel)
@@ -121,7 +121,6 @@ def test_rows_with_their_own_window_or_correction_decode_as_each_row_alone():
     """The batched decision takes one path, one window and one correction for every row: rows on other qada paths,
     with other windows, or with corrections that are other objects (here of other values), are each decided on their
     own path, as alone."""
-    from moments import FixedMoments
     B, H, Hkv, T, D, L = 2, 4, 2, 200, 16, 1
     g = torch.Generator().manual_seed(2)
     q = torch.randn(B, H, 1, D, generator=g) * torch.linspace(0.5, 3.0, H)[:, None, None]
@@ -149,7 +148,6 @@ def test_rows_with_their_own_window_or_correction_decode_as_each_row_alone():
 def test_a_row_within_its_window_keeps_the_batch_off_the_batched_decision(short):
     """A row whose context fits its window (n_local = 32 positions here, or fewer) has no bulk to decide on: its path
     attends to all of it, every head local, and the rows are not decided together; every row decodes as alone."""
-    from moments import FixedMoments
     B, H, Hkv, T, D = 2, 4, 2, 100, 16
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, H, 1, D, generator=g)
@@ -169,7 +167,6 @@ def test_a_row_within_its_window_keeps_the_batch_off_the_batched_decision(short)
 def test_a_row_that_tracks_the_oracle_keeps_the_batch_off_the_batched_decision():
     """The oracle's statistics read every score of a row, on its own path: with one row tracking them the rows are not
     decided together, and that row's oracle labels and masses are recorded beside its labels, as alone."""
-    from moments import FixedMoments
     B, H, Hkv, T, D = 2, 4, 2, 100, 16
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, H, 1, D, generator=g)
