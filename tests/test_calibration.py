@@ -200,6 +200,28 @@ def test_a_calibration_with_a_value_not_finite_is_refused(tmp_path, entry):
         load_calibration(tmp_path / "c.json")
 
 
+def test_label_and_calibration_files_are_checked_for_what_they_hold(tmp_path):
+    """label_frequencies: a labels file of other heads is refused, of these heads read as saved. calibration_file: a
+    folder gives its KIND.json, or names the kinds it holds; a file of another kind is refused, one that names no kind
+    (written by hand, or before kinds were recorded) taken as given."""
+    freq = torch.rand(2, 4)
+    save_labels(tmp_path / "ruler.json", freq, {})
+    assert torch.equal(calibrate.label_frequencies(tmp_path / "ruler.json", 2, 4).cpu(), freq)
+    with pytest.raises(ValueError, match=r"ruler.json holds labels of \(2, 4\) heads; the model has \(3, 4\)"):
+        calibrate.label_frequencies(tmp_path / "ruler.json", 3, 4)
+    c = Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, {})
+    (tmp_path / "cal").mkdir()
+    for kind in ("affine", "quantile"):
+        save_calibration(tmp_path / "cal" / f"{kind}.json", Calibration(c.a, c.b, c.s, {"kind": kind}))
+    save_calibration(tmp_path / "hand.json", c)
+    assert calibrate.calibration_file(tmp_path / "cal", "quantile") == tmp_path / "cal" / "quantile.json"
+    assert calibrate.calibration_file(tmp_path / "hand.json", "offset") == tmp_path / "hand.json"
+    with pytest.raises(FileNotFoundError, match="the folder holds no offset.json; it holds affine, quantile$"):
+        calibrate.calibration_file(tmp_path / "cal", "offset")
+    with pytest.raises(ValueError, match="holds the affine correction, not the offset one"):
+        calibrate.calibration_file(tmp_path / "cal" / "affine.json", "offset")
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_dir(tmp_path_factory.mktemp("tiny_cal"))
@@ -277,6 +299,35 @@ def test_static_labels_record_their_weights_and_a_rerun_leaves_older_files_as_th
         calibrate.ensure(model, tok, ["fwe", "vt"], folder, 400, 1, 1, 4, progress=False)
 
 
+def test_the_ruler_labels_are_the_mean_over_the_ruler_tasks_alone(tiny_dir, tmp_path, monkeypatch):
+    """ensure's ruler.json is the mean of the ruler tasks' frequencies, not of every task calibrated nor their sum, and
+    a ruler task not among the tasks is calibrated too; check_labels holds ruler.json to the ruler tasks. ruler.json
+    records the weights only where every ruler task's file does; a task's file that cannot be read is calibrated again
+    under force."""
+    model, tok = load(str(tiny_dir))
+    made, asked = {"qa_1": 0.9, "fwe": 0.2, "vt": 0.4}, []
+
+    def oracle(model, tok, task, *args, **kwargs):  # the oracle stood in for: each task its own frequency
+        asked.append(task)
+        return torch.full((2, 4), made[task]), 3
+    monkeypatch.setattr(calibrate, "oracle_frequency", oracle)
+    folder = tmp_path / "labels"
+    out = calibrate.ensure(model, tok, ["qa_1"], folder, 400, 1, 1, 4, progress=False, ruler_tasks=["fwe", "vt"])
+    ruler, settings = load_local_freq(folder / "ruler.json")
+    assert asked == ["qa_1", "fwe", "vt"] and settings["tasks"] == ["fwe", "vt"] and "weights_probe" in settings
+    assert torch.allclose(ruler, torch.full((2, 4), 0.3)) and torch.equal(out["ruler"], ruler)
+    common = dict(length=400, samples=1, seed=1, max_new_tokens=4, tau=settings["tau"], n_sink=16, n_local=128,
+                  model=str(model.model_dir))
+    calibrate.check_labels(folder, ["qa_1", "fwe", "vt"], ["fwe", "vt"], common)  # the same settings: no refusal
+    freq, kept = load_local_freq(folder / "fwe.json")
+    save_labels(folder / "fwe.json", freq, {k: v for k, v in kept.items() if k != "weights_probe"})  # as from before
+    calibrate.ensure(model, tok, ["qa_1"], folder, 400, 1, 1, 4, progress=False, ruler_tasks=["fwe", "vt"])
+    assert "weights_probe" not in load_local_freq(folder / "ruler.json")[1] and len(asked) == 3  # read back
+    (folder / "vt.json").write_text("cut")
+    calibrate.ensure(model, tok, ["qa_1"], folder, 400, 1, 1, 4, progress=False, ruler_tasks=["fwe", "vt"], force=True)
+    assert asked[3:] == ["vt"] and load_local_freq(folder / "vt.json")[0].eq(0.4).all()
+
+
 def test_corrections_record_their_weights_and_a_refit_leaves_older_files_as_they_are(fitted, tiny_dir, tmp_path,
                                                                                        monkeypatch, capsys):
     monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
@@ -301,6 +352,60 @@ def test_corrections_record_their_weights_and_a_refit_leaves_older_files_as_they
     capsys.readouterr()
     assert calibrate.main(argv) == 2
     assert "masses.pt holds the masses of other weights than this model's" in capsys.readouterr().err
+
+
+def test_masses_pt_is_reused_by_runs_of_its_settings_and_replaced_only_under_force(fitted, tiny_dir, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """masses.pt's prompts serve every run of its recording settings: one of fewer samples fits on its own prompts
+    alone, a prompt recorded before the sampled estimate (4 rows) is recorded again. Under --force, masses of other
+    settings (another --moments, which the run records with) or unreadable ones are recorded anew, never mixed in;
+    without it they are refused, as corrections fitted with another --eps or --samples are."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    data = torch.load(fitted / "masses.pt", weights_only=True)
+    recorded = []
+
+    def record(model, tok, reference, task, index, length, seed, max_new_tokens, moments_source, n_sink, n_local):
+        recorded.append((f"{task}#{index}", moments_source))  # the prompt's masses as the fixture recorded them
+        return data["prompts"][f"{task}#{index}"]
+    monkeypatch.setattr(calibrate, "prompt_masses", record)
+    argv = ["--qada", "--tasks", "fwe", "--length", "400", "--max-new-tokens", "6", "--model", str(tiny_dir)]
+
+    def run(name, *extra, masses=None):
+        """lab.calibrate into tmp_path/name, holding `masses` (a dict, or bytes for a cut file) as masses.pt."""
+        folder = tmp_path / name
+        folder.mkdir()
+        if isinstance(masses, bytes):
+            (folder / "masses.pt").write_bytes(masses)
+        elif masses is not None:
+            torch.save(masses, folder / "masses.pt")
+        capsys.readouterr()
+        return calibrate.main(argv + ["--out", str(folder), *extra]), folder
+    rc, folder = run("one", "--samples", "1", masses=data)
+    assert rc == 0 and recorded == []
+    assert load_calibration(folder / "affine.json").settings["steps"] == len(data["prompts"]["fwe#0"][1])
+    older = {"settings": data["settings"], "prompts": dict(data["prompts"], **{"fwe#1": (
+        data["prompts"]["fwe#1"][0][:, :, :4], data["prompts"]["fwe#1"][1])})}
+    assert run("older", "--samples", "2", masses=older)[0] == 0 and recorded == [("fwe#1", "random-words")]
+    assert run("other", "--samples", "1", "--moments", "prompt", masses=data)[0] == 2
+    assert "masses.pt holds masses of other settings (moments_source: 'random-words' there, 'prompt' asked" in (
+        capsys.readouterr().err)
+    recorded.clear()
+    rc, folder = run("forced", "--samples", "1", "--moments", "prompt", "--force", masses=data)
+    assert rc == 0 and recorded == [("fwe#0", "prompt")]
+    assert torch.load(folder / "masses.pt", weights_only=True)["settings"]["moments_source"] == "prompt"
+    rc, folder = run("cut", "--samples", "1", "--force", masses=b"PK\x03\x04 cut short")
+    assert rc == 0 and recorded[1:] == [("fwe#0", "random-words")]
+    shutil.copytree(fitted, tmp_path / "fitted")
+    for extra, there in ((["--samples", "2", "--eps", "0.1"], "eps: 0.05 there, 0.1 asked"),
+                         (["--samples", "1"], "samples: 2 there, 1 asked")):
+        capsys.readouterr()
+        assert calibrate.main(argv + ["--out", str(tmp_path / "fitted"), *extra]) == 2
+        assert there in capsys.readouterr().err
+    assert calibrate.main(argv + ["--out", str(tmp_path / "fitted"), "--samples", "2", "--eps", "0.1", "--force"]) == 0
+    assert load_calibration(tmp_path / "fitted" / "quantile.json").settings["eps"] == 0.1
+    model, tok = load(str(tiny_dir))  # a hub id's model is known only once loaded: calibrate_qada checks it then
+    with pytest.raises(ValueError, match="offset.json holds a correction fitted with other settings .samples: 2"):
+        calibrate.calibrate_qada(model, tok, ["fwe"], tmp_path / "fitted", 400, 1, 1, 6, progress=False)
 
 
 def test_the_recorded_masses_are_the_true_ones_and_the_gaussian_terms(fitted, tiny_dir):
@@ -364,6 +469,29 @@ def test_mass_recorder_matches_the_oracle_and_eq6(tiny_dir):
     s = all_scores(q[0, :, 0], k[0][:, idx]).double()
     torch.testing.assert_close(masses[0, 0, 4].double(), (s.exp().mean(-1) * (T - N_LOCAL)).log(), atol=1e-5, rtol=0)
     assert n_bulk.tolist() == [T - N_LOCAL]
+
+
+def test_the_recorder_takes_only_steps_past_the_window_and_a_prompt_decodes_its_tasks_answer(tiny_dir, monkeypatch):
+    """A step whose cache is no longer than the window has no bulk (T_bulk 0, log 0): not recorded, and a prompt
+    without a step keeps the five rows, so a rerun finds it recorded. prompt_masses decodes up to max_new_tokens or
+    the task's own answer length, whichever is less, as oracle_frequency does."""
+    H, Hkv, D = 4, 2, 8
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, H, 1, D, generator=g), torch.randn(1, Hkv, N_LOCAL + 1, D, generator=g)
+    rec = calibrate.MassRecorder(FixedMoments(torch.zeros(1, Hkv, D), random_cov(Hkv, D)[None], 50), N_SINK, N_LOCAL)
+    rec(q, k[:, :, :N_LOCAL], k[:, :, :N_LOCAL], 0)
+    masses, n_bulk = rec.masses()
+    assert masses.shape == (0, 0, 5, 0) and n_bulk.shape == (0,)
+    rec(q, k, k, 0)
+    masses, n_bulk = rec.masses()
+    assert masses.shape == (1, 1, 5, H) and n_bulk.tolist() == [1] and torch.isfinite(masses).all()
+    model, tok = load(str(tiny_dir))
+    asked = []
+    monkeypatch.setattr(calibrate, "decode", lambda model, cache, logits, n, *a: asked.append(n))
+    own = calibrate.make_sample("fwe", 0, 400, tok, 1).max_new_tokens
+    for max_new_tokens in (own + 5, 2):
+        calibrate.prompt_masses(model, tok, None, "fwe", 0, 400, 1, max_new_tokens, "prompt", 16, 128)
+    assert asked == [own, 2]
 
 
 def test_generate_and_the_sweep_run_calibrated_qada(fitted, tiny_dir, tmp_path, capsys, monkeypatch):
