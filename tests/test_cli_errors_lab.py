@@ -3,6 +3,7 @@ line on stderr and exit 2, found before a model loads; nothing written is replac
 default folder); a sweep folder is locked while a sweep writes it; a damaged record stops lab.report and a sweep's
 resume with its file and line, unless --skip-damaged, which leaves it out and counts it."""
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -19,9 +20,10 @@ import torch
 
 from criterion import Calibration, save_calibration, save_labels
 import generate
-from lab import bench, calibrate, records, report, sweep
+from lab import bench, calibrate, cli, records, report, sweep
 from model import LlamaConfig
 from tests.test_generate import make_tiny_dir
+from weights.checkpoints import DEFAULT
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["--tasks", "fwe", "--length", "400", "--samples", "2", "--methods", "dense,local", "--ablations", "",
@@ -287,9 +289,9 @@ def test_the_lock_of_another_process_is_seen_and_goes_with_it(tmp_path, capsys):
 # Nothing overwritten unless asked
 
 
-def other_labels(folder: Path) -> None:
+def other_labels(folder: Path, model: str = "/other") -> None:
     """Static labels of another model in `folder`, with the settings lab.calibrate's defaults would write."""
-    common = dict(length=400, samples=1, seed=1, max_new_tokens=4, tau=0.6, n_sink=16, n_local=128, model="/other")
+    common = dict(length=400, samples=1, seed=1, max_new_tokens=4, tau=0.6, n_sink=16, n_local=128, model=model)
     save_labels(folder / "fwe.json", torch.full((2, 4), 0.25), dict(task="fwe", **common))
     save_labels(folder / "ruler.json", torch.full((2, 4), 0.25),
                 dict(tasks=["fwe"], **{k: v for k, v in common.items() if k != "max_new_tokens"}))
@@ -313,6 +315,27 @@ def test_calibrate_refuses_to_overwrite_another_models_labels_unless_forced(tmp_
     assert json.loads((out / "fwe.json").read_text())["settings"]["model"] == str(tiny_dir)
     again = (out / "fwe.json").read_text()
     assert calibrate.main(argv) == 0 and (out / "fwe.json").read_text() == again  # the same settings: reused
+
+
+def test_calibrate_tells_the_model_of_the_labels_in_out_before_loading_it(tmp_path, tiny_dir, no_model, monkeypatch,
+                                                                          capsys):
+    """The model a calibration will load is known before it loads where its name tells it: a named model (the
+    default without --model) by its folder in the cache, a local folder as itself, the same folder run by transformers
+    (--hf) as another runner; a hub id only once loaded. So labels in --out of another model are refused before any
+    model is fetched or loaded."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibrate, "resolve", lambda *a, **k: pytest.fail("fetched a model before refusing"))
+    monkeypatch.setattr("integrations.transformers.load", lambda *a, **k: pytest.fail("loaded a model before refusing"))
+    named = str(tmp_path / "cache" / "models" / DEFAULT)
+    assert calibrate.planned_model(None) == calibrate.planned_model(DEFAULT) == named
+    assert calibrate.planned_model(str(tiny_dir)) == str(tiny_dir) and calibrate.planned_model("owner/none") is None
+    out = tmp_path / "labels"
+    out.mkdir()
+    other_labels(out, model=str(tiny_dir))
+    argv = ["--tasks", "fwe", "--length", "400", "--samples", "1", "--max-new-tokens", "4", "--out", str(out),
+            "--device", "cpu"]
+    one_line(capsys, calibrate.main(argv), f"model: {str(tiny_dir)!r} there, {named!r} asked")
+    one_line(capsys, calibrate.main(argv + ["--hf", str(tiny_dir)]), f"'transformers:{tiny_dir}' asked")
 
 
 def test_calibrate_qada_refuses_unreadable_masses_and_corrections_of_other_settings(tmp_path, tiny_dir, no_model,
@@ -469,7 +492,12 @@ CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
     (["--tasks", "fwe", "--threads", "-1", "--out", "{empty}"], "argument --threads"),
     (["--tasks", "fwe", "--threads", "100000", "--out", "{empty}"], "argument --threads: must lie in [1, "),
     (["--tasks", "fwe", "--eps", "nan", "--out", "{empty}"], "argument --eps: must lie in (0, 1)"),
+    (["--tasks", "fwe", "--qada", "--eps", "0", "--out", "{empty}"], "argument --eps: must lie in (0, 1), got '0'"),
+    (["--tasks", "fwe", "--qada", "--eps", "1", "--out", "{empty}"], "argument --eps: must lie in (0, 1), got '1'"),
+    (["--tasks", "fwe", "--qada", "--eps", "x", "--out", "{empty}"], "argument --eps: must lie in (0, 1), got 'x'"),
     (["--tasks", "fwe", "--out", "{a_file}"], "is a file"),
+    (["--tasks", "fwe", "--model", "{missing}", "--out", "{empty}"], "no such folder"),  # an OSError
+    (["--tasks", "fwe", "--model", "{empty}", "--qada", "--out", "{empty}"], "has no config.json"),
     (["--tasks", "fwe", "--length", "600", "--out", "{empty}"], "--length 600 exceeds the model's trained context of 512"),
     (["--tasks", "fwe,vt", "--length", "130", "--out", "{missing}"], "a length of 130 tokens is too short for fwe"),
     (["--tasks", "fwe", "--eps", "0.1", "--out", "{empty}"], "--eps sets how --qada fits its correction; without "
@@ -856,11 +884,43 @@ def test_peers_arguments_are_one_line_and_exit_2(tmp_path, capsys, argv, message
     assert not (tmp_path / "out").exists()
 
 
+def test_the_argument_types_take_their_bounds_and_refuse_past_them(tmp_path, monkeypatch, capsys):
+    """Each checked type at its bounds (taken) and just past them (refused): --threads up to this machine's CPUs, a
+    positive float neither 0 nor infinite, a sparsity grid in [0, 1] both ends included, taus in (0, 1] with 1, integer
+    lists of at least 1 with a trailing comma let through but not an empty list. An error of several lines is said in
+    one; default folders made in the same second get names of their own."""
+    Bad = argparse.ArgumentTypeError
+    cpus = os.cpu_count() or 1
+    assert cli.thread_count(str(cpus)) == cpus and cli.at_least(2)("2") == 2
+    assert cli.positive_float("1e-9") == 1e-9 and cli.ints("2048,") == "2048," and cli.ints("1") == "1"
+    assert cli.fractions("0,1") == "0,1" and cli.taus("1") == "1" and cli.fractions("") == ""
+    for parse, text in ((cli.thread_count, str(cpus + 1)), (cli.at_least(2), "1"), (cli.at_least(2), "x"),
+                        (cli.positive_float, "0"), (cli.positive_float, "inf"), (cli.ints, ""), (cli.ints, "0"),
+                        (cli.fractions, "1.01"), (cli.fractions, "-0.01"), (cli.taus, "0"), (cli.taus, "1.01")):
+        with pytest.raises(Bad):
+            parse(text)
+    assert cli.fail(ValueError("a\n  b")) == 2 and capsys.readouterr().err == "error: a b\n"
+    monkeypatch.setattr(cli.time, "strftime", lambda fmt: "20260101-000000")  # three runs in the same second
+    names = []
+    for _ in range(3):
+        names.append(cli.fresh_folder(str(tmp_path)))
+        names[-1].mkdir()
+    assert [p.name for p in names] == ["20260101-000000", "20260101-000000-2", "20260101-000000-3"]
+
+
 def test_kernel_resources_refuses_an_arch_triton_has_no_backend_for(capsys):
     """--arch 0 compiled on to an LLVM error about an intrinsic; Triton's NVIDIA backend starts at sm_80."""
     kernel_resources = pytest.importorskip("lab.kernel_resources")
     one_line(capsys, kernel_resources.main(["--arch", "0"]), "argument --arch: must be at least 80, got 0")
     one_line(capsys, kernel_resources.main(["--arch", "75"]), "argument --arch: must be at least 80, got 75")
+
+
+def test_kernel_resources_says_a_launch_that_does_not_compile_in_one_line(monkeypatch, capsys):
+    """A launch the GPU compiler refuses: the compiler's last line, not a traceback from reading a cubin never made."""
+    kernel_resources = pytest.importorskip("lab.kernel_resources")
+    monkeypatch.setattr(kernel_resources, "nvidia_backend", lambda: Path("/no/nvidia/tools"))
+    monkeypatch.setattr(kernel_resources, "compile_launches", lambda launches, arch, out: (1, "ptxas\nout of memory\n"))
+    one_line(capsys, kernel_resources.main([]), "the default launch did not compile: out of memory")
 
 
 @pytest.mark.parametrize("cli", ["sweep", "report", "calibrate", "bench", "bench_gpu", "bench_pages_gpu", "peers",
@@ -870,6 +930,7 @@ def test_help_shows_each_default_once_and_no_flag_default(cli, capsys):
     assert module.main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: True)" not in text and "(default: False)" not in text and "(default: None)" not in text
+    assert "(default: [])" not in text  # an option given once per value (--with, --grid, --set) has none
     for option in text.split(" --")[1:]:  # each option's entry, roughly
         assert option.count("default") <= 1, option
 
