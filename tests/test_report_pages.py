@@ -1,10 +1,11 @@
 """lab.report on the page paths, from hand-built records (no model): the combination (qada_pages) against
-Quest alone at matched KV read with a paired interval, their rows and names in the lossless tables, figKV, and an
-analysis without page paths left as it was."""
+Quest alone at matched KV read with a paired interval, their rows and names in the lossless tables, figKV, what
+the figures draw of the records, and an analysis without page paths left as it was."""
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lab import records, report
@@ -162,6 +163,42 @@ def test_the_page_paths_get_rows_and_names_in_the_lossless_tables(tmp_path, monk
     assert heads == [records.label("qada_kv_cal")]  # a page budget moves the read, not the head sparsity
     assert reads == [records.label(m) for m in ("qada_kv_cal", "quest", "qada_pages", "page_oracle")]
     assert not {quest, qada_pages, oracle} & {c for panel in drawn["fig4_score_vs_sparsity.png"] for c in panel}
+    assert records.label("qada_kv_cal") not in {c for panel in drawn["fig4_score_vs_sparsity.png"] for c in panel}
+
+
+def test_the_figures_draw_the_records_values(tmp_path, monkeypatch):
+    """What the figures draw, against the records by hand: Fig. 4's and figKV's error bars end at the interval's
+    ends (every sample alike: points, so no bar), a page path's curve holds its own points, an ablation is drawn
+    in neither (nor in Fig. 6b); Fig. 7 shades each head by the percent of steps it was long-context, 100 minus
+    its local percent; Fig. 6a draws a decode step only where at least two answers reached it."""
+    from matplotlib.axes import Axes
+    drawn = {"errorbar": [], "imshow": [], "plot": []}
+    for name in drawn:
+        def keep(ax, *args, _name=name, _draw=getattr(Axes, name), **kwargs):
+            drawn[_name].append((args, kwargs))
+            return _draw(ax, *args, **kwargs)
+        monkeypatch.setattr(Axes, name, keep)
+    rows = []
+    for task in TASKS:
+        for i in range(4):  # head (0, 0) labelled local at every step, (0, 1) at none, ...; answers of 3, 1, 1, 1 steps
+            rows += [rec(task, i, "dense", 1.0, 1.0), rec(task, i, "oracle@0.6", 1.0, 0.5, 0.5, "tau") | {
+                "local_freq": [[1.0, 0.0], [0.25, 0.75]], "steps": 3 if i == 0 else 1,
+                "step_sparsity": [0.5, 0.5, 0.5] if i == 0 else [0.1]}]
+            rows += [rec(task, i, "quest@128", 1.0, 0.1, kind="budget"), rec(task, i, "quest_p32@128", 1.0, 0.3,
+                                                                               kind="budget"),
+                     rec(task, i, "qada_word@0.6", 1.0, 0.5, 0.5, "tau")]  # an ablation: Fig. 5e-g's alone
+    out = tmp_path / "run"
+    write_run(out, rows)
+    report.report(out)
+    bars = [np.asarray(kwargs["yerr"]) for _, kwargs in drawn["errorbar"] if kwargs["label"] == records.label("oracle")]
+    assert len(bars) == 5 and not any(bar.any() for bar in bars)  # Fig. 4's and figKV's two panels, Fig. 6b's spread
+    # figKV, drawn for the page paths alone: each page path's curve of its own points (quest's not quest_p32's)
+    assert [list(args[0]) for args, kwargs in drawn["errorbar"] if kwargs["label"] == records.label("quest")] == [[0.1]]
+    assert records.label("qada_word") not in {kwargs["label"] for _, kwargs in drawn["errorbar"]}
+    (image,), _ = drawn["imshow"][0]
+    assert image.tolist() == [[0.0, 100.0], [75.0, 25.0]]
+    oracle = [args for args, kwargs in drawn["plot"] if kwargs.get("label") == records.label("oracle")]
+    assert [(list(x), list(y)) for x, y, *_ in oracle] == [([1], [pytest.approx(0.2)])] * 2  # one panel per task
 
 
 def test_without_page_paths_the_analysis_is_as_before(tmp_path):
