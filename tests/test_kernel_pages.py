@@ -546,6 +546,30 @@ def test_a_launch_is_compiled_as_the_jit_specializes_it_on_a_gpu():
     assert signature["skt"] == "constexpr" and constexprs["skt"] == 1
 
 
+def test_a_captured_step_takes_the_launch_asked_for_and_puts_the_kernels_back():
+    """step_launches with the window kernel's launch changed compiles that launch: its options (warps, pipeline
+    stages) as asked, the other kernels' as they were, tensor cores on; a constexpr the launch leaves out is
+    specialized to its default. recorded puts decode_kernels' kernels and its interpreter flag back, also when the step raises."""
+    names = ("_window_decide_kernel", "_split_attention_kernel", "_page_bound_kernel", "_page_select_kernel",
+             "INTERPRETED")
+    before = {name: getattr(decode_kernels, name) for name in names}
+    with pytest.raises(RuntimeError, match="stopped"):
+        with kernel_resources.recorded([]):
+            raise RuntimeError("stopped")
+    assert {name: getattr(decode_kernels, name) for name in names} == before
+    default = kernel_resources.specs(kernel_resources.step_launches()["qada"])
+    changed = kernel_resources.specs(kernel_resources.step_launches(dict(num_stages=1, num_warps=8))["qada"])
+    assert [s[0] for s in changed] == ["_window_decide_kernel", "_split_attention_kernel"]
+    assert default[0][2]["LOW"] is True  # bf16 products on tensor cores, as compiled (the interpreter has them off)
+    assert changed[0][4] == {"num_warps": 8, "num_stages": 1} != default[0][4] and changed[1] == default[1]
+    assert {name: getattr(decode_kernels, name) for name in names} == before
+    kernel, _, args, kwargs = kernel_resources.step_launches()["qada"][0]
+    params = inspect.signature(kernel.fn).parameters
+    left = [n for n, p in params.items() if n not in dict(zip(params, args)) | kwargs and p.default is not p.empty]
+    specialized = {n: default[0][2][n] for n in left if n in default[0][2]}  # the constexprs among them
+    assert specialized and specialized == {n: params[n].default for n in specialized}
+
+
 @pytest.mark.skipif(nvidia_backend() is None, reason="this Triton has no NVIDIA backend or finds no ptxas")
 def test_the_kernels_resources_are_read_from_their_compile_for_a_gpu(tmp_path, monkeypatch, capsys):
     """lab.kernel_resources: each kernel of the two fused steps at the default launch, and both steps' window kernel
