@@ -549,7 +549,8 @@ def test_a_launch_is_compiled_as_the_jit_specializes_it_on_a_gpu():
 def test_a_captured_step_takes_the_launch_asked_for_and_puts_the_kernels_back():
     """step_launches with the window kernel's launch changed compiles that launch: its options (warps, pipeline
     stages) as asked, the other kernels' as they were, tensor cores on; a constexpr the launch leaves out is
-    specialized to its default. recorded puts decode_kernels' kernels and its interpreter flag back, also when the step raises."""
+    specialized to its default. recorded puts decode_kernels' kernels and its interpreter flag back, also when the
+    step raises."""
     names = ("_window_decide_kernel", "_split_attention_kernel", "_page_bound_kernel", "_page_select_kernel",
              "INTERPRETED")
     before = {name: getattr(decode_kernels, name) for name in names}

@@ -228,8 +228,8 @@ def test_without_page_paths_the_analysis_is_as_before(tmp_path):
 
 def test_a_method_with_no_lossless_point_says_so():
     """A method none of whose configurations keeps 0.95 of dense has no lossless point: the tables say "none
-    measured" where they would state a read (the no-saving end, 1.00, was never measured; the interval stays), and the paired lossless
-    comparison states no difference; a method with one keeps its number."""
+    measured" where they would state a read (the no-saving end, 1.00, was never measured; the interval stays), and
+    the paired lossless comparison states no difference; a method with one keeps its number."""
     rows = dominated("qada_pages", "quest")  # quest: 0.3-0.7 of dense at every read, never lossless
     for task in TASKS:  # qada_pages lossless at its top budget: 0.7 + margin >= 0.95 is not enough; lift it
         for r in rows:
