@@ -249,3 +249,20 @@ def test_a_method_with_no_lossless_point_says_so():
     rows += [rec(task, i, "quest@99999", 0.8, 1.0, kind="budget") for task in TASKS for i in range(len(MARGIN))]
     kv = {r["method"]: r for r in records.lossless_table(rows, TASKS, axis="kv_read", n_boot=50)}
     assert not kv["quest"]["found"] and kv["quest"]["kv_read"] is None
+
+
+def test_a_press_is_drawn_on_the_kv_read_panel_only(tmp_path, monkeypatch):
+    """A kvpress press has no head sparsity (None in its points): figKV draws its points against the KV read and
+    leaves it out of the sparsity panel, where a None would fail the sort of its points."""
+    from matplotlib.axes import Axes
+
+    from lab import plots
+    drawn = []
+    monkeypatch.setattr(Axes, "errorbar", lambda ax, xs, ys, **kwargs: drawn.append((kwargs["label"], list(xs))))
+    point = dict(norm=0.9, lo=0.8, hi=1.0, n=4)
+    points = {"snapkv@0.25": dict(point, sparsity=None, kv_read=0.25), "snapkv@0.5": dict(point, sparsity=None,
+              kv_read=0.5), "oracle@0.6": dict(point, sparsity=0.6, kv_read=0.4)}
+    plots.figure_scores(tmp_path, TASKS, ["oracle", "snapkv"], points, peers=("snapkv",))
+    assert (tmp_path / "figKV_score_vs_kv_read.png").is_file()
+    assert [xs for label, xs in drawn if label == records.label("snapkv")] == [[0.25, 0.5]]  # figKV's KV-read panel
+    assert [xs for label, xs in drawn if label == records.label("oracle")] == [[0.6], [0.4], [0.6], [0.4]]
