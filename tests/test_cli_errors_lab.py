@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from criterion import Calibration, save_calibration, save_labels
+import decode_kernels
 import generate
 from lab import bench, calibrate, cli, records, report, sweep
 from model import LlamaConfig
@@ -818,11 +819,34 @@ def test_a_sweep_that_cannot_start_leaves_no_settings_behind(tmp_path, tiny_dir,
 @pytest.mark.parametrize("argv, message", [(["--lengths", "100"], "exceed the window"), (["--e2e", "8y3"], "BATCHxLAYERS"),
                                            (["--steps", "0"], "argument --steps"), (["--batches", "0"], "--batches"),
                                            (["--parts", "kernels", "--device", "cpu"], "kernels part needs a GPU: no CUDA"),
-                                           (["--e2e-length", "4096", "--capacity", "4100"],
-                                            "--capacity 4100 holds fewer positions than --e2e-length 4096")])
+                                           (["--e2e", "8x0"], "BATCHxLAYERS"), (["--e2e", "8x32x2"], "BATCHxLAYERS"),
+                                           (["--parts", "e2e", "--device", "cpu"],
+                                            "end-to-end part needs a GPU: no CUDA"),
+                                           (["--e2e-length", "4096", "--capacity", "4143"],  # 4096 + 4 * 10 steps + 8
+                                            "--capacity 4143 holds fewer positions than --e2e-length 4096 and the "
+                                            "steps timed after it take (4144)"),
+                                           (["--parts", "e2e", "--device", "cpu", "--e2e-length", "4096", "--capacity",
+                                             "4144"], "end-to-end part needs a GPU")])  # just enough: past that check
 def test_bench_gpu_arguments_are_one_line_and_exit_2(capsys, argv, message):
     bench_gpu = pytest.importorskip("lab.bench_gpu")
     one_line(capsys, bench_gpu.main(argv), message)
+
+
+def test_what_the_gpu_benchmarks_lack_here_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """No triton, or a CPU run without Triton's interpreter (the kernels are defined for a GPU): each said in one line
+    before any folder is made, by both GPU benchmarks."""
+    bench_gpu = pytest.importorskip("lab.bench_gpu")
+    bench_pages_gpu = pytest.importorskip("lab.bench_pages_gpu")
+    out = ["--out", str(tmp_path / "out")]
+    attention_on_cpu = ["--parts", "attention", "--device", "cpu"] + out
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    one_line(capsys, bench_gpu.main(attention_on_cpu), "runs on the CPU only under TRITON_INTERPRET=1")
+    monkeypatch.setattr(decode_kernels, "INTERPRETED", False)
+    one_line(capsys, bench_pages_gpu.main(["--interpret-smoke"] + out), "set TRITON_INTERPRET=1")
+    monkeypatch.setattr(decode_kernels, "triton", None)
+    one_line(capsys, bench_gpu.main(attention_on_cpu), "the fused kernel needs triton")
+    one_line(capsys, bench_pages_gpu.main(["--interpret-smoke"] + out), "no triton")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("argv, message", [(["--lengths", "100"], "each length must exceed the window (128)"),
@@ -831,7 +855,8 @@ def test_bench_gpu_arguments_are_one_line_and_exit_2(capsys, argv, message):
                                            (["--quick", "--lengths", "4096"], "--quick sets --lengths itself"),
                                            (["--interpret-smoke", "--reps", "3", "--budgets", "64"],
                                             "--interpret-smoke sets --budgets, --reps itself"),
-                                           (["--quick", "--interpret-smoke"], "each set the sizes: give one")])
+                                           (["--quick", "--interpret-smoke"], "each set the sizes: give one"),
+                                           (["--fraction", "1.5"], "--fraction takes a share in [0, 1], got 1.5")])
 def test_bench_pages_gpu_arguments_are_one_line_and_exit_2_before_any_timing(tmp_path, capsys, argv, message):
     """--out a file was a FileExistsError once every row was timed; --reps 0 a median of nothing; a preset's sizes
     replaced the ones given silently."""

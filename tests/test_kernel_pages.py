@@ -610,6 +610,60 @@ def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, 
             not (tmp_path / "gpu").exists()
 
 
+@pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="the self-check's CPU run is the interpreter's")
+@pytest.mark.parametrize("fault", ["output", "labels", "pages"])
+def test_the_gpu_benchmark_self_check_refuses_a_kernel_that_disagrees(fault, monkeypatch):
+    """lab.bench_pages_gpu.self_check raises when fused_pages' output, a label (the qada_pages case), or Quest's
+    chosen pages (each head's moved one candidate on: some page chosen bounds lower than one left out) differ from
+    the torch paths'."""
+    real = decode_kernels.fused_pages
+
+    def faulty(*args, **kwargs):
+        y, labels, chosen = real(*args, **kwargs)
+        if fault == "output":
+            y = y + 1e-2
+        elif fault == "labels" and "form" in kwargs:
+            labels = ~labels
+        elif fault == "pages":
+            m = candidates(args[2].shape[2], bench_pages_gpu.N_SINK, bench_pages_gpu.N_LOCAL, args[8])
+            chosen = torch.cat([chosen[..., :m].roll(1, -1), chosen[..., m:]], -1)
+        return y, labels, chosen
+    monkeypatch.setattr(decode_kernels, "fused_pages", faulty)
+    with pytest.raises(RuntimeError, match={"output": "output differs", "labels": "qada_pages .* labels differ",
+                                            "pages": "a chosen page bounds lower"}[fault]):
+        bench_pages_gpu.self_check(torch.device("cpu"), bench_pages_gpu.SMOKE_SHAPES["tiny"], 16)
+
+
+@pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="the benchmark's CPU run is the interpreter's")
+def test_the_gpu_benchmark_table_reads_and_ratios(monkeypatch):
+    """lab.bench_pages_gpu.bench at a tiny shape, each call timed by a fake clock (flash the faster dense): every x is
+    the best dense over its own time, every bound 1 / its read, +pages / quest quest's time over +pages'; qada reads
+    its long groups whole and the window of the others; +pages at half the groups long reads, per (row, KV head),
+    the window and for a long group budget // P pages and one entry per candidate page; Quest, the window and the
+    union of its heads' pages, as attention.quest counts them (up to the window's part of a last candidate page), and
+    with a budget past every candidate, each candidate page and no statistics."""
+    ticks = iter(range(1, 1000))
+    monkeypatch.setattr(bench_pages_gpu, "timed_ms", lambda fn, device, reps: 0.5 if getattr(
+        fn, "__name__", "") == "flash" else float(next(ticks)))
+    T, P, budget, cpu = 300, 16, 32, torch.device("cpu")
+    r, = bench_pages_gpu.bench(bench_pages_gpu.SMOKE_SHAPES, [T], [1], [budget], 0.5, P, cpu, 1)
+    assert r["packed_ms"] == 1.0 and r["qada_ms"] == 2.0 and r["pages_ms"] != r["quest_ms"]
+    for name in ("qada", "pages", "quest"):
+        assert r[f"{name}_x"] == pytest.approx(0.5 / r[f"{name}_ms"])
+    assert r["pages_bound"] == pytest.approx(1 / r["pages_read"]) and r["quest_bound"] == pytest.approx(
+        1 / r["quest_read"])
+    assert r["pages_vs_quest"] == pytest.approx(r["quest_ms"] / r["pages_ms"])
+    m = candidates(T, bench_pages_gpu.N_SINK, bench_pages_gpu.N_LOCAL, P)
+    assert r["qada_read"] == pytest.approx((0.5 * T + 0.5 * 128) / T)
+    assert r["pages_read"] == pytest.approx((128 + 0.5 * (budget + m)) / T)
+    layer = bench_pages_gpu.Layer(**bench_pages_gpu.SMOKE_SHAPES["tiny"], B=1, T=T, P=P, f=0.5, device=cpu)
+    common = dict(layer=0, n_sink=bench_pages_gpu.N_SINK, n_local=bench_pages_gpu.N_LOCAL,
+                  pages=PageIndex(None, P, bench_pages_gpu.N_SINK), budget=budget, budget_frac=None, page_size=P)
+    quest_read = float(attention.quest(layer.q[0], layer.k[0], layer.v[0], **common)[2].double().mean()) / T
+    assert quest_read <= r["quest_read"] <= quest_read + (P - 1) / T and r["quest_read"] > r["pages_read"]
+    assert layer.read(P * m, quest=True) == pytest.approx((128 + m * P) / T)
+
+
 @pytest.mark.parametrize("method", ["quest", "qada_pages", "qada_pages_sum", "qada_pages_share", "quest_p32",
                                     "qada_pages_frac"])
 def test_run_path_dispatches_a_page_path_to_the_kernel(method, monkeypatch):
