@@ -611,11 +611,11 @@ def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, 
 
 
 @pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="the self-check's CPU run is the interpreter's")
-@pytest.mark.parametrize("fault", ["output", "labels", "pages"])
+@pytest.mark.parametrize("fault", ["output", "labels", "pages", "fewer pages"])
 def test_the_gpu_benchmark_self_check_refuses_a_kernel_that_disagrees(fault, monkeypatch):
     """lab.bench_pages_gpu.self_check raises when fused_pages' output, a label (the qada_pages case), or Quest's
-    chosen pages (each head's moved one candidate on: some page chosen bounds lower than one left out) differ from
-    the torch paths'."""
+    chosen pages (each head's moved one candidate on: some page chosen bounds lower than one left out; or the first
+    head's dropped: fewer than the budget's) differ from the torch paths'."""
     real = decode_kernels.fused_pages
 
     def faulty(*args, **kwargs):
@@ -627,10 +627,14 @@ def test_the_gpu_benchmark_self_check_refuses_a_kernel_that_disagrees(fault, mon
         elif fault == "pages":
             m = candidates(args[2].shape[2], bench_pages_gpu.N_SINK, bench_pages_gpu.N_LOCAL, args[8])
             chosen = torch.cat([chosen[..., :m].roll(1, -1), chosen[..., m:]], -1)
+        elif fault == "fewer pages":
+            chosen = chosen.clone()
+            chosen[:, 0] = False
         return y, labels, chosen
     monkeypatch.setattr(decode_kernels, "fused_pages", faulty)
-    with pytest.raises(RuntimeError, match={"output": "output differs", "labels": "qada_pages .* labels differ",
-                                            "pages": "a chosen page bounds lower"}[fault]):
+    message = {"output": "output differs", "labels": "qada_pages .* labels differ"}.get(fault,
+                                                                                        "a chosen page bounds lower")
+    with pytest.raises(RuntimeError, match=message):
         bench_pages_gpu.self_check(torch.device("cpu"), bench_pages_gpu.SMOKE_SHAPES["tiny"], 16)
 
 
