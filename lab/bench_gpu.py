@@ -392,7 +392,7 @@ def bench_setup(T: int, B: int, L: int, device: torch.device, n: int, capacity: 
             graph, q1, q3 = step_ms(loop(method, f, True, made), reset, GRAPH_STEPS * n)
         except RuntimeError as e:  # a capture that fails is a finding, not a crash of the whole table
             graph = q1 = q3 = math.nan
-            syncs = (syncs + "; capture: " + str(e).splitlines()[0])[:120]
+            syncs = "; ".join(filter(None, (syncs, "capture: " + str(e).splitlines()[0])))[:120]
         out[name] = dict(B=B, L=L, T=T, capacity=capacity, view=graph_view(T + 1, capacity), method=name,
                          kv_read=kv_read, eager_ms=eager, graph_ms=graph, graph_q1=q1, graph_q3=q3,
                          graph_quartiles=math.nan if math.isnan(q1) else f"{q1:.2f}-{q3:.2f}", host_syncs=syncs,
