@@ -144,10 +144,9 @@ def test_rows_with_their_own_window_or_correction_decode_as_each_row_alone():
     assert labels[0].all() and not labels[1].any()  # the corrections part the rows
 
 
-@pytest.mark.parametrize("short", [16, 32])
-def test_a_row_within_its_window_keeps_the_batch_off_the_batched_decision(short):
-    """A row whose context fits its window (n_local = 32 positions here, or fewer) has no bulk to decide on: its path
-    attends to all of it, every head local, and the rows are not decided together; every row decodes as alone."""
+def qada_pair(start: list[int], track_first: bool = False):
+    """Two rows of a 100-position cache (4 heads on 2 KV heads, seed 1) on qada at tau 0.3 with a window of 32 after 4
+    sinks, starting at `start`, the first tracking the oracle if asked: (q, k, v, row by row, batched)."""
     B, H, Hkv, T, D = 2, 4, 2, 100, 16
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, H, 1, D, generator=g)
@@ -156,9 +155,17 @@ def test_a_row_within_its_window_keeps_the_batch_off_the_batched_decision(short)
 
     def rows(batched):
         atts = [DecodeAttention("qada", 4, 32, dict(tau=0.3, moments=moments)) for _ in range(B)]
-        return BatchAttention(atts, start=[0, T - short], batched=batched)
+        atts[0].stats.track_oracle = track_first
+        return BatchAttention(atts, start=start, batched=batched)
 
-    alone, together = rows(False), rows(True)
+    return q, k, v, rows(False), rows(True)
+
+
+@pytest.mark.parametrize("short", [16, 32])
+def test_a_row_within_its_window_keeps_the_batch_off_the_batched_decision(short):
+    """A row whose context fits its window (n_local = 32 positions here, or fewer) has no bulk to decide on: its path
+    attends to all of it, every head local, and the rows are not decided together; every row decodes as alone."""
+    q, k, v, alone, together = qada_pair([0, 100 - short])
     torch.testing.assert_close(together(q, k, v, 0), alone(q, k, v, 0), rtol=0, atol=1e-5)
     assert [torch.equal(a.stats.label_tensor(), b.stats.label_tensor()) for a, b in zip(alone.rows, together.rows)] == [
         True, True] and together.rows[1].stats.label_tensor().all()
@@ -167,21 +174,10 @@ def test_a_row_within_its_window_keeps_the_batch_off_the_batched_decision(short)
 def test_a_row_that_tracks_the_oracle_keeps_the_batch_off_the_batched_decision():
     """The oracle's statistics read every score of a row, on its own path: with one row tracking them the rows are not
     decided together, and that row's oracle labels and masses are recorded beside its labels, as alone."""
-    B, H, Hkv, T, D = 2, 4, 2, 100, 16
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(B, H, 1, D, generator=g)
-    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
-    moments = FixedMoments(torch.zeros(1, Hkv, D), torch.eye(D).expand(1, Hkv, D, D) * 0.01, 100)
-
-    def rows(batched):
-        atts = [DecodeAttention("qada", 4, 32, dict(tau=0.3, moments=moments)) for _ in range(B)]
-        atts[0].stats.track_oracle = True
-        return BatchAttention(atts, start=[0, 10], batched=batched)
-
-    alone, together = rows(False), rows(True)
+    q, k, v, alone, together = qada_pair([0, 10], track_first=True)
     torch.testing.assert_close(together(q, k, v, 0), alone(q, k, v, 0), rtol=0, atol=1e-5)
     tracked, want = together.rows[0].stats, alone.rows[0].stats
-    assert tracked.oracle_tensor().shape == (1, 1, H) and torch.equal(tracked.oracle_tensor(), want.oracle_tensor())
+    assert tracked.oracle_tensor().shape == (1, 1, 4) and torch.equal(tracked.oracle_tensor(), want.oracle_tensor())
     assert torch.equal(tracked.log_masses[0][0], want.log_masses[0][0])
 
 
