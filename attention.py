@@ -388,11 +388,18 @@ def index_bounds(pages: PageIndex, page_size: int, n_sink: int, layer: int, k: t
     """The min and max (Hkv, m, D) of the m candidate pages, from the PageIndex a path reads (brought up to date with
     its cache k), which must hold pages of the path's own size counted from its own sinks (else page j would cover
     other positions than the path's candidate j)."""
-    if (pages.page_size, pages.n_sink) != (page_size, n_sink):
-        raise ValueError(f"the page index holds pages of {pages.page_size} tokens after {pages.n_sink} sinks; this "
-                         f"path reads pages of {page_size} after {n_sink}")
+    if why := index_mismatch(pages, page_size, n_sink):
+        raise ValueError(why)
     lo, hi = pages.bounds(layer, k)
     return lo[:, :m], hi[:, :m]
+
+
+def index_mismatch(pages: PageIndex, page_size: int, n_sink: int) -> str | None:
+    """Why the page index cannot serve a path reading pages of `page_size` after `n_sink` sinks, or None."""
+    if (pages.page_size, pages.n_sink) != (page_size, n_sink):
+        return (f"a page index holds pages of {pages.page_size} tokens after {pages.n_sink} sinks; the path reads "
+                f"pages of {page_size} after {n_sink}")
+    return None
 
 
 # The page paths for B rows of a left-padded stacked cache at once (BatchAttention's rows): what each row's own path
@@ -978,9 +985,8 @@ def static_refusal(rows: list[DecodeAttention]) -> str | None:
         if a.moments is not None and not isinstance(a.moments, FixedMoments):
             return f"the moments change every step ({type(a.moments).__name__})"
         index = a.inputs.get("pages")
-        if index is not None and (index.page_size, index.n_sink) != (page_size(a.method), a.n_sink):
-            return (f"a page index holds pages of {index.page_size} tokens after {index.n_sink} sinks; the path reads "
-                    f"pages of {page_size(a.method)} after {a.n_sink}")
+        if index is not None and (why := index_mismatch(index, page_size(a.method), a.n_sink)):
+            return why
     return None
 
 

@@ -356,12 +356,12 @@ def test_a_page_index_of_another_page_size_or_sinks_is_refused():
     """An index of other pages than the path's candidates (another size, or counted from other sinks: page j would
     cover other positions) is refused by every page path, not read as if it were the path's own."""
     q, k, v = qkv(200)
-    with pytest.raises(ValueError, match="pages of 16 tokens after 4 sinks; this path reads pages of 32 after 4"):
+    with pytest.raises(ValueError, match="pages of 16 tokens after 4 sinks; the path reads pages of 32 after 4"):
         PATHS["quest_p32"](q, k, v, layer=0, n_sink=N_SINK, n_local=N_LOCAL, pages=PageIndex(None, 16, N_SINK),
                            budget=64)
     for method in ("quest", "qada_pages"):
         inputs = page_inputs(method, 200, k) | dict(pages=PageIndex(None, 16, N_SINK + 1), budget=32, budget_frac=None)
-        with pytest.raises(ValueError, match=f"pages of 16 tokens after {N_SINK + 1} sinks; this path reads pages of "
+        with pytest.raises(ValueError, match=f"pages of 16 tokens after {N_SINK + 1} sinks; the path reads pages of "
                                              f"16 after {N_SINK}"):
             PATHS[method](q, k, v, **{n: inputs[n] for n in attention.path_inputs(method)})
 
