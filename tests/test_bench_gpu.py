@@ -88,8 +88,14 @@ def test_the_kernels_table_runs_through_the_interpreter(monkeypatch):
     monkeypatch.setattr(bench_gpu, "WINDOW_VARIANTS", [dict(FORM_APART=True)])
     monkeypatch.setattr(bench_gpu, "SPLIT_VARIANTS", [dict(SPREAD=2)])
     launches = dict(decode_kernels.WINDOW_LAUNCH), dict(decode_kernels.SPLIT_LAUNCH)
-    split_size = decode_kernels.split_size
+    programs, chosen = [], decode_kernels.split_size  # the split column asks as the kernel does: a program per KV head
+
+    def split_size(n_programs, T_max, device, block_n=64):
+        programs.append(n_programs)
+        return chosen(n_programs, T_max, device, block_n)
+    monkeypatch.setattr(decode_kernels, "split_size", split_size)
     rows = bench_gpu.bench_kernels(300, 1, torch.device("cpu"))
+    assert set(programs) == {2}  # batch 1 of 2 KV heads, in the kernel and the table alike
     assert [r["f"] for r in rows] == [0.0, 0.5, 1.0]  # of 2 KV heads
     assert [math.isnan(r["stacked_us"]) for r in rows] == [False, False, True]
     # timed_ms's ticks: the step's graph 1, the split size's 2, the stacked graph's 3, over its 2 layers
