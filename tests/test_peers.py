@@ -119,6 +119,79 @@ def test_an_uncompressed_cache_decodes_as_dense(hf):
     assert read == [1.0] * 8
 
 
+def test_expected_attention_runs_on_a_model_kvpress_never_hooked(tmp_path):
+    """ExpectedAttentionPress rotates its query statistics with the layer's rotary table, which only kvpress's own
+    `press(model)` attaches: compress_all attaches it, so a freshly loaded model compresses as kvpress would."""
+    model = save_tiny("llama-gqa", tmp_path)  # not the module's `hf`, which kvpress_cache has already hooked
+    ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(9))
+    peer = peers.Peer("expected_attention", "question", 0.5)
+    kv, _ = peers.compress_all(model, ids[:, :T - 1], {peer.key: T - 1}, {peer.key: peer.make()})
+    ref = kvpress_cache(model, ids[:, :T - 1], peer.make())
+    for layer, (k, v) in enumerate(kv[peer.key]):
+        torch.testing.assert_close(k, ref.layers[layer].keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(v, ref.layers[layer].values, rtol=0, atol=1e-5)
+
+
+def test_caches_of_different_lengths_with_one_token_left_are_masked_and_folded(hf, monkeypatch):
+    """Rows whose caches alone differ in length (the question-aware protocol, several ratios: one token left to
+    feed in every row) are padded and masked too, and their attention runs folded (grouped_sdpa) under that mask."""
+    ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(7))
+    todo = [peers.HF_DENSE, peers.Peer("snapkv", "question", 0.5), peers.Peer("knorm", "question", 0.75)]
+    kv, _ = peers.compress_all(hf, ids[:, :T - 1], dict.fromkeys([p.key for p in todo], T - 1),
+                               {p.key: p.make() for p in todo})
+    rows = [(kv[p.key], ids[:, T - 1:], T - 1) for p in todo]
+    alone = [peers.greedy(hf, *row, 10, {0}) for row in rows]
+    masked = []
+    grouped = peers.grouped_sdpa
+    monkeypatch.setattr(peers, "grouped_sdpa", lambda module, q, k, v, mask, *a, **kw:  # counts the masked calls
+                        masked.append(mask is not None) or grouped(module, q, k, v, mask, *a, **kw))
+    assert peers.greedy_rows(hf, rows, 10, {0}) == alone
+    assert len({tuple(new) for new, _ in alone}) > 1  # the rows answer differently: a mix-up would show
+    assert masked and all(masked)  # every layer's every step under the padding mask, not transformers' copies
+
+
+def test_each_row_feeds_its_rest_at_its_own_positions_and_stops_at_its_own_eos(hf):
+    """A row's remaining prompt tokens go in at positions start .. n - 1 (the padding before them masked), its answer
+    at n, n + 1, ...; a row that says EOS stops there while the others decode on."""
+    ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(19))
+    todo = [peers.Peer("snapkv", "question", 0.5), peers.Peer("knorm", "context", 0.5)]
+    spans = {p.key: (T - 1 if p.protocol == "question" else N_CTX) for p in todo}
+    kv, _ = peers.compress_all(hf, ids[:, :T - 1], spans, {p.key: p.make() for p in todo})
+    rows = [(kv[p.key], ids[:, spans[p.key]:], spans[p.key]) for p in todo]
+    positions = []
+    hook = hf.model.register_forward_pre_hook(lambda m, a, kw: positions.append(kw["position_ids"].clone()),
+                                              with_kwargs=True)
+    try:
+        free = peers.greedy_rows(hf, rows, 6, set())
+    finally:
+        hook.remove()
+    R = T - N_CTX  # the longest rest: the context row's
+    assert positions[0].shape == (2, R) and positions[0][0, R - 1].item() == T - 1  # the question row: its last token
+    assert positions[0][1].tolist() == list(range(N_CTX, T))
+    assert [p.tolist() for p in positions[1:]] == [[[T + i]] * 2 for i in range(5)]  # the answer, 6 passes in all
+    eos = free[0][0][0]  # the first row's first answer token, which the second row never says
+    assert eos not in free[1][0]
+    assert [new for new, _ in peers.greedy_rows(hf, rows, 6, {eos})] == [[eos], free[1][0]]
+
+
+def test_a_press_keeping_different_counts_per_layer_is_refused_from_a_batch(hf):
+    """One padding mask serves every layer, so a cache whose layers hold different counts cannot be a row."""
+    ids = torch.randint(1, 101, (1, T), generator=torch.Generator().manual_seed(6))
+    kv, _ = peers.compress_all(hf, ids[:, :T - 1], {"d": T - 1}, {"d": peers.HF_DENSE.make()})
+    ragged = [(k[:, :, :T - 1 - i], v[:, :, :T - 1 - i]) for i, (k, v) in enumerate(kv["d"])]
+    with pytest.raises(ValueError, match="in different layers"):
+        peers.greedy_rows(hf, [(ragged, ids[:, T - 1:], T - 1)], 4, {0})
+
+
+def test_a_prompt_kvpress_refuses_is_one_clear_error(hf):
+    """kvpress checks its inputs with asserts: SnapKV's window (64 queries) longer than the span is a ValueError
+    naming the sample, not an AssertionError's traceback."""
+    ids = torch.randint(1, 101, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    sample = types.SimpleNamespace(task="niah_single_1", index=4, max_new_tokens=4)
+    with pytest.raises(ValueError, match="niah_single_1#4: kvpress refused the prompt: Query length 39"):
+        peers.run_sample(hf, None, sample, ids, None, [peers.Peer("snapkv", "question", 0.5)], "cpu")
+
+
 def test_a_bad_press_or_ratio_is_one_clear_error():
     with pytest.raises(ValueError, match="unknown press 'snap'"):
         peers.build_peers(["snap"], [0.5], [])
