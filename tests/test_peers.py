@@ -203,6 +203,13 @@ def test_a_bad_press_or_ratio_is_one_clear_error():
     assert [p.key for p in peers.build_peers(["snapkv"], [0.5], [0.25])] == ["hf_dense", "snapkv@0.5", "snapkv_ctx@0.25"]
 
 
+def test_every_ratio_of_either_protocol_lies_strictly_between_0_and_1():
+    """A ratio of 0 (the control's, not a press's), NaN or one past 1 is refused under either protocol."""
+    for ratios, context_ratios in (([0.0], []), ([float("nan")], []), ([0.5], [1.5]), ([], [0.0])):
+        with pytest.raises(ValueError, match="strictly between 0 and 1"):
+            peers.build_peers(["snapkv"], ratios, context_ratios)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_dir(tmp_path_factory.mktemp("peer_cli"))
@@ -311,3 +318,30 @@ def test_peers_on_fewer_samples_leave_the_sweep_averages_alone(tiny_dir, tmp_pat
     assert row((sweep_dir / "summary.md").read_text()) == row(alone) and "| 50.0 | 0.50 |" in row(alone)
     assert report.main([str(out)]) == 0  # no dense there: the peers table says so instead of failing
     assert "No sample has every press configuration and dense" in (out / "analysis.md").read_text()
+
+
+def tiny_tok(tiny_dir):
+    from weights.tokenizer import Tokenizer
+    return Tokenizer.from_dir(tiny_dir)  # words w0 .. w99, one token each; anything else is <unk>
+
+
+def test_the_question_starts_at_the_last_line_of_the_user_turn(tiny_dir):
+    """The split falls before the user turn's last line, at its last occurrence in the prompt (its words also appear
+    earlier, in the context), and the answer prefix after it stays with the question."""
+    tok = tiny_tok(tiny_dir)
+    sample = types.SimpleNamespace(task="t", index=0, input="w4 w5 w6\nw7 w8\nw4 w5",
+                                   prompt="w0 w4 w5 w6\nw7 w8\nw4 w5 w9")  # w0: the template's, w9: the answer prefix
+    ids = tok.encode(sample.prompt)
+    at = peers.question_start(sample, ids, tok)
+    assert ids[:at] == tok.encode("w0 w4 w5 w6\nw7 w8") and ids[at:] == tok.encode("w4 w5 w9")
+
+
+def test_a_prompt_without_a_question_line_or_split_inside_a_token_is_refused(tiny_dir):
+    """A user turn ending in a newline has no question line; a question glued to the word before it (one token in
+    the prompt) leaves no token boundary to split the cache at."""
+    tok = tiny_tok(tiny_dir)
+    for text, message in (("w0 w1\n", "no question line"), ("w0 w1\nw7 w8", "no question line"),
+                          ("w0 w1\nw5", "the text before the question does not end on a token boundary")):
+        sample = types.SimpleNamespace(task="t", index=3, input=text, prompt="w0 w1\nw1w5")
+        with pytest.raises(ValueError, match=f"t#3: {message}"):
+            peers.question_start(sample, tok.encode(sample.prompt), tok)
