@@ -3,6 +3,7 @@ under both protocols, and the runner's records, pairing check and resume. Second
 than the suite is held to, so these run in an environment of their own (.ci/run makes it); elsewhere they are skipped."""
 
 import json
+import time
 import types
 
 import numpy as np
@@ -15,7 +16,7 @@ from kvpress.utils import compute_n_kept  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from lab import peers, report  # noqa: E402
-from lab.records import read_records, write_records  # noqa: E402
+from lab.records import ids_hash, read_records, write_records  # noqa: E402
 from lab.sweep import FolderLocked, folder_lock  # noqa: E402
 from tests.test_generate import make_tiny_dir  # noqa: E402
 from tests.test_model import save_tiny  # noqa: E402
@@ -345,3 +346,111 @@ def test_a_prompt_without_a_question_line_or_split_inside_a_token_is_refused(tin
         sample = types.SimpleNamespace(task="t", index=3, input=text, prompt="w0 w1\nw1w5")
         with pytest.raises(ValueError, match=f"t#3: {message}"):
             peers.question_start(sample, tok.encode(sample.prompt), tok)
+
+
+def test_each_record_says_which_pipeline_ran_and_what_its_cache_held(tiny_dir, tmp_path, monkeypatch):
+    """The control through transformers, the presses through kvpress at their ratio; the KV read the mean over the
+    answer's steps, the cache's bytes those of the entries kept, and the batch's decoding time shared by its rows."""
+    decoding = []
+    greedy_rows = peers.greedy_rows
+
+    def timed(*a):  # the batch's wall time, made long enough that sharing it shows past the records' rounding
+        t0 = time.perf_counter()
+        time.sleep(0.3)
+        out = greedy_rows(*a)
+        decoding.append(time.perf_counter() - t0)
+        return out
+    monkeypatch.setattr(peers, "greedy_rows", timed)
+    out = run(tiny_dir, tmp_path / "peers", samples=1)
+    rows = {r["config"]: r for r in read_records(out)}
+    config = json.loads((tiny_dir / "config.json").read_text())
+    entry = 2 * config["num_key_value_heads"] * config["head_dim"] * 4 * config["num_hidden_layers"]  # K and V, fp32
+    assert rows.keys() == {"hf_dense", "snapkv@0.5", "snapkv_ctx@0.5"}
+    for r in rows.values():
+        assert r["batch"] == 3 and r["decode_s"] == pytest.approx(decoding[0] / 3, abs=0.02)
+    dense, snap = rows["hf_dense"], rows["snapkv@0.5"]
+    # the control decodes as the sweep's dense does: the whole prompt but its last token prefilled, nothing dropped
+    assert (dense["path"], dense["source"], dense["threshold"], dense["threshold_kind"]) == (
+        "transformers", "question", None, None)
+    assert dense["kv_bytes"] == entry * (dense["n_prompt"] - 1)
+    assert (snap["path"], snap["source"], snap["threshold"], snap["threshold_kind"]) == (
+        "kvpress", "question", 0.5, "compression")
+    assert rows["snapkv_ctx@0.5"]["source"] == "context"
+    n, kept = snap["n_prompt"], compute_n_kept(snap["n_prompt"] - 1, 0.5)
+    assert snap["steps"] > 1  # a mean over several steps, each reading one entry more
+    assert snap["kv_read"] == pytest.approx(np.mean([(kept + 1 + i) / (n + i) for i in range(snap["steps"])]))
+    assert snap["kv_bytes"] == entry * kept
+
+
+def test_a_pair_folder_that_cannot_pair_is_one_clear_error(tmp_path):
+    """--pair: a missing folder, records without prompt lengths, no records, a sample the sweep never ran and a
+    prompt of the same length but other ids are each refused by name, not a KeyError (main catches ValueError)."""
+    with pytest.raises(ValueError, match="no such run folder"):
+        peers.paired_prompts(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no records there"):
+        peers.paired_prompts(tmp_path / "empty")
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "samples.jsonl").write_text(json.dumps({"task": "fwe", "index": 0, "config": "dense"}) + "\n")
+    with pytest.raises(ValueError, match="no n_prompt"):
+        peers.paired_prompts(tmp_path / "bare")
+    ids = [5, 6, 7]
+    sample = types.SimpleNamespace(task="fwe", index=1)
+    with pytest.raises(ValueError, match="fwe#1: not in SWEEP's records"):
+        peers.check_pairing([(sample, ids)], {("fwe", 0): (3, None)}, "SWEEP")
+    with pytest.raises(ValueError, match=r"fwe#1: 3 prompt tokens here, 3 in SWEEP \(and other ids\)"):
+        peers.check_pairing([(sample, ids)], {("fwe", 1): (3, ids_hash([5, 6, 8]))}, "SWEEP")
+    peers.check_pairing([(sample, ids)], {("fwe", 1): (3, ids_hash(ids))}, "SWEEP")  # the same ids pair
+
+
+def test_no_press_and_no_control_is_nothing_to_run(tiny_dir, tmp_path):
+    """--presses '' with --dense-samples 0 leaves nothing to run: said before the folder is made."""
+    with pytest.raises(ValueError, match="nothing to run"):
+        run(tiny_dir, tmp_path / "peers", presses="", dense_samples=0)
+    assert not (tmp_path / "peers").exists()
+
+
+def test_a_second_run_in_a_folder_adds_its_tasks_and_other_settings_are_refused(tiny_dir, tmp_path):
+    """Another task's samples join a folder's run, its settings listing both tasks; another seed is refused."""
+    one = dict(samples=1, context_ratios="", dense_samples=0)  # one press, one sample: one decoding a run
+    out = run(tiny_dir, tmp_path / "peers", **one)
+    run(tiny_dir, out, tasks="niah_multikey_2", **one)
+    assert json.loads((out / "run.json").read_text())["settings"]["tasks"] == ["niah_single_1", "niah_multikey_2"]
+    assert sorted((r["task"], r["config"]) for r in read_records(out)) == [("niah_multikey_2", "snapkv@0.5"),
+                                                                          ("niah_single_1", "snapkv@0.5")]
+    with pytest.raises(ValueError, match="other settings"):
+        run(tiny_dir, out, seed=7, **one)
+
+
+def test_the_question_aware_protocol_alone_never_splits_a_prompt(tiny_dir, tmp_path, monkeypatch):
+    """Without context ratios no prompt is split, so a task whose prompt could not be runs all the same."""
+    def refuse(*a):
+        raise ValueError("split")
+    monkeypatch.setattr(peers, "question_start", refuse)
+    out = run(tiny_dir, tmp_path / "peers", samples=1, context_ratios="", dense_samples=0)
+    assert [r["config"] for r in read_records(out)] == ["snapkv@0.5"]
+
+
+def test_a_ratio_grid_that_is_not_numbers_is_refused_by_its_flag(tiny_dir, tmp_path):
+    """A grid that is not numbers is refused naming its flag, which parse_grid's own error would not."""
+    for flag in ("ratios", "context_ratios"):
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} takes comma-separated numbers, got 'x'"):
+            run(tiny_dir, tmp_path / "peers", **{flag: "x"})
+
+
+def test_the_thread_count_is_set_before_anything_is_checked(tiny_dir, tmp_path, monkeypatch):
+    """--threads is set first, before the checks and the decoding it is meant for."""
+    threads = []
+    monkeypatch.setattr(peers.torch, "set_num_threads", threads.append)  # not this process's own thread count
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        run(tiny_dir, tmp_path / "peers", tasks="nope", threads=3)
+    assert threads == [3]
+
+
+def test_an_out_that_cannot_be_made_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys):
+    """--out under a file: mkdir's OSError is said in one line by main, not a traceback."""
+    (tmp_path / "a_file").write_text("x")
+    assert peers.main(["--out", str(tmp_path / "a_file" / "sub"), "--tasks", "niah_single_1", "--model",
+                       str(tiny_dir), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "a_file" in err
