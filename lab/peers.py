@@ -54,7 +54,7 @@ from tqdm import tqdm
 
 from generate import pick_device
 from lab.cli import Parser, at_least, fail, thread_count
-from lab.records import ids_hash, read_records
+from lab.records import ids_hash, read_records, read_run, write_run
 from lab.sweep import folder_lock, merge, parse_grid
 from lab.tasks import TASKS, Sample, make_sample, score
 from weights.checkpoints import DEFAULT, DTYPES, resolve
@@ -373,8 +373,8 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
     with folder_lock(out):  # before the folder is read: no other sweep or lab.peers writes or merges it meanwhile
         settings = dict(tasks=task_list, length=length, seed=seed, stop="eos", model=model, dtype=dtype,
                         runner="lab.peers")
-        meta = out / "run.json"
-        info = json.loads(meta.read_text()) if meta.is_file() else {"runs": []}
+        info = read_run(out) if (out / "run.json").is_file() else {"runs": []}  # a damaged one: one line naming it
+        info.setdefault("runs", [])
         if info.get("settings"):
             clash = {k: (info["settings"].get(k), v) for k, v in settings.items()
                      if k != "tasks" and info["settings"].get(k) != v}
@@ -397,7 +397,7 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
         if pair:
             check_pairing([(sample, ids) for sample, ids, _ in prompts.values()], expected, pair)
         info["settings"] = settings  # written once every check has passed
-        meta.write_text(json.dumps(info, indent=1))
+        write_run(out, info)
         hf = load_hf(folder, DTYPES[dtype], device)
         bar = tqdm(total=sum(len(ps) for _, _, ps in jobs), unit="run", desc="peers", file=sys.stderr,
                    dynamic_ncols=True, disable=not progress)
@@ -414,7 +414,7 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
         merge(out, [(t, i, peers) for i in range(samples) for t in task_list])  # sweep order: sample, task, config
         info["runs"].append({"command": command or "lab.peers.run(...)", "seconds":
                              round(time.perf_counter() - t_start), "torch": torch.__version__, "device": device})
-        meta.write_text(json.dumps(info, indent=1))
+        write_run(out, info)
     return out
 
 

@@ -454,3 +454,17 @@ def test_an_out_that_cannot_be_made_is_one_line_and_exit_2(tiny_dir, tmp_path, c
                        str(tiny_dir), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "a_file" in err
+
+
+@pytest.mark.parametrize("text", ["[]", "{\"runs\": []", "{\"runs\": []}"])
+def test_a_damaged_run_json_is_one_line_naming_it(tiny_dir, tmp_path, capsys, text):
+    """A run.json that is not JSON, not an object or holds no settings is refused in one line that names the file,
+    before anything is decoded, and nothing in the folder is rewritten."""
+    out = tmp_path / "peers"
+    out.mkdir()
+    (out / "run.json").write_text(text)
+    assert peers.main(["--out", str(out), "--tasks", "niah_single_1", "--samples", "1", "--model", str(tiny_dir),
+                       "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and str(out / "run.json") in err
+    assert (out / "run.json").read_text() == text and not (out / "samples.jsonl").exists()
