@@ -14,8 +14,8 @@ import attention
 from attention import DecodeAttention, HeadStats, kv_read_fraction, mixed_attention, reference_attention
 from criterion import (TAU, Calibration, bulk_cap, check_tau, check_window, gaussian_form, gaussian_log_bulk, load_labels,
                        oracle_labels, oracle_log_masses, qada_labels, save_labels, static_labels, tau_logit)
-from moments import (SHARED, FixedMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov,
-                     prompt_moments, reference_end)
+from moments import (SHARED, SOURCES, FixedMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov,
+                     model_identity, prompt_moments, random_words_text, reference_end, reference_words)
 from pages import PageIndex
 
 N_SINK, N_LOCAL = 16, 128
@@ -542,6 +542,46 @@ def test_moments_count_their_bulk_keys_and_refuse_a_cache_one_position_shorter()
         online.mean_cov(0, cache.k[0, 0, :, :T - 1])
 
 
+@pytest.mark.parametrize("T0", [5, N_LOCAL, N_LOCAL + 1, N_LOCAL + 2, 300])
+def test_prompt_and_online_moments_are_row_0s_bulk_from_every_prompt_length(T0):
+    """prompt_moments and OnlineMoments read row 0 of the cache, and OnlineMoments, started from a prompt with no bulk,
+    a bulk of one or two keys or a long one, equals float64 moments of the bulk recomputed at every length."""
+    end = max(T0, N_LOCAL) + 20
+    k = rand(2, 2, HKV, end, D, seed=T0)  # (L, B, Hkv, max_len, D): row 1 holds other keys, never to be read
+    cache = SimpleNamespace(k=k, length=T0)
+
+    def bulk(layer, T):  # row 0's bulk keys' mean and population covariance, written out in float64
+        x = k[layer, 0, :, N_SINK:bulk_end(T, N_SINK, N_LOCAL)].double()
+        c = x - x.mean(1, keepdim=True)
+        return x.mean(1), c.transpose(1, 2) @ c / x.shape[1]
+
+    fixed = prompt_moments(cache, N_SINK, N_LOCAL)
+    assert (fixed is None) == (T0 <= N_LOCAL)
+    for layer in range(2 if fixed is not None else 0):
+        for got, want in zip(fixed.mean_cov(layer, None), bulk(layer, T0)):
+            assert (got.double() - want).abs().max() < 1e-5
+    online = OnlineMoments(cache, N_SINK, N_LOCAL)
+    for T in range(T0, end + 1):  # one key more per step, as decoding appends them
+        for layer in range(2):
+            got = online.mean_cov(layer, k[layer, 0, :, :T])
+            if T > N_LOCAL:  # before, no bulk: nothing to compare
+                for g, want in zip(got, bulk(layer, T)):
+                    assert (g.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("source", ["prompt", "prompt-online"])
+def test_option_1_moments_take_the_window_they_are_given(source):
+    """make_moments hands its n_sink and n_local to Option 1, fixed or online: a window of 4 + 28 leaves the bulk
+    [4, T - 28), and the moments are those of its keys (the default window's would be of [16, T - 112))."""
+    T = 200
+    cache = SimpleNamespace(k=rand(1, 1, HKV, T, D, seed=7), length=T)
+    mean, cov = make_moments(source, cache, None, 4, 32).mean_cov(0, cache.k[0, 0])
+    x = cache.k[0, 0, :, 4:T - 28].double()
+    c = x - x.mean(1, keepdim=True)
+    assert (mean.double() - x.mean(1)).abs().max() < 1e-5
+    assert (cov.double() - c.transpose(1, 2) @ c / x.shape[1]).abs().max() < 1e-5
+
+
 def test_the_random_words_are_the_same_in_every_process():
     # the reference prompt is drawn from a sorted word list: a set's order changes with the string hash seed, so
     # another process (another rank, a later run) would draw other words and compute other moments
@@ -667,6 +707,92 @@ def test_one_reference_file_serves_every_context_length(tiny, tmp_path):
     with pytest.raises(ValueError, match="has 2048 positions"):
         ReferenceKeys(tiny, tok, n_max=2048, root=tmp_path, progress=False).ensure(2049)
     assert ReferenceKeys(tiny, WordTokenizer(vocab=97), n_max=4096, root=tmp_path, progress=False).length == 0
+
+
+def test_option_2_moments_follow_the_prompts_length_not_the_caches_room(tiny, tmp_path):
+    """make_moments' Option 2 takes the prompt's length (cache.length), not the room a cache is made with for the
+    tokens to come (max_len, as generate makes it)."""
+    reference = ReferenceKeys(tiny, WordTokenizer(), n_max=4096, root=tmp_path, progress=False)
+    cache = SimpleNamespace(length=1500, max_len=3000)  # Option 2 reads none of the prompt's own keys
+    assert make_moments("random-words", cache, reference).n_keys == reference_end(1500, N_SINK, N_LOCAL) - N_SINK
+
+
+def test_each_moments_source_reads_its_own_reference_prompt(tiny):
+    """reference_words names the prompt a source reads: random words for random-words(-full), one word repeated for
+    one-word, none for the prompt's own keys (prompt, prompt-online)."""
+    for source in SOURCES:
+        words = reference_words(source)
+        assert (words is None) == source.startswith("prompt")
+        if words is not None:
+            ids = ReferenceKeys(tiny, WordTokenizer(), words, n_max=200, progress=False).ids
+            assert (len(set(ids)) == 1) == (source == "one-word")
+
+
+def test_a_context_not_a_multiple_of_the_round_holds_only_its_own_reference_keys(tiny, tmp_path):
+    """A context of 1100 positions rounds its pass up to 2048 but runs it over its 1100 ids only, so it holds 1100
+    keys, not positions past the prompt's end; the file it writes serves them again."""
+    ref = ReferenceKeys(tiny, WordTokenizer(), n_max=1100, root=tmp_path, progress=False)
+    assert ref.ensure(1100).shape[2] == ref.length == len(ref.ids) == 1100
+    assert ReferenceKeys(tiny, WordTokenizer(), n_max=1100, root=tmp_path, progress=False).length == 1100
+
+
+class BosWordTokenizer(WordTokenizer):
+    """WordTokenizer with a BOS id first when special tokens are asked for, as a real tokenizer adds one."""
+
+    BOS = 100
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.BOS] * add_special_tokens + super().encode(text)
+
+
+@pytest.mark.parametrize("words", ["random", "the"])
+def test_the_reference_prompt_is_encoded_with_its_special_tokens(tiny, words):
+    """The reference prompt's ids are its words encoded as a prompt is, BOS first, cut at the context: the random
+    words of its seed, or the one word repeated."""
+    tok = BosWordTokenizer()
+    ref = ReferenceKeys(tiny, tok, words, seed=3, n_max=300, progress=False)
+    text = random_words_text(600, 3) if words == "random" else " ".join([words] * 600)
+    assert ref.ids == [tok.BOS] + WordTokenizer().encode(text)[:299]
+
+
+def test_a_reference_file_of_other_settings_or_ids_is_never_served(tiny, tmp_path):
+    """A file at a reference's path is served only when its settings and ids are the reference's own: the name is a
+    hash of the settings, so one copied or renamed there (another seed's) would otherwise serve other keys."""
+    tok = WordTokenizer()
+    ref = ReferenceKeys(tiny, tok, n_max=2048, root=tmp_path, progress=False)
+
+    def served(settings, ids):  # plant a file of 1024 positions at ref's path, then read it as a new object would
+        torch.save({"settings": settings, "ids": torch.tensor(ids[:1024], dtype=torch.int32),
+                    "keys": torch.zeros(2, 2, 1024, 8)}, ref.path)
+        return ReferenceKeys(tiny, tok, n_max=2048, root=tmp_path, progress=False).length == 1024
+
+    assert served(ref.settings, ref.ids)  # its own: served (what the other two are held against)
+    assert not served({**ref.settings, "seed": 1}, ref.ids)
+    assert not served(ref.settings, [(i + 1) % 101 for i in ref.ids])
+
+
+def test_model_identity_changes_with_the_weights_files_the_config_and_the_dtype(tmp_path):
+    """model_identity (a reference file's name) is the same for a copy of a model's folder and differs when a weights
+    file's name, size (past the first MiB, which is all it reads) or first bytes differ, or the config, or the dtype."""
+    head = bytes(range(256)) * 4096  # 1 MiB: what model_identity reads of each file
+
+    def identity(files, config=b"{}", dtype=torch.bfloat16):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        (folder / "config.json").write_bytes(config)
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        cfg = SimpleNamespace(rope_theta=1e4, rope_scaling=None)
+        return model_identity(SimpleNamespace(model_dir=str(folder), cfg=cfg, dtype=dtype))
+
+    base = identity({"model.safetensors": head + b"tail"})
+    assert identity({"model.safetensors": head + b"tail"}) == base
+    others = [identity({"model.safetensors": head + b"a longer tail"}),
+              identity({"model.safetensors": b"x" + head[1:] + b"tail"}),
+              identity({"other.safetensors": head + b"tail"}),
+              identity({"model.safetensors": head + b"tail"}, config=b'{"hidden_size": 8}'),
+              identity({"model.safetensors": head + b"tail"}, dtype=torch.float32)]
+    assert all(other != base for other in others)
 
 
 def test_prompts_of_one_length_share_their_option_2_moments(tiny, tmp_path):
