@@ -85,6 +85,18 @@ def test_page_bounds_equal_brute_force_at_prefill_key_by_key_and_in_chunks(P, pa
         chunks.bounds(0, k[:, :k.shape[1] - 1])
 
 
+def test_a_page_index_of_a_batchs_row_holds_that_rows_keys():
+    """PageIndex(cache, row=b) folds in row b of a batch's cache at once, not row 0 (the bench indexes each row)."""
+    T = N_SINK + 3 * 4 + 2
+    k = rand(2, 2, HKV, T, D, seed=8)  # (L, B, Hkv, T, D): two rows of other keys
+    for row in (0, 1):
+        index = PageIndex(SimpleNamespace(k=k, length=T, max_len=T), 4, N_SINK, row=row)
+        for layer in (0, 1):
+            lo, hi = index.bounds(layer, k[layer, row])  # the length folded in already: nothing left to catch up
+            want = brute_pages(k[layer, row], N_SINK, 4)
+            assert torch.equal(lo, want[0]) and torch.equal(hi, want[1])
+
+
 def test_the_index_grows_past_the_capacity_it_was_made_with():
     k = rand(HKV, 200, D, seed=1)
     index = PageIndex(prefilled(k[:, :20], 21), 4, N_SINK)  # room for the cache's 21 positions only
@@ -93,6 +105,24 @@ def test_the_index_grows_past_the_capacity_it_was_made_with():
     for size in (0, -4):  # pages of no positions: a ZeroDivisionError, or bounds of nonsense
         with pytest.raises(ValueError, match=f"page_size must be at least 1, got {size}"):
             PageIndex(None, size, N_SINK)
+
+
+def test_the_index_is_made_with_room_for_its_cache_and_doubles_it_when_outgrown():
+    """Made from a cache, the index holds room for the cache's max_len, so decoding into it never reallocates; past
+    its room (a transformers prompt sizes the cache to the prompt) it doubles, so a context growing key by key
+    reallocates O(log T) times, not once per new page (O(T^2) copying)."""
+    k = rand(HKV, 1000, D, seed=5)
+
+    def reallocations(index):  # decode key by key to 1000 positions, counting when the tensors move
+        moves, last = 0, index.lo[0].data_ptr()
+        for t in range(21, 1001):
+            index.bounds(0, k[:, :t])
+            moves, last = moves + (index.lo[0].data_ptr() != last), index.lo[0].data_ptr()
+        return moves
+
+    assert reallocations(PageIndex(prefilled(k[:, :20], 1000), 1, N_SINK)) == 0
+    # from 16 pages of one position to 996: doubled 6 times
+    assert reallocations(PageIndex(prefilled(k[:, :20], 20), 1, N_SINK)) == math.ceil(math.log2(996 / 16))
 
 
 def test_a_page_of_one_position_is_its_key():
