@@ -3,6 +3,7 @@
 chat-template environment and the error paths."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -97,6 +98,19 @@ def test_chat_template_renders_smollm2_chatml(tok):
 
 def test_missing_tokenizer_json_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json", "config.json"])
+@pytest.mark.parametrize("text,says", [("{bad", "is not valid JSON"), ("[]", "is not a JSON object"),
+                                       (b"\xff\xfe{", "is not valid JSON")])
+def test_a_config_that_is_not_a_json_object_names_the_file(tmp_path, embedded_dir, name, text, says):
+    """A folder's config the tokenizer reads that is damaged, or JSON but no object, is one ValueError naming the file
+    (generate.py's one line), not a bare decoder message or an AttributeError further on."""
+    shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    path = tmp_path / name
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} {says}"):
         Tokenizer.from_dir(tmp_path)
 
 

@@ -14,7 +14,16 @@ from pathlib import Path
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A folder's JSON file as a dict ({} when absent); one line naming the file when it is not a JSON object."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object (it holds a {type(data).__name__})")
+    return data
 
 
 def _token_str(tok) -> str | None:
