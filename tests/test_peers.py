@@ -20,6 +20,7 @@ from lab.records import ids_hash, read_records, write_records  # noqa: E402
 from lab.sweep import FolderLocked, folder_lock  # noqa: E402
 from tests.test_generate import make_tiny_dir  # noqa: E402
 from tests.test_model import save_tiny  # noqa: E402
+from weights.tokenizer import Tokenizer  # noqa: E402
 
 T, N_CTX = 300, 200  # prompt length, and where its "question" starts
 
@@ -322,7 +323,6 @@ def test_peers_on_fewer_samples_leave_the_sweep_averages_alone(tiny_dir, tmp_pat
 
 
 def tiny_tok(tiny_dir):
-    from weights.tokenizer import Tokenizer
     return Tokenizer.from_dir(tiny_dir)  # words w0 .. w99, one token each; anything else is <unk>
 
 

@@ -542,6 +542,12 @@ def test_moments_count_their_bulk_keys_and_refuse_a_cache_one_position_shorter()
         online.mean_cov(0, cache.k[0, 0, :, :T - 1])
 
 
+def float64_moments(x):
+    """Keys x (Hkv, n, D) -> their mean (Hkv, D) and population covariance (Hkv, D, D), by torch.cov in float64."""
+    x = x.double()
+    return x.mean(1), torch.stack([torch.cov(h.T, correction=0) for h in x])
+
+
 @pytest.mark.parametrize("T0", [5, N_LOCAL, N_LOCAL + 1, N_LOCAL + 2, 300])
 def test_prompt_and_online_moments_are_row_0s_bulk_from_every_prompt_length(T0):
     """prompt_moments and OnlineMoments read row 0 of the cache, and OnlineMoments, started from a prompt with no bulk,
@@ -550,10 +556,8 @@ def test_prompt_and_online_moments_are_row_0s_bulk_from_every_prompt_length(T0):
     k = rand(2, 2, HKV, end, D, seed=T0)  # (L, B, Hkv, max_len, D): row 1 holds other keys, never to be read
     cache = SimpleNamespace(k=k, length=T0)
 
-    def bulk(layer, T):  # row 0's bulk keys' mean and population covariance, written out in float64
-        x = k[layer, 0, :, N_SINK:bulk_end(T, N_SINK, N_LOCAL)].double()
-        c = x - x.mean(1, keepdim=True)
-        return x.mean(1), c.transpose(1, 2) @ c / x.shape[1]
+    def bulk(layer, T):  # row 0's bulk keys
+        return float64_moments(k[layer, 0, :, N_SINK:bulk_end(T, N_SINK, N_LOCAL)])
 
     fixed = prompt_moments(cache, N_SINK, N_LOCAL)
     assert (fixed is None) == (T0 <= N_LOCAL)
@@ -576,10 +580,9 @@ def test_option_1_moments_take_the_window_they_are_given(source):
     T = 200
     cache = SimpleNamespace(k=rand(1, 1, HKV, T, D, seed=7), length=T)
     mean, cov = make_moments(source, cache, None, 4, 32).mean_cov(0, cache.k[0, 0])
-    x = cache.k[0, 0, :, 4:T - 28].double()
-    c = x - x.mean(1, keepdim=True)
-    assert (mean.double() - x.mean(1)).abs().max() < 1e-5
-    assert (cov.double() - c.transpose(1, 2) @ c / x.shape[1]).abs().max() < 1e-5
+    want_mean, want_cov = float64_moments(cache.k[0, 0, :, 4:T - 28])
+    assert (mean.double() - want_mean).abs().max() < 1e-5
+    assert (cov.double() - want_cov).abs().max() < 1e-5
 
 
 def test_the_random_words_are_the_same_in_every_process():
