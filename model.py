@@ -421,13 +421,28 @@ class Llama(nn.Module):
 # Loading from a Hugging Face style folder (weights/checkpoints.py finds or builds the folder for a name or hub id).
 
 
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold one object (config.json, the shard index): anything else is one ValueError naming
+    the file, not a decoder message without it or a TypeError further on."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object (it holds a {type(data).__name__})")
+    return data
+
+
 def read_state_dict(model_dir: Path, device=None, dtype=None) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's single or sharded safetensors, read onto `device` and cast to `dtype` one
     tensor at a time (so a bf16 load of fp32 files never holds two copies of the model)."""
     from safetensors import SafetensorError, safe_open
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} has no weight_map of tensor names to file names")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
@@ -452,10 +467,7 @@ def read_config(model_dir: str | Path) -> LlamaConfig:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model folder")
-    try:
-        return LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from None
+    return LlamaConfig.from_hf(read_json_object(model_dir / "config.json"))
 
 
 def load_model(model_dir: str | Path, device=None, dtype=torch.float32, rope_theta: float | None = None) -> Llama:

@@ -3,6 +3,7 @@ and strict loading."""
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -186,6 +187,25 @@ def test_sharded_checkpoint(tmp_path):
     ids = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (load_model(str(tmp_path))(ids) - hf(ids).logits[:, -1]).abs().max() < 1e-4
+
+
+NOT_AN_OBJECT = [("{bad", "is not valid JSON"), (b"\xff\xfe{", "is not valid JSON"),
+                 ("[]", "is not a JSON object \\(it holds a list\\)")]
+NO_WEIGHT_MAP = [("{}", "has no weight_map"), ('{"weight_map": ["model.safetensors"]}', "has no weight_map"),
+                 ('{"weight_map": {"lm_head.weight": 3}}', "has no weight_map")]
+
+
+@pytest.mark.parametrize("file,text,says", [("config.json", *case) for case in NOT_AN_OBJECT]
+                         + [("model.safetensors.index.json", *case) for case in NOT_AN_OBJECT + NO_WEIGHT_MAP])
+def test_a_damaged_config_or_shard_index_is_one_error_naming_it(tmp_path, file, text, says):
+    """config.json or model.safetensors.index.json that is damaged, JSON but no object, or (the index) without a map
+    of names to files is one ValueError naming the file: a list there was a TypeError, a damaged index a decoder
+    message naming no file."""
+    save_tiny("llama-gqa", tmp_path)
+    path = tmp_path / file
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} {says}"):
+        load_model(tmp_path)
 
 
 def test_unknown_model_folder_and_hub_id(tmp_path, monkeypatch):

@@ -12,18 +12,12 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from model import read_json_object
+
 
 def _read_json(path: Path) -> dict:
     """A folder's JSON file as a dict ({} when absent); one line naming the file when it is not a JSON object."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} is not a JSON object (it holds a {type(data).__name__})")
-    return data
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_str(tok) -> str | None:
