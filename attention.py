@@ -30,10 +30,10 @@ A new path may read a new input: it is one more keyword, which DecodeAttention p
 set it with `--set NAME=VALUE`). A keyword with a default is a setting its PATHS entry fixes (functools.partial).
 
 `PATHS` is the one list of methods: the CLI and the research harness take their names from it, and a new method is
-one function plus one entry. `run_path` runs one row's step (a qada or page path on the fused kernels where that applies),
-`DecodeAttention` is what the model calls at each decode step, `build_attention` makes one for a prefilled prompt,
-and `BatchAttention` runs one per row of a batch. `StaticAttention` is the same rows' step with every input in fixed
-device buffers, the step generate.decode_static replays from CUDA graphs.
+one function plus one entry. `run_path` runs one row's step (a qada or page path on the fused kernels where that
+applies), `DecodeAttention` is what the model calls at each decode step, `build_attention` makes one for a prefilled
+prompt, and `BatchAttention` runs one per row of a batch. `StaticAttention` is the same rows' step with every input in
+fixed device buffers, the step generate.decode_static replays from CUDA graphs.
 """
 
 import inspect
@@ -784,7 +784,7 @@ class DecodeAttention:
     n_local: int = 128  # the window's size T_local, sinks included
     inputs: dict = field(default_factory=dict)  # what else the path reads, by keyword: tau, moments, static_local, ...
     stats: "HeadStats | None" = None
-    exact: OnlineMoments | None = None  # analysis: the current bulk's own moments, kept by Welford's update (oracle_view)
+    exact: OnlineMoments | None = None  # analysis: the current bulk's own moments, by Welford's update (oracle_view)
 
     def __post_init__(self):
         check_window(self.n_sink, self.n_local)
@@ -835,8 +835,8 @@ class DecodeAttention:
         log_gauss = log_exact = torch.full_like(log_local, math.nan)
         if T > self.n_local:
             # The same moments either way; the update costs O(d^2) per step where the direct form costs O(T d^2)
-            exact = (self.exact.mean_cov(layer, k) if self.exact is not None
-                     else mean_cov(k[:, self.n_sink:bulk_end(T, self.n_sink, self.n_local)]))  # bulk (Hkv, T - n_local, D)
+            bulk = k[:, self.n_sink:bulk_end(T, self.n_sink, self.n_local)]  # (Hkv, T - n_local, D)
+            exact = self.exact.mean_cov(layer, k) if self.exact is not None else mean_cov(bulk)
             log_exact = gaussian_log_bulk(q, gaussian_form(*exact), T - self.n_local)
             if self.moments is not None:
                 log_gauss = gaussian_log_bulk(q, self.moments.quadratic_form(layer, k), T - self.n_local)
@@ -939,8 +939,8 @@ class BatchAttention:
 
     def select(self, keep: list[int]) -> "BatchAttention":
         """The same attentions (statistics keep accumulating in them) for the rows `keep` only."""
-        return BatchAttention([self.rows[b] for b in keep], None if self.start is None else [self.start[b] for b in keep],
-                              [self.done[b] for b in keep], self.batched)
+        start = None if self.start is None else [self.start[b] for b in keep]
+        return BatchAttention([self.rows[b] for b in keep], start, [self.done[b] for b in keep], self.batched)
 
 
 def build_attention(method: str, cache, *, n_sink: int = 16, n_local: int = 128, moments_source: str = "random-words",

@@ -26,8 +26,8 @@ The kernels read the filled length T and each row's first position from device m
 compile-time constants depend on the cache's capacity only (fused_qada's `length`), and the page budget: one step
 captured in a CUDA graph can be replayed as the cache fills, with T a device tensor advanced in place.
 
-`fused` says when the qada and page paths take it (attention.run_path, attention.BatchAttention). Triton is optional: CUDA
-builds of torch bring it, and the torch paths need nothing of it. On CPU tensors the kernels run under Triton's
+`fused` says when the qada and page paths take it (attention.run_path, attention.BatchAttention). Triton is optional:
+CUDA builds of torch bring it, and the torch paths need nothing of it. On CPU tensors the kernels run under Triton's
 interpreter (TRITON_INTERPRET=1, read when they are defined), which is how the tests run them
 (tests/test_kernel.py, tests/test_kernel_pages.py).
 

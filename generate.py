@@ -240,8 +240,9 @@ def input_file(path: str, flag: str, default_name: str) -> Path:
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / default_name).is_file():
+            qada = " --qada" if flag == "--calibration" else ""
             raise ValueError(f"{flag} {p}: a folder, but it holds no {default_name} (give the file itself, or a "
-                             f"folder written by python -m lab.calibrate{' --qada' if flag == '--calibration' else ''})")
+                             f"folder written by python -m lab.calibrate{qada})")
         return p / default_name
     if not p.exists():
         raise FileNotFoundError(f"{flag} {p}: no such file or folder")
@@ -491,7 +492,8 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
                 item = json.loads(line)
                 prompt = item if isinstance(item, str) else item["prompt"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{path} line {i}: expected a JSON string or an object with a \"prompt\" field") from None
+                raise ValueError(f"{path} line {i}: expected a JSON string or an object with a \"prompt\" "
+                                 "field") from None
             if not isinstance(prompt, str):
                 raise ValueError(f"{path} line {i}: \"prompt\" must be a string, got {type(prompt).__name__}")
             prompts.append((f"{path}:{i}", prompt))
@@ -715,7 +717,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="send the raw text, without the chat template")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="weights and KV cache dtype (default: %(default)s)")
     p.add_argument("--rope-theta", type=float, default=None, help="override the RoPE base (the paper uses 2e6 for 32k)")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + generation allowed (default: the "
                    "model's)")

@@ -33,7 +33,7 @@ class LlamaConfig:
     head_dim: int = 128  # D; usually C // H, but Qwen/Mistral variants may differ
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # RoPE base; the paper overrides it to 2e6 to run 32k contexts
-    rope_scaling: dict | None = None  # Llama-3.1 style {"rope_type": "llama3", ...} or {"rope_type": "linear", "factor"}
+    rope_scaling: dict | None = None  # Llama-3.1's {"rope_type": "llama3", ...} or {"rope_type": "linear", ...}
     max_position_embeddings: int = 4096  # the trained context; generate.py goes past it only with --rope-theta
     tie_word_embeddings: bool = False  # LM head shares the embedding matrix (SmolLM2, Qwen2-0.5B)
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
@@ -48,7 +48,8 @@ class LlamaConfig:
             raise ValueError(f"config.json lacks {', '.join(missing)}: not a Llama-family config")
         model_type = hf.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model_type {model_type!r}: this implementation covers llama, mistral and qwen2")
+            raise ValueError(f"unsupported model_type {model_type!r}: this implementation covers llama, mistral and "
+                             "qwen2")
         if model_type == "mistral" and hf.get("sliding_window") not in (None, 0):
             if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
                 raise ValueError(f"Mistral sliding-window attention (window {hf['sliding_window']}) is not supported")
@@ -487,14 +488,17 @@ def load_model(model_dir: str | Path, device=None, dtype=torch.float32, rope_the
     state = read_state_dict(model_dir, device, dtype)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
-    expected = {k: v.shape for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    expected = {k: v.shape for k, v in model.state_dict().items()
+                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(k for k in set(state) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     if missing or unexpected:
-        raise ValueError(f"{model_dir}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"{model_dir}: weights do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
     for k, shape in expected.items():
         if state[k].shape != shape:
-            raise ValueError(f"{model_dir}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {tuple(shape)}")
+            raise ValueError(f"{model_dir}: tensor {k} has shape {tuple(state[k].shape)}, the config implies "
+                             f"{tuple(shape)}")
     model.load_state_dict(state, strict=False, assign=True)  # strictness checked above, tied head included
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -16,8 +16,8 @@ Every source hands QAdA the same thing, a `KeyMoments`: for a layer, Eq. 6's qua
                     any prompt (Fig. 5g's ablation).
 
 Option 2's reference keys are computed by one dense forward pass and cached on disk (in the folder `root`). A
-causal model's keys at the first n positions depend on the first n tokens only, so the pass runs only as far as the prompts
-seen so far need (rounded up to a multiple of 1024 positions, so that a sweep of prompts of similar
+causal model's keys at the first n positions depend on the first n tokens only, so the pass runs only as far as the
+prompts seen so far need (rounded up to a multiple of 1024 positions, so that a sweep of prompts of similar
 lengths computes it once) and is run again, longer, when a longer prompt comes. For the same reason one file serves
 every context length (--max-context): the reference prompt of a shorter context is a prefix of a longer one's, and
 the file keeps the ids its keys were computed from, so that a prefix that differs is never served. It is mapped into
@@ -212,7 +212,8 @@ class ReferenceKeys:
                 print(f"computing reference keys ({self.settings['words']} words, {n_run} positions)...",
                       file=sys.stderr)  # progress, as tqdm's: stdout is the answer's
             cache = self.model.new_cache(n_run)
-            self.model.prefill(torch.tensor([self.ids[:n_run]], device=self.model.device), cache, progress=self.progress)
+            ids = torch.tensor([self.ids[:n_run]], device=self.model.device)
+            self.model.prefill(ids, cache, progress=self.progress)
             self.keys, self.passes = cache.k[:, 0], self.passes + 1  # (L, Hkv, n_run, D)
             if self.path is None:
                 return self.keys[:, :, :n]

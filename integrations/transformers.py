@@ -76,8 +76,8 @@ def llama_config(model) -> LlamaConfig:
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in FAMILY:
-        raise ValueError(f"{type(model).__name__} (model_type {kind!r}) is not a Llama-family decoder: the QAdA adapter "
-                         f"takes {', '.join(FAMILY)} models (rotary keys, grouped-query attention)")
+        raise ValueError(f"{type(model).__name__} (model_type {kind!r}) is not a Llama-family decoder: the QAdA "
+                         f"adapter takes {', '.join(FAMILY)} models (rotary keys, grouped-query attention)")
     return LlamaConfig.from_hf(config.to_dict())
 
 
@@ -157,7 +157,8 @@ class HFAttention:
         given += [name for name, value in (("tau", tau), ("calibration", calibration), ("moments", moments))
                   if value is not None and name not in reads]
         if given:
-            raise ValueError(f"{given[0]}: the {method} path does not read it (it reads {', '.join(reads) or 'nothing'})")
+            raise ValueError(f"{given[0]}: the {method} path does not read it (it reads "
+                             f"{', '.join(reads) or 'nothing'})")
         moments = "random-words" if moments is None else moments  # the paper's default, where a path reads moments
         if isinstance(moments, str) and moments not in SOURCES:
             raise ValueError(f"unknown moments source {moments!r}; choose from {', '.join(SOURCES)}")
@@ -300,7 +301,8 @@ class HFAttention:
         if T <= self.prompt_len:
             raise ValueError("the cache is shorter than the prompt the QAdA adapter saw: it was cut back, as assisted "
                              "and prompt-lookup decoding do after checking several tokens in one pass; the adapter "
-                             "decodes one token per pass (generate without assistant_model or prompt_lookup_num_tokens)")
+                             "decodes one token per pass (generate without assistant_model or "
+                             "prompt_lookup_num_tokens)")
         if (starts or [0] * key.shape[0]) != (self.starts or [0] * key.shape[0]):
             raise ValueError(PADDING)
         if self.decoder is None:
@@ -397,8 +399,11 @@ class HFAttention:
         for b in range(max(len(self.rows), 1)):
             s = self.summary(b, sequences, eos_token_id)
             row = f"row {b}: " if len(self.rows) > 1 else ""
-            lines.append(f"{row}heads labelled local (sparsity) {s['sparsity']:.3f} | KV entries read {s['kv_read']:.3f}"
-                         f" | {s['steps']} decode steps" if s["steps"] else f"{row}no decode step ran")
+            if s["steps"]:
+                lines.append(f"{row}heads labelled local (sparsity) {s['sparsity']:.3f} | KV entries read "
+                             f"{s['kv_read']:.3f} | {s['steps']} decode steps")
+            else:
+                lines.append(f"{row}no decode step ran")
         if len(self.rows) > 1 and sequences is None:
             lines.append("(each row counted to the batch's last step, past its own end: report(sequences), with "
                          "generate's output, stops each row at its end-of-sequence token)")

@@ -270,7 +270,8 @@ def build_tokenizer(reader):
 
     kind, pre = _meta(reader, "tokenizer.ggml.model"), _meta(reader, "tokenizer.ggml.pre", "default")
     if kind != "gpt2" or pre not in SUPPORTED_PRE:
-        raise ValueError(f"tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported (want gpt2, one of {SUPPORTED_PRE})")
+        raise ValueError(f"tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported (want gpt2, one of "
+                         f"{SUPPORTED_PRE})")
     tokens = _meta(reader, "tokenizer.ggml.tokens")
     types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
@@ -292,7 +293,8 @@ def build_tokenizer(reader):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     # normalized=False: special tokens must match the raw text, before normalization and byte-level mapping.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL])
+    control = [t for t, k in zip(tokens, types) if k == CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
 
     bos = _meta(reader, "tokenizer.ggml.bos_token_id")

