@@ -410,11 +410,19 @@ def load_local_freq(path: str | Path) -> tuple[torch.Tensor, dict]:
         raise ValueError(f"{path} holds a QAdA correction (python -m lab.calibrate --qada), not static labels (python "
                          "-m lab.calibrate)")
     try:
-        return torch.tensor(data["local_freq"], dtype=torch.float32), dict(data["settings"])
+        local_freq, settings = torch.tensor(data["local_freq"], dtype=torch.float32), dict(data["settings"])
     except KeyError as e:
         raise ValueError(f"{path} is not a static labels file: it has no {e} entry") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path} is not a static labels file: {e}") from None
+    if local_freq.dim() != 2:
+        raise ValueError(f"{path} is not a static labels file: local_freq holds {local_freq.dim()} dimensions, not "
+                         "(L, H)")
+    if not bool(((local_freq >= 0) & (local_freq <= 1)).all()):
+        # a NaN sorts above every frequency: its head would be the first labelled local, silently
+        raise ValueError(f"{path} holds local frequencies outside [0, 1] (or NaN); refit it with python -m "
+                         "lab.calibrate")
+    return local_freq, settings
 
 
 def check_labels_window(settings: dict, name, n_sink: int | None, n_local: int | None) -> None:

@@ -190,6 +190,22 @@ def test_calibration_files_round_trip_and_refuse_what_they_are_not(tmp_path):
             load_calibration(tmp_path / "tau.json")
 
 
+@pytest.mark.parametrize("freq,says", [([0.5, 0.3], "is not a static labels file: local_freq holds 1 dimensions"),
+                                       ([[[0.5]]], "is not a static labels file: local_freq holds 3 dimensions"),
+                                       ([[0.5, math.nan]], "holds local frequencies outside \\[0, 1\\] \\(or NaN\\)"),
+                                       ([[1.5, 0.2]], "holds local frequencies outside"),
+                                       ([[0.5, -0.1]], "holds local frequencies outside")])
+def test_static_labels_of_another_shape_or_out_of_range_are_refused_naming_the_file(tmp_path, freq, says):
+    """Static labels whose local_freq is not (L, H) were an unpacking error naming no file; a NaN frequency sorted
+    above every other, its head labelled local first, silently. A frequency is a fraction of decode steps."""
+    (tmp_path / "ruler.json").write_text(json.dumps({"settings": {}, "local_freq": freq}))
+    for load in (load_labels, lambda path, _: load_local_freq(path)):
+        with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'ruler.json'))} {says}"):
+            load(tmp_path / "ruler.json", 0.5)
+    (tmp_path / "ruler.json").write_text(json.dumps({"settings": {}, "local_freq": [[0.0, 1.0]]}))  # the ends hold
+    assert load_labels(tmp_path / "ruler.json", 0.5)[0].tolist() == [[False, True]]
+
+
 @pytest.mark.parametrize("entry", ["a", "b", "s"])
 def test_a_calibration_with_a_value_not_finite_is_refused(tmp_path, entry):
     # a NaN anywhere, the variance scale s included, would label heads long-context silently (NaN >= x is False)
