@@ -575,8 +575,15 @@ def test_calibration_mismatches_are_one_clear_line(tmp_path, capsys):
 
 
 def test_weights_probe_tells_checkpoints_apart_but_not_dtypes(tiny_dir, tmp_path):
-    probe = weights_probe(load(str(tiny_dir))[0])
+    model = load(str(tiny_dir))[0]
+    probe = weights_probe(model)
     assert len(probe) == 16 and len(set(probe)) == 16  # 8 spread weights of the first and the last layer's k_proj
+    layers = model.model.layers
+    for k_proj, picks in ((layers[0].self_attn.k_proj, probe[:8]), (layers[-1].self_attn.k_proj, probe[8:])):
+        flat = k_proj.weight.detach().flatten()  # spread from the first weight to the last
+        assert picks[0] == float(f"{flat[0]:.6g}") and picks[-1] == float(f"{flat[-1]:.6g}")
+    with pytest.raises(ValueError, match="Linear has no layers.N.self_attn.k_proj weights"):
+        weights_probe(torch.nn.Linear(2, 2))
     for dtype in (torch.bfloat16, torch.float16):  # the same checkpoint in another dtype passes
         check_weights({"weights_probe": probe}, "f.json", weights_probe(load(str(tiny_dir), dtype=dtype)[0]), "x")
     other = weights_probe(load(str(make_tiny_dir(tmp_path / "other", seed=1)))[0])
@@ -586,6 +593,11 @@ def test_weights_probe_tells_checkpoints_apart_but_not_dtypes(tiny_dir, tmp_path
         check_weights({"weights_probe": probe}, "f.json", probe[:i] + [probe[i] * 1.004] + probe[i + 1:], "x")
         with pytest.raises(ValueError, match="other weights"):
             check_weights({"weights_probe": probe}, "f.json", probe[:i] + [probe[i] * 1.02] + probe[i + 1:], "x")
+    with pytest.raises(ValueError, match="other weights"):  # a probe of another length (a shorter list) differs
+        check_weights({"weights_probe": probe[:8]}, "f.json", probe, "x")
+    for settings, command in (({}, "python -m lab.calibrate"), ({"kind": "affine"}, "python -m lab.calibrate --qada")):
+        with pytest.raises(ValueError, match=f"fit one for this model with {command}$"):  # labels, a correction
+            check_weights(dict(settings, weights_probe=probe), "f.json", other, "x")
     check_weights({}, "old.json", other, "x")  # a file saved before probes: not checked
     with pytest.raises(ValueError, match="old.json: its weights_probe must be a list of numbers"):
         check_weights({"weights_probe": "abc"}, "old.json", other, "x")

@@ -12,8 +12,9 @@ import torch
 
 import attention
 from attention import DecodeAttention, HeadStats, kv_read_fraction, mixed_attention, reference_attention
-from criterion import (TAU, Calibration, bulk_cap, check_tau, check_window, gaussian_form, gaussian_log_bulk, load_labels,
-                       oracle_labels, oracle_log_masses, qada_labels, save_labels, static_labels, tau_logit)
+from criterion import (TAU, Calibration, bulk_cap, check_tau, check_window, gaussian_form, gaussian_log_bulk,
+                       load_labels, local_labels, oracle_labels, oracle_log_masses, qada_labels, save_labels,
+                       static_labels, tau_logit)
 from moments import (SHARED, SOURCES, FixedMoments, OnlineMoments, ReferenceKeys, bulk_end, make_moments, mean_cov,
                      model_identity, prompt_moments, random_words_text, reference_end, reference_words)
 from pages import PageIndex
@@ -61,6 +62,25 @@ def test_oracle_masses_match_brute_force():
         assert math.isclose(float(log_bulk[h]), math.log(a_bulk), rel_tol=1e-5)
 
 
+def test_oracle_masses_of_bf16_scores_are_taken_in_fp32():
+    # a bf16 model's scores: their log masses summed in fp32 (in bf16 the sum of 300 exps keeps ~3 digits)
+    scores = (rand(5, 300, seed=5) * 3).bfloat16()
+    masses = oracle_log_masses(scores, N_SINK, N_LOCAL)
+    for got, want in zip(masses, oracle_log_masses(scores.float(), N_SINK, N_LOCAL)):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_at_tau_one_a_head_with_any_bulk_is_read():
+    # the threshold log(tau / (1 - tau)) is inf at tau = 1: however far the window's mass is above the bulk's (here
+    # e^1000 times), a head with a bulk is not local; one without a bulk (log A_bulk = -inf) is, per head and per
+    # group. The "mean" rule's bulk share is an fp32 sigmoid, which reaches 0 at a ratio near e^-88 (local_labels)
+    for r, rules in ((1000.0, (None, "all")), (50.0, ("mean",))):
+        log_local, log_bulk = torch.tensor([[r, 0.0]]), torch.tensor([[0.0, -math.inf]])
+        for tau in (1.0, torch.tensor([[1.0]], dtype=torch.float64)):
+            for rule in rules:
+                assert local_labels(log_local, log_bulk, tau, 2, rule).tolist() == [[False, True]]
+
+
 def test_tau_range():
     for bad in (0.0, -0.1, 1.01, float("nan")):
         with pytest.raises(ValueError, match="tau"):
@@ -101,6 +121,10 @@ def test_a_tensor_of_bulk_sizes_gives_the_estimate_an_int_gives():
     ints = torch.stack([gaussian_log_bulk(torch.zeros(H, D), form, n) for n in n_bulk.tolist()])
     assert torch.equal(batched, ints)
     assert torch.equal(ints[:, 0], torch.tensor([math.log(n) for n in n_bulk.tolist()], dtype=torch.float32))
+    many = torch.arange(1, 1 << 17)  # where the sizes an fp32 log rounds otherwise lie depends on torch's build
+    rows = tuple(x[:1].expand(len(many), *x[:1].shape) for x in form)  # one KV head: one head per row
+    batched = gaussian_log_bulk(torch.zeros(len(many), 1, D), rows, many[:, None])
+    assert torch.equal(batched[:, 0], torch.tensor([math.log(n) for n in many.tolist()], dtype=torch.float32))
 
 
 def test_the_window_sizes_every_caller_checks():
