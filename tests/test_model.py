@@ -1,6 +1,7 @@
 """Our Llama against transformers on tiny random checkpoints, the KV cache against full forward passes,
 and strict loading."""
 
+import copy
 import json
 import os
 import re
@@ -293,3 +294,141 @@ def test_unsupported_configs_are_refused():
     with pytest.raises(ValueError, match="rope_scaling"):
         from model import rope_inv_freq
         rope_inv_freq(LlamaConfig.from_hf(dict(TINY, head_dim=16, rope_scaling={"rope_type": "yarn", "factor": 4})))
+
+
+# --- what a mutation pass over model.py found untested ------------------------------------------------------
+
+
+LEGACY = {  # config.json as transformers 4 wrote it: rope settings at the top level, scaling named by "type"
+    "defaults left out": {k: v for k, v in TINY.items() if k != "num_key_value_heads"},
+    "rope_theta": dict(TINY, rope_theta=5000.0),
+    "linear by type": dict(TINY, rope_theta=5000.0, rope_scaling={"type": "linear", "factor": 4.0}),
+    "llama3": dict(TINY, rope_theta=500000.0, rope_scaling=dict(LLAMA3_SCALING)),
+}
+
+
+@pytest.mark.parametrize("case", list(LEGACY))
+def test_a_transformers_4_config_reads_as_transformers_5_rewrites_it(case):
+    """A config.json of transformers 4 (rope_theta and rope_scaling at the top level, as weights/convert_gguf.py still
+    writes them; "type" for "rope_type"; fields left to their defaults) reads as the same file rewritten by
+    transformers 5 into rope_parameters with every default filled in: the same settings, the same RoPE frequencies."""
+    from dataclasses import asdict
+
+    from model import rope_inv_freq
+    legacy = LEGACY[case]
+    ours = LlamaConfig.from_hf(legacy)
+    theirs = LlamaConfig.from_hf(transformers.LlamaConfig(**copy.deepcopy(legacy)).to_dict())  # it edits rope_scaling
+    assert {k: v for k, v in asdict(ours).items() if k != "rope_scaling"} == \
+        {k: v for k, v in asdict(theirs).items() if k != "rope_scaling"}
+    assert torch.equal(rope_inv_freq(ours), rope_inv_freq(theirs))
+    if case != "linear by type":  # transformers 5 adds rope_type there; elsewhere rope_scaling is the same dict, no
+        assert ours.rope_scaling == theirs.rope_scaling  # rope_theta in it (moments.model_identity records it)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_built_model_has_the_parameters_of_transformers(case):
+    """Llama(cfg) itself, not only load_model, has transformers' parameters by name and shape, a tied LM head
+    one parameter with the embedding (lab/bench_gpu.py builds its model so, with no checkpoint)."""
+    from model import Llama
+    cfg_name, model_name, kwargs = CASES[case]
+    cfg = getattr(transformers, cfg_name)(**kwargs)
+    hf = getattr(transformers, model_name)(cfg)
+    ours_cfg = LlamaConfig.from_hf(cfg.to_dict())
+    assert ours_cfg.model_type == cfg.model_type
+    with torch.device("meta"):
+        ours = Llama(ours_cfg)
+    assert {n: p.shape for n, p in ours.named_parameters()} == {n: p.shape for n, p in hf.named_parameters()}
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == kwargs.get("tie_word_embeddings", False)
+
+
+def test_sliding_windows_that_do_not_slide_are_taken_and_qwen2s_is_refused():
+    """Mistral's sliding_window 0 is no window (as None); Qwen2 with use_sliding_window is refused, one clear error."""
+    assert LlamaConfig.from_hf(dict(TINY, model_type="mistral", sliding_window=0)).model_type == "mistral"
+    with pytest.raises(ValueError, match="Qwen2 sliding-window attention is not supported"):
+        LlamaConfig.from_hf(dict(TINY, model_type="qwen2", use_sliding_window=True, sliding_window=128))
+
+
+def test_a_tied_checkpoint_with_a_stored_head_or_old_rotary_buffers_loads(tmp_path):
+    """Some tied checkpoints store the LM head's copy anyway, older ones each layer's rotary_emb.inv_freq buffer:
+    both load (neither is a weight of ours) and give transformers' logits."""
+    hf = save_tiny("llama-mha-tied", tmp_path)
+    edit_weights(tmp_path, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].clone(),
+                                               "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    ids = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(0))
+    model = load_model(tmp_path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.model_dir == tmp_path
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits[:, -1]).abs().max() < 1e-4
+
+
+def test_shards_without_an_index_load_and_a_folder_without_weights_says_so(tmp_path):
+    """Shards with no index are read all the same (every *.safetensors of the folder); a folder without weights, or an
+    index naming a shard that is not there, is a FileNotFoundError naming what is missing, not a decoder error."""
+    hf = save_tiny("qwen2-bias", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(state)
+    for i, keys in enumerate((names[::2], names[1::2])):
+        save_file({k: state[k] for k in keys}, tmp_path / f"model-0000{i + 1}-of-00002.safetensors")
+    ids = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (load_model(tmp_path)(ids) - hf(ids).logits[:, -1]).abs().max() < 1e-4
+    index = {"weight_map": {k: f"model-0000{i % 2 + 1}-of-00002.safetensors" for i, k in enumerate(names)}}
+    index["weight_map"]["lm_head.weight"] = "model-00003-of-00003.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00003-of-00003.safetensors is listed in the shard index but"):
+        load_model(tmp_path)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(str(tmp_path))} has no \\*.safetensors weights"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no config.json: not a Hugging Face model folder"):
+        load_model(tmp_path)
+
+
+def test_every_missing_tensor_up_to_five_is_named(tmp_path):
+    """A checkpoint missing several tensors names each (up to five), not only the first."""
+    save_tiny("llama-gqa", tmp_path)
+    gone = ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"]
+    edit_weights(tmp_path, lambda s: [s.pop(k) for k in gone])
+    with pytest.raises(ValueError) as e:
+        load_model(tmp_path)
+    assert all(k in str(e.value) for k in gone)
+
+
+def test_a_stack_keeps_the_caches_dtype_and_right_aligns_their_filled_entries():
+    """KVCache.stack: row b holds caches[b]'s filled entries (only those) right-aligned at the longest length, with
+    room for `extra` more, in the caches' own dtype (a bf16 model's stack made in fp32 met bf16 queries)."""
+    cfg = LlamaConfig.from_hf(TINY)
+    caches = [KVCache(cfg, n + 1, dtype=torch.bfloat16) for n in (3, 5)]  # one unfilled position each, not copied
+    for c, n in zip(caches, (3, 5)):
+        c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(n)))
+        c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(n + 10)))
+        c.length = n
+    stacked = KVCache.stack(caches, 2)
+    assert stacked.k.dtype == stacked.v.dtype == torch.bfloat16 and stacked.max_len == 7
+    for b, (c, n) in enumerate(zip(caches, (3, 5))):
+        for got, want in ((stacked.k, c.k), (stacked.v, c.v)):
+            assert torch.equal(got[:, b, :, 5 - n:5], want[:, 0, :, :n])
+            assert not got[:, b, :, :5 - n].any() and not got[:, b, :, 5:].any()
+
+
+def test_a_static_cache_decodes_through_views_that_end_at_the_new_entry(tmp_path):
+    """Static mode (KVCache.fix): the views are `view` positions long, fix's argument where given, and a view that
+    ends right at the entry the step writes (generate.graph_view gives views of exactly T) decodes as the growing
+    cache does."""
+    save_tiny("llama-gqa", tmp_path)
+    model = load_model(tmp_path)
+    ids = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(3))
+    growing, static = model.new_cache(40), model.new_cache(40)
+    logits = model.prefill(ids, growing)
+    model.prefill(ids, static)
+    static.fix(view=21)
+    assert static.view == 21
+    for step in range(5):
+        static.view = 21 + step  # the filled length once this step has written
+        token = logits.argmax(-1)
+        logits = model.decode_step(token, growing)
+        torch.testing.assert_close(model.decode_step(token, static), logits, rtol=0, atol=1e-5)
