@@ -22,6 +22,27 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+# What transformers assumes where a config.json leaves the context or the sliding window out, per model_type.
+CONTEXT_DEFAULTS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+SLIDING_DEFAULTS = {"mistral": 4096, "qwen2": 4096}
+
+
+def sliding_window(hf: dict, model_type: str) -> int | None:
+    """The window of the layers that slide in transformers' reading of config.json `hf`, or None where none does:
+    Mistral slides every layer by sliding_window (null or 0: none); Qwen2 only with use_sliding_window, and then the
+    layers layer_types names "sliding_attention" (without it, those from max_window_layers on)."""
+    if model_type not in SLIDING_DEFAULTS:
+        return None
+    window = hf.get("sliding_window", SLIDING_DEFAULTS[model_type])
+    if model_type == "qwen2":
+        first = hf.get("max_window_layers", 28)
+        kinds = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                          for i in range(hf["num_hidden_layers"])]
+        if not hf.get("use_sliding_window", False) or "sliding_attention" not in kinds:
+            return None
+    return window or None
+
+
 @dataclass
 class LlamaConfig:
     vocab_size: int = 32000  # V
@@ -50,11 +71,11 @@ class LlamaConfig:
         if model_type not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported model_type {model_type!r}: this implementation covers llama, mistral and "
                              "qwen2")
-        if model_type == "mistral" and hf.get("sliding_window") not in (None, 0):
-            if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
-                raise ValueError(f"Mistral sliding-window attention (window {hf['sliding_window']}) is not supported")
-        if model_type == "qwen2" and hf.get("use_sliding_window"):
-            raise ValueError("Qwen2 sliding-window attention is not supported")
+        context = hf.get("max_position_embeddings", CONTEXT_DEFAULTS[model_type])
+        if window := sliding_window(hf, model_type):
+            if window < context:  # a window as long as the context never slides: full attention, which we run
+                raise ValueError(f"{model_type} sliding-window attention (window {window} of a {context}-token "
+                                 "context) is not supported")
         # transformers >= 5 writes rope settings into one "rope_parameters" dict; older files split them.
         rope = dict(hf.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
@@ -71,7 +92,7 @@ class LlamaConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=context,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", model_type == "qwen2"),
             model_type=model_type,

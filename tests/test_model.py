@@ -32,6 +32,9 @@ CASES = {
 }
 
 
+CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+
+
 def save_tiny(case: str, path, seed: int = 0):
     """A random transformers model saved as a Hugging Face folder; returns the transformers model."""
     cfg_name, model_name, kwargs = CASES[case]
@@ -296,7 +299,7 @@ def test_unsupported_configs_are_refused():
         rope_inv_freq(LlamaConfig.from_hf(dict(TINY, head_dim=16, rope_scaling={"rope_type": "yarn", "factor": 4})))
 
 
-# --- what a mutation pass over model.py found untested ------------------------------------------------------
+# --- configs as transformers reads them, loading, and the cache's stacked and static views -------------------------
 
 
 LEGACY = {  # config.json as transformers 4 wrote it: rope settings at the top level, scaling named by "type"
@@ -341,11 +344,39 @@ def test_a_built_model_has_the_parameters_of_transformers(case):
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == kwargs.get("tie_word_embeddings", False)
 
 
-def test_sliding_windows_that_do_not_slide_are_taken_and_qwen2s_is_refused():
-    """Mistral's sliding_window 0 is no window (as None); Qwen2 with use_sliding_window is refused, one clear error."""
+NO_CONTEXT = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
+
+
+@pytest.mark.parametrize("model_type,config", [
+    ("llama", NO_CONTEXT), ("mistral", NO_CONTEXT), ("qwen2", NO_CONTEXT),  # transformers' defaults
+    ("mistral", dict(TINY, sliding_window=None)), ("mistral", dict(TINY, sliding_window=512)),
+    ("mistral", dict(TINY, sliding_window=511)),
+    ("qwen2", dict(TINY, use_sliding_window=True, sliding_window=128)),  # 2 layers, below max_window_layers' 28
+    ("qwen2", dict(TINY, use_sliding_window=True, sliding_window=128, max_window_layers=1)),
+    ("qwen2", dict(TINY, use_sliding_window=False, sliding_window=128, max_window_layers=0)),
+    ("qwen2", dict(NO_CONTEXT, use_sliding_window=True, max_window_layers=0)),
+    ("qwen2", dict(TINY, use_sliding_window=True, sliding_window=128,
+                   layer_types=["full_attention", "sliding_attention"])),
+    ("qwen2", dict(TINY, use_sliding_window=True, sliding_window=128, layer_types=["full_attention"] * 2))])
+def test_the_context_and_the_sliding_window_are_read_as_transformers_reads_them(model_type, config):
+    """A config that leaves the context out has transformers' default for its model_type; a sliding window is refused
+    exactly where transformers would slide a layer over a window shorter than the context (Mistral: every layer,
+    4096 when the file is silent; Qwen2: only with use_sliding_window, the layers of layer_types or from
+    max_window_layers on), and taken where nothing slides."""
+    theirs = getattr(transformers, CONFIG_CLASSES[model_type])(**config)
+    window = getattr(theirs, "sliding_window", None)
+    kinds = getattr(theirs, "layer_types", None) or ["sliding_attention"] * theirs.num_hidden_layers
+    if window is not None and "sliding_attention" in kinds and window < theirs.max_position_embeddings:
+        with pytest.raises(ValueError, match=f"^{model_type} sliding-window attention \\(window {window} of a "
+                                             f"{theirs.max_position_embeddings}-token context\\) is not supported"):
+            LlamaConfig.from_hf(dict(config, model_type=model_type))
+    else:
+        ours = LlamaConfig.from_hf(dict(config, model_type=model_type))
+        assert ours.max_position_embeddings == theirs.max_position_embeddings
+
+
+def test_a_sliding_window_of_0_is_none():
     assert LlamaConfig.from_hf(dict(TINY, model_type="mistral", sliding_window=0)).model_type == "mistral"
-    with pytest.raises(ValueError, match="Qwen2 sliding-window attention is not supported"):
-        LlamaConfig.from_hf(dict(TINY, model_type="qwen2", use_sliding_window=True, sliding_window=128))
 
 
 def test_a_tied_checkpoint_with_a_stored_head_or_old_rotary_buffers_loads(tmp_path):
