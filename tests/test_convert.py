@@ -82,11 +82,13 @@ GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", 
 
 def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: str = "llama",
                     eot: int | None = None, tokenizer: str = "gpt2", pre: str | None = None,
-                    omit: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+                    omit: tuple[str, ...] = (), key_length: bool = False,
+                    bias: bool | None = None) -> dict[str, np.ndarray]:
     """Write a 2-layer Llama (or Qwen2: q/k/v biases, q/k not permuted, pre-tokenizer qwen2) GGUF with random
     F32 weights, and an end-of-turn token id `eot` where given; `tokenizer` and `pre` override the tokenizer's
-    names, `omit` leaves out metadata a GGUF may lack ("head_count_kv", "vocab_size", "rope_freq_base"); return the
-    HF-layout weights it encodes."""
+    names, `omit` leaves out metadata a GGUF may lack ("head_count_kv", "vocab_size", "rope_freq_base", "pre",
+    "token_type"), `key_length` writes attention.key_length/value_length (the head size), `bias` q/k/v biases
+    (default: Qwen2 only; a Llama's q/k biases are permuted as its weights); return the HF-layout weights it encodes."""
     import gguf
     from tokenizers import pre_tokenizers
 
@@ -112,7 +114,7 @@ def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: 
             p + "mlp.gate_proj.weight": r(F, C), p + "mlp.up_proj.weight": r(F, C), p + "mlp.down_proj.weight": r(C, F),
             p + "input_layernorm.weight": r(C), p + "post_attention_layernorm.weight": r(C),
         }
-        if qwen:
+        if qwen if bias is None else bias:
             hf |= {p + "self_attn.q_proj.bias": r(H * D), p + "self_attn.k_proj.bias": r(Hkv * D),
                    p + "self_attn.v_proj.bias": r(Hkv * D)}
 
@@ -126,15 +128,20 @@ def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: 
         w.add_head_count_kv(Hkv)
     if not qwen:  # Qwen2 GGUFs have no rope.dimension_count: head_dim is hidden / heads
         w.add_rope_dimension_count(D)
+    if key_length:
+        w.add_key_length(D)
+        w.add_value_length(D)
     if "rope_freq_base" not in omit:
         w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-6)
     if "vocab_size" not in omit:
         w.add_vocab_size(V)
     w.add_tokenizer_model(tokenizer)
-    w.add_tokenizer_pre(pre or ("qwen2" if qwen else "smollm"))
+    if "pre" not in omit:
+        w.add_tokenizer_pre(pre or ("qwen2" if qwen else "smollm"))
     w.add_token_list(tokens)
-    w.add_token_types([3] * len(specials) + [1] * (V - len(specials) - 1) + [4])
+    if "token_type" not in omit:
+        w.add_token_types([3] * len(specials) + [1] * (V - len(specials) - 1) + [4])
     w.add_token_merges(merges)
     w.add_bos_token_id(0 if qwen else 1)
     w.add_eos_token_id(2)
@@ -150,9 +157,9 @@ def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: 
             i, rest = name.split(".")[2], name.split(".", 3)[3]
             kind, suffix = rest.rsplit(".", 1)
             gname = f"blk.{i}.{GGUF_LAYER_NAMES[kind]}.{suffix}"
-            if kind == "self_attn.q_proj" and suffix == "weight" and not qwen:
+            if kind == "self_attn.q_proj" and not qwen:
                 t = llama_cpp_permute(t, H)
-            elif kind == "self_attn.k_proj" and suffix == "weight" and not qwen:
+            elif kind == "self_attn.k_proj" and not qwen:
                 t = llama_cpp_permute(t, Hkv)
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -474,6 +481,209 @@ def test_cli_refuses_an_out_file_a_cut_gguf_and_no_gguf_in_one_line(tmp_path, ca
         assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
     assert not (tmp_path / "out").exists() and (tmp_path / "a_file").read_text() == "x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "cut.gguf", "tiny.gguf", "tiny_named_so"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_folder_config_reads_in_transformers_like_its_gguf_config(tmp_path, arch):
+    """config.json as transformers reads it equals transformers' config of the same GGUF in every field both set (pad
+    id, hidden_act, mlp_bias, rope, ...); it names the causal-LM class transformers maps its model_type to, and the
+    dtype the weights are stored in."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", tied=arch == "llama", arch=arch)
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    ours = transformers.AutoConfig.from_pretrained(out).to_dict()
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf").to_dict()
+    assert np.float32(ours.pop("rms_norm_eps")) == np.float32(theirs.pop("rms_norm_eps"))
+    both = {k for k in set(ours) & set(theirs) if theirs[k] is not None} - {"_name_or_path"}
+    assert {"pad_token_id", "bos_token_id", "eos_token_id", "hidden_act", "max_position_embeddings",
+            "tie_word_embeddings", "num_key_value_heads"} <= both
+    assert {k: ours[k] for k in both} == {k: theirs[k] for k in both}
+    assert ours["architectures"] == [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[ours["model_type"]]]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        stored = {str(f.get_tensor(k).dtype).removeprefix("torch.") for k in f.keys()}
+    assert stored == {ours.get("dtype", ours.get("torch_dtype"))}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_folder_tokenizer_in_transformers_equals_its_gguf_tokenizer(tmp_path, arch):
+    """transformers' AutoTokenizer on the folder and on the GGUF: the same special tokens (Qwen2's pad is <|endoftext|>,
+    not its eos) and ids, single texts and pairs, with the GGUF's BOS; the folder's length limit is the context, and
+    its add_bos_token/add_eos_token are the GGUF's."""
+    transformers = pytest.importorskip("transformers")
+    write_tiny_gguf(tmp_path / "tiny.gguf", arch=arch, add_bos=arch == "llama")
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    ours = transformers.AutoTokenizer.from_pretrained(out)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    assert ours.pad_token == ("<|endoftext|>" if arch == "qwen2" else "<|im_end|>")
+    for args in [("hello world",), ("hello", "hello world")]:
+        assert ours(*args)["input_ids"] == theirs(*args)["input_ids"], args
+        bare = {"add_special_tokens": False}
+        assert ours(*args, **bare)["input_ids"] == theirs(*args, **bare)["input_ids"], args
+    assert ours("hello")["input_ids"][0] == (1 if arch == "llama" else ours.convert_tokens_to_ids("hello"))
+    assert ours.model_max_length == TINY["ctx"]
+    config = json.loads((out / "tokenizer_config.json").read_text())  # the GGUF's flags, recorded as they are
+    assert (config["add_bos_token"], config["add_eos_token"]) == (arch == "llama", False)
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "default", None])
+def test_a_gpt2_default_or_missing_pre_tokenizer_splits_as_gpt2(tmp_path, pre):
+    """tokenizer.ggml.pre "gpt2", "default" or none (llama.cpp's default) is GPT-2's plain byte-level split: the ids of
+    transformers' GGUF tokenizer, which builds exactly that (no Digits split, no prefix space)."""
+    transformers = pytest.importorskip("transformers")
+    from weights.tokenizer import Tokenizer
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", pre=pre, omit=() if pre else ("pre",))
+    tok = Tokenizer.from_dir(convert(tmp_path / "tiny.gguf", tmp_path / "tiny"))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    for text in ["hello world\n 42<|im_end|>", "a\n 1\n  22 hello", "hello"]:
+        assert tok.encode(text) == theirs(text, add_special_tokens=False)["input_ids"], text
+    assert pieces_of(tok, tok.encode("a\n 1")) == ["a", "Ċ", "Ġ", "1"]  # not the smollm split's "ĊĠ", "1"
+
+
+def test_a_gguf_without_token_types_has_no_special_tokens(tmp_path):
+    """Without tokenizer.ggml.token_type every token is a normal one (llama.cpp's default): none is added as special,
+    so decoding keeps every piece."""
+    from weights.tokenizer import Tokenizer
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", omit=("token_type",))
+    tok = Tokenizer.from_dir(convert(tmp_path / "tiny.gguf", tmp_path / "tiny"))
+    assert tok.tokenizer.get_added_tokens_decoder() == {}
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+
+
+def test_head_dim_is_the_key_length_where_the_gguf_gives_one(tmp_path, monkeypatch):
+    """attention.key_length is the head size where a GGUF writes it: a Qwen2 GGUF (no rope.dimension_count) whose heads
+    are narrower than hidden / heads (4 of 8 in 48) takes head_dim from it, and the folder loads with those shapes."""
+    from model import load_model
+
+    monkeypatch.setitem(TINY, "hidden", 48)
+    write_tiny_gguf(tmp_path / "tiny.gguf", arch="qwen2", key_length=True)
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    assert json.loads((out / "config.json").read_text())["head_dim"] == TINY["head_dim"]
+    assert load_model(out).cfg.head_dim == TINY["head_dim"]
+
+
+def test_an_extra_stop_token_the_vocabulary_lacks_is_skipped(tmp_path):
+    """An architecture's extra stop tokens (Qwen2's <|endoftext|>) join the stop ids only where the vocabulary has them;
+    one it lacks is skipped, not a ValueError from list.index."""
+    import dataclasses
+
+    import gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", arch="qwen2")
+    arch = dataclasses.replace(convert_gguf.ARCHITECTURES["qwen2"], extra_eos=("<|not_in_vocab|>", "<|endoftext|>"))
+    assert convert_gguf.eos_ids(gguf.GGUFReader(tmp_path / "tiny.gguf"), arch) == [2, 0]
+
+
+def test_qwen2_split_equals_transformers_qwen2_regex():
+    """QWEN2_SPLIT against an independent copy of Qwen's regex (transformers' Qwen2 tokenizer) on texts where each part
+    matters: case-insensitive contractions ("'S" before letters), one digit per match, trailing-whitespace runs."""
+    regex = pytest.importorskip("regex")
+    qwen2 = pytest.importorskip("transformers.models.qwen2.tokenization_qwen2")
+    texts = ["IT'SOK WE'LLGO it'sok I'M", "a\n 1\n  22\t333 x  44, 0.5e-3", "   \n \n\r\n    x\u3000y  ", "x  \n  y "]
+    for text in texts:
+        assert regex.findall(convert_gguf.QWEN2_SPLIT, text) == regex.findall(qwen2.PRETOKENIZE_REGEX, text), text
+
+
+def test_a_file_whose_magic_differs_in_its_fourth_byte_is_not_a_gguf(tmp_path):
+    """The whole four-byte magic is checked: b"GGUX..." is "not a GGUF file", not a GGUF "cut short"."""
+    (tmp_path / "ggux.gguf").write_bytes(b"GGUX" + bytes(64))
+    with pytest.raises(ValueError, match=r"is not a GGUF file \(it does not start with b'GGUF'\)"):
+        convert(tmp_path / "ggux.gguf", tmp_path / "out")
+
+
+def test_only_tensors_in_blocks_map_to_layers():
+    """A four-part name outside the blk.{i} blocks (another model's "enc.0.attn_q.weight") is refused, not taken for
+    layer 0."""
+    for name in ("enc.0.attn_q.weight", "dec.1.ffn_up.weight"):
+        with pytest.raises(ValueError, match=f"unexpected GGUF tensor '{name}'"):
+            convert_gguf.hf_name(name)
+
+
+def test_a_tensor_dequantized_short_is_refused_naming_it(tmp_path, monkeypatch):
+    """A tensor whose dequantization gives fewer values than its shape (a chunk lost) is refused naming it, not written
+    as a file whose data no longer matches its header."""
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    chunks = convert_gguf.fp32_chunks
+
+    def one_chunk_short(t, shape, heads):
+        out = list(chunks(t, shape, heads))
+        return out[:-1] if t.name == "blk.0.ffn_up.weight" else out
+
+    monkeypatch.setattr(convert_gguf, "ROWS_PER_CHUNK", 5)
+    monkeypatch.setattr(convert_gguf, "fp32_chunks", one_chunk_short)
+    with pytest.raises(ValueError, match=r"GGUF tensor blk.0.ffn_up.weight: dequantized 1440 values, expected shape "
+                                         r"\(48, 32\)"):
+        convert(tmp_path / "tiny.gguf", tmp_path / "out")
+
+
+def test_write_weights_returns_the_number_of_parameters(tmp_path):
+    """write_weights' count (the progress line's "M params") is the number of values stored, not of bytes."""
+    import gguf
+    from safetensors.torch import load_file
+
+    write_tiny_gguf(tmp_path / "tiny.gguf", tied=False)
+    reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
+    n = convert_gguf.write_weights(reader, convert_gguf.read_config(reader), tmp_path / "model.safetensors")
+    assert n == sum(w.numel() for w in load_file(tmp_path / "model.safetensors").values())
+
+
+def test_a_folder_is_complete_only_with_all_five_files(tmp_path):
+    """The five files the rest of the project reads (the module's docstring): a folder lacking any one of them, such as
+    an older conversion without generation_config.json, is not complete and gets rebuilt."""
+    import shutil
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    assert convert_gguf.is_complete(out)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        shutil.copytree(out, tmp_path / "partial")
+        (tmp_path / "partial" / name).unlink()
+        assert not convert_gguf.is_complete(tmp_path / "partial"), name
+        shutil.rmtree(tmp_path / "partial")
+
+
+def test_a_stale_temporary_folder_is_cleared_before_converting(tmp_path):
+    """A temporary folder left by an earlier run of the same process id is emptied first: none of its files (here a
+    chat_template.jinja, which would win over the GGUF's template) reaches the new folder."""
+    import os
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    stale = tmp_path / f"out.tmp{os.getpid()}"
+    stale.mkdir()
+    (stale / "chat_template.jinja").write_text("stale")
+    out = convert_gguf.convert_atomically(tmp_path / "tiny.gguf", tmp_path / "out")
+    assert sorted(p.name for p in out.iterdir()) == sorted(convert_gguf.MODEL_FILES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.gguf"]
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: a Llama GGUF's q/k/v biases are mapped, but the q/k ones stay in "
+                                       "llama.cpp's permuted row order and config.json says attention_bias false, so "
+                                       "the folder does not load")
+def test_a_llama_gguf_with_biases_converts_faithfully_or_is_refused(tmp_path):
+    """llama.cpp's llama architecture allows q/k/v biases and permutes the q/k ones as their weights (transformers'
+    GGUF loader un-permutes both): such a GGUF must give a folder that loads with the biases un-permuted, or be refused
+    by name; it gives neither."""
+    from safetensors.torch import load_file
+
+    from model import load_model
+
+    expected = write_tiny_gguf(tmp_path / "tiny.gguf", bias=True)
+    try:
+        out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    except ValueError as e:
+        assert "bias" in str(e)
+        return
+    weights = load_file(out / "model.safetensors")
+    assert {name: torch.equal(weights[name], torch.from_numpy(w)) for name, w in expected.items()} == {
+        name: True for name in expected}
+    assert load_model(out).cfg.attention_bias
 
 
 def test_embedded_config_has_the_smollm2_numbers(embedded_dir):

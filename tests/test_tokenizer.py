@@ -96,6 +96,22 @@ def test_chat_template_renders_smollm2_chatml(tok):
     assert ids[0] == 1 and ids.count(1) == 3 and ids[-4:] == tok.encode("<|im_start|>assistant\n")
 
 
+def test_decode_takes_any_sequence_of_ids(tok):
+    """decode takes ids as a tensor (a model's output) or an iterator too, not only a list."""
+    import torch
+
+    ids = tok.encode("Hello world")
+    assert tok.decode(torch.tensor(ids)) == tok.decode(iter(ids)) == tok.decode(ids) == "Hello world"
+
+
+def test_an_eos_id_of_zero_is_a_stop_id(tmp_path, embedded_dir):
+    """generation_config's eos_token_id 0 is a stop id, not taken for none; [] is none."""
+    shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    for eos, ids in [(0, {0}), ([0, 2], {0, 2}), ([], set())]:
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        assert Tokenizer.from_dir(tmp_path).eos_ids == ids, eos
+
+
 def test_missing_tokenizer_json_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
@@ -170,6 +186,60 @@ def test_a_template_saved_apart_wins_over_tokenizer_config(tmp_path, embedded_di
     assert Tokenizer.from_dir(tmp_path).apply_chat_template(chat) == theirs == "newhi"
 
 
+def test_a_template_sees_every_special_token_as_in_transformers(tmp_path, embedded_dir):
+    """The template sees bos, eos, pad and unk tokens, each the string tokenizer_config.json names, as transformers
+    renders them."""
+    from transformers import AutoTokenizer
+
+    shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = {"chat_template": "{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ unk_token }}",
+              "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "unk_token": "<repo_name>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    theirs = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(CHATS[0], tokenize=False)
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(CHATS[0]) == theirs == "|".join(
+        config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token"))
+
+
+def test_a_template_list_without_a_default_is_no_template(tmp_path, embedded_dir):
+    """A list of named templates none of which is "default" gives no template (a ValueError on rendering), as in
+    transformers, rather than one of the named ones (tool_use, rag) picked silently."""
+    from transformers import AutoTokenizer
+
+    shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    templates = [{"name": "tool_use", "template": "TOOLS"}, {"name": "rag", "template": "RAG"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    with pytest.raises(ValueError, match="no default"):
+        AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(CHATS[0], tokenize=False)
+    t = Tokenizer.from_dir(tmp_path)
+    assert not t.has_chat_template
+    with pytest.raises(ValueError, match="chat_template"):
+        t.apply_chat_template(CHATS[0])
+
+
+def test_an_eos_token_outside_the_vocabulary_adds_no_stop_id(tmp_path, embedded_dir):
+    """An eos_token string the vocabulary lacks adds nothing to the stop ids (not None); generation_config's stay."""
+    shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|not_a_token|>"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert Tokenizer.from_dir(tmp_path).eos_ids == {2}
+
+
+def test_vocab_size_counts_tokens_added_outside_the_model(tmp_path, embedded_dir):
+    """A token added to tokenizer.json beyond the BPE vocabulary (as hub folders add special tokens) counts in
+    vocab_size, as it does in transformers' len(tokenizer)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import AutoTokenizer
+
+    hf = HFTokenizer.from_file(str(embedded_dir / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken("<|new_token|>", special=True, normalized=False)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.vocab_size == len(AutoTokenizer.from_pretrained(tmp_path)) == 49152 + 1
+    assert t.encode("<|new_token|>") == [49152]
+
+
 def test_template_environment_has_loop_controls_strftime_now_and_tojson_options():
     """What transformers' template environment offers and shipped templates use: {% break %} (loopcontrols),
     strftime_now (Llama 3.x's date line), tojson's indent and sort_keys (tool schemas); an empty template is none."""
@@ -181,6 +251,25 @@ def test_template_environment_has_loop_controls_strftime_now_and_tojson_options(
     year = datetime.now().strftime("%Y")
     assert rendered == f"You answer in one word.|{year}|" + json.dumps({"a": [2], "b": 1}, indent=1)
     assert not Tokenizer(None, "").has_chat_template
+
+
+def test_tojson_passes_separators_and_strftime_now_is_local_time(monkeypatch):
+    """tojson's separators reach json.dumps (compact tool schemas), and strftime_now is the local time, as in
+    transformers (datetime.now), not UTC: here in a zone 14 hours ahead of it."""
+    import time
+    from datetime import datetime
+
+    t = Tokenizer(None, "{{ messages[0] | tojson(separators=(',', ':')) }}|{{ strftime_now('%H') }}")
+    monkeypatch.setenv("TZ", "Etc/GMT-14")  # POSIX sign: UTC+14
+    time.tzset()
+    try:
+        before = datetime.now().strftime("%H")
+        rendered = t.apply_chat_template(CHATS[0])
+        hours = {before, datetime.now().strftime("%H")}  # the hour may turn meanwhile
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert rendered in {json.dumps(CHATS[0][0], separators=(",", ":")) + "|" + h for h in hours}
 
 
 def test_no_chat_template_raises(tmp_path, embedded_dir):
