@@ -3,6 +3,7 @@
 transformers. Fetching, assembling and caching the named models is tested in test_checkpoints.py."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -483,6 +484,24 @@ def test_cli_refuses_an_out_file_a_cut_gguf_and_no_gguf_in_one_line(tmp_path, ca
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "cut.gguf", "tiny.gguf", "tiny_named_so"]
 
 
+@pytest.mark.parametrize("error", [ValueError("Found duplicated tensor with name x"),
+                                   KeyError("Duplicate general.name already in list at offset 40")])
+def test_a_gguf_the_reader_refuses_is_one_line_with_the_readers_words(tmp_path, monkeypatch, error):
+    """gguf's reader refuses a file with a name twice, a tensor twice by ValueError, a metadata field twice by KeyError
+    (a traceback before); either is one line with the reader's own words, the file's size beside them."""
+    import gguf
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+
+    def refuse(path):
+        raise error
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    size = (tmp_path / "tiny.gguf").stat().st_size
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'tiny.gguf'} cannot be read as a GGUF file "
+                                                   f"({error.args[0]}): damaged or cut short? its size is {size:,} "
+                                                   "bytes")):
+        convert(tmp_path / "tiny.gguf", tmp_path / "out")
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_folder_config_reads_in_transformers_like_its_gguf_config(tmp_path, arch):
     """config.json as transformers reads it equals transformers' config of the same GGUF in every field both set (pad
@@ -663,27 +682,15 @@ def test_a_stale_temporary_folder_is_cleared_before_converting(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.gguf"]
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a Llama GGUF's q/k/v biases are mapped, but the q/k ones stay in "
-                                       "llama.cpp's permuted row order and config.json says attention_bias false, so "
-                                       "the folder does not load")
-def test_a_llama_gguf_with_biases_converts_faithfully_or_is_refused(tmp_path):
-    """llama.cpp's llama architecture allows q/k/v biases and permutes the q/k ones as their weights (transformers'
-    GGUF loader un-permutes both): such a GGUF must give a folder that loads with the biases un-permuted, or be refused
-    by name; it gives neither."""
-    from safetensors.torch import load_file
-
-    from model import load_model
-
-    expected = write_tiny_gguf(tmp_path / "tiny.gguf", bias=True)
-    try:
-        out = convert(tmp_path / "tiny.gguf", tmp_path / "tiny")
-    except ValueError as e:
-        assert "bias" in str(e)
-        return
-    weights = load_file(out / "model.safetensors")
-    assert {name: torch.equal(weights[name], torch.from_numpy(w)) for name, w in expected.items()} == {
-        name: True for name in expected}
-    assert load_model(out).cfg.attention_bias
+def test_a_llama_gguf_with_biases_is_refused_naming_the_tensor(tmp_path):
+    """llama.cpp's llama architecture allows q/k/v biases (permuted as their weights); model.py's llama has none, so
+    such a GGUF is refused by name, leaving no folder (it gave a folder whose q/k biases stayed permuted and whose
+    config said no biases, which then did not load)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", bias=True)
+    with pytest.raises(ValueError, match="^GGUF tensor 'blk.0.attn_[qkv].bias': attention biases are supported in "
+                                         "qwen2 models only, not llama$"):
+        convert_gguf.convert_atomically(tmp_path / "tiny.gguf", tmp_path / "tiny")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
 
 
 def test_embedded_config_has_the_smollm2_numbers(embedded_dir):

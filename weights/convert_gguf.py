@@ -66,6 +66,7 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 BIASED = ("attn_q", "attn_k", "attn_v")  # the only layers with a bias (Qwen2)
+BIASED_ARCHS = tuple(name for name, arch in ARCHITECTURES.items() if arch.attention_bias)
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -198,8 +199,12 @@ def read_config(reader) -> dict:
 
 def tensor_plan(reader) -> list[tuple[str, tuple[int, ...], object]]:
     """(HF name, shape, GGUF tensor) for every tensor, sorted by HF name; nothing dequantized yet."""
-    plan = []
+    plan, arch = [], architecture(reader)
     for t in reader.tensors:
+        if t.name.endswith(".bias") and not arch.attention_bias:
+            # llama.cpp allows q/k/v biases in a llama GGUF (permuted as their weights); model.py's llama has none
+            raise ValueError(f"GGUF tensor {t.name!r}: attention biases are supported in {', '.join(BIASED_ARCHS)} "
+                             f"models only, not {arch.model_type}")
         # GGUF lists dims innermost first; numpy order (out, in) is the reverse, as in HF.
         plan.append((hf_name(t.name), tuple(int(d) for d in reversed(t.shape)), t))
     names = [name for name, _, _ in plan]
@@ -344,9 +349,9 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
         print(f"reading {gguf_path} ...", file=sys.stderr)  # progress: stdout is a caller's
     try:
         reader = GGUFReader(gguf_path)
-    except ValueError as e:  # numpy's words for a tensor that runs past the end of the file
-        raise ValueError(f"{gguf_path} cannot be read as a GGUF file ({e}): is it cut short? its size is "
-                         f"{gguf_path.stat().st_size:,} bytes") from None
+    except (ValueError, KeyError) as e:  # numpy's words for a tensor past the end; gguf's for a name twice
+        raise ValueError(f"{gguf_path} cannot be read as a GGUF file ({e.args[0] if e.args else e}): damaged or cut "
+                         f"short? its size is {gguf_path.stat().st_size:,} bytes") from None
     config = read_config(reader)
     tokenizer = build_tokenizer(reader)  # before the long part: an unsupported tokenizer fails fast
 
