@@ -112,8 +112,8 @@ def check_launch(changes) -> None:
 
 
 def kernel_choice() -> str:
-    """QADA_KERNEL, checked: auto (the default), triton or torch (see fused)."""
-    choice = os.environ.get("QADA_KERNEL", "auto")
+    """QADA_KERNEL, checked: auto (the default, also when set empty), triton or torch (see fused)."""
+    choice = os.environ.get("QADA_KERNEL") or "auto"
     if choice not in ("auto", "triton", "torch"):
         raise ValueError(f"QADA_KERNEL takes auto, triton or torch; got {choice!r}")
     return choice

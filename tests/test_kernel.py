@@ -594,6 +594,7 @@ def test_a_launch_change_is_checked_whole_before_any_of_it_applies(monkeypatch):
     for bad, match in [({"split": {"SPREAD": 8}, "splt": {}}, "names window, bound, split"),
                        ({"split": {"SPREAD": 8}, "window": {"TILE": 64}}, "window launch takes"),
                        ({"split": {"SPREAD": 8}, "window": {"LOW": 1}}, "LOW takes a bool"),
+                       ({"split": {"BLOCK_N": True}}, "split launch's BLOCK_N takes a int, got True"),  # a bool is no int
                        ({"split": 3}, "split launch takes"), ([1], "a mapping")]:
         with pytest.raises(ValueError, match=match):
             decode_kernels.set_launch(bad)
@@ -602,6 +603,39 @@ def test_a_launch_change_is_checked_whole_before_any_of_it_applies(monkeypatch):
     assert decode_kernels.SPLIT_LAUNCH["SPREAD"] == 8 and decode_kernels.SPLIT_LAUNCH["PDL"]
     assert decode_kernels.WINDOW_LAUNCH["BLOCK_W"] == 64
     assert decode_kernels.SPLIT_LAUNCH["BLOCK_N"] == before["split"]["BLOCK_N"]  # the rest as it was
+
+
+def test_check_kernel_says_what_the_asked_for_kernel_lacks(monkeypatch):
+    """QADA_KERNEL=triton where the kernel cannot run is one line saying why, in the asker's words: no CUDA and no
+    interpreter, or no triton; under the interpreter it runs. auto and torch ask nothing; set empty, it is auto."""
+    monkeypatch.setenv("QADA_KERNEL", "triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(decode_kernels, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="^--kernel triton: no CUDA; on the CPU the kernel runs only under Triton's "
+                                         "interpreter \\(TRITON_INTERPRET=1\\)$"):
+        decode_kernels.check_kernel("--kernel triton")
+    monkeypatch.setattr(decode_kernels, "INTERPRETED", True)
+    decode_kernels.check_kernel()
+    monkeypatch.setattr(decode_kernels, "triton", None)
+    with pytest.raises(ValueError, match="^QADA_KERNEL=triton: triton is not installed"):
+        decode_kernels.check_kernel()
+    for choice in ("auto", "torch", ""):
+        monkeypatch.setenv("QADA_KERNEL", choice)
+        decode_kernels.check_kernel()
+        assert decode_kernels.kernel_choice() == (choice or "auto")
+
+
+def test_window_launch_fits_its_tiles_to_the_window_and_the_head_dim(monkeypatch):
+    """window_launch: tiles no larger than the padded window or the head dim, and the form apart only where the
+    kernel decides (Quest's window kernel has no form)."""
+    q = k = v = torch.zeros(1, 4, 16)
+    monkeypatch.setitem(decode_kernels.WINDOW_LAUNCH, "FORM_APART", True)
+    launch = decode_kernels.window_launch(16, q, k, v)
+    assert (launch["BLOCK_W"], launch["BLOCK_D"], launch["FORM_APART"]) == (16, 16, True)
+    assert not decode_kernels.window_launch(16, q, k, v, decide=False)["FORM_APART"]
+    wide = decode_kernels.window_launch(256, *(torch.zeros(1, 4, 128),) * 3)
+    assert (wide["BLOCK_W"], wide["BLOCK_D"]) == (decode_kernels.WINDOW_LAUNCH["BLOCK_W"],
+                                                  decode_kernels.WINDOW_LAUNCH["BLOCK_D"])
 
 
 def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
