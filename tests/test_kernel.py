@@ -5,6 +5,7 @@ group labelled local must not be read. On a machine without CUDA the kernels run
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -417,6 +418,51 @@ def test_split_size_gives_each_group_16_to_32_splits_or_more_below_twice_that(T_
     per_group = 32 if n_programs == 1 else 16  # this CPU counts 8 multiprocessors: 32 slots
     assert split & (split - 1) == 0 and split >= 256
     assert per_group <= math.ceil(T_max / split) <= 2 * per_group
+
+
+def test_split_size_on_an_h200_gives_the_measured_splits(monkeypatch):
+    """On a GPU of 132 multiprocessors (an H200's or H100's) a 32k context splits as measured fastest there
+    (results/bench-gpu): 1024 positions at batch 1 (8 KV heads: 32 splits a group, not the 64 its free slots would
+    allow), 2048 at batch 8."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda")  # a name only: nothing is allocated there
+    assert [decode_kernels.split_size(B * 8, 32768, cuda) for B in (1, 8)] == [1024, 2048]
+
+
+def test_the_forms_and_the_history_reach_the_kernel_in_its_layout():
+    """form_operands: an fp32 form whose rows' blocks are not contiguous (a transposed A) is copied into them, one of
+    another dtype cast, one already so (or broadcast over rows) handed on as it is. history_operands: labels (S, B, H)
+    bool or int8 with each step's block contiguous and a (1,) int64 step, else one line naming what it takes."""
+    A, b = torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4)
+    for form in ((A.transpose(-1, -2), b), (A.double(), b)):
+        got = decode_kernels.form_operands(form)
+        assert all(x.dtype == torch.float32 and x[0].is_contiguous() and torch.equal(x, y.float())
+                   for x, y in zip(got, form))
+    assert all(x is y for x, y in zip(decode_kernels.form_operands((A, b)), (A, b)))
+    dummy, labels = torch.zeros(1), torch.zeros(5, 2, 3, dtype=torch.bool)
+    step = torch.zeros(1, dtype=torch.int64)
+    history, got_step, stride, on = decode_kernels.history_operands((labels, step), 2, 3, dummy)
+    assert history.dtype == torch.int8 and got_step is step and stride == 6 and on
+    assert decode_kernels.history_operands(None, 2, 3, dummy) == (dummy, dummy, 0, False)
+    for bad in ((labels.float(), step), (labels.transpose(1, 2).contiguous().transpose(1, 2), step),
+                (labels, step.int()), (labels, torch.zeros(2, dtype=torch.int64)), (labels[:, :1], step)):
+        with pytest.raises(ValueError, match="^history: labels \\(S, 2, 3\\) bool or int8, each step's block "
+                                             "contiguous, and a \\(1,\\) int64 step"):
+            decode_kernels.history_operands(bad, 2, 3, dummy)
+
+
+def test_filled_length_refuses_a_length_of_another_kind():
+    """The kernels' LENGTH: int32, one or B elements, on the step's device (a kernel would read another device's
+    pointer); without one, T_max in a tensor of its own, read by every row."""
+    cpu = torch.device("cpu")
+    for bad in (torch.zeros(1, dtype=torch.int64), torch.zeros(3, dtype=torch.int32),
+                torch.zeros(1, dtype=torch.int32, device="meta")):
+        with pytest.raises(ValueError, match="^length: an int32 tensor of 1 or 2 elements on cpu"):
+            decode_kernels.filled_length(bad, 2, 10, cpu)
+    length, per_row = decode_kernels.filled_length(None, 2, 10, cpu)
+    assert length.tolist() == [10] and length.dtype == torch.int32 and per_row == 0
+    assert decode_kernels.filled_length(torch.zeros(2, dtype=torch.int32), 2, 10, cpu)[1] == 1
+    assert decode_kernels.filled_length(torch.zeros(1, dtype=torch.int32), 1, 10, cpu)[1] == 0  # B = 1: either
 
 
 def test_the_window_kernel_is_launched_as_window_launch_says(monkeypatch):
