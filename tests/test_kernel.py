@@ -451,6 +451,21 @@ def test_the_forms_and_the_history_reach_the_kernel_in_its_layout():
             decode_kernels.history_operands(bad, 2, 3, dummy)
 
 
+def test_the_fused_entry_points_refuse_strides_and_splits_they_cannot_launch():
+    """q and the output with unit stride over the head dim (the kernels address them so), a split of whole blocks:
+    each a one-line ValueError before any launch, for fused_qada's output and fused_dense's split alike."""
+    B, H, Hkv, D, T = 1, 4, 2, 16, 300
+    q, k, v, A, b = case(B, H, Hkv, D, T)
+    rows, start = torch.zeros(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32)
+    strided = torch.empty(B, H, 2 * D)[..., ::2]
+    with pytest.raises(ValueError, match="^fused_qada reads q and writes its output with unit stride"):
+        fused_qada(q, k, v, rows, start, N_SINK, N_LOCAL, (A, b), torch.tensor([0.5]), out=strided)
+    with pytest.raises(ValueError, match="^fused_dense reads q and writes its output with unit stride"):
+        decode_kernels.fused_dense(torch.empty(B, H, 2 * D)[..., ::2], k, v, rows, start)
+    with pytest.raises(ValueError, match="^split 100 must be a multiple of block_n 64"):
+        decode_kernels.fused_dense(q, k, v, rows, start, split=100, block_n=64)
+
+
 def test_filled_length_refuses_a_length_of_another_kind():
     """The kernels' LENGTH: int32, one or B elements, on the step's device (a kernel would read another device's
     pointer); without one, T_max in a tensor of its own, read by every row."""
