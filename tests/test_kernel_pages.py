@@ -8,6 +8,7 @@ CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by conf
 import inspect
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -368,6 +369,27 @@ def test_the_chosen_pages_are_each_rankings_best_listed_once_in_page_order(ranke
                 assert heads[b, kv, :m].tolist() == [chose[p] for p in sorted(chose)]
                 assert heads[b, kv, m:].tolist() == [0] * (U - m)
     assert n_valid[3].tolist() == [int(n_read[3])] * HKV  # the ties cut to fit, not all of them taken
+
+
+def test_choose_pages_lists_no_more_pages_than_the_rankings_have_and_refuses_strided_scores():
+    """Quest's lists hold at most the W candidate pages, however many its G rankings' budgets add up to (G n_sel
+    above W here); scores without unit stride over the pages, or not fp32, are one line before the launch."""
+    scores = torch.randn(2, H, 5, generator=torch.Generator().manual_seed(1))
+    ids, heads, n_valid = decode_kernels.choose_pages(scores, torch.full((2,), 4, dtype=torch.int32), 4, HKV)
+    assert ids.shape == heads.shape == (2, HKV, 5) and n_valid.tolist() == [[5] * HKV] * 2  # G * 4 > 5: all of them
+    for bad in (scores.transpose(1, 2).contiguous().transpose(1, 2), scores.double()):
+        with pytest.raises(ValueError, match="^choose_pages reads fp32 scores with unit stride over each ranking"):
+            decode_kernels.choose_pages(bad, None, 4, HKV, ranked=False)
+
+
+def test_page_split_fills_a_gpu_with_whole_tiles(monkeypatch):
+    """Pages per split program: at most 64 programs a group where the GPU has room for more (132 multiprocessors, one
+    long group), a power of two, never less than a tile (few pages on many groups)."""
+    cpu = torch.device("cpu")  # counts 8 multiprocessors: 32 slots
+    assert decode_kernels.page_split(8, 10, 16, cpu) == 16  # 4 programs a group would take 4 pages each
+    assert decode_kernels.page_split(1, 1000, 16, cpu) == 32  # 32 programs of 32 pages
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    assert decode_kernels.page_split(1, 4096, 16, torch.device("cuda")) == 64  # 64 programs, not 528
 
 
 def test_the_kernel_path_reads_nothing_back_to_the_host(monkeypatch):
