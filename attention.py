@@ -835,8 +835,10 @@ class DecodeAttention:
         log_gauss = log_exact = torch.full_like(log_local, math.nan)
         if T > self.n_local:
             # The same moments either way; the update costs O(d^2) per step where the direct form costs O(T d^2)
-            bulk = k[:, self.n_sink:bulk_end(T, self.n_sink, self.n_local)]  # (Hkv, T - n_local, D)
-            exact = self.exact.mean_cov(layer, k) if self.exact is not None else mean_cov(bulk)
+            if self.exact is not None:
+                exact = self.exact.mean_cov(layer, k)
+            else:
+                exact = mean_cov(k[:, self.n_sink:bulk_end(T, self.n_sink, self.n_local)])  # bulk (Hkv, T - n_local, D)
             log_exact = gaussian_log_bulk(q, gaussian_form(*exact), T - self.n_local)
             if self.moments is not None:
                 log_gauss = gaussian_log_bulk(q, self.moments.quadratic_form(layer, k), T - self.n_local)
