@@ -233,7 +233,7 @@ def test_at_tau_1_the_mean_rule_reads_a_group_whose_shares_round_to_1():
     """The kernel's "mean" rule compares the group's mean bulk share with 1 - tau, as criterion.local_labels does: at
     tau = 1 a group reads its cache whenever its bulk's share is above 0 in fp32, also where a strong sink leaves the
     bulk e^-18 of the window's mass and every share rounds to 1; just below 1 the group is local; and where the bulk
-    share underflows to 0 the group is local. Labels as the torch path's, and the output its reference's."""
+    share underflows to 0 the group still reads. Labels as the torch path's, and the output its reference's."""
     B, H, Hkv, D, T = 2, 4, 2, 16, 300
     g = torch.Generator().manual_seed(3)
     q = torch.full((B, H, D), 2.0)
@@ -250,15 +250,16 @@ def test_at_tau_1_the_mean_rule_reads_a_group_whose_shares_round_to_1():
         assert torch.equal(labels[i], want)
         torch.testing.assert_close(y[i], reference_attention(q[i], k[i], v[i], labels[i], N_SINK, N_LOCAL),
                                    atol=2e-5, rtol=1e-4)
-    # past fp32's range (a score of 120: the bulk e^-114 of the window's mass) every bulk share is 0, and 0 <= 1 - tau:
-    # local at tau = 1, the edge of the comparison, as the torch path labels it
+    # past fp32's range (a score of 120: the bulk e^-114 of the window's mass) every bulk share is 0, which meets the
+    # cap 1 - tau = 0; but a share of 1 asks every head to be local on its own, and none is: read at tau = 1, as the
+    # torch path reads it; local just below 1
     k[:, :, 0] = 15.0
     _, labels = fused_qada(q, k, v, torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), N_SINK,
-                           N_LOCAL, (A, b), torch.tensor([1.0, 1.0], dtype=torch.float64), "mean", split=64, block_n=16)
-    assert labels.all()
+                           N_LOCAL, (A, b), torch.tensor(tau, dtype=torch.float64), "mean", split=64, block_n=16)
+    assert labels.tolist() == [[False] * H, [True] * H]
     _, want = qada(q[0], k[0], v[0], layer=0, n_sink=N_SINK, n_local=N_LOCAL, tau=1.0, moments=Form(A[0], b[0]),
                    rule="mean")
-    assert want.all()
+    assert not want.any()
 
 
 @pytest.mark.parametrize("bad", ["int64", "shape", "strided"])

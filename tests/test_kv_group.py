@@ -159,8 +159,9 @@ def test_qada_kv_all_reads_what_per_head_qada_reads():
 @pytest.mark.parametrize("rule", [None, "all", "mean"])
 def test_at_tau_1_only_a_group_without_bulk_is_local(rule):
     """tau = 1 asks for the whole mass: whichever rule decides, a group is local only where its bulk is empty, also
-    where every share rounds to 1 in fp32 (a bulk e^-20 of the window's mass); just below 1 such a group is local.
-    A float tau and a tensor of one tau per row decide alike."""
+    where every share rounds to 1 in fp32 (a bulk e^-20 of the window's mass) and where the bulk's share is past fp32's
+    range (e^-120, a share of 0 to "mean"); just below 1 such a group is local. A float tau and a tensor of one tau per
+    row decide alike."""
     log_local = torch.tensor([20.0] * G + [3.0] * G + [0.0] * G)  # (H,): three groups
     log_bulk = torch.tensor([0.0] * G + [-math.inf] * G + [0.0] * G)
     at_1, below_1 = [False] * G + [True] * G + [False] * G, [True] * 2 * G + [False] * G
@@ -168,6 +169,9 @@ def test_at_tau_1_only_a_group_without_bulk_is_local(rule):
     assert local_labels(log_local, log_bulk, 1 - 1e-7, HKV, rule).tolist() == below_1
     taus = torch.tensor([[1.0], [1 - 1e-7]], dtype=torch.float64)  # (B, 1): a batch's rows
     assert local_labels(log_local.expand(2, H), log_bulk.expand(2, H), taus, HKV, rule).tolist() == [at_1, below_1]
+    far, some = torch.full((H,), 120.0), torch.zeros(H)
+    assert local_labels(far, some, 1.0, HKV, rule).tolist() == [False] * H
+    assert local_labels(far.expand(2, H), some.expand(2, H), taus, HKV, rule).tolist() == [[False] * H, [True] * H]
 
 
 def test_static_labels_per_kv_head_take_whole_groups_by_mean_frequency():
