@@ -799,6 +799,9 @@ class DecodeAttention:
         self.inputs = {name: given[name] for name in reads if name != "layer"}  # exactly what the path reads
         if "tau" in self.inputs:
             check_tau(self.inputs["tau"])
+        if self.inputs.get("pages") is not None and (why := index_mismatch(self.inputs["pages"],
+                                                                           page_size(self.method), self.n_sink)):
+            raise ValueError(why)  # here, not at the first step that scores pages: that may come late or never
         if self.stats is None:
             self.stats = HeadStats(self.n_local, decision_read=decision_read(self.method))
 

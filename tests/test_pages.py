@@ -394,6 +394,11 @@ def test_a_page_index_of_another_page_size_or_sinks_is_refused():
         with pytest.raises(ValueError, match=f"pages of 16 tokens after {N_SINK + 1} sinks; the path reads pages of "
                                              f"16 after {N_SINK}"):
             PATHS[method](q, k, v, **{n: inputs[n] for n in attention.path_inputs(method)})
+        # and by the attention that would hold it, when it is built: its groups may all stay local for many steps,
+        # scoring no page
+        with pytest.raises(ValueError, match=f"pages of 16 tokens after {N_SINK + 1} sinks"):
+            DecodeAttention(method, N_SINK, N_LOCAL, inputs)
+    DecodeAttention("quest", N_SINK, N_LOCAL, page_inputs("quest", 200, k) | dict(pages=PageIndex(None, 16, N_SINK)))
 
 
 def test_a_page_size_entry_reads_the_pages_its_name_says():
