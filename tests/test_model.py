@@ -35,17 +35,18 @@ CASES = {
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
 
 
-def save_tiny(case: str, path, seed: int = 0):
-    """A random transformers model saved as a Hugging Face folder; returns the transformers model."""
+def save_tiny(case: str, path, seed: int = 0, **save):
+    """A random transformers model saved as a Hugging Face folder (`save`: save_pretrained's keywords); returns the
+    transformers model."""
     cfg_name, model_name, kwargs = CASES[case]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_name)(**kwargs)
+    cfg = getattr(transformers, cfg_name)(**copy.deepcopy(kwargs))  # transformers edits rope_scaling in place
     hf = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():  # random norms and biases too, so a missed weight shows
         for name, p in hf.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(path)
+    hf.save_pretrained(path, **save)
     return hf
 
 
@@ -179,15 +180,9 @@ def test_truncated_safetensors(tmp_path):
 
 
 def test_sharded_checkpoint(tmp_path):
-    hf = save_tiny("qwen2-bias", tmp_path)
-    state = load_file(tmp_path / "model.safetensors")
-    (tmp_path / "model.safetensors").unlink()
-    names = sorted(state)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    for file, keys in shards.items():
-        save_file({k: state[k] for k in keys}, tmp_path / file, metadata={"format": "pt"})
-    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    """A checkpoint in shards with their index, as transformers writes one (here in shards of 100 kB)."""
+    hf = save_tiny("qwen2-bias", tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
     ids = torch.randint(0, 101, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (load_model(str(tmp_path))(ids) - hf(ids).logits[:, -1]).abs().max() < 1e-4
@@ -334,7 +329,7 @@ def test_a_built_model_has_the_parameters_of_transformers(case):
     one parameter with the embedding (lab/bench_gpu.py builds its model so, with no checkpoint)."""
     from model import Llama
     cfg_name, model_name, kwargs = CASES[case]
-    cfg = getattr(transformers, cfg_name)(**kwargs)
+    cfg = getattr(transformers, cfg_name)(**copy.deepcopy(kwargs))  # transformers edits rope_scaling in place
     hf = getattr(transformers, model_name)(cfg)
     ours_cfg = LlamaConfig.from_hf(cfg.to_dict())
     assert ours_cfg.model_type == cfg.model_type
