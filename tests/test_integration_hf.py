@@ -20,7 +20,7 @@ from generate import decode, default_tau  # noqa: E402
 from integrations.transformers import HFAttention, HFModel, disable, enable, left_padding, load  # noqa: E402
 from lab import calibrate  # noqa: E402
 from model import KVCache, load_model  # noqa: E402
-from moments import ReferenceKeys  # noqa: E402
+from moments import FixedMoments, ReferenceKeys  # noqa: E402
 from tests.test_generate import make_tiny_dir  # noqa: E402
 from tests.test_model import TINY  # noqa: E402
 from weights.checkpoints import MODELS, shipped_calibration  # noqa: E402
@@ -333,6 +333,50 @@ def test_what_a_decode_step_refuses(sharp_dir):
     disable(hf)
 
 
+def test_static_labels_and_moments_of_the_callers_equal_ours(sharp_dir):
+    """What enable takes beside a method's name, read as our paths read it: static labels (a bool tensor of the
+    model's (layers, heads)) and a KeyMoments object of the caller's in place of a moments source. The same tokens
+    and the same labels as generate.py's decoding with those very labels and moments; the static path's labels are
+    the given ones at every step, and the report says the moments were given."""
+    ours, tok, hf = load_model(sharp_dir), Tokenizer.from_dir(sharp_dir), hf_model(sharp_dir)
+    ids = prompt_ids()
+    local = torch.tensor([[True, False, False, True], [False, True, True, False]])
+    attention = enable(hf, "static", static_local=local)
+    got = generate_hf(hf, ids)[0]
+    want, att = generate_ours(ours, tok, ids, "static", None, None, None, static_local=local)
+    labels = attention.rows[0].stats.label_tensor()
+    assert got == want and torch.equal(labels, att.stats.label_tensor())
+    assert torch.equal(labels, local.expand(NEW - 1, -1, -1))
+    disable(hf)
+    g = torch.Generator().manual_seed(5)
+    moments = FixedMoments(torch.randn(2, 2, 16, generator=g), torch.eye(16).expand(2, 2, 16, 16) * 0.5, 100)
+    attention = enable(hf, "qada", tau=TAU, moments=moments)
+    got = generate_hf(hf, ids)[0]
+    want, att = generate_ours(ours, tok, ids, "qada", None, TAU, None, moments=moments)
+    assert got == want and torch.equal(attention.rows[0].stats.label_tensor(), att.stats.label_tensor())
+    assert ", given moments" in attention.report()
+    disable(hf)
+
+
+def test_what_a_decode_call_refuses_before_it_decodes(sharp_dir):
+    """The attention function called by hand as transformers would call it for one decode step: a layer with a
+    sliding window or a softcap, which no path models, and a decode step with no prefill of this prompt before it
+    (another cache than transformers' DynamicCache), each refused with one line. Before any generation the report
+    says no decode step ran."""
+    hf = hf_model(sharp_dir)
+    attention = enable(hf, "qada", tau=TAU, moments="prompt")
+    assert attention.summary() == {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
+    assert attention.report().splitlines()[1:] == ["no decode step ran"]
+    module = hf.model.layers[0].self_attn
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 200, 16)
+    for option in ({"sliding_window": 64}, {"softcap": 30.0}):
+        with pytest.raises(ValueError, match="layer 0 has a sliding window or a softcap: not supported"):
+            attention(module, q, k, k, None, **option)
+    with pytest.raises(ValueError, match="saw no prefill of this prompt"):
+        attention(module, q, k, k, None)
+    disable(hf)
+
+
 def test_left_padding_reads_a_bool_or_a_float_mask():
     """Each row's first attended position from transformers' 4D mask at its last query, whether it marks attended
     positions True or adds 0 to them (and -inf elsewhere); None without padding; one line for a hole in a row."""
@@ -581,6 +625,12 @@ def test_a_chunked_prefill_through_our_cache_gives_the_whole_prompts_logits(shar
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=1e-5)
     model.prefill(ids[:, :30], caches[2])
+    # a dense decode step through our cache: our model's logits on the same weights
+    ours = load_model(sharp_dir)
+    theirs, mine = model.new_cache(ids.shape[1] + 1), ours.new_cache(ids.shape[1] + 1)
+    model.prefill(ids, theirs), ours.prefill(ids, mine)
+    torch.testing.assert_close(model.decode_step(ids[:, 5], theirs), ours.decode_step(ids[:, 5], mine),
+                               atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="HFModel takes caches of rows that start at position 0"):
         model.decode_step(torch.tensor([1, 2]), KVCache.stack([caches[0], caches[2]], 4))
 
