@@ -22,8 +22,8 @@ Timed per stack, reported per layer:
              the Gaussian criterion (qada_labels) and full attention for the heads it labels long-context;
   criterion  qada's work before the full heads (window attention and its log mass, the Gaussian term, labels):
              the price of deciding, reported as a fraction of packed dense (below);
-  packed     attention.dense, the project's dense path, as qada's full heads compute it (full_attention on every KV head:
-             SDPA with a group's query heads as query positions, reading each KV head once where SDPA's
+  packed     attention.dense, the project's dense path, as qada's full heads compute it (full_attention on every
+             KV head: SDPA with a group's query heads as query positions, reading each KV head once where SDPA's
              enable_gqa reads it once per query head). A stronger baseline, reported beside the first.
 The label pattern comes from the moments, so that the real criterion produces it: q and the keys are
 random normal, the covariances random positive definite, and for each (layer, KV head) the bulk-key mean
@@ -321,14 +321,16 @@ def profile_qada(T: int, repeats: int, device: torch.device, timer: Timer, f: fl
                 y_window, labels = decide(q[i], k, v, *pre[i][2])
                 torch.testing.assert_close(y_window, pre[i][0], rtol=1e-4, atol=1e-5)
                 assert torch.equal(labels, qada_labels(q[i], pre[i][1], pre[i][2], T - N_LOCAL, TAU))
-            stages["deciding, torch.compile (fixed T)"] = stage(lambda i, k, v, yw, log_local, form: decide(q[i], k, v, *form))
+            stages["deciding, torch.compile (fixed T)"] = stage(lambda i, k, v, yw, log_local, form:
+                                                                decide(q[i], k, v, *form))
         t = timer.interleaved(stages, repeats)
         ideal_full = t["packed dense"] * f  # the full heads' share of the dense read
         out += [f"### {shape} shapes, T = {T}, f = {f}: qada's stages (us per layer, cold caches)", "",
                 "| stage | us / layer | % of packed dense |", "|---|---:|---:|"]
         for name, s in t.items():
             out.append(f"| {name} | {1e6 * s / stack.L:.0f} | {100 * s / t['packed dense']:.1f} |")
-        out.append(f"| *f x packed dense: the full heads' ideal cost* | {1e6 * ideal_full / stack.L:.0f} | {100 * f:.1f} |")
+        out.append(f"| *f x packed dense: the full heads' ideal cost* | {1e6 * ideal_full / stack.L:.0f} | "
+                   f"{100 * f:.1f} |")
         with profile() as prof:
             for _ in range(3):
                 stack.run("qada", moments)
@@ -347,7 +349,8 @@ def needle_prompt(tok, n_tokens: int, seed: int = 0) -> tuple[list[int], str]:
     """Chat-template ids of a needle-in-a-haystack prompt of at most n_tokens (as close as whole lines allow), and
     the needle's value."""
     rng = random.Random(seed)
-    key = f"{rng.choice(['quiet', 'amber', 'rapid', 'hollow', 'gentle'])}-{rng.choice(['harbor', 'falcon', 'meadow', 'lantern'])}"
+    key = (f"{rng.choice(['quiet', 'amber', 'rapid', 'hollow', 'gentle'])}-"
+           f"{rng.choice(['harbor', 'falcon', 'meadow', 'lantern'])}")
     value = str(rng.randrange(1_000_000, 10_000_000))
     needle = f"One of the special magic numbers for {key} is: {value}."
 
@@ -496,7 +499,8 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
             cfg = model.cfg
             check_calibration(correction, calibration, cfg.num_hidden_layers, cfg.num_attention_heads,
                               cfg.num_key_value_heads, N_SINK, N_LOCAL, "random-words", estimate, weights_probe(model))
-        reference = ReferenceKeys(model, tok, n_max=max(T, model.cfg.max_position_embeddings), root=cache_dir() / "moments")
+        reference = ReferenceKeys(model, tok, n_max=max(T, model.cfg.max_position_embeddings),
+                                  root=cache_dir() / "moments")
         prompts = [needle_prompt(tok, T - NEEDLE_TOKENS, seed=b) for b in range(max(batches))]  # different needles
         if prefill_only:  # the files and the reference keys only: no cache held, none read back
             for ids, _ in prompts:
@@ -535,7 +539,8 @@ def bench_end_to_end(model_name: str, lengths, batches, methods, repeats: int, n
                     attn = make[name]()
                     times[name].append(decode_timed(model, cache, n, logits, n_new, attn)[0])
                     if name not in ("dense", "local") and name not in stats:  # greedy: every run decodes alike
-                        per_row = [a.stats.summary(model.cfg.num_key_value_heads) for a in getattr(attn, "rows", [attn])]
+                        per_row = [a.stats.summary(model.cfg.num_key_value_heads)
+                                   for a in getattr(attn, "rows", [attn])]
                         stats[name] = (statistics.mean(x["sparsity"] for x in per_row),
                                        statistics.mean(x["kv_read"] for x in per_row))
             ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
@@ -587,14 +592,15 @@ ATTENTION_COLUMNS = [("shape", "shapes", "{}"), ("T", "T", "{}"), ("f", "f (KV r
                      ("dense_ms", "dense ms", "{:.3f}"), ("packed_ms", "packed dense ms", "{:.3f}"),
                      ("qada_ms", "qada ms", "{:.3f}"), ("speedup", "speedup", "{:.2f}x"), ("ideal", "ideal", "{:.2f}x"),
                      ("of_bound", "% of bound", "{:.0%}"), ("speedup_packed", "speedup vs packed", "{:.2f}x"),
-                     ("of_bound_packed", "% of bound vs packed", "{:.0%}"), ("criterion", "criterion / packed", "{:.1%}"),
-                     ("fused_ms", "fused kernel ms", "{:.3f}"), ("fused_of_bound", "fused % of bound vs packed", "{:.0%}")]
+                     ("of_bound_packed", "% of bound vs packed", "{:.0%}"),
+                     ("criterion", "criterion / packed", "{:.1%}"), ("fused_ms", "fused kernel ms", "{:.3f}"),
+                     ("fused_of_bound", "fused % of bound vs packed", "{:.0%}")]
 E2E_COLUMNS = [("T", "prompt tokens", "{}"), ("batch", "batch", "{}"), ("theta", "RoPE theta", "{}"),
                ("prefill_s", "prefill s", "{:.1f}"), ("method", "method", "{}"),
                ("dense_ms", "packed dense ms/step", "{:.1f}"), ("local_ms", "window-only ms/step", "{:.1f}"),
                ("ms", "method ms/step", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"), ("bound", "bound", "{:.2f}x"),
-               ("of_bound", "% of bound", "{:.0%}"), ("sparsity", "sparsity", "{:.2f}"), ("kv_read", "KV read", "{:.2f}"),
-               ("needle", "needles found dense, method", "{}")]
+               ("of_bound", "% of bound", "{:.0%}"), ("sparsity", "sparsity", "{:.2f}"),
+               ("kv_read", "KV read", "{:.2f}"), ("needle", "needles found dense, method", "{}")]
 
 
 def format_row(columns, row) -> str:
@@ -731,7 +737,8 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
         print(table(ATTENTION_COLUMNS, []))
         att_rows = bench_attention(att_lengths, att_repeats, device, timer)
         (out / "attention.md").write_text(f"Attention only, {setup}: ms per layer and decode step, median of "
-                                          f"{att_repeats} interleaved repeats.\n\n{table(ATTENTION_COLUMNS, att_rows)}\n")
+                                          f"{att_repeats} interleaved repeats.\n\n"
+                                          f"{table(ATTENTION_COLUMNS, att_rows)}\n")
         prof = profile_qada(8192 if 8192 in att_lengths else att_lengths[-1], att_repeats, device, timer,
                             compile_decision=compile_decision)
         write_part(out, "attention", setup, att_rows, prof)
@@ -761,8 +768,8 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
         rope = f"; RoPE theta {rope_theta:g} above the model's context" if past else ""
         (out / "end_to_end.md").write_text(
             f"End to end, {model}, {e2e_setup}: decode ms per step (a step decodes one token of every row), median of "
-            f"{e2e_repeats} interleaved repeats of {decode_tokens} tokens; rows of a batch are different prompts{rope}; "
-            f"load average {load_average()} at the end.\n\n"
+            f"{e2e_repeats} interleaved repeats of {decode_tokens} tokens; rows of a batch are different "
+            f"prompts{rope}; load average {load_average()} at the end.\n\n"
             f"{table(E2E_COLUMNS, e2e_rows)}\n")
     # The plot draws every part in the folder: a part run alone keeps the other's last results beside it.
     done = {part: json.loads((out / f"{part}.json").read_text()) for part in ("attention", "end_to_end")
@@ -817,7 +824,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--repeats", type=at_least(1), default=None, help="timed repeats per method (default: 5 attention, "
                    "6 end to end)")
-    p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"], help="which part to run (default: all)")
+    p.add_argument("--parts", default="all", choices=["attention", "e2e", "all"],
+                   help="which part to run (default: all)")
     p.add_argument("--lengths", type=ints, default=None, help="comma-separated context lengths for both parts "
                    "(default: 2048..32768 attention, 2048..16384 end to end)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer lengths and repeats")
@@ -829,13 +837,15 @@ def main(argv=None) -> int:
                    "overwrites another's; results/bench holds the committed tables, and two parts run apart draw one "
                    "figure only in one folder given here)")
     p.add_argument("--model", default=DEFAULT, help=f"end-to-end model: a name, folder or hub id (default: {DEFAULT})")
-    p.add_argument("--batches", type=ints, default="1,8", help="end-to-end batch sizes, each row a different prompt (default: 1,8)")
+    p.add_argument("--batches", type=ints, default="1,8",
+                   help="end-to-end batch sizes, each row a different prompt (default: 1,8)")
     p.add_argument("--e2e-methods", default="qada@0.6", help="sparse paths timed end to end, PATH@TAU,... (e.g. "
                    "qada@0.2,qada_kv@0.6: each at the tau where it keeps the score; a page path with its budget, "
                    "quest:1024, qada_pages@0.6:1024, quest_frac:0.05; default: qada@0.6)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="end-to-end weights and KV cache (default: float32)")
-    p.add_argument("--compile", dest="compile_decision", action="store_true", help="profile also qada's decision under torch.compile (inductor: "
-                   "needs a C++ compiler on the CPU, ~20 s per shape to compile)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="end-to-end weights and KV cache (default: float32)")
+    p.add_argument("--compile", dest="compile_decision", action="store_true", help="profile also qada's decision "
+                   "under torch.compile (inductor: needs a C++ compiler on the CPU, ~20 s per shape to compile)")
     p.add_argument("--calibration", default=None, metavar="FILE|DIR", help="the correction the qada_cal methods read, "
                    "end to end: a file, or a folder of lab.calibrate --qada (its affine.json, or sampled.json for the "
                    "sampled estimate); default: the one the model ships, weights/calibration/")

@@ -33,9 +33,10 @@ step itself; "x" is the speedup over the best dense, "bound" 1 / read. Keys and 
 says nothing of accuracy (lab.sweep measures that); the step reads what a real one reads.
 
 Before timing, a small case is held against the torch paths (attention.quest, attention.qada_pages, row by row) on the
-compiled kernels, in fp32 and bf16, and one eager step of each kernel runs under torch.cuda.set_sync_debug_mode("error").
-Outputs in --out: pages.md (the table, the device, driver and versions, the command) and pages.json. Without CUDA it
-exits with status 2 and one line, unless --interpret-smoke (tiny sizes through Triton's interpreter, for the tests).
+compiled kernels, in fp32 and bf16, and one eager step of each kernel runs under
+torch.cuda.set_sync_debug_mode("error"). Outputs in --out: pages.md (the table, the device, driver and versions, the
+command) and pages.json. Without CUDA it exits with status 2 and one line, unless --interpret-smoke (tiny sizes
+through Triton's interpreter, for the tests).
 """
 
 import json
@@ -370,8 +371,9 @@ def write(out: Path, rows: list[dict], checks: list[str], device: torch.device, 
              "over the best of flash and packed dense; bound: 1 / read. CUDA graphs replayed, CUDA events, L2 "
              "flushed, median. exact: the window's and the bounds' products in exact fp32 off the tensor cores "
              "(decode_kernels.WINDOW_LAUNCH and BOUND_LAUNCH with LOW off); same pages: the share of query heads whose "
-             "pages and label are the default launch's. choice us: the choice of pages alone (decode_kernels.choose_pages), "
-             "beside torch's topk of the same scores, which it replaced.", "", *checks, "", header,
+             "pages and label are the default launch's. choice us: the choice of pages alone "
+             "(decode_kernels.choose_pages), beside torch's topk of the same scores, which it replaced.", "",
+             *checks, "", header,
              "|" + "---|" * len(COLUMNS),
              *(format_row(r) for r in rows), ""]
     if any(r["pages_kernels"] for r in rows):  # profiled on CUDA only

@@ -337,7 +337,8 @@ def read_masses(path: Path, settings: dict, force: bool = False) -> dict | None:
         raise ValueError(f"{path}: unreadable masses ({cause}); --force records them again, or give another --out")
     diff = differences(data["settings"], {k: settings[k] for k in MASSES_KEYS if k in settings})
     if diff and not force:
-        raise ValueError(f"{path} holds masses of other settings ({diff}); --force replaces them, or give another --out")
+        raise ValueError(f"{path} holds masses of other settings ({diff}); --force replaces them, or give another "
+                         "--out")
     return None if diff else data
 
 
@@ -416,8 +417,8 @@ def main(argv=None) -> int:
     # the first new token comes from the prefill, so 1 would decode no step and fail only after every prompt
     p.add_argument("--max-new-tokens", type=at_least(2), default=32, help="new tokens per prompt at most, the first "
                    "from the prefill, each after it a decode step (oracle; dense with --qada)")
-    p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a hub id "
-                   f"(default: {DEFAULT})")
+    p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a "
+                   f"hub id (default: {DEFAULT})")
     p.add_argument("--hf", default=None, metavar="MODEL_OR_FOLDER", help="instead of --model: the model (named, a "
                    "folder or a hub id) run by transformers, its attention through integrations/transformers.py")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")

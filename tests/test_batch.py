@@ -19,10 +19,12 @@ def test_batch_attention_gives_each_row_its_own_attention_on_its_own_part_of_the
     that row's labels); ended rows output zeros and their attention is not called."""
     B, H, Hkv, T, D = 3, 4, 2, 300, 8
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    q, k, v = (torch.randn(B, H, 1, D, generator=g), torch.randn(B, Hkv, T, D, generator=g),
+               torch.randn(B, Hkv, T, D, generator=g))
     static = torch.tensor([[True, False, False, True]])  # (L, H) for layer 0: one local head in each group
     labels = [torch.zeros(H, dtype=torch.bool), torch.ones(H, dtype=torch.bool), static[0]]
-    atts = [DecodeAttention("dense"), DecodeAttention("local"), DecodeAttention("static", inputs=dict(static_local=static))]
+    atts = [DecodeAttention("dense"), DecodeAttention("local"),
+            DecodeAttention("static", inputs=dict(static_local=static))]
     start = [0, 40, 7]
     rows = BatchAttention(atts, start=start)
     y = rows(q, k, v, 0)
@@ -34,7 +36,8 @@ def test_batch_attention_gives_each_row_its_own_attention_on_its_own_part_of_the
         other = reference_attention(q[b, :, 0], k[b - 1, :, s:], v[b - 1, :, s:], labels[b], 16, 128)  # another row's
         assert not torch.allclose(y[b, :, 0], other, atol=1e-3)
         if s:  # the padding before start really changes the result, so reading it would be caught
-            assert not torch.allclose(y[b, :, 0], reference_attention(q[b, :, 0], k[b], v[b], labels[b], 16, 128), atol=1e-3)
+            assert not torch.allclose(y[b, :, 0], reference_attention(q[b, :, 0], k[b], v[b], labels[b], 16, 128),
+                                      atol=1e-3)
     rows.done[1] = True
     y = rows(q, k, v, 0)
     assert torch.equal(y[1], torch.zeros_like(y[1]))
@@ -305,7 +308,8 @@ def test_rows_that_end_leave_the_batch_and_the_rest_decode_as_alone(tiny, monkey
         return caches, [tiny.prefill(p, c) for p, c in zip(prompts, caches)]
 
     def attn(cache):
-        return None if method is None else build_attention(method, cache, tau=0.3, moments_source="prompt", n_sink=4, n_local=16)
+        return None if method is None else build_attention(method, cache, tau=0.3, moments_source="prompt", n_sink=4,
+                                                           n_local=16)
 
     caches, firsts = prefilled()
     free = [generate.decode(tiny, c, f, n_new, attn(c)) for c, f in zip(caches, firsts)]  # no EOS: the paths
@@ -318,7 +322,8 @@ def test_rows_that_end_leave_the_batch_and_the_rest_decode_as_alone(tiny, monkey
     finished = lambda ids: ids in stops  # noqa: E731
     caches, firsts = prefilled()
     alone_atts = [attn(c) for c in caches]
-    alone = [generate.decode_batch(tiny, c, f, n_new, a, finished=finished)[0] for c, f, a in zip(caches, firsts, alone_atts)]
+    alone = [generate.decode_batch(tiny, c, f, n_new, a, finished=finished)[0]
+             for c, f, a in zip(caches, firsts, alone_atts)]
     caches, firsts = prefilled()
     stacked = KVCache.stack(caches, n_new)
     atts = [attn(c) for c in caches]

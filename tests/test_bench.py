@@ -45,7 +45,8 @@ def test_full_attention_reads_groups_as_positions(n, G, T, dtype, tol, threads):
     k, v = cache_views(n, T, D, seed=T + 1, dtype=dtype)
     got = full_attention(q, k, v)
     no_local = torch.zeros(n * G, dtype=torch.bool)
-    ref = torch.cat([reference_attention(q[i], k[i:i + 1], v[i:i + 1], no_local[:G], N_SINK, N_LOCAL) for i in range(n)])
+    ref = torch.cat([reference_attention(q[i], k[i:i + 1], v[i:i + 1], no_local[:G], N_SINK, N_LOCAL)
+                     for i in range(n)])
     assert got.shape == (n, G, D) and got.dtype == dtype
     assert (got.float().reshape(n * G, D) - ref).abs().max() < tol
 
@@ -142,7 +143,8 @@ def test_end_to_end_runs_batches_of_different_prompts(tmp_path, monkeypatch):
     assert [(r["batch"], r["method"]) for r in rows] == [(1, "qada@0.6"), (1, "qada_kv@0.3"), (3, "qada@0.6"),
                                                          (3, "qada_kv@0.3")]
     for r in rows:
-        assert r["bound"] == pytest.approx(r["dense_ms"] / (r["local_ms"] + r["kv_read"] * (r["dense_ms"] - r["local_ms"])))
+        assert r["bound"] == pytest.approx(r["dense_ms"]
+                                           / (r["local_ms"] + r["kv_read"] * (r["dense_ms"] - r["local_ms"])))
         assert r["of_bound"] == pytest.approx(r["speedup"] / r["bound"]) and 0 < r["kv_read"] <= 1
         assert r["needle"].endswith(f"/{r['batch']}") and 250 < r["T"] <= 300 - bench.NEEDLE_TOKENS
     # Batch 3 after batch 1 decodes the prompts as they were prefilled: the batch-1 run's tokens are not left in
@@ -307,8 +309,8 @@ def test_timer_excludes_the_warm_up_rotates_the_order_and_takes_the_median(monke
     timer.flush_buf = Flush()
     t = timer.interleaved({name: fn(name) for name in "abc"}, repeats=3)
     assert t == {"a": 2, "b": 4, "c": 8}
-    assert log == ["a", "b", "c"] + ["flush", "a", "flush", "b", "flush", "c"] + ["flush", "b", "flush", "c", "flush",
-                                                                                  "a"] + ["flush", "c", "flush", "a", "flush", "b"]
+    assert log == (["a", "b", "c"] + ["flush", "a", "flush", "b", "flush", "c"]
+                   + ["flush", "b", "flush", "c", "flush", "a"] + ["flush", "c", "flush", "a", "flush", "b"])
 
 
 def test_attention_rows_are_the_ratios_of_the_timings(monkeypatch):
@@ -323,7 +325,8 @@ def test_attention_rows_are_the_ratios_of_the_timings(monkeypatch):
             return dict(seconds)
 
     rows = bench.bench_attention([300], 7, torch.device("cpu"), FakeTimer())
-    assert [(r["shape"], pytest.approx(r["f"])) for r in rows] == [(s, f) for s in bench.SHAPES for f in bench.FRACTIONS]
+    assert ([(r["shape"], pytest.approx(r["f"])) for r in rows]
+            == [(s, f) for s in bench.SHAPES for f in bench.FRACTIONS])
     ideal = 1 / (0.15 + 0.85 * 128 / 300)  # = 1.9506
     for r in rows:
         assert r["T"] == 300 and r["fused_ms"] is None and r["fused_of_bound"] is None
@@ -332,7 +335,8 @@ def test_attention_rows_are_the_ratios_of_the_timings(monkeypatch):
     r = smol[0.15]
     assert (r["dense_ms"], r["packed_ms"], r["qada_ms"]) == pytest.approx((100.0, 50.0, 25.0))
     assert (r["speedup"], r["speedup_packed"], r["criterion"]) == pytest.approx((4.0, 2.0, 0.1))
-    assert (r["ideal"], r["of_bound"], r["of_bound_packed"]) == pytest.approx((ideal, 4.0 / ideal, 2.0 / ideal), rel=1e-6)
+    assert (r["ideal"], r["of_bound"], r["of_bound_packed"]) == pytest.approx((ideal, 4.0 / ideal, 2.0 / ideal),
+                                                                               rel=1e-6)
     assert smol[1.0]["speedup"] == pytest.approx(0.8) and smol[1.0]["ideal"] == 1.0
     assert smol[0.0]["speedup"] == pytest.approx(8.0) and smol[0.0]["speedup_packed"] == pytest.approx(4.0)
     llama = next(r for r in rows if r["shape"] == "Llama-3-8B" and round(r["f"], 6) == 0.5)  # 5 layers
@@ -398,8 +402,8 @@ def test_end_to_end_rows_from_chosen_timings_reads_and_answers(tmp_path, monkeyp
              sparsity=pytest.approx(0.7), kv_read=pytest.approx(0.4), needle="1/2, 1/2")]
     assert {k: v for k, v in cells(bench.E2E_COLUMNS, rows[0]).items() if k not in ("prompt tokens", "RoPE theta")} == {
         "batch": "1", "prefill s": "1.5", "method": "qada@0.6", "packed dense ms/step": "20.0",
-        "window-only ms/step": "4.0", "method ms/step": "8.0", "speedup": "2.50x", "bound": "2.78x", "% of bound": "90%",
-        "sparsity": "0.90", "KV read": "0.20", "needles found dense, method": "1/1, 0/1"}
+        "window-only ms/step": "4.0", "method ms/step": "8.0", "speedup": "2.50x", "bound": "2.78x",
+        "% of bound": "90%", "sparsity": "0.90", "KV read": "0.20", "needles found dense, method": "1/1, 0/1"}
 
 
 def test_decode_timed_is_seconds_per_step_and_answers_from_the_first_token(tmp_path, monkeypatch):

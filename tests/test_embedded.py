@@ -71,7 +71,8 @@ def needle_prefill(model, tok):
     lines = [noise] * 45
     lines.insert(12, "One of the special magic numbers for quiet-lantern is: 7302916.")
     prompt = ("A special magic number is hidden within the following text. Make sure to memorize it.\n"
-              + "\n".join(lines) + "\nWhat is the special magic number for quiet-lantern mentioned in the provided text?")
+              + "\n".join(lines)
+              + "\nWhat is the special magic number for quiet-lantern mentioned in the provided text?")
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
     n = len(ids)
     assert 900 < n < 1400

@@ -587,7 +587,8 @@ def test_each_method_runs_at_its_own_operating_point(tiny_dir, tmp_path, capsys)
         r = json.loads(capsys.readouterr().out)
         return r["tau"], r["tau_from"]
 
-    assert report("--method", "qada_cal", "--calibration", str(calibration)) == (0.3, "the calibration's operating point")
+    assert (report("--method", "qada_cal", "--calibration", str(calibration))
+            == (0.3, "the calibration's operating point"))
     assert report("--method", "qada_cal", "--calibration", str(calibration), "--tau", "0.5") == (0.5, "given")
     tau, why = report("--method", "qada_kv_cal", "--calibration", str(calibration))
     assert tau == 0.6 and why.endswith("cal.json states no operating point for qada_kv_cal")  # it does for qada_cal

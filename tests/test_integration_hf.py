@@ -464,7 +464,8 @@ def test_what_enable_and_disable_refuse(sharp_dir, tmp_path):
                             (dict(method="qada_cal", tokenizer=tok, calibration=fitted, n_sink=4, n_local=64),
                              "was fitted with n_sink 16, not 4"),
                             (dict(method="qada_cal", tokenizer=tok, calibration=elsewhere),
-                             "the given calibration was fitted on other weights than this model's \\(those of plain\\)"),
+                             "the given calibration was fitted on other weights than this model's "
+                             "\\(those of plain\\)"),
                             (dict(method="qada_sampled_cal", calibration=random_calibration()),
                              "corrects the gaussian estimate of the bulk mass"),
                             (dict(method="qada_cal", tokenizer=tok, calibration="qwen2.5-coder-0.5b"),
@@ -602,7 +603,8 @@ def test_the_embedded_model_through_transformers_gguf_loader_equals_ours(embedde
 
 
 def test_the_core_imports_neither_transformers_nor_the_adapter():
-    """transformers is an extra: no top-level file imports it or integrations/, and requirements.txt does not list it."""
+    """transformers is an extra: no top-level file imports it or integrations/, and requirements.txt does not
+    list it."""
     import ast
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent

@@ -65,7 +65,8 @@ def tie_free(q, k, start, A, b, tau, margin=1e-3):
 
 
 @pytest.mark.parametrize("rule", [None, "mean", "all"])
-@pytest.mark.parametrize("H, Hkv, D", [(4, 4, 16), (6, 2, 16), (8, 2, 64), (16, 2, 16)], ids=["G1", "G3", "G4-D64", "G8"])
+@pytest.mark.parametrize("H, Hkv, D", [(4, 4, 16), (6, 2, 16), (8, 2, 64), (16, 2, 16)],
+                         ids=["G1", "G3", "G4-D64", "G8"])
 @pytest.mark.parametrize("T", [20, N_LOCAL, N_LOCAL + 1, 301])
 def test_the_kernel_decides_and_attends_as_the_torch_path(rule, H, Hkv, D, T, monkeypatch):
     monkeypatch.setenv("QADA_KERNEL", "torch")
@@ -656,7 +657,8 @@ def test_a_launch_change_is_checked_whole_before_any_of_it_applies(monkeypatch):
     for bad, match in [({"split": {"SPREAD": 8}, "splt": {}}, "names window, bound, split"),
                        ({"split": {"SPREAD": 8}, "window": {"TILE": 64}}, "window launch takes"),
                        ({"split": {"SPREAD": 8}, "window": {"LOW": 1}}, "LOW takes a bool"),
-                       ({"split": {"BLOCK_N": True}}, "split launch's BLOCK_N takes a int, got True"),  # a bool is no int
+                       # a bool is no int
+                       ({"split": {"BLOCK_N": True}}, "split launch's BLOCK_N takes a int, got True"),
                        ({"split": 3}, "split launch takes"), ([1], "a mapping")]:
         with pytest.raises(ValueError, match=match):
             decode_kernels.set_launch(bad)
@@ -766,8 +768,9 @@ def test_batched_rows_with_their_own_tau_at_the_first_step_past_the_window(rule,
             off_by_one = GROUP_SHARE[rule](torch.sigmoid(r - math.log((T - N_LOCAL + 1) / (T - N_LOCAL))).view(Hkv, G))
             shares.append(share)
             taus.append(float(share[0, 0] + off_by_one[0, 0]) / 2)
-        rows = [DecodeAttention(rule, N_SINK, N_LOCAL, dict(tau=t, moments=FixedMoments(mean[i][None], cov[i][None],
-                                                                                        1))) for i, t in enumerate(taus)]
+        rows = [DecodeAttention(rule, N_SINK, N_LOCAL,
+                                dict(tau=t, moments=FixedMoments(mean[i][None], cov[i][None], 1)))
+                for i, t in enumerate(taus)]
         BatchAttention(rows)(q[:, :, None], k, v, 0)
         for i, tau in enumerate(taus):
             assert rows[i].stats.labels[-1][0].tolist() == (shares[i] >= tau).reshape(H).tolist(), (T, tau)
@@ -921,7 +924,8 @@ def test_decoding_through_fixed_buffers_matches_the_eager_steps(monkeypatch):
 
     k_buf, v_buf = k.clone(), v.clone()
     length = torch.tensor([T0], dtype=torch.int32)
-    q_buf, k_new, v_new, y_buf = torch.zeros(B, H, D), torch.empty(B, Hkv, D), torch.empty(B, Hkv, D), torch.zeros(B, H, D)
+    q_buf, k_new, v_new, y_buf = (torch.zeros(B, H, D), torch.empty(B, Hkv, D), torch.empty(B, Hkv, D),
+                                  torch.zeros(B, H, D))
     launches = record_launches(monkeypatch, q=q_buf, k=k_buf, v=v_buf, rows=rows, start=start, length=length, A=A,
                                b=b, cap=tau[0], tau_logit=tau[1], y=y_buf)
 

@@ -54,7 +54,8 @@ def test_qada_kv_labels_equal_the_group_rule_written_plainly(T, method, rule):
     alone; the two rules differ on some thresholds, so the test tells them apart."""
     q, k, v, mean, cov = heads(T)
     window = list(range(N_SINK)) + list(range(T - (N_LOCAL - N_SINK), T))
-    shares = torch.tensor([eq7_share(q[h], k[h // G, window], mean[h // G], cov[h // G], T - N_LOCAL) for h in range(H)],
+    shares = torch.tensor([eq7_share(q[h], k[h // G, window], mean[h // G], cov[h // G], T - N_LOCAL)
+                           for h in range(H)],
                           dtype=torch.float64)
     mixed = differ = 0
     for tau in torch.linspace(0.02, 0.98, 49).tolist():
@@ -177,7 +178,8 @@ def test_at_tau_1_only_a_group_without_bulk_is_local(rule):
 def test_static_labels_per_kv_head_take_whole_groups_by_mean_frequency():
     freq = torch.tensor([[0.9, 0.1, 0.6, 0.6],    # group means (0.5, 0.6), maxima (0.9, 0.6)
                          [0.2, 0.3, 1.0, 0.8]])   # group means (0.25, 0.9)
-    assert static_labels(freq, 0.25, n_kv_heads=2).tolist() == [[False, False, False, False], [False, False, True, True]]
+    assert static_labels(freq, 0.25, n_kv_heads=2).tolist() == [[False, False, False, False],
+                                                                 [False, False, True, True]]
     # by mean: groups (1, 1) and (0, 1); by maximum it would be (1, 1) and (0, 0); per head (1, 2) and (0, 0)
     assert static_labels(freq, 0.5, n_kv_heads=2).tolist() == [[False, False, True, True], [False, False, True, True]]
     assert static_labels(freq, 0.25).tolist() == [[True, False, False, False], [False, False, True, False]]

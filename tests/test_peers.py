@@ -1,6 +1,7 @@
 """lab.peers on tiny random models: the shared prefill against kvpress's own press(model) prefill and answer loop,
 under both protocols, and the runner's records, pairing check and resume. Seconds. kvpress pins an older transformers
-than the suite is held to, so these run in an environment of their own (.ci/run makes it); elsewhere they are skipped."""
+than the suite is held to, so these run in an environment of their own (.ci/run makes it); elsewhere they are
+skipped."""
 
 import json
 import time
@@ -48,8 +49,10 @@ def kvpress_answer(hf, cache, rest, start, max_new):
         return json.loads(KVPressTextGenerationPipeline.generate_answer(me, rest, cache, start, max_new))
 
 
-@pytest.mark.parametrize("peer", [peers.Peer("snapkv", "question", 0.5), peers.Peer("expected_attention", "question", 0.75),
-                                  peers.Peer("snapkv", "context", 0.5), peers.Peer("expected_attention", "context", 0.5),
+@pytest.mark.parametrize("peer", [peers.Peer("snapkv", "question", 0.5),
+                                  peers.Peer("expected_attention", "question", 0.75),
+                                  peers.Peer("snapkv", "context", 0.5),
+                                  peers.Peer("expected_attention", "context", 0.5),
                                   peers.Peer("knorm", "context", 0.75), peers.Peer("streaming_llm", "question", 0.5)],
                          ids=lambda p: p.key)
 def test_one_shared_prefill_gives_each_press_its_own_prefill(hf, peer):
@@ -202,7 +205,8 @@ def test_a_bad_press_or_ratio_is_one_clear_error():
     with pytest.raises(ValueError, match="nothing to run"):
         peers.build_peers([], [0.5], [], dense=False)
     assert len(peers.build_peers(["snapkv"], [0.5, 0.5], [], dense=False)) == 1
-    assert [p.key for p in peers.build_peers(["snapkv"], [0.5], [0.25])] == ["hf_dense", "snapkv@0.5", "snapkv_ctx@0.25"]
+    assert ([p.key for p in peers.build_peers(["snapkv"], [0.5], [0.25])]
+            == ["hf_dense", "snapkv@0.5", "snapkv_ctx@0.25"])
 
 
 def test_every_ratio_of_either_protocol_lies_strictly_between_0_and_1():

@@ -197,7 +197,8 @@ def test_qada_path_labels_equal_eq7_written_plainly(T):
                            for h in range(Hkv * G)])
     straddled = 0
     for tau in torch.linspace(0.05, 0.95, 19).tolist():
-        attn = DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=tau, moments=FixedMoments(mean[None], cov[None], T - N_LOCAL)))
+        attn = DecodeAttention("qada", N_SINK, N_LOCAL,
+                               dict(tau=tau, moments=FixedMoments(mean[None], cov[None], T - N_LOCAL)))
         attn(q[None, :, None], k[None], v[None], 0)
         near = (shares - tau).abs() < 1e-5  # fp32 against fp64: either way is right
         got, want = attn.stats.labels[-1][0], shares >= tau
@@ -212,7 +213,8 @@ H, HKV, D = 6, 2, 32
 
 
 def random_qkv(T, seed=0, dtype=torch.float32):
-    return rand(H, D, seed=seed, dtype=dtype), rand(HKV, T, D, seed=seed + 1, dtype=dtype), rand(HKV, T, D, seed=seed + 2, dtype=dtype)
+    return (rand(H, D, seed=seed, dtype=dtype), rand(HKV, T, D, seed=seed + 1, dtype=dtype),
+            rand(HKV, T, D, seed=seed + 2, dtype=dtype))
 
 
 def make_attention(method, tau=0.6, static_local=None, L=1, T=None):
@@ -627,7 +629,8 @@ def test_prompt_moments_stay_those_of_the_prefill(tiny):
     cache = tiny.new_cache(T0 + steps + 1)
     logits = tiny.prefill(ids, cache)
     bulk = cache.k[:, 0, :, N_SINK:T0 - (N_LOCAL - N_SINK)].double()  # (L, Hkv, N, D) at prefill
-    attn = DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.6, moments=make_moments("prompt", cache, None, N_SINK, N_LOCAL)))
+    attn = DecodeAttention("qada", N_SINK, N_LOCAL,
+                           dict(tau=0.6, moments=make_moments("prompt", cache, None, N_SINK, N_LOCAL)))
     for _ in range(steps):
         logits = tiny.decode_step(logits.argmax(-1), cache, attn)
     grown = cache.k[:, 0, :, N_SINK:cache.length - (N_LOCAL - N_SINK)].double()
@@ -649,7 +652,8 @@ def test_short_prompts_decode_past_the_window_with_every_moments_option(tiny, tm
     cache = tiny.new_cache(T0 + steps + 1)
     logits = tiny.prefill(ids, cache)
     reference = ReferenceKeys(tiny, WordTokenizer(), n_max=2048, root=tmp_path, progress=False)
-    attn = DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.99, moments=make_moments(option, cache, reference, N_SINK, N_LOCAL)))
+    attn = DecodeAttention("qada", N_SINK, N_LOCAL,
+                           dict(tau=0.99, moments=make_moments(option, cache, reference, N_SINK, N_LOCAL)))
     for _ in range(steps):
         logits = tiny.decode_step(logits.argmax(-1), cache, attn)
     labels = attn.stats.label_tensor()  # (S, L, H)
@@ -664,7 +668,8 @@ def test_decoding_with_tau_one_equals_dense(tiny):
     for method in ("dense", "qada"):
         cache = tiny.new_cache(340)
         logits = tiny.prefill(ids, cache)
-        attn = DecodeAttention("qada", inputs=dict(tau=1.0, moments=prompt_moments(cache))) if method == "qada" else None
+        attn = (DecodeAttention("qada", inputs=dict(tau=1.0, moments=prompt_moments(cache))) if method == "qada"
+                else None)
         seq = []
         for _ in range(30):
             token = logits.argmax(-1)
@@ -835,8 +840,8 @@ def test_prompts_of_one_length_share_their_option_2_moments(tiny, tmp_path):
     assert len(ref.shared) == SHARED and ref.for_prompt(1500, N_SINK, N_LOCAL) is not m
 
 
-@pytest.mark.parametrize("T,end", [(5, N_LOCAL), (N_LOCAL, N_LOCAL), (N_LOCAL + 1, N_LOCAL), (600, N_LOCAL), (1024 + 200, 200),
-                                   (1024 + N_LOCAL + 1, N_LOCAL + 1), (8192, 8192 - 1024)])
+@pytest.mark.parametrize("T,end", [(5, N_LOCAL), (N_LOCAL, N_LOCAL), (N_LOCAL + 1, N_LOCAL), (600, N_LOCAL),
+                                   (1024 + 200, 200), (1024 + N_LOCAL + 1, N_LOCAL + 1), (8192, 8192 - 1024)])
 def test_reference_end(T, end):
     """T - 1024, but at least T_local positions."""
     assert reference_end(T, N_SINK, N_LOCAL) == end

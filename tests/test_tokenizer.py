@@ -16,7 +16,8 @@ TEXTS = [
     "Hello world! How are you today?",
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
     "<|endoftext|><repo_name>qada<file_sep>model.py\nimport torch<|endoftext|>",
-    "Grüße aus Zürich: naïve café, 日本語のテキスト, Ελληνικά, emoji 🦙🚀 and ∑ x² ≤ ∞.",
+    "Grüße aus Zürich: naïve café, 日本語のテキスト, Ελληνικά, "
+    "emoji 🦙🚀 and ∑ x² ≤ ∞.",
     "def f(x):\n    return x ** 2  # square it\n\tif x: print(f'{x!r}')\n\n\nclass A: pass\n",
     "One of the special magic numbers for W is: 4829173. Pi is 3.14159; the date 2025-11-21, 0x1F.",
     "   leading spaces, trailing spaces   \n\n\r\n tabs\t\tand  double  spaces",
@@ -149,7 +150,8 @@ def test_template_list_dict_tokens_eos_list_and_environment(tmp_path, embedded_d
     assert t.apply_chat_template([{"role": "user", "content": "<a & b> é"}]) == '<|im_start|>"<a & b> é"<|endoftext|>'
 
     # trim_blocks and lstrip_blocks, as transformers: block tags leave no newlines or indentation behind
-    t.chat_template, t._template = "{% for m in messages %}\n    {% if m.role %}{{ m.role }}{% endif %}\n{% endfor %}", None
+    t.chat_template, t._template = ("{% for m in messages %}\n    {% if m.role %}{{ m.role }}{% endif %}\n"
+                                    "{% endfor %}"), None
     assert t.apply_chat_template(CHATS[1]) == "systemuser"
 
     t.chat_template, t._template = "{{ raise_exception('bad role') }}", None
@@ -303,7 +305,8 @@ def test_transformers_gguf_tokenizer_lacks_the_digits_split(tok, hf_gguf_tokeniz
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_equals_transformers(tok, hf_gguf_tokenizer, chat, add_generation_prompt):
     text = tok.apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
-    assert text == hf_gguf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert text == hf_gguf_tokenizer.apply_chat_template(chat, tokenize=False,
+                                                         add_generation_prompt=add_generation_prompt)
     theirs = hf_gguf_tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=add_generation_prompt)
     theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
     assert tok.encode_chat(chat, add_generation_prompt=add_generation_prompt) == list(theirs)
@@ -317,7 +320,8 @@ def test_our_folder_loads_in_transformers_with_the_same_ids(tok, embedded_dir):
     for text in TEXTS + ["a\n 1", "Total:\n 1 apple,\n\t2 pears"]:  # our tokenizer.json keeps the Digits split
         assert hf(text, add_special_tokens=True)["input_ids"] == tok.encode(text, add_special_tokens=True), text
         assert hf.decode(tok.encode(text), skip_special_tokens=False) == text
-    assert hf.apply_chat_template(CHATS[1], tokenize=False, add_generation_prompt=True) == tok.apply_chat_template(CHATS[1])
+    assert (hf.apply_chat_template(CHATS[1], tokenize=False, add_generation_prompt=True)
+            == tok.apply_chat_template(CHATS[1]))
     assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token, hf.unk_token) == (1, 2, "<|im_end|>", "<|endoftext|>")
 
 
@@ -328,7 +332,8 @@ QWEN_TEXTS = TEXTS + [
     "I'm sure they'll say it's 'fine' -- DON'T you THINK'S? We've I'd",
     "a\n 1\n  22\n\t333 x  44, 1234567890, ١٢٣ and ⅷ, 0.5e-3",
     "   \n \n  \n\t\n\r\n\r\n    x\u3000y\u00a0z  ",
-    "ﬁ ligature, full-width ＡＢＣ１２３, Hangul 한국어, Thai ภาษาไทย, Devanagari हिन्दी",
+    "ﬁ ligature, full-width ＡＢＣ１２３, Hangul 한국어, "
+    "Thai ภาษาไทย, Devanagari हिन्दी",
 ]
 
 
@@ -339,7 +344,8 @@ def qwen_tok(qwen05_dir) -> Tokenizer:
 
 @pytest.mark.slow
 def test_qwen_special_tokens_and_stop_ids(qwen_tok):
-    assert [qwen_tok.encode(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [[151643], [151644], [151645]]
+    assert ([qwen_tok.encode(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
+            == [[151643], [151644], [151645]])
     assert qwen_tok.eos_ids == {151643, 151645}  # <|im_end|> (the GGUF's eos) and <|endoftext|>
     assert qwen_tok.vocab_size == 151936 and qwen_tok.encode("Hi", add_special_tokens=True) == qwen_tok.encode("Hi")
     # <tool_call> is an added token that is not special (GGUF type 4): kept whole, and kept when decoding.
