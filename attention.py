@@ -989,10 +989,7 @@ def static_refusal(rows: list[DecodeAttention]) -> str | None:
             return "the oracle's statistics are tracked beside (they read every score on the host)"
         if a.moments is not None and not isinstance(a.moments, FixedMoments):
             return f"the moments change every step ({type(a.moments).__name__})"
-        index = a.inputs.get("pages")
-        if index is not None and (why := index_mismatch(index, page_size(a.method), a.n_sink)):
-            return why
-    return None
+    return None  # a row's page index is its path's own: DecodeAttention refuses any other when it is built
 
 
 @dataclass

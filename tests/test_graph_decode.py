@@ -532,12 +532,11 @@ def test_what_cannot_run_from_fixed_buffers_says_why(tiny):
         assert static_refusal([build_attention(method, cache, n_sink=N_SINK, n_local=N_LOCAL, **kw)]) is None
     rows = [build_attention("quest", cache, n_sink=N_SINK, n_local=N_LOCAL, budget=b) for b in (32, 64)]
     assert static_refusal(rows) == "the rows read different page budgets"
-    rows[1] = build_attention("quest", cache, n_sink=N_SINK, n_local=N_LOCAL, budget=32, pages=PageIndex(cache, 32))
-    assert static_refusal(rows) == ("a page index holds pages of 32 tokens after 16 sinks; the path reads pages of 16 "
-                                    "after 4")
-    rows[1] = build_attention("quest", cache, n_sink=N_SINK, n_local=N_LOCAL, budget=32, pages=PageIndex(cache, 16))
-    assert static_refusal(rows) == ("a page index holds pages of 16 tokens after 16 sinks; the path reads pages of 16 "
-                                    "after 4")  # the right page size, counted from other sinks
+    # a row with a page index of other pages never reaches the graph: its attention is refused when built
+    for P in (32, 16):  # another page size; the right one, counted from other sinks
+        with pytest.raises(ValueError, match=f"a page index holds pages of {P} tokens after 16 sinks; the path reads "
+                                             "pages of 16 after 4"):
+            build_attention("quest", cache, n_sink=N_SINK, n_local=N_LOCAL, budget=32, pages=PageIndex(cache, P))
     kw = dict(n_sink=N_SINK, n_local=N_LOCAL, tau=0.5, moments_source="prompt")
     one, other = calibration(), calibration()  # two objects (alike here): the step holds the first row's for all
     assert static_refusal([build_attention("qada_cal", cache, calibration=one, **kw)] * 2) is None
