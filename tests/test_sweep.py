@@ -2,6 +2,7 @@
 force over every score, configurations, resume, random-head sparsity, the stop rule and the summary arithmetic.
 Seconds in all; no real model, no long prompts."""
 
+import csv
 import json
 import math
 import re
@@ -428,6 +429,43 @@ def test_summary_averages_a_configuration_dropped_part_way_on_its_own_samples(tm
     assert "| qada_rw@0.6 | 62.5 (4) | 62.5 (4) | 62.5 | 0.62 |" in (tmp_path / "summary.md").read_text()
 
 
+def test_dense_is_averaged_with_the_configurations_of_the_most_samples(tmp_path):
+    """Dense, the reference, is never set aside as a configuration run on fewer samples: with dense on a#0, a#1 and
+    b#0 and two configurations on four samples each (x on a#0-3, y on a#0, a#1, b#0, b#1), dense's average is over
+    the samples every one of them finished (a#0, a#1: 1.0), not over its own three (b#0 scores 0)."""
+    rows = [row("a", 0, "dense", 1.0, 0.0), row("a", 1, "dense", 1.0, 0.0), row("b", 0, "dense", 0.0, 0.0)]
+    rows += [row("a", i, "x@0.6", 1.0, 0.5) for i in range(4)]
+    rows += [row(t, i, "y@0.6", 1.0, 0.5) for t in "ab" for i in range(2)]
+    cur = report.write_summary(tmp_path, rows, ["a", "b"])
+    assert cur["dense"]["n"] == 2 and cur["dense"]["score"] == 1.0
+
+
+def test_summary_md_by_hand(tmp_path):
+    """summary.md's tables against hand values: the dense score, the local floor (0 scores "0.0", not "–") and
+    dense's answer tokens per task; each config's per-task score with its sample count, its average score (x100),
+    normalised score, worst drop (x100), sparsity and KV read; the sparsity table holds sparsity, not KV read, and a
+    column for the context-free samples where they ran. summary.csv rounds to four decimals."""
+    rows = [dict(row(t, i, "dense", 1.0, 0.0), n_new=5) for t in "ab" for i in range(2)]
+    rows += [dict(row(t, i, "local", 0.0, 0.9), n_new=7) for t in "ab" for i in range(2)]
+    rows += [dict(row(t, i, "qada_rw@0.6", 0.5 if t == "a" else 1.0, 0.5), kv_read=0.25)
+             for t in "ab" for i in range(2)]
+    rows += [dict(row(report.CTXFREE, 0, "qada_rw@0.6", 0.0, 0.75), kv_read=0.25)]
+    rows += [row(t, i, "x@0.5", 1.0, 1 / 3) for t in "ab" for i in range(2)]
+    report.write_summary(tmp_path, rows, ["a", "b"])
+    with open(tmp_path / "summary.csv", newline="") as f:
+        (x,) = [r for r in csv.DictReader(f) if (r["task"], r["config"]) == ("a", "x@0.5")]
+    assert (x["n"], x["score"], x["sparsity"], x["kv_read"]) == ("2", "1.0", "0.3333", "0.6667")  # 4 decimals
+    text = (tmp_path / "summary.md").read_text()
+    for line in ("| a | 2 | 100.0 | 0.0 | 5.0 |", "| b | 2 | 100.0 | 0.0 | 5.0 |",
+                 "| config | a | b | avg score | avg norm. | worst drop | sparsity | KV read |",
+                 "| dense | 100.0 (2) | 100.0 (2) | 100.0 | 1.00 | 0.0 | 0.000 | 1.000 |",
+                 "| local | 0.0 (2) | 0.0 (2) | 0.0 | 0.00 | 100.0 | 0.900 | 0.100 |",
+                 "| qada_rw@0.6 | 50.0 (2) | 100.0 (2) | 75.0 | 0.75 | 50.0 | 0.500 | 0.250 |",
+                 f"| config | a | b | {report.CTXFREE} |", "| local | 0.900 | 0.900 | – |",
+                 "| qada_rw@0.6 | 0.500 | 0.500 | 0.750 |"):
+        assert line + "\n" in text
+
+
 def test_lossless_sparsity_and_kv_read_with_intervals():
     """The lossless point on either axis is the last measured point before the first one under 0.95 of dense,
     written out by hand here; with every sample alike the bootstrap interval is that point."""
@@ -449,6 +487,68 @@ def test_lossless_sparsity_and_kv_read_with_intervals():
     kv, = records.lossless_table(rows, ["a", "b"], axis="kv_read", n_boot=200)
     assert sp["lossless"] == 0.5 and (sp["lo"], sp["hi"]) == (0.5, 0.7)
     assert kv["lossless"] == pytest.approx(0.8) and (kv["lo"], kv["hi"]) == pytest.approx((0.6, 0.8))
+
+
+def grid_rows() -> list[dict]:
+    """Dense and two methods on four samples of tasks a and b, every sample of a task alike. qada_rw at head sparsity
+    (KV read) 0.5 (0.6), 0.7 (0.45), 0.8 (0.35) and 0.9 (0.2) keeps 1.0, 0.96, 0.92 and 0.5 of dense on task a, 1.0,
+    1.0, 1.0 and 0.5 on task b; static at 0.4 (0.6), 0.6 (0.4) and 0.8 (0.3) keeps 1.0, 0.9 and 0.7 on both."""
+    rows = []
+    for t in ("a", "b"):
+        for i in range(4):
+            rows.append(row(t, i, "dense", 1.0, 0.0))
+            rows += [dict(row(t, i, f"qada_rw@{thr}", sa if t == "a" else sb, sp), kv_read=kv) for thr, sp, kv, sa, sb
+                     in ((0.8, 0.5, 0.6, 1.0, 1.0), (0.7, 0.7, 0.45, 0.96, 1.0), (0.6, 0.8, 0.35, 0.92, 1.0),
+                         (0.2, 0.9, 0.2, 0.5, 0.5))]
+            rows += [dict(row(t, i, f"static@{thr}", sc, sp), kv_read=kv)
+                     for thr, sp, kv, sc in ((0.8, 0.4, 0.6, 1.0), (0.9, 0.6, 0.4, 0.9), (0.95, 0.8, 0.3, 0.7))]
+    return rows
+
+
+def test_the_lossless_tables_in_analysis_by_hand():
+    """write_lossless's three tables on grid_rows: qada_rw keeps >= 0.95 of dense on the mean over tasks up to
+    sparsity 0.8 (KV read 0.35; (0.92 + 1) / 2 = 0.96), on its worst task only up to 0.7 (0.45); static up to 0.4
+    (0.6); each row with the other axis there, the number of points, the highest sparsity (lowest read) measured and
+    the samples. When sample 0 of task a loses at 0.7, a draw holding it stops at 0.5 (read 0.6), one without it
+    (3/4 ** 4 of the draws) reaches 0.8 (0.35), 0.7 (0.45) on the worst task: the interval runs from the low to the
+    high end."""
+    qada, static = (records.label(m) for m in ("qada_rw", "static"))
+    lines = report.write_lossless(Path("unused"), grid_rows(), ["a", "b"])
+    for line in (f"| {qada} | 0.80 | [0.80, 0.80] | 0.35 | 4 | 0.90 | 8 |",
+                 f"| {static} | 0.40 | [0.40, 0.40] | 0.60 | 3 | 0.80 | 8 |",
+                 f"| {qada} | 0.35 | [0.35, 0.35] | 0.80 | 4 | 0.20 | 8 |",
+                 f"| {static} | 0.60 | [0.60, 0.60] | 0.40 | 3 | 0.30 | 8 |",
+                 f"| {qada} | 0.70 | [0.70, 0.70] | 0.45 | [0.45, 0.45] | 8 |",
+                 f"| {static} | 0.40 | [0.40, 0.40] | 0.60 | [0.60, 0.60] | 8 |"):
+        assert line in lines
+    lost = [dict(r, score=0.0) if (r["task"], r["index"], r["config"]) == ("a", 0, "qada_rw@0.7") else r
+            for r in grid_rows()]
+    ours = [line for line in report.write_lossless(Path("unused"), lost, ["a", "b"]) if line.startswith(f"| {qada} |")]
+    assert ours == [f"| {qada} | 0.50 | [0.50, 0.80] | 0.60 | 4 | 0.90 | 8 |",
+                    f"| {qada} | 0.60 | [0.35, 0.60] | 0.50 | 4 | 0.20 | 8 |",
+                    f"| {qada} | 0.50 | [0.50, 0.70] | 0.60 | [0.45, 0.60] | 8 |"]
+
+
+def test_the_matched_tables_by_hand():
+    """matched_tables on grid_rows: score / dense interpolated between the two measured points around each target
+    (qada_rw at sparsity 0.85: halfway from 0.96 to 0.5, 0.73; at KV read 0.5: 1 - 0.02 * 0.1 / 0.15, 0.99; at 0.25:
+    0.5 + 0.46 / 3, 0.65), and minus static at the same target where both reach it; blank outside a method's
+    range (static past sparsity 0.8 and below a read of 0.3)."""
+    qada, static = (records.label(m) for m in ("qada_rw", "static"))
+    lines = report.matched_tables(grid_rows(), ["a", "b"], n_boot=50)
+    pt = lambda *v: " | ".join(f"{x:.2f} [{x:.2f}, {x:.2f}]" if x is not None else "" for x in v)  # noqa: E731
+    vs = lambda *v: " | ".join(f"{x:+.2f} [{x:+.2f}, {x:+.2f}]" if x is not None else "" for x in v)  # noqa: E731
+    assert lines[2] == ("| method | @0.7 | @0.8 | @0.85 | @0.9 | vs static @0.7 | vs static @0.8 | vs static @0.85 | "
+                        "vs static @0.9 | samples |")
+    assert f"| {static} | {pt(0.8, 0.7, None, None)} |  |  |  |  | 8 |" in lines
+    assert f"| {qada} | {pt(0.98, 0.96, 0.73, 0.5)} | {vs(0.18, 0.26, None, None)} | 8 |" in lines
+    assert "**At KV read** 0.6, 0.5, 0.4, 0.25 (score / dense; then minus static)" in lines
+    assert f"| {static} | {pt(1.0, 0.95, 0.9, None)} |  |  |  |  | 8 |" in lines
+    assert f"| {qada} | {pt(1.0, 0.99, 0.97, 0.65)} | {vs(0.0, 0.04, 0.07, None)} | 8 |" in lines
+    # a page path (a curve over its page budget) is held against Quest in the page tables, not here
+    quest = [dict(row(t, i, f"quest@{b}", sc, 0.0), kv_read=kv, threshold_kind="budget") for t in ("a", "b")
+             for i in range(4) for b, kv, sc in ((128, 0.3, 0.9), (512, 0.6, 1.0))]
+    assert report.matched_tables(grid_rows() + quest, ["a", "b"], n_boot=50) == lines
 
 
 def test_score_points_carry_a_paired_interval():
@@ -503,6 +603,17 @@ def test_the_recall_table_gives_each_task_and_their_plain_mean():
         "| mean | qada_rw@0.6 | 0.734 | 0.531 | 0.471 | 0.476 |"]
 
 
+def test_the_recall_tables_mean_rows_are_plain_means_over_three_tasks():
+    """recall_table's mean row per configuration over three tasks is their plain mean (0.3 from 0.1, 0.2 and 0.6, not
+    the median 0.2), each configuration's rows apart, in configuration order."""
+    keys = ("qada_sparsity", "oracle_sparsity", "recall_qada", "recall_static_oracle")
+    rr = [dict(task=t, config=c, **dict.fromkeys(keys, x + (c == "qada_rw@0.8")))
+          for c in ("qada_rw@0.8", "qada_rw@0.6") for t, x in (("a", 0.1), ("b", 0.2), ("c", 0.6))]
+    means = [line for line in report.recall_table(rr) if line.startswith("| mean |")]
+    assert means == ["| mean | qada_rw@0.6 | 0.300 | 0.300 | 0.300 | 0.300 |",
+                     "| mean | qada_rw@0.8 | 1.300 | 1.300 | 1.300 | 1.300 |"]
+
+
 def test_the_peers_table_reads_only_the_samples_every_press_finished():
     """kvpress's presses ran on samples 0 and 1, the sweep on 0-2, and QAdA missed on sample 2 alone: paired on the
     presses' samples, QAdA keeps 1.00 at a KV read of 0.5 (0.67 with sample 2 let in) and SnapKV, halfway between its
@@ -519,6 +630,34 @@ def test_the_peers_table_reads_only_the_samples_every_press_finished():
     assert lines[0].startswith("2 samples (t 2); differences against QAdA calibrated per KV group")
     assert "| QAdA calibrated per KV group (mean share) | 1.00 [1.00, 1.00] |  |  |  |" in lines
     assert "| kvpress SnapKV (question in the press) | 0.75 [0.75, 0.75] |  | -0.25 [-0.25, -0.25] |  |" in lines
+
+
+def test_the_peers_cost_table_by_hand():
+    """peer_tables on three samples: differences against the first of PEER_AGAINST that ran (calibrated QAdA per KV
+    group before QAdA per KV group); a press run on fewer samples (knorm, on one) named and left out of both tables;
+    each press's costs by hand: the mean fraction of the compressed span kept, of the KV cache held (MiB), of its
+    press seconds, and the seconds per decoded token of its records decoded alone (batch 1; a batch's time is
+    shared), with their count, "–" where none was."""
+    def rec(i, config, score, kv_read, **more):
+        return dict(row("t", i, config, score, 1 - kv_read), kv_read=kv_read, **more)
+    press = dict(path="kvpress", sparsity=None)
+    rows = [rec(i, "dense", 1.0, 1.0) for i in range(3)]
+    rows += [rec(i, c, 1.0, kv) for i in range(3)
+             for c, kv in (("qada_kv_cal@0.6", 0.4), ("qada_kv_cal@0.3", 0.6), ("qada_kv@0.6", 0.45))]
+    for i in range(3):  # decoded alone: 0.4 s over 4 tokens, 0.9 s over 3; sample 2 in a batch of 2
+        rows.append(rec(i, "snapkv@0.25", 0.5, 0.3, **press, kv_kept=[0.1, 0.2, 0.3][i], kv_bytes=(i + 1) * 2**20,
+                        compress_s=[0.1, 0.2, 0.6][i], batch=[1, 1, 2][i], decode_s=[0.4, 0.9, 5.0][i],
+                        n_new=[4, 3, 1][i]))
+        rows.append(rec(i, "snapkv@0.75", 1.0, 0.7, **press, kv_kept=0.8, kv_bytes=2**22, compress_s=0.05, batch=2))
+    rows.append(rec(0, "knorm@0.5", 1.0, 0.5, **press, kv_kept=0.5, kv_bytes=2**20, compress_s=0.0, batch=1))
+    lines = report.peer_tables(rows, ["t"], n_boot=50)
+    assert lines[0] == ("3 samples (t 3); differences against QAdA calibrated per KV group (mean share). Run on fewer "
+                        "samples, left out here: knorm@0.5 (1 runs).")
+    assert lines[2] == "| method | @0.5 | @0.25 | minus qada_kv_cal @0.5 | minus qada_kv_cal @0.25 |"
+    assert "| kvpress SnapKV (question in the press) | 0.75 [0.75, 0.75] |  | -0.25 [-0.25, -0.25] |  |" in lines
+    assert not [line for line in lines if "knorm" in line.lower()][1:]  # named in the first line alone
+    assert lines[-3:] == ["|---|---:|---:|---:|---:|---:|", "| snapkv@0.25 | 0.200 | 2.0 | 0.30 | 0.200 (2) | 3 |",
+                          "| snapkv@0.75 | 0.800 | 4.0 | 0.05 | – | 3 |"]
 
 
 def test_claims_table_against_hand_computed_values():
@@ -540,8 +679,15 @@ def test_claims_table_against_hand_computed_values():
             rows += [row(task, i, "dense", 1.0, 0.0), dict(row(task, i, "qada_rw@0.6", 1.0, 0.85), **tracked),
                      dict(row(task, i, "oracle@0.6", 1.0, 0.88), steps=10, local_freq=[[1.0, 1.0], [0.0, 0.0]])]
             rows += [row(task, i, f"{m}@{thr}", sc, sp) for m, points in grid.items() for thr, sp, sc in points]
+    rows = [dict(r, **tracked) if r["config"] == "qada_prompt@0.6" else r for r in rows]  # its recall claim too
     table = report.claims_table(rows, ["a", "b"], n_boot=50)
     got = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[3:] for line in table[2:]}
+    # where the paper says it, and its figure
+    assert [line.split(" | ")[1:3] for line in table[2:] if line.startswith("| ")] == [
+        ["§4.1, Fig. 4", "0.6-0.7"], ["§1, Fig. 2, §4.1", "0.85-0.9"], ["§4.1: ~+0.2", "> 0"],
+        ["§4.2: QAdA outperforms static", "> 0"], ["§4.2: matches it", "≈ 0"], ["App. E: Option 2 better", "> 0"]] + [
+        ["App. C, Table 2", "2-5"]] * 2 + [["App. C, Table 2", "15-50"]] * 2 + [["App. C, Fig. 9", "> 0"]] * 2
+    assert table[-1].startswith("≥ (≤): the method (the one subtracted) was still lossless")  # "≤ 0.05" below
 
     def check(prefix, ours, interval, verdict):
         (cells,) = [v for k, v in got.items() if k.startswith(prefix)]
@@ -563,6 +709,7 @@ def test_claims_table_against_hand_computed_values():
     # QAdA keeps 15 of the oracle's 21 long (step, head) pairs long; static labels at its sparsity 0.575 (2 heads:
     # layer 0's, the oracle's most local) keep 20: 15/21 - 20/21
     check("recall of the oracle's long-context heads, qada_rw", "-0.238", "[-0.238, -0.238]", "reversed")
+    check("recall of the oracle's long-context heads, qada_prompt", "-0.238", "[-0.238, -0.238]", "reversed")
     # one sample of task a where QAdA (its one point, 0.85) and the oracle (0.88) lose: neither has a lossless point
     # measured, so no figure is stated (not the 0 of "none"), and the intervals open
     lost = {("a", 0, "qada_rw@0.6"), ("a", 0, "oracle@0.6")}
@@ -637,6 +784,30 @@ def test_kv_read_differences_are_paired():
     assert cells[1:] == ["0.70", "QAdA (random words)", "0.80", "-0.10", "[-0.10, -0.10]", "8"]
 
 
+def test_the_paired_intervals_run_from_the_2_5th_to_the_97_5th_percentile_of_the_draws():
+    """Three samples per task; qada_kv_all@0.6 (KV read 0.3) keeps 0.88 of dense on sample a#0, all of it elsewhere,
+    so it stays lossless unless a draw takes a#0 for all three of task a's samples (1/27 = 3.7 % of the draws: then
+    its read is 0.6); qada_rw@0.8 (read 0.5) keeps everything. The lossless-read difference is -0.20, its interval
+    reaching +0.10 at the 97.5th percentile (not at the 95th). The configurations' difference is -0.02 per draw of
+    a#0: -0.02 on all samples, 0 at the 97.5th percentile (no a#0: 30 % of the draws), -0.06 at the 2.5th (three
+    draws of a#0, 3.7 %; two are 22 %). analysis.md's lossless tables state that difference in their section on the
+    KV groups."""
+    rows = []
+    for task in ("a", "b"):
+        for i in range(3):
+            rows += [row(task, i, "dense", 1.0, 0.0), dict(row(task, i, "qada_rw@0.8", 1.0, 0.5), kv_read=0.5),
+                     dict(row(task, i, "qada_kv_all@0.6", 0.88 if (task, i) == ("a", 0) else 1.0, 0.7), kv_read=0.3),
+                     dict(row(task, i, "qada_kv_all@0.2", 1.0, 0.4), kv_read=0.6)]
+    (line,) = report.kv_read_differences(rows, ["a", "b"], pairs=[("qada_kv_all", "qada_rw")])
+    assert line.split(" | ")[1:] == ["0.30", "QAdA (random words)", "0.50", "-0.20", "[-0.20, +0.10]", "6 |"]
+    lossless = report.write_lossless(Path("unused"), rows, ["a", "b"])  # analysis.md states it under the KV groups
+    start = lossless.index("## Per KV group against per query head and static per KV head: lossless KV read, paired")
+    assert line in lossless[start:]
+    header = "| x | y | score x | score y | difference | interval | samples |"
+    line = report.config_differences(rows, ["a", "b"], [("qada_kv_all@0.6", "qada_rw@0.8")], header)[2]
+    assert line.split(" | ")[2:] == ["0.98", "1.00", "-0.02", "[-0.06, +0.00]", "6 |"]
+
+
 def test_calibration_files_load_as_static_labels(tiny, tmp_path, monkeypatch, capsys):
     tok = TinyTokenizer()
     kwargs = dict(length=400, samples=2, seed=5, max_new_tokens=6, progress=True)
@@ -702,6 +873,28 @@ def test_a_report_pairs_a_folder_with_an_earlier_one_of_the_same_samples(tmp_pat
                                                                         if k != "seed"}}))
     with pytest.raises(ValueError, match=r"not runs of the same samples: \['seed'\]"):
         report.with_baseline(tmp_path / "new", rows, tmp_path / "old")
+
+
+def test_with_refuses_a_folder_of_other_settings_or_no_model(tmp_path):
+    """--with pairs two folders only when every SAME_RUN setting both record agrees, each in turn checked, and both
+    name their model; a setting one of them does not record (a peers run's window) is no clash."""
+    settings = dict(tasks=["a"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model="m", dtype="bfloat16")
+    for name in ("new", "old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps({"settings": settings}))
+        records.write_records(tmp_path / name / "samples.jsonl.xz", [dict(task="a", index=0, config=name, score=1.0)])
+    rows = records.read_records(tmp_path / "new")
+    for key in report.SAME_RUN:
+        (tmp_path / "old" / "run.json").write_text(json.dumps({"settings": dict(settings, **{key: "other"})}))
+        with pytest.raises(ValueError, match=f"not runs of the same samples: {{'{key}'"):
+            report.with_baseline(tmp_path / "new", rows, tmp_path / "old")
+    (tmp_path / "old" / "run.json").write_text(json.dumps({"settings": {k: v for k, v in settings.items()
+                                                                        if k != "model"}}))
+    with pytest.raises(ValueError, match=r"not runs of the same samples: \['model'\]"):
+        report.with_baseline(tmp_path / "new", rows, tmp_path / "old")
+    peers = {k: v for k, v in settings.items() if k not in ("n_sink", "n_local")}
+    (tmp_path / "old" / "run.json").write_text(json.dumps({"settings": peers}))
+    assert [r["config"] for r in report.with_baseline(tmp_path / "new", rows, tmp_path / "old")] == ["new", "old"]
 
 
 def test_matched_scores_interpolate_between_measured_points_with_paired_draws():
@@ -856,6 +1049,87 @@ def test_the_agreement_tables_by_hand():
     runs = [{"task": "a", "config": "oracle@0.6", "steps": 10, "local_freq": [[1.0]]},
             {"task": "a", "config": "oracle@0.6", "steps": 30, "local_freq": [[0.0]]}]
     assert records.static_oracle_freq(records.group(runs), ["a"]) == {"a": [[0.25]]}
+
+
+def test_the_agreement_and_log_error_tables_in_full_by_hand():
+    """agreement_by_decile and log_error_table, every column: one tracked run of ten heads, the oracle local on head h
+    a share 1 - h / 10 of the steps, QAdA always on heads 0-4 and never on 5-9. All heads: oracle local 0.55, TP 0.4
+    (1 + 0.9 + ... + 0.6 over 10), FP 0.1, FN 0.15, TN 0.35, accuracy 0.75. Table 2 with log error h and distance 2h
+    on head h, heads ranked 0 first: the factor is exp of the mean error (exp(4.5) = 90.0, exp(0.5) = 1.6)."""
+    oracle = [1.0 - h / 10 for h in range(10)]
+    qada = [1.0] * 5 + [0.0] * 5
+    run = {"task": "a", "config": "qada_rw@0.6", "steps": 1, "oracle_freq": [oracle], "local_freq": [qada],
+           "both_freq": [[min(x, y) for x, y in zip(oracle, qada)]], "log_err": [[float(h) for h in range(10)]],
+           "dist_local": [[2.0 * h for h in range(10)]]}
+    lines = report.agreement_by_decile([run])
+    assert lines[2] == "| 0-10% | 1.00 | 1.000 | 0.000 | 0.000 | 0.000 | 1.000 |"
+    assert lines[6] == "| 40-50% | 0.60 | 0.600 | 0.400 | 0.000 | 0.000 | 0.600 |"
+    assert lines[11] == "| 90-100% | 0.10 | 0.000 | 0.000 | 0.900 | 0.100 | 0.900 |"
+    assert lines[12] == "| all | 0.55 | 0.400 | 0.100 | 0.350 | 0.150 | 0.750 |"
+    assert report.log_error_table([run], np.arange(10))[2:] == [
+        "| all | 4.50 ± 2.87 | 90.0 | 9.00 ± 5.74 |", "| 20% most often local | 0.50 ± 0.50 | 1.6 | 1.00 ± 1.00 |",
+        "| 10% most often local | 0.00 ± 0.00 | 1.0 | 0.00 ± 0.00 |"]
+
+
+def test_the_per_layer_table_by_hand():
+    """layer_disagreement on two tracked runs of four layers of one head (10 and 30 steps): per layer TP, FP, TN, FN,
+    kappa (nan where chance agreement is 1), the oracle's long-context share (FP + TN) and QAdA's (FN + TN); the log
+    errors as means over runs weighted by their steps, "–" for one that not every run recorded; then layer 0 and the
+    thirds of layers 1-3, one layer each."""
+    freq = {"local_freq": [[1.0], [0.0], [1.0], [0.5]], "oracle_freq": [[0.0], [1.0], [1.0], [0.5]],
+            "both_freq": [[0.0], [0.0], [1.0], [0.5]]}
+    runs = [dict(freq, task="a", config="qada_rw@0.6", steps=steps, log_err=[[e + k] for k in range(4)],
+                 log_bias=[[-e - k] for k in range(4)], log_err_exact=[[(e + k) / 2] for k in range(4)])
+            for steps, e in ((10, 1.0), (30, 5.0))]
+    runs[0]["log_bias_exact"] = [[0.0]] * 4  # recorded by one run only
+    lines = report.layer_disagreement(runs)
+    # layer l: log_err 1 + l on 10 steps, 5 + l on 30: weighted, 4 + l
+    assert lines[2:] == [
+        "| 0 | 0.00 | 1.00 | 0.00 | 0.00 | 0.00 | 1.00 | 0.00 | 4.00 | -4.00 | 2.00 | – |",
+        "| 1 | 0.00 | 0.00 | 0.00 | 1.00 | 0.00 | 0.00 | 1.00 | 5.00 | -5.00 | 2.50 | – |",
+        "| 2 | 1.00 | 0.00 | 0.00 | 0.00 | nan | 0.00 | 0.00 | 6.00 | -6.00 | 3.00 | – |",
+        "| 3 | 0.50 | 0.00 | 0.50 | 0.00 | 1.00 | 0.50 | 0.50 | 7.00 | -7.00 | 3.50 | – |",
+        "| **layer 0** | 0.00 | 1.00 | 0.00 | 0.00 | 0.00 | 1.00 | 0.00 | 4.00 | -4.00 | 2.00 | – |",
+        "| **layers 1-1** | 0.00 | 0.00 | 0.00 | 1.00 | 0.00 | 0.00 | 1.00 | 5.00 | -5.00 | 2.50 | – |",
+        "| **layers 2-2** | 1.00 | 0.00 | 0.00 | 0.00 | nan | 0.00 | 0.00 | 6.00 | -6.00 | 3.00 | – |",
+        "| **layers 3-3** | 0.50 | 0.00 | 0.50 | 0.00 | 1.00 | 0.50 | 0.50 | 7.00 | -7.00 | 3.50 | – |"]
+    assert report.layer_disagreement([dict(runs[0], steps=0)]) == []  # no step decoded: nothing to compare
+
+
+def test_the_analysis_sections_of_tracked_context_free_and_ablation_runs(tmp_path):
+    """analysis.md's later sections, by hand. qada_rw@0.6 tracked on two samples of tasks a (sparsity 0.5) and b
+    (0.7), agreeing with the oracle everywhere; on the context-free sample it keeps every head local (sparsity 0.9), a
+    run the per-layer table leaves out. Table 2 ranks the heads by the oracle runs' own local frequency (head 9 most
+    local), not by the oracle's labels on QAdA's decoding (head 0 most). Fig. 6c's row: the mean and std over tasks,
+    the context-free mean and count, and the first 300 characters of an answer. The ablation (qada_word, sample 0
+    alone) is compared with dense and QAdA on its samples, which a configuration outside the comparison (static, on
+    sample 1) does not shrink."""
+    ten = [[h / 10 for h in range(10)]]
+    tracked = {"steps": 2, "oracle_freq": [ten[0][::-1]], "local_freq": [ten[0][::-1]], "both_freq": [ten[0][::-1]],
+               "log_err": [[float(h) for h in range(10)]], "dist_local": [[1.0] * 10]}
+    rows = []
+    for t, sp in (("a", 0.5), ("b", 0.7)):
+        for i in range(2):
+            rows += [row(t, i, "dense", 1.0, 0.0), dict(row(t, i, "qada_rw@0.6", 1.0, sp), **tracked),
+                     dict(row(t, i, "oracle@0.6", 1.0, 0.6), local_freq=ten, steps=2)]
+        rows += [row(t, 0, "qada_word@0.6", 0.5, 0.4), row(t, 1, "static@0.8", 1.0, 0.8)]  # static: no ablation
+    rows.append(dict(row(report.CTXFREE, 0, "qada_rw@0.6", None, 0.9), pred="w " * 200,
+                     **dict(tracked, local_freq=[[1.0] * 10])))
+    with warnings.catch_warnings():  # the claims' Table 2 factor over layers 1 and up has no layer here: NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report.write_analysis(tmp_path, rows, ["a", "b"], {}, {}, [])
+    text = (tmp_path / "analysis.md").read_text()
+    # per layer: the tasks' runs alone, where QAdA and the oracle agree (kappa 1)
+    assert "| 0 | 0.45 | 0.00 | 0.55 | 0.00 | 1.00 | 0.55 | 0.55 | 4.50 | – | – | – |\n" in text
+    assert "| 10% most often local | 9.00 ± 0.00 | 8103.1 | 1.00 ± 0.00 |\n" in text  # exp(9)
+    assert "| 20% most often local | 8.50 ± 0.50 | 4914.8 | 1.00 ± 0.00 |\n" in text
+    assert "| qada_rw@0.6 | 0.600 ± 0.100 | 0.900 | 1 |\n" in text
+    assert f"Example answer (qada_rw@0.6): {'w ' * 150!r}\n" in text
+    assert "2 samples in all." in text
+    for line in ("| dense | 100.0 | 1.00 | 0.000 | 100.0 | 100.0 |",
+                 "| qada_rw@0.6 | 100.0 | 1.00 | 0.600 | 100.0 | 100.0 |",
+                 "| qada_word@0.6 | 50.0 | 0.50 | 0.400 | 50.0 | 50.0 |"):
+        assert line + "\n" in text
 
 
 # --- the draws: where they place the configurations, the low end of the intervals, the rules they follow -----------
