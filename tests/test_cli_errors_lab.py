@@ -115,6 +115,30 @@ def test_report_stops_at_a_damaged_record_and_with_the_flag_counts_what_it_left_
     assert "| dense | 100.0 (2)" in (out / "summary.md").read_text()  # the two whole dense records, not three
 
 
+def test_an_empty_tasks_is_every_task_and_compare_states_the_damaged_lines_it_left_out(tmp_path, capsys):
+    """lab.report --tasks '' (or names with blanks and a trailing comma) means the run's tasks, as no --tasks; --compare
+    and --dense-table with --skip-damaged say on stderr how many damaged lines they left out, and where; a report
+    that left out more than three names the first three and points to summary.md for the rest."""
+    assert report.task_subset(" vt , fwe,") == ["vt", "fwe"] and report.task_subset("") == []
+    lines = [json.dumps(record(index=i, config=c, pred="x")).encode() + b"\n" for i in range(3)
+             for c in ("dense", "local")]
+    out = run_folder(tmp_path / "run", b"".join(lines))
+    assert report.main([str(out), "--tasks", ""]) == 0 and "| fwe | 3 |" in (out / "summary.md").read_text()
+    cut = run_folder(tmp_path / "pilot" / "cut", b"".join(lines[:2]) + b"{\n" + b"".join(lines[2:]),
+                     settings={"tasks": ["fwe"], "length": 512})
+    capsys.readouterr()
+    for argv in ([str(out), "--compare", str(cut)], [str(tmp_path / "pilot"), "--dense-table"]):
+        assert report.main(argv + ["--skip-damaged"]) == 0
+        err = capsys.readouterr().err
+        assert "left out 1 damaged record line(s) (--skip-damaged)" in err and f"{cut / 'samples.jsonl'}:3" in err
+    many = run_folder(tmp_path / "many", b"".join(lines[:2]) + b"{\n" * 4)
+    assert report.main([str(many), "--skip-damaged"]) == 0
+    err = capsys.readouterr().err
+    assert "left out 4 damaged record line(s)" in err and "samples.jsonl:5:" in err and "samples.jsonl:6" not in err
+    assert err.count("samples.jsonl:") == 3 and "... (all in summary.md)" in err
+    assert all(f"samples.jsonl:{n}" in (many / "summary.md").read_text() for n in (3, 4, 5, 6))
+
+
 def test_the_report_of_an_unfinished_sweep_says_it_is_partial(tmp_path, capsys):
     """A sweep stopped before its end (its run.json entry started, never finished), with a task of its settings not
     yet reached: both table files say so at the top, and the report says so on stderr. A finished run's do not; nor
@@ -158,6 +182,28 @@ def test_the_tables_of_some_of_a_runs_tasks_go_to_another_folder(tmp_path, capsy
     other = run_folder(tmp_path / "other", body, settings={"tasks": ["fwe", "vt"]})  # another run's own tables
     one_line(capsys, report.main([str(out), "--tasks", "vt", "--out", str(other)]), "is another run's folder")
     assert sorted(p.name for p in other.iterdir()) == ["run.json", "samples.jsonl"]
+
+
+def test_a_run_with_no_record_yet_reports_so_before_pairing_a_baseline(tmp_path, capsys):
+    """A run folder with run.json and no record yet: "no results yet", whatever --with names (here a folder of
+    another length, which would be refused as a pairing), and no table written."""
+    out = run_folder(tmp_path / "run", b"", settings={"tasks": ["fwe"], "length": 400, "seed": 1, "model": "m"})
+    other = run_folder(tmp_path / "other", b"".join(LINES), settings={"tasks": ["fwe"], "length": 800, "seed": 1,
+                                                                       "model": "m"})
+    assert report.main([str(out), "--with", str(other)]) == 0
+    assert "no results yet" in capsys.readouterr().out and not (out / "summary.md").exists()
+
+
+def test_the_tables_of_some_tasks_keep_the_context_free_samples(tmp_path):
+    """--tasks SUBSET --out DIR: the run's context-free samples are no task of it and stay in the subset's tables:
+    the sparsity table's ctxfree column and Fig. 6c's section."""
+    body = b"".join(json.dumps(record(task=t, index=i, config=c)).encode() + b"\n"
+                    for t in ("fwe", "vt") for i in range(2) for c in ("dense", "local"))
+    body += json.dumps(dict(record("ctxfree", 0, "local"), score=None, sparsity=0.9, pred=" 1")).encode() + b"\n"
+    out = run_folder(tmp_path / "run", body, settings={"tasks": ["fwe", "vt"]})
+    assert report.main([str(out), "--tasks", "vt", "--out", str(tmp_path / "vt")]) == 0
+    assert "| config | vt | ctxfree |\n" in (tmp_path / "vt" / "summary.md").read_text()
+    assert "| local | 0.000 ± 0.000 | 0.900 | 1 |\n" in (tmp_path / "vt" / "analysis.md").read_text()
 
 
 def test_a_sweep_of_context_free_samples_alone_gets_whole_tables(tmp_path):
@@ -1002,6 +1048,54 @@ def test_compare_and_the_dense_table_keep_to_the_tasks_asked(tmp_path):
     assert (tmp_path / "vt" / "dense.md").read_text() == table
     with pytest.raises(ValueError, match="--tasks niah_single_1: no dense record of it"):
         report.dense_table(tmp_path / "pilot", tasks=["niah_single_1"])
+
+
+def test_compare_by_hand(tmp_path):
+    """lab.report --compare on two folders of the same three prompts (one bf16 against fp32, say): per configuration
+    the answers alike (the text, not the score), the scores alike, the mean absolute change of sparsity (samples
+    without one aside) and of each head's local frequency; a pair of records of the same prompt length whose prompt
+    ids differ is refused."""
+    def recs(preds, scores, sparsities, freqs):
+        return b"".join(json.dumps(dict(record(index=i), pred=p, score=s, sparsity=sp, local_freq=f, n_prompt=300,
+                                        ids_sha1="abc")).encode() + b"\n"
+                        for i, (p, s, sp, f) in enumerate(zip(preds, scores, sparsities, freqs)))
+    a = run_folder(tmp_path / "a", recs(["x", "y", "z"], [1.0, 0.0, 1.0], [0.5, 0.2, None],
+                                         [[0.5, 0.5], [1.0, 0.0], None]))
+    theirs = recs(["x", "y2", "z2"], [1.0, 0.0, 0.0], [0.75, 0.1, 0.3], [[0.5, 1.0], [0.0, 0.0], [1.0, 1.0]])
+    b = run_folder(tmp_path / "b", theirs)
+    row = next(line for line in report.compare_runs(a, b).splitlines() if line.startswith("| dense |"))
+    # answers: x alike, y and z not (y scores 0 in both); sparsity |0.25| and |0.1|, the third has none in a;
+    # frequencies: mean |0, 0.5| = 0.25 and mean |1, 0| = 0.5, the third has none in a
+    assert row == "| dense | 3 | 1/3 | 2/3 | 0.1750 | 0.3750 |"
+    other = run_folder(tmp_path / "other", theirs.replace(b'"abc"', b'"abd"', 1))  # sample 0's ids
+    with pytest.raises(ValueError, match="did not decode the same prompts: fwe#0 .* and other ids"):
+        report.compare_runs(a, other)
+
+
+def test_the_dense_table_by_hand(tmp_path):
+    """--dense-table: runs sorted by model, then length; tasks in lab.tasks' order (vt before fwe); a cell the mean
+    score x100 and its samples, dense records alone and without a score aside; the mean over tasks; the seconds per
+    sample the median over records of prefill + decode seconds, a record decoded in a batch counting the batch's whole
+    decoding time (its decode_s, its share, times the batch); the dtypes of the runs, float32 where none is named."""
+    def body(*recs):
+        return b"".join(json.dumps(dict(record(task=t, index=i, config=c), score=sc, prefill_s=p, decode_s=d,
+                                        batch=n)).encode() + b"\n" for t, i, c, sc, p, d, n in recs)
+    fwe = body(("fwe", 0, "dense", 1.0, 1.0, 2.0, 1), ("fwe", 1, "dense", 1.0, 1.0, 1.0, 4),
+               ("fwe", 2, "dense", 0.0, 1.0, 10.0, 1), ("fwe", 3, "dense", None, 1.0, 9.0, 1),
+               ("fwe", 0, "local", 0.0, 1.0, 99.0, 1))
+    run_folder(tmp_path / "pilot" / "z", fwe, settings={"tasks": ["fwe"], "model": "b-model", "length": 1024})
+    vt = body(("vt", 0, "dense", 1.0, 2.0, 2.0, 1), ("vt", 1, "dense", 0.0, 2.0, 2.0, 1))
+    run_folder(tmp_path / "pilot" / "a", vt, settings={"tasks": ["vt"], "model": "a-model", "length": 4096,
+                                                       "dtype": "bfloat16"})
+    lines = report.dense_table(tmp_path / "pilot").splitlines()
+    assert lines[2] == (f"`python -m lab.report --dense-table {tmp_path / 'pilot'}`; dtype bfloat16, float32. "
+                        "s/sample = median of prefill + decode seconds.")
+    # fwe: scores 1, 1 and 0 (the one without a score aside); seconds 1 + 2, 1 + 1 x 4, 1 + 10: median 5, mean 6
+    assert lines[4:] == ["| task | a-model 4k | b-model 1k |", "|---|---|---|", "| vt | 50 (2) | – |",
+                         "| fwe | – | 67 (3) |", "| **mean over tasks** | **50** | **67** |", "| s/sample | 4 | 5 |"]
+    three = body(*[(t, 0, "dense", float(t == "fwe"), 1.0, 1.0, 1) for t in ("fwe", "vt", "cwe")])
+    run_folder(tmp_path / "three" / "a", three, settings={"tasks": ["fwe", "vt", "cwe"], "length": 512})
+    assert "| **mean over tasks** | **33** |" in report.dense_table(tmp_path / "three")  # the mean, not the median 0
 
 
 def test_the_dense_table_of_some_tasks_goes_to_another_folder(tmp_path, capsys):
