@@ -141,6 +141,8 @@ def test_the_page_paths_get_rows_and_names_in_the_lossless_tables(tmp_path, monk
     assert f"| {oracle} | 0.05 | [0.05, 0.05] | 0.00 | 3 | 0.05 | 8 |" in kv
     heads = section(text, "Lossless sparsity")
     assert not [line for line in heads if any(f"| {m} |" in line for m in (quest, qada_pages, oracle))]
+    assert "The page paths (Quest, QAdA + pages, the page oracle) are curves over their page budget at a fixed head " \
+        "sparsity: they are in the KV-read tables only." in heads  # the note that says why they are not here
     assert f"| {records.label('qada_kv_cal')} | 0.65 |" in "\n".join(heads)
     worst = section(text, "The same with the worst-task rule")
     assert f"| {qada_pages} |  |  | 0.11 | [0.11, 0.11] | 8 |" in worst  # a page path: KV read only
