@@ -9,6 +9,7 @@ import hashlib
 import json
 import lzma
 import os
+import random
 import re
 import shlex
 import subprocess
@@ -101,6 +102,36 @@ def test_what_is_no_damage_reads_whole(tmp_path):
     body = b"\xef\xbb\xbf" + LINES[0] + b"\n" + b"".join(LINES[1:]) + LINES[0][:30]
     assert len(records.read_records(run_folder(tmp_path / "a", body))) == 6
     assert len(records.read_records(run_folder(tmp_path / "b", WHOLE, "samples.jsonl.xz"))) == 6
+
+
+def test_a_record_line_names_its_cause_and_a_boolean_is_no_index():
+    """JSON true is an int to Python, but no sample index; a byte that is not UTF-8 is named by its 1-based
+    position: in '{"task": "f' + 0xe9 the 12th."""
+    assert records.record(b'{"task": "a", "index": true, "config": "dense"}') == (
+        None, "a record without a valid index")
+    assert records.record(b'{"task": "a", "index": 1, "config": "dense"}')[0] == {"task": "a", "index": 1,
+                                                                                 "config": "dense"}
+    assert records.record(b'{"task": "f\xe9"}') == (None, "not UTF-8 text (byte 12)")
+
+
+def test_bytes_after_compressed_data_that_end_on_a_read_chunk_are_damage(tmp_path):
+    """The xz file is read in chunks of 1 MiB: compressed data that end exactly at a chunk's end leave nothing over
+    in the decompressor, and bytes after them are damage all the same. Incompressible filler (one damaged line)
+    sized here until the compressed stream is exactly 1 MiB long."""
+    head, target = json.dumps(record()).encode() + b"\n", 1 << 20
+    filler, size = random.Random(0).randbytes(target).replace(b"\n", b"x"), target
+    for _ in range(8):
+        data = lzma.compress(head + filler[:size] + b"\n", preset=0)
+        if len(data) == target:
+            break
+        size -= len(data) - target
+    assert len(data) == target
+    path = tmp_path / "samples.jsonl.xz"
+    path.write_bytes(data + b"\0" * 4)
+    damaged = []
+    rows, read = records.file_records(path, damaged.append)
+    assert rows == [record()] and read == target + 4
+    assert len(damaged) == 2 and "bytes after the end of the compressed data" in damaged[1], damaged
 
 
 def test_report_stops_at_a_damaged_record_and_with_the_flag_counts_what_it_left_out(tmp_path, capsys):
