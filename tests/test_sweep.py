@@ -3,6 +3,7 @@ force over every score, configurations, resume, random-head sparsity, the stop r
 Seconds in all; no real model, no long prompts."""
 
 import csv
+import hashlib
 import json
 import math
 import re
@@ -1292,3 +1293,108 @@ def test_mean_draws_leave_out_a_task_without_values():
     is a mean of task a's draws alone (1, 2 or 3), never NaN."""
     point, boot = records.mean_draws({"a": [1.0, 3.0], "b": []}, n_boot=50)
     assert point == 2.0 and set(boot.tolist()) <= {1.0, 2.0, 3.0}
+
+
+# --- record keys, names and order, and the agreement counts, by hand ----------------------------------------------
+
+
+def test_ids_hash_is_the_sha1_of_the_ids_in_their_order():
+    """Two prompts pair only on the same token ids in the same order: the hash is SHA-1 of the JSON list as given,
+    so a permutation of the ids is another prompt."""
+    assert records.ids_hash([3, 1, 2]) == hashlib.sha1(b"[3, 1, 2]").hexdigest()
+    assert records.ids_hash((3, 1, 2)) == records.ids_hash([3, 1, 2]) != records.ids_hash([1, 2, 3])
+
+
+def test_configurations_sort_by_the_papers_order_then_by_threshold_as_a_number():
+    """Methods in ORDER's order, a method ORDER does not name after all of them (by name), and a method's
+    configurations by their threshold as a number: page budgets 64 < 128 < 1024 (not as text, where "1024" < "64")."""
+    cfgs = ["zeta@1", "quest@1024", "quest@64", "alpha@2", "qada_rw@0.6", "dense", "quest@128", "qada_rw@0.05"]
+    assert sorted(cfgs, key=records.config_sort_key) == [
+        "dense", "qada_rw@0.05", "qada_rw@0.6", "quest@64", "quest@128", "quest@1024", "alpha@2", "zeta@1"]
+
+
+def test_a_method_without_a_label_is_listed_under_its_own_name():
+    """LABEL names the paper's methods; any other (a new path or method) keeps its own name in tables and figures."""
+    assert records.label("oracle") == "adaptive oracle" and records.label("qada_new") == "qada_new"
+
+
+def test_threshold_kinds_tell_tau_curves_from_page_budget_curves():
+    """A method is on a tau when any of its records says so (a record without the field does not undo it; a method
+    with no records is not); the page methods are those with a page budget, absolute or a fraction of T."""
+    rows = [{"method": "qada_rw", "threshold_kind": "tau"}, {"method": "qada_rw"},
+            {"method": "quest", "threshold_kind": "budget"}, {"method": "quest_frac", "threshold_kind": "budget_frac"},
+            {"method": "snapkv", "threshold_kind": "compression"}]
+    assert [records.is_tau(rows, m) for m in ("qada_rw", "quest", "snapkv", "oracle")] == [True, False, False, False]
+    assert records.page_methods(rows) == {"quest", "quest_frac"}
+
+
+def test_a_mean_leaves_out_missing_values_and_is_none_without_any():
+    """None (a record without the value) is no 0: [1, None, 3] averages to 2, and only missing values give None."""
+    assert records.mean([1.0, None, 3.0]) == 2.0 and records.mean([None, None]) is None and records.mean([]) is None
+
+
+def test_summary_rows_list_tasks_by_name_then_configurations_in_the_papers_order():
+    """summary.md's rows: task by task (by name), each in config_sort_key's order: dense, static before oracle
+    (ORDER), quest's budgets 64 before 128 (as numbers), whatever order the records came in."""
+    cfgs = ["quest@128", "oracle@0.5", "quest@64", "dense", "static@0.5"]
+    rows = [row(t, 0, c, 1.0, 0.0) for t in ("b", "a") for c in cfgs]
+    got = [(s["task"], s["config"]) for s in records.summary_rows(rows)]
+    order = ["dense", "static@0.5", "oracle@0.5", "quest@64", "quest@128"]
+    assert got == [(t, c) for t in ("a", "b") for c in order]
+
+
+def test_method_configs_are_those_measured_on_the_tasks_asked_for():
+    """A method run on another task only (static on b) is no method of task a's tables; dense and local are none."""
+    rows = [row("a", 0, c, 1.0, 0.5) for c in ("dense", "local", "qada_rw@0.6", "qada_rw@0.2")]
+    rows += [row("b", 0, c, 1.0, 0.5) for c in ("dense", "qada_rw@0.6", "static@0.5")]
+    got = records.method_configs(rows, ["a"])
+    assert list(got) == ["qada_rw"] and sorted(got["qada_rw"]) == ["qada_rw@0.2", "qada_rw@0.6"]
+    assert list(records.method_configs(rows, ["a", "b"])) == ["static", "qada_rw"]
+
+
+def test_a_method_that_never_keeps_dense_has_no_configuration_at_its_point():
+    """Quest-like configurations at head sparsity 0 that all lose (half of dense): no lossless point was found, the
+    point is 0 and no configuration is "at" it, though one sits at sparsity 0."""
+    rows = [row("a", i, "dense", 1.0, 0.0) for i in range(3)]
+    rows += [row("a", i, c, 0.5, sp) for i in range(3) for c, sp in (("m@64", 0.0), ("m@32", 0.5))]
+    got = records.lossless_draws(rows, ["a"], {"m": ["m@64", "m@32"]}, n_boot=10)["m"]
+    assert (got["found"], got["point"], got["at"], got["open"]) == (False, 0.0, [], False)
+
+
+def test_a_points_interval_is_drawn_from_its_seed_within_each_task():
+    """score_points' draws, redone here: seed's generator picks n of each task's n samples (with replacement), task by
+    task, draw by draw; the interval is the 2.5th to 97.5th percentile of score / dense on them."""
+    scores = [1.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0, 0.25]
+    rows = [row("a", i, "dense", 1.0, 0.0) for i in range(8)]
+    rows += [row("a", i, "qada_rw@0.6", s, 0.7) for i, s in enumerate(scores)]
+    rng, ours = np.random.default_rng(7), np.array(scores)
+    boot = [ours[rng.integers(0, 8, 8)].mean() for _ in range(300)]
+    p = records.score_points(rows, ["a"], "qada_rw@0.6", n_boot=300, seed=7)
+    assert (p["lo"], p["hi"]) == pytest.approx(tuple(np.percentile(boot, [2.5, 97.5])))
+    assert p["norm"] == pytest.approx(np.mean(scores))
+
+
+def test_measured_points_are_every_configuration_but_the_ablations():
+    """analysis.md's table and Fig. 4 hold dense and every configuration, not the ablations' (qada_word, qada_long)."""
+    rows = [row("a", i, c, 1.0, 0.5) for i in range(2)
+            for c in ("dense", "qada_rw@0.6", "qada_word@0.6", "qada_long@0.6")]
+    assert list(records.measured_points(rows, ["a"])) == ["dense", "qada_rw@0.6"]
+
+
+def test_the_confusion_fractions_by_hand_and_no_negative_true_negatives():
+    """QAdA local on 0.4 of the pairs, the oracle on 0.9, both on 0.3: TP 0.3, FP 0.1, FN 0.6 and TN none, exactly 0
+    (1 - 0.3 - 0.1 - 0.6 in floating point is an ulp below 0)."""
+    tp, fp, tn, fn = records.confusion(0.4, 0.9, 0.3, 1.0)
+    assert (tp, fp, fn) == pytest.approx((0.3, 0.1, 0.6)) and tn == 0.0
+    assert records.confusion(2.0, 1.0, 1.0, 4.0) == pytest.approx((0.25, 0.25, 0.5, 0.0))
+
+
+def test_curves_and_points_leave_a_missing_sparsity_out_of_their_means():
+    """A sample without a sparsity (its answer ended at its first token) is left out of its configuration's mean
+    sparsity, in summary.md's curves and in a figure's point alike: 0.6 from the one sample that has one. The
+    curves' KV read is its own mean (0.2 and 0.4: 0.3), not one drawn from the sparsity."""
+    rows = [row("a", i, "dense", 1.0, 0.0) for i in range(2)]
+    rows += [dict(row("a", 0, "x@1", 1.0, 0.6), kv_read=0.2), dict(row("a", 1, "x@1", 1.0, 0.6), sparsity=None)]
+    cur = records.curves(rows, ["a"], ["x@1"])["x@1"]
+    assert (cur["sparsity"], cur["kv_read"]) == pytest.approx((0.6, 0.3))
+    assert records.score_points(rows, ["a"], "x@1", n_boot=10)["sparsity"] == pytest.approx(0.6)
