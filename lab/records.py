@@ -147,9 +147,15 @@ def file_records(path: Path, on_damage=None) -> tuple[list[dict], int]:
 
 
 def read_records(out: Path, on_damage=None) -> list[dict]:
-    """Every record of the run's files, in result_files' order (file_records: a damaged line raises DamagedRecord, or
-    goes to `on_damage` and is left out)."""
-    return [r for path in result_files(out) for r in file_records(path, on_damage)[0]]
+    """Every record of the run's files, in result_files' order, each (task, index, config) once, the first read: a
+    merge stopped before it removed the plain files it merged leaves their records in samples.jsonl.xz too, as
+    lab.sweep.merge keeps the first (file_records: a damaged line raises DamagedRecord, or goes to `on_damage` and is
+    left out)."""
+    rows = {}
+    for path in result_files(out):
+        for r in file_records(path, on_damage)[0]:
+            rows.setdefault((r["task"], r["index"], r["config"]), r)
+    return list(rows.values())
 
 
 def read_run(out: Path) -> dict:
@@ -355,11 +361,12 @@ def lossless_sparsity(curve: list[tuple[float, float | None]]) -> float:
 
 
 def method_configs(rows, tasks) -> dict[str, list[str]]:
-    """{method: its configurations} measured on the tasks, dense, local and the peers' dense control aside."""
+    """{method: its configurations, in config_sort_key's order} measured on the tasks, dense, local and the peers'
+    dense control aside."""
     methods = defaultdict(list)
     for c in {r["config"] for r in rows if r["task"] in tasks and r["method"] not in ("dense", "local", "hf_dense")}:
         methods[c.split("@")[0]].append(c)
-    return dict(sorted(methods.items(), key=lambda kv_: config_sort_key(kv_[0])))
+    return {m: sorted(methods[m], key=config_sort_key) for m in sorted(methods, key=config_sort_key)}
 
 
 def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "sparsity", n_boot: int = 2000,

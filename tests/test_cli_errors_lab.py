@@ -134,6 +134,19 @@ def test_bytes_after_compressed_data_that_end_on_a_read_chunk_are_damage(tmp_pat
     assert len(damaged) == 2 and "bytes after the end of the compressed data" in damaged[1], damaged
 
 
+def test_records_left_in_a_plain_file_beside_the_merged_one_are_read_once(tmp_path):
+    """A merge stopped after it wrote samples.jsonl.xz, before it removed the plain files it merged: each (task,
+    index, config) is read once, the compressed file's record, so that summary counts and means are not skewed by
+    samples counted twice."""
+    out = run_folder(tmp_path / "run", b"".join(LINES[:2]) + json.dumps(record(index=5)).encode() + b"\n")
+    (out / "samples.jsonl.xz").write_bytes(lzma.compress(b"".join(LINES)))
+    rows = records.read_records(out)
+    keys = [(r["index"], r["config"]) for r in rows]
+    assert keys == [(i, c) for i in range(3) for c in ("dense", "local")] + [(5, "dense")]
+    s = {r["config"]: r for r in records.summary_rows(rows)}
+    assert s["dense"]["n"] == 4 and s["local"]["n"] == 3
+
+
 def test_report_stops_at_a_damaged_record_and_with_the_flag_counts_what_it_left_out(tmp_path, capsys):
     out = run_folder(tmp_path / "run", dict(DAMAGED_BODIES)["cut"])
     one_line(capsys, report.main([str(out)]), f"{out / 'samples.jsonl'}:3:", "--skip-damaged")

@@ -1398,3 +1398,17 @@ def test_curves_and_points_leave_a_missing_sparsity_out_of_their_means():
     cur = records.curves(rows, ["a"], ["x@1"])["x@1"]
     assert (cur["sparsity"], cur["kv_read"]) == pytest.approx((0.6, 0.3))
     assert records.score_points(rows, ["a"], "x@1", n_boot=10)["sparsity"] == pytest.approx(0.6)
+
+
+def test_a_methods_configurations_are_in_config_order_and_a_tied_point_reports_the_first():
+    """method_configs lists a method's configurations by threshold (config_sort_key), not in a set's order, which
+    changes with each process's string hashing; so where two configurations tie at the lossless point (sparsity 0.5,
+    KV reads 0.6 and 0.8), the table reports the first's KV read, 0.6, in every process."""
+    cfgs = [f"qada_kv@{t:g}" for t in (0.9, 0.1, 0.7, 0.3, 0.5, 0.2)]
+    rows = [row("a", 0, c, 1.0, 0.5) for c in ["dense"] + cfgs]
+    assert records.method_configs(rows, ["a"]) == {"qada_kv": sorted(cfgs, key=lambda c: float(c.split("@")[1]))}
+    rows = [row("a", i, "dense", 1.0, 0.0) for i in range(3)]
+    rows += [dict(row("a", i, c, 1.0, 0.5), kv_read=kv) for i in range(3) for c, kv in (("qada_kv@0.6", 0.8),
+                                                                                        ("qada_kv@0.4", 0.6))]
+    got, = records.lossless_table(rows, ["a"], n_boot=10)
+    assert (got["lossless"], got["kv_read"]) == pytest.approx((0.5, 0.6))
