@@ -13,7 +13,7 @@ import torch
 import attention
 import decode_kernels
 from attention import BatchAttention, DecodeAttention, qada, reference_attention
-from criterion import Calibration, Correction, gaussian_form
+from criterion import Calibration, Correction, gaussian_form, gaussian_log_bulk
 from decode_kernels import fused_qada
 from lab.kernel_resources import Launch  # a recording stand-in for a kernel
 from moments import FixedMoments
@@ -87,6 +87,32 @@ def test_the_kernel_decides_and_attends_as_the_torch_path(rule, H, Hkv, D, T, mo
         ref = reference_attention(q[i], k[i, :, s:], v[i, :, s:], labels[i], N_SINK, N_LOCAL)
         torch.testing.assert_close(y[i].float(), ref, atol=2e-5, rtol=1e-4)
     assert y.dtype == q.dtype and labels.dtype == torch.bool
+
+
+@pytest.mark.parametrize("T", [15, 20, 21, 150])
+def test_a_window_of_no_power_of_two_decides_and_attends_as_the_torch_path(T, monkeypatch):
+    """--n-sink 3 --n-local 20: the kernel pads the window to 32 slots, and the 12 past the window must stay out of
+    its mass and output (they would read past the filled length, or a recent key twice). Labels away from the
+    threshold and outputs as the torch path's, per row with its own left padding, in a cache filled to T of T + 4."""
+    monkeypatch.setenv("QADA_KERNEL", "torch")
+    n_sink, n_local, B, H, Hkv, D = 3, 20, 2, 6, 2, 16
+    q, k, v, A, b = case(B, H, Hkv, D, T + 4, seed=T)
+    start = torch.tensor([0, 4], dtype=torch.int32)
+    y, labels = fused_qada(q, k, v, torch.arange(B, dtype=torch.int32), start, n_sink, n_local, (A, b),
+                           torch.tensor([0.5, 0.5]), None, split=64, block_n=16,
+                           length=torch.tensor(T, dtype=torch.int32))  # 4 positions past T: capacity not yet filled
+    for i in range(B):
+        s = int(start[i])
+        kk, vv = k[i, :, s:T], v[i, :, s:T]
+        _, want = qada(q[i], kk, vv, layer=0, n_sink=n_sink, n_local=n_local, tau=0.5, moments=Form(A[i], b[i]))
+        if kk.shape[1] > n_local:  # away from the threshold: fp32 rounding may flip a head on it
+            _, log_local = attention.window_attention(q[i], kk, vv, n_sink, n_local)
+            far = (log_local - gaussian_log_bulk(q[i], (A[i], b[i]), kk.shape[1] - n_local)).abs() > 1e-3
+        else:
+            far = torch.ones(H, dtype=torch.bool)
+        assert torch.equal(labels[i][far], want[far])
+        ref = reference_attention(q[i], kk, vv, labels[i], n_sink, n_local)
+        torch.testing.assert_close(y[i].float(), ref, atol=2e-5, rtol=1e-4)
 
 
 def test_bf16_caches_and_a_correction(monkeypatch):
