@@ -18,13 +18,15 @@ from criterion import TAU, static_labels
 
 # The order and names in which tables and figures list the configurations the paper compares; any other name (a new
 # path of attention.PATHS, a new method of lab.sweep) is listed too, after these, under its own name.
-ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt", "qada_prompt_online",
+ORDER = ("dense", "local", "random", "static", "static_oracle", "oracle", "qada_rw", "qada_prompt",
+         "qada_prompt_online",
          "qada_word", "qada_long", "static_kv", "static_oracle_kv", "oracle_kv", "qada_kv", "qada_kv_all",
          "qada_cal", "qada_cal_transfer", "qada_cal_offset", "qada_cal_scale", "qada_cal_quantile", "qada_kv_cal",
          "qada_kv_all_cal", "qada_kv_cal_transfer", "qada_kv_all_cal_transfer", "qada_sampled", "qada_kv_sampled",
          "qada_sampled_upper", "qada_sampled_cal", "qada_sampled_cal_transfer", "qada_kv_sampled_cal",
-         "qada_kv_sampled_cal_transfer", "quest", "quest_p32", "quest_p64", "quest_frac", "qada_pages", "qada_pages_p32",
-         "qada_pages_p64", "qada_pages_sum", "qada_pages_share", "qada_pages_frac", "page_oracle", "page_oracle_p32", "page_oracle_p64",
+         "qada_kv_sampled_cal_transfer", "quest", "quest_p32", "quest_p64", "quest_frac", "qada_pages",
+         "qada_pages_p32", "qada_pages_p64", "qada_pages_sum", "qada_pages_share", "qada_pages_frac", "page_oracle",
+         "page_oracle_p32", "page_oracle_p64",
          "hf_dense", "snapkv", "expected_attention", "knorm", "streaming_llm", "snapkv_ctx",
          "expected_attention_ctx", "knorm_ctx", "streaming_llm_ctx")
 LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads", "static": "static (RULER)",
@@ -59,10 +61,12 @@ LABEL = {"dense": "dense", "local": "local (all heads)", "random": "random heads
          "page_oracle": "page oracle, pages of 16 (true masses; analysis only)",
          "page_oracle_p32": "page oracle, pages of 32 (analysis only)",
          "page_oracle_p64": "page oracle, pages of 64 (analysis only)",
-         "hf_dense": "dense through transformers (the peers' control)", "snapkv": "kvpress SnapKV (question in the press)",
+         "hf_dense": "dense through transformers (the peers' control)",
+         "snapkv": "kvpress SnapKV (question in the press)",
          "expected_attention": "kvpress ExpectedAttention (question in the press)",
          "knorm": "kvpress Knorm (question in the press)", "streaming_llm": "kvpress StreamingLLM",
-         "snapkv_ctx": "kvpress SnapKV (context only)", "expected_attention_ctx": "kvpress ExpectedAttention (context only)",
+         "snapkv_ctx": "kvpress SnapKV (context only)",
+         "expected_attention_ctx": "kvpress ExpectedAttention (context only)",
          "knorm_ctx": "kvpress Knorm (context only)", "streaming_llm_ctx": "kvpress StreamingLLM (context only)"}
 PAGE_KINDS = ("budget", "budget_frac")  # the threshold kinds of the page paths (quest, qada_pages, page_oracle, ...)
 PEER_PATHS = ("kvpress", "transformers")  # lab.peers' records: presses that drop entries at prefill, and its dense
@@ -240,7 +244,8 @@ def group(rows):
 def summary_rows(rows) -> list[dict]:
     out = []
     for (task, cfg), rs in sorted(group(rows).items(), key=lambda kv: (kv[0][0], config_sort_key(kv[0][1]))):
-        out.append({"task": task, "config": cfg, "method": rs[0]["method"], "threshold": rs[0]["threshold"], "n": len(rs),
+        out.append({"task": task, "config": cfg, "method": rs[0]["method"], "threshold": rs[0]["threshold"],
+                    "n": len(rs),
                     "score": mean([r["score"] for r in rs]), "sparsity": mean([r["sparsity"] for r in rs]),
                     "kv_read": mean([r["kv_read"] for r in rs]), "new_tokens": mean([r["n_new"] for r in rs]),
                     "decode_s": mean([r["decode_s"] for r in rs])})
@@ -273,15 +278,19 @@ def curves(rows, tasks, configs):
     dense = task_means(g, tasks, "dense", idx)
     out = {}
     for c in configs:
-        sc, sp, kv = task_means(g, tasks, c, idx), task_means(g, tasks, c, idx, "sparsity"), task_means(g, tasks, c, idx, "kv_read")
+        sc, sp, kv = (task_means(g, tasks, c, idx), task_means(g, tasks, c, idx, "sparsity"),
+                      task_means(g, tasks, c, idx, "kv_read"))
         ts = [t for t in tasks if sc[t] is not None]
         if not ts:
             continue
         norm = [sc[t] / dense[t] for t in ts if dense[t]]
         out[c] = {"score": np.mean([sc[t] for t in ts]), "norm": np.mean(norm) if norm else None,
                   "worst_drop": max((dense[t] - sc[t]) for t in ts if dense[t] is not None) if dense else None,
-                  "sparsity": mean([sp[t] for t in ts]), "sparsity_std": float(np.std(spt)) if (spt := [sp[t] for t in ts if sp[t] is not None]) else None,
-                  "kv_read": mean([kv[t] for t in ts]), "n": sum(len(idx[t]) for t in ts), "per_task": sc, "per_task_sparsity": sp}
+                  "sparsity": mean([sp[t] for t in ts]),
+                  "sparsity_std": (float(np.std(spt)) if (spt := [sp[t] for t in ts if sp[t] is not None])
+                                   else None),
+                  "kv_read": mean([kv[t] for t in ts]), "n": sum(len(idx[t]) for t in ts), "per_task": sc,
+                  "per_task_sparsity": sp}
     return out
 
 
@@ -451,18 +460,21 @@ def score_points(rows, tasks, config: str, n_boot: int = 1000, seed: int = 0) ->
     boot = [b for b in boot if b is not None]
     g = group(rows)
     return {"norm": norm, "lo": float(np.percentile(boot, 2.5)), "hi": float(np.percentile(boot, 97.5)),
-            "sparsity": paired_mean(g, scores, config, "sparsity"), "kv_read": paired_mean(g, scores, config, "kv_read"),
+            "sparsity": paired_mean(g, scores, config, "sparsity"),
+            "kv_read": paired_mean(g, scores, config, "kv_read"),
             "n": sum(len(i) for i, _ in scores.values())}
 
 
 def measured_points(rows, tasks) -> dict[str, dict]:
     """score_points for every configuration the tasks ran (dense included, the ablations left out), in config order:
     computed once per report, read by analysis.md's table and by Fig. 4."""
-    configs = sorted({r["config"] for r in rows if r["task"] in tasks and r["method"] not in ABLATIONS}, key=config_sort_key)
+    configs = sorted({r["config"] for r in rows if r["task"] in tasks and r["method"] not in ABLATIONS},
+                     key=config_sort_key)
     return {c: p for c in configs if (p := score_points(rows, tasks, c))}
 
 
-MATCHED = {"sparsity": (0.7, 0.8, 0.85, 0.9), "kv_read": (0.6, 0.5, 0.4, 0.25)}  # where methods are compared at equal cost
+# where methods are compared at equal cost
+MATCHED = {"sparsity": (0.7, 0.8, 0.85, 0.9), "kv_read": (0.6, 0.5, 0.4, 0.25)}
 
 
 def matched_draws(rows, tasks, configs: dict[str, list[str]], axis: str, targets, n_boot: int = 2000, seed: int = 0
@@ -506,17 +518,20 @@ def matched_table(rows, tasks, axis: str, targets=None, against: str | None = No
     for m, cs in configs.items():
         if methods is not None and m not in methods:
             continue
-        pair = {m: cs} if against is None or against == m or against not in configs else {m: cs, against: configs[against]}
+        pair = ({m: cs} if against is None or against == m or against not in configs
+                else {m: cs, against: configs[against]})
         res = matched_draws(rows, tasks, pair, axis, targets, n_boot, seed)  # each method on the samples it finished
         if not res:
             continue
-        row = {"method": m, "n": sum(len(i) for i, _ in paired_scores(rows, tasks, [c for v in pair.values() for c in v]).values())}
+        row = {"method": m,
+               "n": sum(len(i) for i, _ in paired_scores(rows, tasks, [c for v in pair.values() for c in v]).values())}
         for k, target in enumerate(targets):
             v = res[m][:, k]
             row[target] = None if np.isnan(v[0]) else (float(v[0]), *np.nanpercentile(v[1:], [2.5, 97.5]).tolist())
             if against in res and m != against:
                 d = res[m][:, k] - res[against][:, k]
-                row[f"vs {target}"] = None if np.isnan(d[0]) else (float(d[0]), *np.nanpercentile(d[1:], [2.5, 97.5]).tolist())
+                row[f"vs {target}"] = (None if np.isnan(d[0])
+                                       else (float(d[0]), *np.nanpercentile(d[1:], [2.5, 97.5]).tolist()))
         out.append(row)
     return out
 
@@ -567,7 +582,8 @@ def recall_rows(rows, static_freq: dict) -> list[dict]:
         tn = S - q - o + b  # both long
         sparsity = q.sum() / (S * q.size)
         static = static_labels(torch.tensor(static_freq[task], device="cpu"), float(sparsity)).numpy()
-        out.append({"task": task, "config": cfg, "qada_sparsity": float(sparsity), "oracle_sparsity": float(o.sum() / (S * q.size)),
+        out.append({"task": task, "config": cfg, "qada_sparsity": float(sparsity),
+                    "oracle_sparsity": float(o.sum() / (S * q.size)),
                     "recall_qada": float(tn.sum() / long_oracle.sum()),
                     "recall_static_oracle": float(long_oracle[~static].sum() / long_oracle.sum())})
     return out

@@ -91,11 +91,13 @@ def write_summary(out: Path, rows, tasks, notes: list[str] = (), name: str | Non
              "(what a path that skips by them would read): the oracle path itself reads every entry to find them. "
              "n = samples per task.", ""] + list(notes)
     # dense vs floor
-    lines += ["## Dense score and the local-window floor per task", "", "| task | n | dense | local (floor) | dense tokens |",
+    lines += ["## Dense score and the local-window floor per task", "",
+              "| task | n | dense | local (floor) | dense tokens |",
               "|---|---|---|---|---|"]
     for t in tasks:
         d, l = g.get((t, "dense"), []), g.get((t, "local"), [])
-        lines.append(f"| {t} | {len(d)} | {fmt(mean([r['score'] for r in d]), 100)} | {fmt(mean([r['score'] for r in l]), 100)} "
+        lines.append(f"| {t} | {len(d)} | {fmt(mean([r['score'] for r in d]), 100)} | "
+                     f"{fmt(mean([r['score'] for r in l]), 100)} "
                      f"| {fmt(mean([r['n_new'] for r in d]))} |")
     # per-task score pivot (all finished samples) + averages over common samples. The ablations run on the first
     # samples only, the peers (lab.peers) on their own, and a configuration a sweep dropped part-way on the samples it
@@ -112,7 +114,8 @@ def write_summary(out: Path, rows, tasks, notes: list[str] = (), name: str | Non
               "lab.peers and configs run on fewer samples than the most: each over its own samples and dense's there). "
               "avg norm. = mean over tasks of score / dense score; worst drop = largest dense - score "
               "over tasks.", "",
-              "| config | " + "".join(f"{t} | " for t in tasks) + "avg score | avg norm. | worst drop | sparsity | KV read |",
+              "| config | " + "".join(f"{t} | " for t in tasks)
+              + "avg score | avg norm. | worst drop | sparsity | KV read |",
               "|---|" + "---|" * (len(tasks) + 5)]
     for c in configs:
         cells = []
@@ -171,14 +174,16 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
               "The same rule on the fraction of KV entries read (lower is better): the lowest measured read fraction "
               "down to which every point of the method keeps >= 0.95 of dense. For the oracles the read is implied by "
               "their labels.", "",
-              "| method | lossless KV read | 95 % interval | head sparsity there | points | lowest measured | samples |",
+              "| method | lossless KV read | 95 % interval | head sparsity there | points | lowest measured "
+              "| samples |",
               "|---|---:|---|---:|---:|---:|---:|"]
     for r in lossless_table(rows, tasks, axis="kv_read"):
         lines.append(f"| {label(r['method'])} | {lossless_cells(r)} | "
                      f"{fmt(r['sparsity'], 1, 2)} | {r['points']} | {r['min_kv_read']:.2f} | {r['n']} |")
     lines += ["", "## The same with the worst-task rule", "",
               "A point is lossless when its worst task keeps >= 0.95 of dense, instead of the mean over tasks (1,000 "
-              "draws).", "", "| method | lossless sparsity | 95 % interval | lossless KV read | 95 % interval | samples |",
+              "draws).", "",
+              "| method | lossless sparsity | 95 % interval | lossless KV read | 95 % interval | samples |",
               "|---|---:|---|---:|---|---:|"]
     worst_kv = {r["method"]: r for r in lossless_table(rows, tasks, "kv_read", n_boot=1000, worst=True)}
     worst_sp = {r["method"]: r for r in lossless_table(rows, tasks, n_boot=1000, worst=True, methods=heads)}
@@ -191,7 +196,8 @@ def write_lossless(out: Path, rows, tasks) -> list[str]:
     if diffs:
         lines += ["", "## Per KV group against per query head and static per KV head: lossless KV read, paired",
                   "", kv_read_differences.__doc__.split("\n\n")[0].replace("\n    ", " "), "",
-                  "| method | lossless KV read | against | its lossless KV read | difference | 95 % interval | samples |",
+                  "| method | lossless KV read | against | its lossless KV read | difference | 95 % interval "
+                  "| samples |",
                   "|---|---:|---|---:|---:|---|---:|"]
         lines += diffs
     return lines
@@ -201,7 +207,8 @@ def score_table(points: dict[str, dict]) -> list[str]:
     """Every measured configuration as a point of Fig. 4: the mean over tasks of score / dense on the samples it and
     dense both finished, with a paired-bootstrap 95 % interval (1,000 draws of the samples within each task), and
     its head sparsity and KV read on those samples. Where samples are few, these intervals are the ones to quote."""
-    lines = ["| config | head sparsity | KV read | score / dense | 95 % interval | samples |", "|---|---:|---:|---:|---|---:|"]
+    lines = ["| config | head sparsity | KV read | score / dense | 95 % interval | samples |",
+             "|---|---:|---:|---:|---|---:|"]
     for c, p in points.items():
         if c != "dense":  # the reference: 1 by construction
             lines.append(f"| {c} | {fmt(p['sparsity'], 1, 2)} | {fmt(p['kv_read'], 1, 2)} | {p['norm']:.2f} | "
@@ -226,7 +233,8 @@ def matched_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
         cell = lambda v: "" if v is None else f"{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]"  # noqa: E731
         diff = lambda v: "" if v is None else f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]"  # noqa: E731
         lines += [f"**At {name}** " + ", ".join(f"{t:g}" for t in targets) + " (score / dense; then minus static)", "",
-                  "| method | " + " | ".join(f"@{t:g}" for t in targets) + " | " + " | ".join(f"vs static @{t:g}" for t in targets)
+                  "| method | " + " | ".join(f"@{t:g}" for t in targets) + " | "
+                  + " | ".join(f"vs static @{t:g}" for t in targets)
                   + " | samples |", "|---|" + "---:|" * (2 * len(targets) + 1)]
         for r in table:
             lines.append(f"| {label(r['method'])} | " + " | ".join(cell(r[t]) for t in targets) + " | "
@@ -241,12 +249,14 @@ PEER_AGAINST = ("qada_kv_cal", "qada_cal", "qada_kv", "qada_rw")  # the first of
 
 def peer_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
     """Score / dense of every method at KV read 0.5 and 0.25, on the samples that every press configuration (and
-    dense) finished (the configurations run on the most samples: others are named and left out), interpolated between each method's two measured configurations around the target, with a
+    dense) finished (the configurations run on the most samples: others are named and left out), interpolated
+    between each method's two measured configurations around the target, with a
     paired-bootstrap 95 % interval (the same draws for all) and the paired difference from the first of PEER_AGAINST
     that ran (calibrated QAdA per KV group). Then what each press costs: the fraction of the compressed span it keeps,
     the KV cache it holds while decoding, its own seconds at prefill (once per prompt) and the seconds per decoded
     token of a press decoded alone (its records with batch 1, where the run has some: transformers' eager decoding
-    on the machine the run had, its question included for the context-only protocol). Blank: the target lies outside the method's measured range."""
+    on the machine the run had, its question included for the context-only protocol). Blank: the target lies outside
+    the method's measured range."""
     runs = Counter(r["config"] for r in rows if r.get("path") == "kvpress" and r["task"] in tasks)
     if not runs:
         return []
@@ -267,18 +277,21 @@ def peer_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
              + (f" Run on fewer samples, left out here: {', '.join(f'{c} ({runs[c]} runs)' for c in aside)}."
                 if aside else ""), "",
              "| method | " + " | ".join(f"@{t:g}" for t in PEER_TARGETS) + " | "
-             + " | ".join(f"minus {against or '–'} @{t:g}" for t in PEER_TARGETS) + " |", "|---|" + "---:|" * 2 * len(PEER_TARGETS)]
+             + " | ".join(f"minus {against or '–'} @{t:g}" for t in PEER_TARGETS) + " |",
+             "|---|" + "---:|" * 2 * len(PEER_TARGETS)]
     for r in sorted(table, key=lambda r: config_sort_key(r["method"])):
         lines.append(f"| {label(r['method'])} | " + " | ".join(cell(r[t]) for t in PEER_TARGETS) + " | "
                      + " | ".join(diff(r.get(f"vs {t}")) for t in PEER_TARGETS) + " |")
-    lines += ["", "| press config | kept of the compressed span | KV cache held, MiB | press s (once) | decode s / token "
-              "(alone) | samples |", "|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "| press config | kept of the compressed span | KV cache held, MiB | press s (once) "
+              "| decode s / token (alone) | samples |", "|---|---:|---:|---:|---:|---:|"]
     g = group(common)
     for c in peer_cfgs:
         rs = [r for t in tasks for r in g.get((t, c), [])]
         alone = [r["decode_s"] / max(r["n_new"], 1) for r in rs if r.get("batch", 1) == 1]  # a batch's time is shared
-        lines.append(f"| {c} | {mean([r['kv_kept'] for r in rs]):.3f} | {mean([r['kv_bytes'] for r in rs]) / 2**20:.1f} | "
-                     f"{mean([r['compress_s'] for r in rs]):.2f} | {f'{mean(alone):.3f} ({len(alone)})' if alone else '–'} "
+        lines.append(f"| {c} | {mean([r['kv_kept'] for r in rs]):.3f} | "
+                     f"{mean([r['kv_bytes'] for r in rs]) / 2**20:.1f} | "
+                     f"{mean([r['compress_s'] for r in rs]):.2f} | "
+                     f"{f'{mean(alone):.3f} ({len(alone)})' if alone else '–'} "
                      f"| {len(rs)} |")
     return lines
 
@@ -399,7 +412,8 @@ def page_tables(rows, tasks, n_boot: int = 1000) -> list[str]:
     if diffs:
         lines += ["", "**Lossless KV read, paired** (first minus second: below 0, the first reads less at no loss; "
                   "mean-over-tasks rule)", "",
-                  "| method | lossless KV read | against | its lossless KV read | difference | 95 % interval | samples |",
+                  "| method | lossless KV read | against | its lossless KV read | difference | 95 % interval "
+                  "| samples |",
                   "|---|---:|---|---:|---:|---|---:|"] + diffs
     near = []
     for a, b in NEAREST:
@@ -439,16 +453,22 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
         res = lossless_draws(rows, tasks, {m: cfgs[m] for m in methods}, n_boot=n_boot, seed=seed)
         return None if not res or not all(m in res for m in methods) else [res[m] for m in methods]
 
-    for m, claim, where, paper in (("static_oracle", "static oracle heads: lossless head sparsity", "§4.1, Fig. 4", (0.6, 0.7)),
-                                   ("oracle", "adaptive oracle: lossless head sparsity", "§1, Fig. 2, §4.1", (0.85, 0.9))):
+    for m, claim, where, paper in (("static_oracle", "static oracle heads: lossless head sparsity", "§4.1, Fig. 4",
+                                    (0.6, 0.7)),
+                                   ("oracle", "adaptive oracle: lossless head sparsity", "§1, Fig. 2, §4.1",
+                                    (0.85, 0.9))):
         r = lossless(m)
         if r:
             claims.append((claim, where, f"{paper[0]:g}-{paper[1]:g}", r[0]["point"] if r[0]["found"] else None,
                            r[0]["boot"], paper, 2, "lower" if r[0]["open"] else None))
-    for a, b, claim, where in (("oracle", "static_oracle", "adaptive oracle minus static oracle (lossless sparsity)", "§4.1: ~+0.2"),
-                               ("qada_rw", "static", "QAdA (random words) minus static heads", "§4.2: QAdA outperforms static"),
-                               ("qada_rw", "static_oracle", "QAdA (random words) minus static oracle", "§4.2: matches it"),
-                               ("qada_rw", "qada_prompt", "random-words moments minus the prompt's own", "App. E: Option 2 better")):
+    for a, b, claim, where in (("oracle", "static_oracle", "adaptive oracle minus static oracle (lossless sparsity)",
+                                "§4.1: ~+0.2"),
+                               ("qada_rw", "static", "QAdA (random words) minus static heads",
+                                "§4.2: QAdA outperforms static"),
+                               ("qada_rw", "static_oracle", "QAdA (random words) minus static oracle",
+                                "§4.2: matches it"),
+                               ("qada_rw", "qada_prompt", "random-words moments minus the prompt's own",
+                                "App. E: Option 2 better")):
         r = lossless(a, b)
         if r:
             paper = "≈ 0" if "matches" in where else "> 0"
@@ -459,8 +479,10 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
             claims.append((claim, where, paper, point, r[0]["boot"] - r[1]["boot"],
                            None if paper == "≈ 0" else 0.0, 2, bound))
     tracked = [r for r in rows if r["task"] in tasks and r["config"] == f"qada_rw@{MAIN_TAU:g}" and "log_err" in r]
-    for key, claim, paper in (("log_err", "Gaussian bulk estimate off by a factor (exp of the mean abs. log error)", (2, 5)),
-                              ("dist_local", "A_bulk and A_local differ by a factor (exp of the mean abs. log ratio)", (15, 50))):
+    for key, claim, paper in (("log_err", "Gaussian bulk estimate off by a factor (exp of the mean abs. log error)",
+                               (2, 5)),
+                              ("dist_local", "A_bulk and A_local differ by a factor (exp of the mean abs. log ratio)",
+                               (15, 50))):
         for layers, which in ((slice(None), "every layer"), (slice(1, None), "layers 1 and up")):
             per_task = defaultdict(list)
             for r in tracked:  # (L, H) per run: its mean over decode steps
@@ -488,8 +510,9 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
         lines.append(f"| {claim} | {where} | {paper} | {cell} | [{lo:.{digits}f}, {hi:.{digits}f}] | "
                      f"{verdict(lo, hi, ref, bound)} |")
     if any(c[-1] for c in claims):
-        lines += ["", "≥ (≤): the method (the one subtracted) was still lossless at its most saving measured point, so "
-                  "the figure bounds the claim from below (above); a verdict the grid's end leaves open says so."]
+        lines += ["", "≥ (≤): the method (the one subtracted) was still lossless at its most saving measured "
+                  "point, so the figure bounds the claim from below (above); a verdict the grid's end leaves open says "
+                  "so."]
     return lines
 
 
@@ -536,12 +559,14 @@ def layer_disagreement(rows) -> list[str]:
         cells += [fmt(log_error(k), 1, 2) for k in ("log_err", "log_bias", "log_err_exact", "log_bias_exact")]
         return f"| {name} | " + " | ".join(cells) + " |"
 
-    lines = ["| layer | TP | FP | TN | FN | kappa | oracle long | QAdA long | abs log err | signed | abs err, exact moments | signed, exact |",
+    lines = ["| layer | TP | FP | TN | FN | kappa | oracle long | QAdA long | abs log err | signed "
+             "| abs err, exact moments | signed, exact |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [row(str(layer), [layer]) for layer in range(L)]
     third = (L - 1) / 3
     groups = [("**layer 0**", [0])] + [(f"**layers {lo}-{hi - 1}**", list(range(lo, hi))) for lo, hi in
-                                        [(1, 1 + round(third)), (1 + round(third), 1 + round(2 * third)), (1 + round(2 * third), L)]]
+                                        [(1, 1 + round(third)), (1 + round(third), 1 + round(2 * third)),
+                                         (1 + round(2 * third), L)]]
     return lines + [row(name, layers) for name, layers in groups if layers]
 
 
@@ -554,11 +579,13 @@ def agreement_by_decile(rows) -> list[str]:
     if not S:
         return ["(no tracked runs)"]
     order = np.argsort(-(o / S).ravel(), kind="stable")  # heads most often local (oracle) first
-    lines = ["| head decile (by oracle local freq.) | oracle local freq. | TP | FP | TN | FN | accuracy |", "|---|---|---|---|---|---|---|"]
+    lines = ["| head decile (by oracle local freq.) | oracle local freq. | TP | FP | TN | FN | accuracy |",
+             "|---|---|---|---|---|---|---|"]
     for d, chunk in enumerate(np.array_split(order, 10)):
         n = S * len(chunk)
         tp, fp, tn, fn = confusion(q.ravel()[chunk].sum(), o.ravel()[chunk].sum(), b.ravel()[chunk].sum(), n)
-        lines.append(f"| {10 * d}-{10 * d + 10}% | {o.ravel()[chunk].sum() / n:.2f} | {tp:.3f} | {fp:.3f} | {tn:.3f} | {fn:.3f} | {tp + tn:.3f} |")
+        lines.append(f"| {10 * d}-{10 * d + 10}% | {o.ravel()[chunk].sum() / n:.2f} | {tp:.3f} | {fp:.3f} | {tn:.3f} "
+                     f"| {fn:.3f} | {tp + tn:.3f} |")
     n = S * q.size
     tp, fp, tn, fn = confusion(q.sum(), o.sum(), b.sum(), n)
     lines.append(f"| all | {o.sum() / n:.2f} | {tp:.3f} | {fp:.3f} | {tn:.3f} | {fn:.3f} | {tp + tn:.3f} |")
@@ -579,7 +606,8 @@ def log_error_table(rows, oracle_freq_rank) -> list[str]:
         sel[oracle_freq_rank[:k]] = True
         sel = sel.reshape(err.shape[1:])
         e, d = err[:, sel].ravel(), dist[:, sel].ravel()
-        lines.append(f"| {name} | {e.mean():.2f} ± {e.std():.2f} | {np.exp(e.mean()):.1f} | {d.mean():.2f} ± {d.std():.2f} |")
+        lines.append(f"| {name} | {e.mean():.2f} ± {e.std():.2f} | {np.exp(e.mean()):.1f} "
+                     f"| {d.mean():.2f} ± {d.std():.2f} |")
     return lines
 
 
@@ -594,7 +622,8 @@ def recall_table(rr: list[dict]) -> list[str]:
              "Positives here are the oracle's long-context (step, head) pairs on QAdA's decoding; the static oracle "
              f"labels the heads most often local under the oracle at tau {MAIN_TAU:g} on all of the task's evaluated "
              "prompts, at QAdA's sparsity.", "",
-             "| task | config | QAdA sparsity | oracle sparsity | recall QAdA | recall static oracle |", "|---|---|---|---|---|---|"]
+             "| task | config | QAdA sparsity | oracle sparsity | recall QAdA | recall static oracle |",
+             "|---|---|---|---|---|---|"]
     keys = ("qada_sparsity", "oracle_sparsity", "recall_qada", "recall_static_oracle")
     for r in rr:
         lines.append(f"| {r['task']} | {r['config']} | " + " | ".join(f"{r[k]:.3f}" for k in keys) + " |")
@@ -622,7 +651,8 @@ def write_analysis(out: Path, rows, tasks, cur, points, rr, notes: list[str] = (
     if peers:
         lines += ["## Peers: kvpress's presses at matched KV read, on their common samples", "",
                   peer_tables.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + peers + [""]
-    lines += ["## The paper's claims against ours", "", claims_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""]
+    lines += ["## The paper's claims against ours", "",
+              claims_table.__doc__.split("\n\n")[0].replace("\n    ", " "), ""]
     lines += claims_table(rows, tasks) + [""]
     for m in ("qada_rw", "qada_prompt"):  # random-words moments, then the prompt's own (fixed) where tracked
         per_layer = layer_disagreement([r for r in task_rows if r["config"] == f"{m}@{MAIN_TAU:g}"])
@@ -632,7 +662,8 @@ def write_analysis(out: Path, rows, tasks, cur, points, rr, notes: list[str] = (
     # agreement, App. C
     main = f"qada_rw@{MAIN_TAU:g}"
     tracked = [r for r in task_rows if r["config"] == main and "oracle_freq" in r]
-    lines += [f"## QAdA vs oracle agreement ({main}, oracle at the same tau, on QAdA's own decoding; positive = local)", "",
+    lines += [f"## QAdA vs oracle agreement ({main}, oracle at the same tau, on QAdA's own decoding; "
+              "positive = local)", "",
               f"{len(tracked)} runs. Heads sorted by how often the oracle labels them local, in deciles of the "
               f"(layer, head) pairs. Fractions of all (step, head) pairs of the decile.", ""]
     lines += agreement_by_decile(tracked)
@@ -652,7 +683,8 @@ def write_analysis(out: Path, rows, tasks, cur, points, rr, notes: list[str] = (
     # context-independent question
     if any(r["task"] == CTXFREE for r in rows):
         lines += ["", "## Context-independent question (Fig. 6c): sparsity at the same tau", "",
-                  "| config | RULER tasks (mean ± std over tasks) | context-independent | n ctxfree |", "|---|---|---|---|"]
+                  "| config | RULER tasks (mean ± std over tasks) | context-independent | n ctxfree |",
+                  "|---|---|---|---|"]
         for c in sorted({r["config"] for r in rows if r["task"] == CTXFREE}, key=config_sort_key):
             per = [mean([r["sparsity"] for r in g.get((t, c), [])]) for t in tasks]
             per = [p for p in per if p is not None]
@@ -665,13 +697,15 @@ def write_analysis(out: Path, rows, tasks, cur, points, rr, notes: list[str] = (
     abl = sorted({r["config"] for r in task_rows if r["method"] in ("qada_word", "qada_long")}, key=config_sort_key)
     if abl:
         taus = sorted({r["threshold"] for r in task_rows if r["method"] in ("qada_word", "qada_long")})
-        comp = [f"{m}@{t:g}" for t in taus for m in ("qada_rw", "qada_prompt", "qada_prompt_online", "qada_word", "qada_long")
+        comp = [f"{m}@{t:g}" for t in taus
+                for m in ("qada_rw", "qada_prompt", "qada_prompt_online", "qada_word", "qada_long")
                 if any(r["config"] == f"{m}@{t:g}" for r in task_rows)]
         cv = curves(task_rows, tasks, comp + ["dense"])
         n = cv[comp[0]]["n"] if comp and comp[0] in cv else 0
         lines += ["", "## Moments ablations (Fig. 5e-g) on the samples that ran every one of them", "",
                   f"{n} samples in all. Normalised score = score / dense score per task, averaged over tasks.", "",
-                  "| config | avg score | avg norm. | sparsity | " + " | ".join(tasks) + " |", "|---|---|---|---|" + "---|" * len(tasks)]
+                  "| config | avg score | avg norm. | sparsity | " + " | ".join(tasks) + " |",
+                  "|---|---|---|---|" + "---|" * len(tasks)]
         for c in ["dense"] + comp:
             if c in cv:
                 v = cv[c]
@@ -776,7 +810,8 @@ def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None
         raise ValueError(f"{root}: no run folder in it (no */run.json); --dense-table takes a folder of run folders")
     for meta in metas:
         settings = read_run(meta.parent)["settings"]
-        rows = [r for r in read_records(meta.parent, on_damage) if r.get("method") == "dense" and r.get("score") is not None]
+        rows = [r for r in read_records(meta.parent, on_damage)
+                if r.get("method") == "dense" and r.get("score") is not None]
         every.update(r["task"] for r in rows)
         rows = [r for r in rows if tasks is None or r["task"] in tasks]
         if rows:
@@ -812,7 +847,8 @@ def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None
             else:
                 cells.append("–")
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    lines.append("| **mean over tasks** | " + " | ".join(f"**{100 * np.mean(m):.0f}**" if m else "–" for m in means) + " |")
+    lines.append("| **mean over tasks** | " + " | ".join(f"**{100 * np.mean(m):.0f}**" if m else "–" for m in means)
+                 + " |")
     secs = [float(np.median([r["prefill_s"] + r["decode_s"] * r.get("batch", 1) for r in rows])) for *_, rows in runs]
     lines.append("| s/sample | " + " | ".join(f"{s:.0f}" for s in secs) + " |")
     text = "\n".join(lines) + "\n"
@@ -840,7 +876,8 @@ def compare_runs(a: str | Path, b: str | Path, on_damage=None, tasks: list[str] 
                              "tokenizer)" + (" and other ids" if x.get("n_prompt") == y.get("n_prompt") else ""))
     command = f"python -m lab.report {a} --compare {b}" + (f" --tasks {','.join(tasks)}" if tasks else "")
     lines = [f"# {Path(a).name} vs {Path(b).name}", "", f"`{command}`", "",
-             "| config | records | identical answers | equal scores | mean abs. sparsity diff | mean abs. head-frequency diff |",
+             "| config | records | identical answers | equal scores | mean abs. sparsity diff "
+             "| mean abs. head-frequency diff |",
              "|---|---:|---:|---:|---:|---:|"]
     for c in sorted({k[2] for k in ra.keys() & rb.keys()}, key=config_sort_key):
         keys = [k for k in ra.keys() & rb.keys() if k[2] == c]
@@ -872,7 +909,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, metavar="DIR", help="folder for the tables and figures, or "
                    "--dense-table's dense.md (default: RUN); needed for --tasks that leave out some of the run's, as "
                    "RUN's own cover the whole run")
-    p.add_argument("--tasks", default=None, type=task_subset, help="comma-separated subset of tasks (default: the run's; leaving some "
+    p.add_argument("--tasks", default=None, type=task_subset,
+                   help="comma-separated subset of tasks (default: the run's; leaving some "
                    "out, written to --out DIR); with --compare or --dense-table, of those tables' tasks")
     p.add_argument("--dense-table", action="store_true", help="only the dense score per task of every run folder "
                    "under RUN (a pilot over models and lengths), written to RUN/dense.md (--out DIR: DIR/dense.md)")
@@ -883,7 +921,8 @@ def main(argv=None) -> int:
                    "folder OTHER (e.g. fp32 against bf16)")
     p.add_argument("--skip-damaged", action="store_true", help="leave out record lines that are damaged (cut "
                    "mid-file, not a record, a compressed file cut short) and state how many, and where, on stderr and "
-                   "in summary.md and analysis.md; without it a damaged line stops the report, naming its file and line")
+                   "in summary.md and analysis.md; without it a damaged line stops the report, naming its file and "
+                   "line")
     a = p.parse(argv)
     if isinstance(a, int):  # --help, or a bad argument
         return a

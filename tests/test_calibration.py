@@ -546,7 +546,8 @@ def test_generate_and_the_sweep_run_calibrated_qada(fitted, tiny_dir, tmp_path, 
                           "qada_cal_transfer@0.6", "qada_sampled_cal@0.6", "qada_kv_sampled_cal_transfer@0.6"}
     assert (found["qada_kv_sampled_cal_transfer@0.6"]["path"], found["qada_kv_sampled_cal_transfer@0.6"]["source"]) == (
         "qada_kv_sampled_cal", "transfer-sampled")
-    assert (found["qada_cal_quantile@0.6"]["path"], found["qada_cal_quantile@0.6"]["source"]) == ("qada_cal", "quantile")
+    assert ((found["qada_cal_quantile@0.6"]["path"], found["qada_cal_quantile@0.6"]["source"])
+            == ("qada_cal", "quantile"))
     assert found["qada_cal@0.6"]["sparsity"] == found["qada_cal_transfer@0.6"]["sparsity"]  # the same file here
     assert sweep.main(["--out", str(tmp_path / "run2"), "--tasks", "fwe", "--length", "400", "--samples", "1",
                        "--methods", "qada_cal", "--model", str(tiny_dir), "--ctxfree-samples", "0"]) == 2

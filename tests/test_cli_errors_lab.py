@@ -73,7 +73,8 @@ def run_folder(path: Path, body: bytes, name: str = "samples.jsonl", settings: d
 LINES = [json.dumps(record(index=i, config=c)).encode() + b"\n" for i in range(3) for c in ("dense", "local")]
 WHOLE = lzma.compress(b"".join(LINES))
 # (name, file, bytes, the damaged place): every kind of damage the report and the resume must stop at
-DAMAGED = [("cut", "samples.jsonl", b"".join(LINES[:2]) + LINES[2][:25] + b"\n" + b"".join(LINES[3:]), "samples.jsonl:3"),
+DAMAGED = [("cut", "samples.jsonl", b"".join(LINES[:2]) + LINES[2][:25] + b"\n" + b"".join(LINES[3:]),
+            "samples.jsonl:3"),
            ("number", "samples.jsonl", LINES[0] + b"42\n" + b"".join(LINES[1:]), "samples.jsonl:2: a JSON int (42)"),
            ("no-index", "samples.jsonl", LINES[0] + b'{"task": "fwe", "config": "dense"}\n', "without a valid index"),
            ("latin-1", "samples.jsonl", LINES[0] + b'{"task": "f\xe9"}\n', "samples.jsonl:2: not UTF-8"),
@@ -288,7 +289,8 @@ def test_with_no_tasks_a_static_method_calibrates_nothing(tmp_path, tiny_dir, mo
             "--methods", "dense,static", "--sparsities", "0.5", "--ablations", "", "--device", "cpu", "--no-report"]
     assert sweep.main(argv) == 0
     assert not (out / "static_labels").exists()
-    assert {r["config"].split("@")[0] for r in records.read_records(out)} == {"oracle", "qada_rw"}  # the context-free runs
+    # the context-free runs
+    assert {r["config"].split("@")[0] for r in records.read_records(out)} == {"oracle", "qada_rw"}
 
 
 def test_a_resume_stops_at_a_damaged_record_before_loading_and_with_the_flag_decodes_it_again(tmp_path, tiny_dir,
@@ -309,7 +311,8 @@ def test_a_resume_stops_at_a_damaged_record_before_loading_and_with_the_flag_dec
     assert sweep.main(argv + ["--skip-damaged"]) == 0
     assert "left out 1 damaged record line" in capsys.readouterr().err
     again = records.read_records(out)
-    assert [(r["task"], r["index"], r["config"]) for r in again] == [(r["task"], r["index"], r["config"]) for r in whole]
+    assert ([(r["task"], r["index"], r["config"]) for r in again]
+            == [(r["task"], r["index"], r["config"]) for r in whole])
     kept = (out / "samples.jsonl.damaged").read_text()  # kept beside (out of result_files) as it stood at the merge:
     assert lines[1][:40] + "\n" in kept and kept.count("\n") == 5  # its 4 lines and the record decoded again
     runs = json.loads((out / "run.json").read_text())["runs"]
@@ -362,7 +365,8 @@ def test_shards_share_the_folder_but_not_a_file_and_keep_a_merging_sweep_out(tmp
 
 def test_the_lock_of_another_process_is_seen_and_goes_with_it(tmp_path, capsys):
     hold = subprocess.Popen([sys.executable, "-c", "import sys, time; from lab import sweep\n"
-                             f"with sweep.folder_lock({str(tmp_path)!r}):\n    print('held', flush=True); time.sleep(60)"],
+                             f"with sweep.folder_lock({str(tmp_path)!r}):\n"
+                             "    print('held', flush=True); time.sleep(60)"],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert hold.stdout.readline().strip() == "held"
@@ -431,7 +435,8 @@ def test_calibrate_tells_the_model_of_the_labels_in_out_before_loading_it(tmp_pa
 
 def test_calibrate_qada_refuses_unreadable_masses_and_corrections_of_other_settings(tmp_path, tiny_dir, no_model,
                                                                                     capsys):
-    argv = ["--qada", "--tasks", "fwe", "--length", "400", "--samples", "1", "--model", str(tiny_dir), "--device", "cpu"]
+    argv = ["--qada", "--tasks", "fwe", "--length", "400", "--samples", "1", "--model", str(tiny_dir), "--device",
+            "cpu"]
     cut = tmp_path / "cut"
     cut.mkdir()
     (cut / "masses.pt").write_bytes(b"PK\x03\x04 cut short")
@@ -589,7 +594,8 @@ CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
     (["--tasks", "fwe", "--out", "{a_file}"], "is a file"),
     (["--tasks", "fwe", "--model", "{missing}", "--out", "{empty}"], "no such folder"),  # an OSError
     (["--tasks", "fwe", "--model", "{empty}", "--qada", "--out", "{empty}"], "has no config.json"),
-    (["--tasks", "fwe", "--length", "600", "--out", "{empty}"], "--length 600 exceeds the model's trained context of 512"),
+    (["--tasks", "fwe", "--length", "600", "--out", "{empty}"],
+     "--length 600 exceeds the model's trained context of 512"),
     (["--tasks", "fwe,vt", "--length", "130", "--out", "{missing}"], "a length of 130 tokens is too short for fwe"),
     (["--tasks", "fwe", "--eps", "0.1", "--out", "{empty}"], "--eps sets how --qada fits its correction; without "
      "--qada it is unused"),
@@ -704,7 +710,8 @@ def test_static_tasks_name_the_tasks_of_the_ruler_labels(tmp_path, tiny_dir, mon
     run = [a if a != "dense,local" else "dense,static" for a in RUN] + ["--sparsities", "0.5"]
     argv = ["--out", str(tmp_path / "out"), "--model", str(tiny_dir)] + run
     assert sweep.main(argv.copy()) == 2 and seen[-1] == (["fwe"], ["fwe"])
-    assert sweep.main(argv + ["--static-tasks", "vt,,qa_1"]) == 2 and seen[-1] == (["fwe", "vt", "qa_1"], ["vt", "qa_1"])
+    assert (sweep.main(argv + ["--static-tasks", "vt,,qa_1"]) == 2
+            and seen[-1] == (["fwe", "vt", "qa_1"], ["vt", "qa_1"]))
 
 
 def test_one_new_token_decodes_no_step_and_is_refused_before_loading(tmp_path, tiny_dir, no_model, capsys):
@@ -812,7 +819,8 @@ def test_a_killed_sweep_leaves_its_command_in_run_json(tmp_path, tiny_dir, monke
 
     def killed(net, tok, folder, *args):
         runs = json.loads((folder / "run.json").read_text())["runs"]
-        assert len(runs) == 1 and "finished" not in runs[0] and runs[0]["command"] == shlex.join(["python", "-m", "lab.sweep"] + argv)
+        assert (len(runs) == 1 and "finished" not in runs[0]
+                and runs[0]["command"] == shlex.join(["python", "-m", "lab.sweep"] + argv))
         raise SystemExit(9)
     with monkeypatch.context() as m:
         m.setattr(sweep, "sweep", killed)
@@ -906,9 +914,11 @@ def test_a_sweep_that_cannot_start_leaves_no_settings_behind(tmp_path, tiny_dir,
     assert not (out / "run.json").exists()
 
 
-@pytest.mark.parametrize("argv, message", [(["--lengths", "100"], "exceed the window"), (["--e2e", "8y3"], "BATCHxLAYERS"),
+@pytest.mark.parametrize("argv, message", [(["--lengths", "100"], "exceed the window"),
+                                           (["--e2e", "8y3"], "BATCHxLAYERS"),
                                            (["--steps", "0"], "argument --steps"), (["--batches", "0"], "--batches"),
-                                           (["--parts", "kernels", "--device", "cpu"], "kernels part needs a GPU: no CUDA"),
+                                           (["--parts", "kernels", "--device", "cpu"],
+                                            "kernels part needs a GPU: no CUDA"),
                                            (["--e2e", "8x0"], "BATCHxLAYERS"), (["--e2e", "8x32x2"], "BATCHxLAYERS"),
                                            (["--parts", "e2e", "--device", "cpu"],
                                             "end-to-end part needs a GPU: no CUDA"),

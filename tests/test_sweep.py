@@ -94,7 +94,8 @@ def test_a_batch_row_decodes_as_the_configuration_alone(tiny, resources, stop):
     assert len(shares) == 1 and len(CONFIGS) * shares.pop() <= wall + 0.005 * len(CONFIGS), wall
     for c in CONFIGS:
         _, _, fresh_cache, fresh_logits = prefill(tiny, tok)
-        alone, = sweep.run_configs([c], *args, fresh_cache, fresh_logits, len(ids), res, {"qada_rw"}, 0, N_SINK, N_LOCAL, stop)
+        alone, = sweep.run_configs([c], *args, fresh_cache, fresh_logits, len(ids), res, {"qada_rw"}, 0, N_SINK,
+                                   N_LOCAL, stop)
         assert batched[c]["batch"] == len(CONFIGS) and alone["batch"] == 1
         same = {k for k in alone if k not in ("batch", "decode_s")}  # the timing fields aside, the whole record
         assert {k: alone[k] for k in same} == {k: batched[c][k] for k in same}, c
@@ -230,11 +231,15 @@ def test_records_carry_the_statistics(tiny, resources, monkeypatch):
 def test_a_configuration_is_a_path_and_a_source():
     """Named methods map to (path, source); a bare path name runs with the default source; the threshold's kind
     (and so the grid a configuration gets) follows from what the path reads."""
-    assert sweep.path_and_source("qada_prompt") == ("qada", "prompt") and sweep.path_and_source("static_oracle") == ("static", "own-task")
-    assert sweep.path_and_source("qada") == ("qada", "random-words") and sweep.path_and_source("static") == ("static", "calibrated")
+    assert (sweep.path_and_source("qada_prompt") == ("qada", "prompt")
+            and sweep.path_and_source("static_oracle") == ("static", "own-task"))
+    assert (sweep.path_and_source("qada") == ("qada", "random-words")
+            and sweep.path_and_source("static") == ("static", "calibrated"))
     assert sweep.path_and_source("dense") == ("dense", None) and sweep.path_and_source("oracle") == ("oracle", None)
-    assert sweep.path_and_source("static_kv") == ("static", "calibrated-kv") and sweep.path_and_source("qada_kv") == ("qada_kv", "random-words")
-    assert [sweep.threshold_kind(m) for m in ("static_oracle_kv", "oracle_kv", "qada_kv_all")] == ["sparsity", "tau", "tau"]
+    assert (sweep.path_and_source("static_kv") == ("static", "calibrated-kv")
+            and sweep.path_and_source("qada_kv") == ("qada_kv", "random-words"))
+    assert ([sweep.threshold_kind(m) for m in ("static_oracle_kv", "oracle_kv", "qada_kv_all")]
+            == ["sparsity", "tau", "tau"])
     kinds = {m: sweep.threshold_kind(m) for m in ("dense", "local", "oracle", "qada", "random", "qada_prompt_online")}
     assert kinds == {"dense": None, "local": None, "oracle": "tau", "qada": "tau", "random": "sparsity",
                      "qada_prompt_online": "tau"}
@@ -284,7 +289,8 @@ def test_plan_runs_the_context_free_samples_past_the_tasks_own():
 
 def test_static_oracle_uses_earlier_samples_only(resources):
     tok, res = resources
-    res = dict(res, oracle_freq={("niah_single_1", 0): (torch.ones(2, 4), 3), ("niah_single_1", 2): (torch.zeros(2, 4), 5),
+    res = dict(res, oracle_freq={("niah_single_1", 0): (torch.ones(2, 4), 3),
+                                 ("niah_single_1", 2): (torch.zeros(2, 4), 5),
                                  ("fwe", 0): (torch.zeros(2, 4), 9)})
     class S:  # noqa: E701
         task, index = "niah_single_1", 0
@@ -306,15 +312,18 @@ def test_kv_label_sources_take_whole_kv_groups(tiny, resources):
     res = dict(res, static_freq={"ruler": ruler, "niah_single_1": 1 - ruler})
     class S:  # noqa: E701
         task, index = "niah_single_1", 0
-    for name, freq in (("static_kv", res["static_freq"]["ruler"]), ("static_oracle_kv", res["static_freq"]["niah_single_1"])):
+    for name, freq in (("static_kv", res["static_freq"]["ruler"]),
+                       ("static_oracle_kv", res["static_freq"]["niah_single_1"])):
         got = sweep.config_labels(sweep.Config(name, 0.5), sweep.path_and_source(name)[1], tiny, S, res, seed=0)
         group_mean = [[float(freq[layer, g * G:(g + 1) * G].mean()) for g in range(Hkv)] for layer in range(L)]
-        ranked = sorted(((m, layer, g) for layer, row in enumerate(group_mean) for g, m in enumerate(row)), reverse=True)
+        ranked = sorted(((m, layer, g) for layer, row in enumerate(group_mean) for g, m in enumerate(row)),
+                        reverse=True)
         want = torch.zeros(L, H, dtype=torch.bool)
         for _, layer, g in ranked[:L * Hkv // 2]:
             want[layer, g * G:(g + 1) * G] = True
         assert torch.equal(got, want), name
-        per_head = sweep.config_labels(sweep.Config(name.removesuffix("_kv"), 0.5), sweep.path_and_source(name.removesuffix("_kv"))[1],
+        per_head = sweep.config_labels(sweep.Config(name.removesuffix("_kv"), 0.5),
+                                       sweep.path_and_source(name.removesuffix("_kv"))[1],
                                     tiny, S, res, seed=0)
         assert int(per_head.sum()) == int(got.sum()) and not torch.equal(per_head, got)
 
@@ -327,7 +336,8 @@ def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path, monkeypatch):
     fresh = lambda: dict(res, oracle_freq={})  # noqa: E731  each call a new process's: nothing learnt in memory
     out = tmp_path / "run"
     out.mkdir()
-    cfgs = [sweep.Config("dense"), sweep.Config("local"), sweep.Config("oracle", 0.6), sweep.Config("static_oracle", 0.5)]
+    cfgs = [sweep.Config("dense"), sweep.Config("local"), sweep.Config("oracle", 0.6),
+            sweep.Config("static_oracle", 0.5)]
     jobs = sweep.plan(["niah_single_1"], 2, cfgs, [sweep.Config("qada_rw", 0.9)], 1, [], 0)
     assert [(t, i, len(c)) for t, i, c in jobs] == [("niah_single_1", 0, 5), ("niah_single_1", 1, 4)]
     make = sweep.make
@@ -353,7 +363,8 @@ def test_sweep_resumes_where_it_stopped(tiny, resources, tmp_path, monkeypatch):
     whole.mkdir()
     sweep.sweep(tiny, tok, whole, jobs, fresh(), 400, 3, {"qada_rw"}, N_SINK, N_LOCAL, progress=False)
     timing = ("decode_s", "prefill_s")
-    same = lambda rs: {(r["task"], r["index"], r["config"]): {k: v for k, v in r.items() if k not in timing}  # noqa: E731
+    same = lambda rs: {(r["task"], r["index"], r["config"]):  # noqa: E731
+                       {k: v for k, v in r.items() if k not in timing}
                        for r in rs}
     assert same(rows) == same(records.read_records(whole))
     report.report(out, ["niah_single_1"])  # tables and plots from a partial run do not fail
@@ -372,7 +383,8 @@ def test_ctxfree_runs_without_qada_among_the_methods(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("text, done", [(" 1234567.", False), (" 1234567. This", True), (" France.\n", True),
-                                        ("", False), (":\n", False), (':\n\n1. "abc"\n2. "', False), (" a, b, c. ", True),
+                                        ("", False), (":\n", False), (':\n\n1. "abc"\n2. "', False),
+                                        (" a, b, c. ", True),
                                         (" 3.5 is", False), (" 12. ", False), (" 123. ", True)])
 def test_sentence_stop_rule(text, done):
     assert sweep.answer_finished("niah_single_1", text) == done
@@ -563,7 +575,8 @@ def test_score_points_carry_a_paired_interval():
     # task a's draw holds k failures ~ Binomial(4, 1/4): P(k >= 3) = 5.1 %, P(k = 4) = 0.4 %, so the 2.5th
     # percentile is k = 3, normalised (1/4 + 1) / 2; the 97.5th is k = 0
     assert p["lo"] == pytest.approx(0.625) and p["hi"] == 1.0
-    same = records.score_points([dict(r, score=1.0) for r in rows if r["index"] < 4], ["a", "b"], "qada_rw@0.6", n_boot=50)
+    same = records.score_points([dict(r, score=1.0) for r in rows if r["index"] < 4], ["a", "b"], "qada_rw@0.6",
+                                n_boot=50)
     assert same["lo"] == same["norm"] == same["hi"] == 1.0
     # analysis.md's table lists that point (and no row for dense, the reference) with the same interval
     table = report.score_table(records.measured_points(rows, ["a", "b"]))
@@ -686,7 +699,8 @@ def test_claims_table_against_hand_computed_values():
     # where the paper says it, and its figure
     assert [line.split(" | ")[1:3] for line in table[2:] if line.startswith("| ")] == [
         ["§4.1, Fig. 4", "0.6-0.7"], ["§1, Fig. 2, §4.1", "0.85-0.9"], ["§4.1: ~+0.2", "> 0"],
-        ["§4.2: QAdA outperforms static", "> 0"], ["§4.2: matches it", "≈ 0"], ["App. E: Option 2 better", "> 0"]] + [
+        ["§4.2: QAdA outperforms static", "> 0"], ["§4.2: matches it", "≈ 0"],
+        ["App. E: Option 2 better", "> 0"]] + [
         ["App. C, Table 2", "2-5"]] * 2 + [["App. C, Table 2", "15-50"]] * 2 + [["App. C, Fig. 9", "> 0"]] * 2
     assert table[-1].startswith("≥ (≤): the method (the one subtracted) was still lossless")  # "≤ 0.05" below
 
@@ -717,7 +731,8 @@ def test_claims_table_against_hand_computed_values():
     rows = [dict(r, score=0.0) if (r["task"], r["index"], r["config"]) in lost else r for r in rows]
     table = report.claims_table(rows, ["a", "b"], n_boot=200)
     got = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[3:] for line in table[2:]}
-    check("QAdA (random words) minus static heads", report.NONE, "[-0.80, 0.05]", "not resolved: the grid ends lossless")
+    check("QAdA (random words) minus static heads", report.NONE, "[-0.80, 0.05]",
+          "not resolved: the grid ends lossless")
     check("adaptive oracle: lossless", report.NONE, "[0.00, 0.88]", "consistent")
     # the oracle's grid ending lossless: at 0.88 it only bounds the claim from below, which leaves the paper's 0.85-0.9
     # open (it read "consistent", and "below the paper" under a range above it); at 0.95 it is above the paper
@@ -733,7 +748,8 @@ def test_claims_table_against_hand_computed_values():
     # the verdict's edges: an interval touching the paper's side is not yet on it
     assert [report.verdict(0.0, 0.1, 0.0), report.verdict(0.01, 0.1, 0.0), report.verdict(-0.1, -0.01, 0.0)] == [
         "not resolved", "holds", "reversed"]
-    assert [report.verdict(0.5, 0.59, (0.6, 0.7)), report.verdict(0.5, 0.6, (0.6, 0.7)), report.verdict(0.71, 0.8, (0.6, 0.7)),
+    assert [report.verdict(0.5, 0.59, (0.6, 0.7)), report.verdict(0.5, 0.6, (0.6, 0.7)),
+            report.verdict(0.71, 0.8, (0.6, 0.7)),
             report.verdict(-0.1, 0.0, None), report.verdict(0.01, 0.1, None)] == [
         "below the paper", "consistent", "above the paper", "consistent", "ours higher"]
     # a bound decides only on its own side
@@ -1191,7 +1207,8 @@ def test_the_peers_dense_control_and_presses_without_head_sparsity_are_no_rows()
     rows += [dict(row("a", i, c, 1.0, 0.0), sparsity=None, kv_read=kv) for i in range(2)
              for c, kv in (("snapkv@0.25", 0.3), ("snapkv@0.75", 0.7))]
     assert list(records.method_configs(rows, ["a"])) == ["qada_rw", "snapkv"]
-    assert [r["method"] for r in records.matched_table(rows, ["a"], "sparsity", targets=(0.7,), n_boot=10)] == ["qada_rw"]
+    assert ([r["method"] for r in records.matched_table(rows, ["a"], "sparsity", targets=(0.7,), n_boot=10)]
+            == ["qada_rw"])
     assert [r["method"] for r in records.matched_table(rows, ["a"], "kv_read", targets=(0.5,), n_boot=10)] == [
         "qada_rw", "snapkv"]
 
@@ -1224,7 +1241,8 @@ def test_means_over_three_tasks_are_means_not_medians():
     point and interval are 0.7."""
     tasks = ("a", "b", "c")
     rows = [row(t, i, "dense", 1.0, 0.0) for t in tasks for i in range(3)]
-    rows += [row(t, i, "qada_rw@0.6", sc, sp) for t, sc, sp in zip(tasks, (1.0, 1.0, 0.7), (0.5, 0.6, 1.0)) for i in range(3)]
+    rows += [row(t, i, "qada_rw@0.6", sc, sp) for t, sc, sp in zip(tasks, (1.0, 1.0, 0.7), (0.5, 0.6, 1.0))
+             for i in range(3)]
     p = records.score_points(rows, list(tasks), "qada_rw@0.6", n_boot=20)
     assert (p["norm"], p["lo"], p["hi"]) == pytest.approx((0.9, 0.9, 0.9))
     kept = [dict(r, score=1.0) for r in rows]  # lossless: the point is where the configuration sits
@@ -1271,7 +1289,8 @@ def test_summary_rows_and_head_counts_by_hand():
     tracked = {"steps": 10, "local_freq": [[1.0, 0.5]], "oracle_freq": [[0.5, 0.0]], "both_freq": [[0.5, 0.0]]}
     S, q, o, b = records.head_counts([tracked, dict(tracked, steps=30, local_freq=[[0.0, 1.0]]), {"steps": 50}])
     assert S == 40 and q.tolist() == [[10.0, 35.0]] and o.tolist() == [[20.0, 0.0]] and b.tolist() == [[20.0, 0.0]]
-    rows = [row(t, 0, "dense", 1.0, 0.0) for t in "ab"] + [row(t, 0, "qada_rw@0.6", 1.0, sp) for t, sp in zip("ab", (0.6, 0.8))]
+    rows = ([row(t, 0, "dense", 1.0, 0.0) for t in "ab"]
+            + [row(t, 0, "qada_rw@0.6", 1.0, sp) for t, sp in zip("ab", (0.6, 0.8))])
     assert records.curves(rows, ["a", "b"], ["qada_rw@0.6"])["qada_rw@0.6"]["sparsity_std"] == pytest.approx(0.1)
 
 
@@ -1285,7 +1304,8 @@ def test_a_matched_difference_counts_the_samples_both_methods_finished():
     rows += [row("a", i, c, 0.5, sp) for i in range(2) for c, sp in (("static@0.5", 0.5), ("static@0.9", 0.9))]
     got, = records.matched_table(rows, ["a"], "sparsity", targets=(0.7,), against="static", n_boot=20,
                                  methods=["qada_rw"])
-    assert got["n"] == 2 and got[0.7] == pytest.approx((1.0, 1.0, 1.0)) and got["vs 0.7"] == pytest.approx((0.5, 0.5, 0.5))
+    assert (got["n"] == 2 and got[0.7] == pytest.approx((1.0, 1.0, 1.0))
+            and got["vs 0.7"] == pytest.approx((0.5, 0.5, 0.5)))
 
 
 def test_mean_draws_leave_out_a_task_without_values():
