@@ -108,15 +108,15 @@ def local_labels(log_local: torch.Tensor, log_bulk: torch.Tensor, tau, n_kv_head
     if rule not in GROUP_RULES:
         raise ValueError(f"unknown group rule {rule!r}; choose from {', '.join(GROUP_RULES)}")
     *lead, H = log_local.shape
+    every_head = local_labels(log_local, log_bulk, tau).view(*lead, n_kv_heads, -1).all(-1)  # (..., Hkv)
     if rule == "all":
-        group_local = local_labels(log_local, log_bulk, tau).view(*lead, n_kv_heads, -1).all(-1)  # (..., Hkv)
+        group_local = every_head
     else:
         # mean share >= tau as mean bulk share <= 1 - tau: a share near 1 rounds to 1 in fp32 (from r = 16.6 on),
         # a bulk share near 0 does not until fp32 runs out (r ~ 103). Past that it is 0 and meets a cap of 0, so at
         # tau = 1 the rule is what it means there, every share 1: every head local on its own, as with "all"
         bulk_share = torch.sigmoid(log_bulk - log_local)  # 0 when there is no bulk (log_bulk = -inf)
         cap = bulk_cap(tau)
-        every_head = local_labels(log_local, log_bulk, tau).view(*lead, n_kv_heads, -1).all(-1)  # (..., Hkv)
         group_local = (bulk_share.view(*lead, n_kv_heads, -1).mean(-1) <= cap) & ((cap > 0) | every_head)
     return group_local.repeat_interleave(H // n_kv_heads, dim=-1)
 
