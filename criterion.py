@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from model import read_json_object
+
 TAU = 0.6  # the paper's threshold: its default for QAdA and the oracle, and appendix A's for static labels
 
 
@@ -257,26 +259,12 @@ def save_calibration(path: str | Path, calibration: Calibration) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: Path, what: str) -> dict:
-    """The JSON object in file `path`; a ValueError of one line naming `what` it should have been otherwise (a binary
-    file's bytes are not quoted back)."""
-    try:
-        data = json.loads(path.read_text())
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not {what}: not UTF-8 text (a binary file?)") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not {what}: not JSON ({e})") from None
-    if not isinstance(data, dict):  # a list or a number indexes into a TypeError of Python's words
-        raise ValueError(f"{path} is not {what}: a JSON {type(data).__name__}, not an object of named entries")
-    return data
-
-
 def load_calibration(path: str | Path, device=None) -> Calibration:
     """A Calibration from a file of save_calibration, its tensors on `device`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"calibration file {path} not found (make one with python -m lab.calibrate --qada)")
-    data = read_json(path, "a calibration file")
+    data = read_json_object(path, "a calibration file")
     if "local_freq" in data:
         raise ValueError(f"{path} holds static labels (python -m lab.calibrate), not a QAdA correction (python -m "
                          "lab.calibrate --qada)")
@@ -407,7 +395,7 @@ def load_local_freq(path: str | Path) -> tuple[torch.Tensor, dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"static labels file {path} not found (make one with python -m lab.calibrate)")
-    data = read_json(path, "a static labels file")
+    data = read_json_object(path, "a static labels file")
     if "a" in data and "b" in data:
         raise ValueError(f"{path} holds a QAdA correction (python -m lab.calibrate --qada), not static labels (python "
                          "-m lab.calibrate)")

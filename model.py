@@ -443,15 +443,18 @@ class Llama(nn.Module):
 # Loading from a Hugging Face style folder (weights/checkpoints.py finds or builds the folder for a name or hub id).
 
 
-def read_json_object(path: Path) -> dict:
-    """A JSON file that must hold one object (config.json, the shard index): anything else is one ValueError naming
-    the file, not a decoder message without it or a TypeError further on."""
+def read_json_object(path: Path, what: str = "a JSON object") -> dict:
+    """The JSON object in file `path` (config.json, the shard index, criterion's calibration and labels files):
+    anything else is one ValueError naming the file and `what` it should have been, not a decoder message without it
+    or a TypeError further on (a binary file's bytes are not quoted back)."""
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} is not a JSON object (it holds a {type(data).__name__})")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not {what}: not UTF-8 text (a binary file?)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not {what}: not JSON ({e})") from None
+    if not isinstance(data, dict):  # a list or a number indexes into a TypeError of Python's words
+        raise ValueError(f"{path} is not {what}: a JSON {type(data).__name__}, not an object of named entries")
     return data
 
 
@@ -461,7 +464,7 @@ def read_state_dict(model_dir: Path, device=None, dtype=None) -> dict[str, torch
     from safetensors import SafetensorError, safe_open
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = read_json_object(index).get("weight_map")
+        weight_map = read_json_object(index, "a shard index").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ValueError(f"{index} has no weight_map of tensor names to file names")
         files = sorted(set(weight_map.values()))
@@ -489,7 +492,7 @@ def read_config(model_dir: str | Path) -> LlamaConfig:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model folder")
-    return LlamaConfig.from_hf(read_json_object(model_dir / "config.json"))
+    return LlamaConfig.from_hf(read_json_object(model_dir / "config.json", "a model config"))
 
 
 def load_model(model_dir: str | Path, device=None, dtype=torch.float32, rope_theta: float | None = None) -> Llama:

@@ -188,14 +188,17 @@ def test_sharded_checkpoint(tmp_path):
         assert (load_model(str(tmp_path))(ids) - hf(ids).logits[:, -1]).abs().max() < 1e-4
 
 
-NOT_AN_OBJECT = [("{bad", "is not valid JSON"), (b"\xff\xfe{", "is not valid JSON"),
-                 ("[]", "is not a JSON object \\(it holds a list\\)")]
+NOT_AN_OBJECT = [("{bad", "not JSON"), (b"\xff\xfe{", "not UTF-8 text"), ("[]", "a JSON list, not an object")]
 NO_WEIGHT_MAP = [("{}", "has no weight_map"), ('{"weight_map": ["model.safetensors"]}', "has no weight_map"),
                  ('{"weight_map": {"lm_head.weight": 3}}', "has no weight_map")]
 
 
-@pytest.mark.parametrize("file,text,says", [("config.json", *case) for case in NOT_AN_OBJECT]
-                         + [("model.safetensors.index.json", *case) for case in NOT_AN_OBJECT + NO_WEIGHT_MAP])
+@pytest.mark.parametrize("file,text,says",
+                         [(f, text, f"is not {what}: {says}") for f, what in (("config.json", "a model config"),
+                                                                             ("model.safetensors.index.json",
+                                                                              "a shard index"))
+                          for text, says in NOT_AN_OBJECT]
+                         + [("model.safetensors.index.json", *case) for case in NO_WEIGHT_MAP])
 def test_a_damaged_config_or_shard_index_is_one_error_naming_it(tmp_path, file, text, says):
     """config.json or model.safetensors.index.json that is damaged, JSON but no object, or (the index) without a map
     of names to files is one ValueError naming the file: a list there was a TypeError, a damaged index a decoder

@@ -119,8 +119,9 @@ def test_missing_tokenizer_json_names_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json", "config.json"])
-@pytest.mark.parametrize("text,says", [("{bad", "is not valid JSON"), ("[]", "is not a JSON object"),
-                                       (b"\xff\xfe{", "is not valid JSON")])
+@pytest.mark.parametrize("text,says", [("{bad", "is not a JSON object: not JSON"),
+                                       ("[]", "is not a JSON object: a JSON list, not an object"),
+                                       (b"\xff\xfe{", "is not a JSON object: not UTF-8 text")])
 def test_a_config_that_is_not_a_json_object_names_the_file(tmp_path, embedded_dir, name, text, says):
     """A folder's config the tokenizer reads that is damaged, or JSON but no object, is one ValueError naming the file
     (generate.py's one line), not a bare decoder message or an AttributeError further on."""
