@@ -285,7 +285,7 @@ def curves(rows, tasks, configs):
             continue
         norm = [sc[t] / dense[t] for t in ts if dense[t]]
         out[c] = {"score": np.mean([sc[t] for t in ts]), "norm": np.mean(norm) if norm else None,
-                  "worst_drop": max((dense[t] - sc[t]) for t in ts if dense[t] is not None) if dense else None,
+                  "worst_drop": max((dense[t] - sc[t] for t in ts if dense[t] is not None), default=None),
                   "sparsity": mean([sp[t] for t in ts]),
                   "sparsity_std": (float(np.std(spt)) if (spt := [sp[t] for t in ts if sp[t] is not None])
                                    else None),
