@@ -833,7 +833,8 @@ def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None
     head = [f"{name} ({folder})" if names.count(name) > 1 else name for name, folder in zip(names, folders)]
     lines = ["# Dense score per task (x100, mean over n samples) and seconds per sample", "",
              f"`{command}`; dtype {', '.join(sorted({d for _, _, d, _ in runs}))}. "
-             "s/sample = median of prefill + decode seconds.", "",
+             "s/sample = median of prefill + decode seconds, a batch's decoding whole for each of its samples (the "
+             "wall-clock a sample waits).", "",
              "| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(runs)]
     means = [[] for _ in runs]
     for t in tasks:

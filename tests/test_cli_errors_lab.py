@@ -1143,7 +1143,8 @@ def test_the_dense_table_by_hand(tmp_path):
                                                        "dtype": "bfloat16"})
     lines = report.dense_table(tmp_path / "pilot").splitlines()
     assert lines[2] == (f"`python -m lab.report --dense-table {tmp_path / 'pilot'}`; dtype bfloat16, float32. "
-                        "s/sample = median of prefill + decode seconds.")
+                        "s/sample = median of prefill + decode seconds, a batch's decoding whole for each of its "
+                        "samples (the wall-clock a sample waits).")
     # fwe: scores 1, 1 and 0 (the one without a score aside); seconds 1 + 2, 1 + 1 x 4, 1 + 10: median 5, mean 6
     assert lines[4:] == ["| task | a-model 4k | b-model 1k |", "|---|---|---|", "| vt | 50 (2) | – |",
                          "| fwe | – | 67 (3) |", "| **mean over tasks** | **50** | **67** |", "| s/sample | 4 | 5 |"]
