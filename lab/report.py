@@ -486,7 +486,9 @@ def claims_table(rows, tasks, n_boot: int = 2000, seed: int = 0) -> list[str]:
         for layers, which in ((slice(None), "every layer"), (slice(1, None), "layers 1 and up")):
             per_task = defaultdict(list)
             for r in tracked:  # (L, H) per run: its mean over decode steps
-                per_task[r["task"]].append(float(np.mean(np.array(r[key], dtype=float)[layers])))
+                heads = np.array(r[key], dtype=float)[layers]
+                if heads.size:  # a one-layer model has no layers 1 and up: no claim, not a NaN
+                    per_task[r["task"]].append(float(heads.mean()))
             if per_task:
                 point, boot = mean_draws(per_task, n_boot, seed)
                 claims.append((f"{claim}, {which} (qada_rw@{MAIN_TAU:g})", "App. C, Table 2", f"{paper[0]}-{paper[1]}",

@@ -1132,10 +1132,13 @@ def test_the_analysis_sections_of_tracked_context_free_and_ablation_runs(tmp_pat
         rows += [row(t, 0, "qada_word@0.6", 0.5, 0.4), row(t, 1, "static@0.8", 1.0, 0.8)]  # static: no ablation
     rows.append(dict(row(report.CTXFREE, 0, "qada_rw@0.6", None, 0.9), pred="w " * 200,
                      **dict(tracked, local_freq=[[1.0] * 10])))
-    with warnings.catch_warnings():  # the claims' Table 2 factor over layers 1 and up has no layer here: NaN
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a mean of no layer (layers 1 and up of one) warns
         report.write_analysis(tmp_path, rows, ["a", "b"], {}, {}, [])
     text = (tmp_path / "analysis.md").read_text()
+    # one layer: the Table 2 claims of every layer, none of layers 1 and up, and no NaN anywhere
+    assert "off by a factor (exp of the mean abs. log error), every layer" in text and "layers 1 and up" not in text
+    assert "nan" not in text.lower()
     # per layer: the tasks' runs alone, where QAdA and the oracle agree (kappa 1)
     assert "| 0 | 0.45 | 0.00 | 0.55 | 0.00 | 1.00 | 0.55 | 0.55 | 4.50 | – | – | – |\n" in text
     assert "| 10% most often local | 9.00 ± 0.00 | 8103.1 | 1.00 ± 0.00 |\n" in text  # exp(9)
