@@ -863,8 +863,8 @@ def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None
 
 def compare_runs(a: str | Path, b: str | Path, on_damage=None, tasks: list[str] | None = None) -> str:
     """Markdown: the records two run folders share (same task, sample and configuration, e.g. one run in fp32 and
-    one in bf16; of `tasks` alone, when given): how often the answers are identical and the scores equal, and how
-    far sparsity and each head's local frequency move."""
+    one in bf16; of `tasks` alone, when given): how often the answers are identical and the scores equal, each
+    folder's mean score and sparsity on them, and how far sparsity and each head's local frequency move."""
     ra, rb = ({(r["task"], r["index"], r["config"]): r for r in read_records(folder, on_damage)
                if tasks is None or r["task"] in tasks} for folder in (a, b))
     missing = [t for t in tasks or () if not any(k[0] == t for k in ra.keys() & rb.keys())]
@@ -878,20 +878,23 @@ def compare_runs(a: str | Path, b: str | Path, on_damage=None, tasks: list[str] 
                              f"prompt tokens in one, {y.get('n_prompt')} in the other (another length, seed or "
                              "tokenizer)" + (" and other ids" if x.get("n_prompt") == y.get("n_prompt") else ""))
     command = f"python -m lab.report {a} --compare {b}" + (f" --tasks {','.join(tasks)}" if tasks else "")
-    lines = [f"# {Path(a).name} vs {Path(b).name}", "", f"`{command}`", "",
-             "| config | records | identical answers | equal scores | mean abs. sparsity diff "
-             "| mean abs. head-frequency diff |",
-             "|---|---:|---:|---:|---:|---:|"]
+    na, nb = Path(a).name, Path(b).name
+    lines = [f"# {na} vs {nb}", "", f"`{command}`", "",
+             f"| config | records | identical answers | equal scores | mean score, {na} | mean score, {nb} "
+             f"| mean sparsity, {na} | mean sparsity, {nb} | mean abs. sparsity diff | mean abs. head-frequency diff |",
+             "|---|" + "---:|" * 9]
     for c in sorted({k[2] for k in ra.keys() & rb.keys()}, key=config_sort_key):
         keys = [k for k in ra.keys() & rb.keys() if k[2] == c]
         same = sum(ra[k]["pred"] == rb[k]["pred"] for k in keys)
         score = sum(ra[k]["score"] == rb[k]["score"] for k in keys)
+        # score in a, in b, sparsity in a, in b: each over the records that have one (mean leaves None out)
+        means = [mean([r[k][field] for k in keys]) for field in ("score", "sparsity") for r in (ra, rb)]
         sp = [abs(ra[k]["sparsity"] - rb[k]["sparsity"]) for k in keys
               if ra[k]["sparsity"] is not None and rb[k]["sparsity"] is not None]
         fq = [float(np.abs(np.array(ra[k]["local_freq"]) - np.array(rb[k]["local_freq"])).mean()) for k in keys
               if ra[k].get("local_freq") and rb[k].get("local_freq")]
-        lines.append(f"| {c} | {len(keys)} | {same}/{len(keys)} | {score}/{len(keys)} | {fmt(mean(sp), 1, 4)} | "
-                     f"{fmt(mean(fq), 1, 4)} |")
+        lines.append(f"| {c} | {len(keys)} | {same}/{len(keys)} | {score}/{len(keys)} | "
+                     + " | ".join(fmt(m, 1, 3) for m in means) + f" | {fmt(mean(sp), 1, 4)} | {fmt(mean(fq), 1, 4)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1120,7 +1120,8 @@ def test_compare_by_hand(tmp_path):
     row = next(line for line in report.compare_runs(a, b).splitlines() if line.startswith("| dense |"))
     # answers: x alike, y and z not (y scores 0 in both); sparsity |0.25| and |0.1|, the third has none in a;
     # frequencies: mean |0, 0.5| = 0.25 and mean |1, 0| = 0.5, the third has none in a
-    assert row == "| dense | 3 | 1/3 | 2/3 | 0.1750 | 0.3750 |"
+    # mean scores 2/3 and 1/3; sparsity 0.35 (the third has none in a) and 0.383
+    assert row == "| dense | 3 | 1/3 | 2/3 | 0.667 | 0.333 | 0.350 | 0.383 | 0.1750 | 0.3750 |"
     other = run_folder(tmp_path / "other", theirs.replace(b'"abc"', b'"abd"', 1))  # sample 0's ids
     with pytest.raises(ValueError, match="did not decode the same prompts: fwe#0 .* and other ids"):
         report.compare_runs(a, other)
