@@ -269,7 +269,10 @@ class HFAttention:
         D = query.shape[-1]
         if scaling is not None and not math.isclose(scaling, D ** -0.5, rel_tol=1e-6):
             raise ValueError(f"layer {layer} scales its scores by {scaling}, the paths by 1/sqrt({D})")
-        if kwargs.get("sliding_window") or kwargs.get("softcap"):
+        # a window as long as the keys held slides over none of them: full attention (model.py and enable() take a
+        # Mistral whose window is as long as its context, and transformers hands every layer of it that window)
+        window = kwargs.get("sliding_window")
+        if (window and window < key.shape[2]) or kwargs.get("softcap"):
             raise ValueError(f"layer {layer} has a sliding window or a softcap: not supported by the QAdA adapter")
         if layer == 0:
             self.begin_step(key, attention_mask)

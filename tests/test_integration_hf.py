@@ -181,6 +181,22 @@ def test_a_random_transformers_model_runs_through_enable_and_generate(sharp_dir,
     assert hf.config._attn_implementation == "sdpa" and generate_hf(hf, ids, new=8) == plain
 
 
+def test_a_mistral_whose_window_is_its_context_decodes(sharp_dir):
+    """A Mistral whose sliding window is as long as its context never slides: enable() takes it, as model.py does, and
+    transformers hands each layer that window at every decode step, which the adapter does not refuse. Dense through
+    the adapter gives transformers' own tokens; a window shorter than the keys held is refused (below)."""
+    cfg = transformers.MistralConfig(**dict(TINY, sliding_window=TINY["max_position_embeddings"]))
+    hf, tok, ids = hf_model(cfg, transformers.MistralForCausalLM), Tokenizer.from_dir(sharp_dir), prompt_ids(200)
+    plain = generate_hf(hf, ids, new=8)
+    enable(hf, "dense")
+    assert generate_hf(hf, ids, new=8) == plain
+    disable(hf)
+    attention = enable(hf, "qada", tau=TAU, tokenizer=tok)
+    generate_hf(hf, ids, new=8)
+    assert attention.summary()["steps"] == 7
+    disable(hf)
+
+
 @pytest.mark.parametrize("method, moments", [("qada", None), ("qada", "prompt"), ("quest", None)])
 def test_left_padded_rows_decode_as_each_alone(sharp_dir, method, moments):
     """Two prompts of different lengths, left-padded into one batch: each row's tokens, labels and KV entries read
