@@ -362,8 +362,9 @@ class HFAttention:
         return stats.summary(self.cfg.num_key_value_heads)
 
     def steps_to_end(self, sequences: torch.Tensor, eos_token_id=None) -> list[int]:
-        """Per row of generate's output `sequences` (B, prompt + new), the decode steps that made its new tokens up to
-        its first end-of-sequence token: the first new token comes from the prefill, step i makes token i."""
+        """Per row of generate's output `sequences` (B, prompt + new), or (B, new) from inputs_embeds, the decode steps
+        that made its new tokens up to its first end-of-sequence token: the first new token comes from the prefill, step
+        i makes token i."""
         if bool(self.moved):
             raise ValueError("sequences: the cache's rows were reordered between decode steps (beam search), so a "
                              "row's statistics follow no one sequence; report() without them gives each cache row's")
@@ -378,12 +379,17 @@ class HFAttention:
         if not eos:
             raise ValueError("sequences: the model's generation_config names no eos_token_id; give report(sequences, "
                              "eos_token_id=...)")
-        if not (isinstance(sequences, torch.Tensor) and sequences.dim() == 2 and sequences.shape[0] == len(self.rows)
-                and sequences.shape[1] > self.prompt_len):
+        # generate's output: the prompt, then the prefill's token and one per decode step; from inputs_embeds, the new
+        # tokens only (their first `prompt_len` are no prompt to pass over). The width says which, or another output
+        B, steps = len(self.rows), len(self.rows[0].stats.labels)
+        prompt = {self.prompt_len + steps + 1: self.prompt_len, steps + 1: 0}  # width -> prompt tokens to pass over
+        if not (isinstance(sequences, torch.Tensor) and sequences.dim() == 2 and sequences.shape[0] == B
+                and sequences.shape[1] in prompt):
             shape = tuple(sequences.shape) if isinstance(sequences, torch.Tensor) else type(sequences).__name__
-            raise ValueError(f"sequences: generate's output for the last generation, ({len(self.rows)}, > "
-                             f"{self.prompt_len}) token ids (its rows, prompt then new tokens), got {shape}")
-        ended = torch.isin(sequences[:, self.prompt_len:], torch.tensor(eos, device=sequences.device))  # (B, new)
+            raise ValueError(f"sequences: generate's output for the last generation, ({B}, "
+                             f"{self.prompt_len + steps + 1}) token ids (its rows, prompt then new tokens; ({B}, "
+                             f"{steps + 1}) from inputs_embeds, the new ones), got {shape}")
+        ended = torch.isin(sequences[:, prompt[sequences.shape[1]]:], torch.tensor(eos, device=sequences.device))
         first = torch.where(ended.any(1), ended.int().argmax(1), ended.shape[1]).tolist()  # no end: every step
         return [min(n, len(r.stats.labels)) for n, r in zip(first, self.rows)]
 

@@ -309,6 +309,29 @@ def test_report_of_the_sequences_counts_each_row_to_its_end(sharp_dir):
     assert attention.summary(1, out, eos_token_id=eos) == alone
 
 
+def test_report_of_sequences_from_inputs_embeds_counts_each_row_to_its_end(sharp_dir):
+    """generate from inputs_embeds returns the new tokens only, no prompt: report(sequences) counts each row to its end
+    in them as in the prompt-then-new output of the same generation from input_ids (where it passed over a prompt's
+    length of new tokens, more new tokens than the prompt has: a row's end there went unseen). Other widths are
+    refused with one line naming both."""
+    hf, ids, new = hf_model(sharp_dir), torch.cat([prompt_ids(20, 3), prompt_ids(20, 4)]), 30
+    first, second = generate_hf(hf, ids, new=new)
+    k, eos = next((i, t) for i, t in enumerate(second) if 2 < i and t not in first + second[:i] + [0])  # 0: padding
+    hf.generation_config.eos_token_id = eos  # row 1 ends at new token k, row 0 not
+    attention = enable(hf, "dense")
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    want = [attention.summary(b, out) for b in range(2)]
+    assert want[1]["steps"] == k and want[0]["steps"] == new - 1
+    embeds = hf.generate(inputs_embeds=hf.get_input_embeddings()(ids), attention_mask=torch.ones_like(ids),
+                         max_new_tokens=new, do_sample=False)
+    assert torch.equal(embeds, out[:, ids.shape[1]:])
+    assert [attention.summary(b, embeds) for b in range(2)] == want
+    assert attention.report(embeds) == attention.report(out)
+    with pytest.raises(ValueError, match=r"\(2, 50\) token ids .*; \(2, 30\) from inputs_embeds, .*got \(2, 29\)$"):
+        attention.report(embeds[:, 1:])
+    disable(hf)
+
+
 def test_a_one_token_prompt_is_a_prefill(sharp_dir):
     """A prompt of one token (BOS, say) is one query on a cache of one key: a prefill, dense, not a decode step; the
     steps after it decode (within the window: dense's tokens)."""
