@@ -375,7 +375,10 @@ class HFAttention:
                                  "give report(sequences, eos_token_id=...)")
             config = model.generation_config
             eos_token_id = config.eos_token_id if config is not None else None
-        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else [] if eos_token_id is None else eos_token_id
+        # checked here: torch.tensor(eos) below would fail on another kind of id in a line that names no argument
+        if not (isinstance(eos, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in eos)):
+            raise ValueError(f"eos_token_id: a token id or a list of them, got {eos_token_id!r}")
         if not eos:
             raise ValueError("sequences: the model's generation_config names no eos_token_id; give report(sequences, "
                              "eos_token_id=...)")

@@ -270,8 +270,8 @@ def test_the_report_states_each_rows_numbers_and_outlives_disable(sharp_dir, tmp
 def test_report_of_the_sequences_counts_each_row_to_its_end(sharp_dir):
     """transformers keeps decoding a batch row that has ended (on padding) until every row has: report(sequences) counts
     each row up to its end-of-sequence token, as that row decoded alone, which report() without them does not (it says
-    so); the token is the model's generation_config's when reported, not when enabled. Sequences of another shape, or no
-    EOS to look for, are refused with one line."""
+    so); the token is the model's generation_config's when reported, not when enabled. Sequences of another shape, no
+    EOS to look for, or an eos_token_id that is no token id nor a list of them, are refused with one line."""
     long, short = prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 40, 2)
     ids = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], 1)])
     mask = torch.ones_like(ids)
@@ -301,6 +301,11 @@ def test_report_of_the_sequences_counts_each_row_to_its_end(sharp_dir):
     with pytest.raises(ValueError, match="names no eos_token_id"):
         attention.report(out)
     assert attention.summary(1, out, eos_token_id=eos) == alone
+    for bad in (str(eos), float(eos), torch.tensor([eos, 0]), [eos, None]):  # the argument named, not torch.tensor's
+        with pytest.raises(ValueError, match="^eos_token_id: a token id or a list of them, got ") as e:
+            attention.report(out, eos_token_id=bad)
+        assert "\n" not in str(e.value)
+    assert attention.summary(1, out, eos_token_id=[eos]) == alone
     disable(hf)
     del hf
     gc.collect()  # the adapter holds the model weakly: gone, its end-of-sequence token is asked for
