@@ -6,7 +6,7 @@ attention.PATHS (paper Listing 1 and our variants), through transformers' public
     from integrations.transformers import enable, disable
 
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-    qada = enable(model, "qada_kv_all_cal", calibration="qwen2.5-coder-0.5b", tokenizer=tok)
+    qada = enable(model, "qada_cal", calibration="qwen2.5-coder-0.5b", tokenizer=tok)  # at its stored tau
     out = model.generate(**tok(prompt, return_tensors="pt"), max_new_tokens=64, do_sample=False)
     print(qada.report(out))  # heads labelled local (sparsity) and KV entries read, as generate.py prints them
     disable(model)
@@ -26,18 +26,17 @@ prompt's keys as the cache holds them after prefill; Option 2 (`random-words`, .
 `HFModel` (the transformers model seen as ours: a KVCache, prefill, decode_step), cached on disk under the model's
 identity. `HFModel` is also how lab.calibrate fits a correction through this adapter (--hf).
 
-Scope: transformers' llama, mistral and qwen2 models without sliding-window layers; its default DynamicCache;
-batches padded on the left; greedy decoding, sampling, and beam search with the paths that keep nothing per row (a
-page path's index and online moments follow each row's keys, which beam search reorders: refused there); prefill
-in chunks (prefill_chunk_size), where a last chunk of one token is, to an attention function, a decode step: it is
-decoded by the path and counted as the first step. Right padding, static caches, and assisted or prompt-lookup
-decoding (several tokens a pass) are refused with one line; without a cache (use_cache=False, or a forward of the
-whole sequence) every pass is a prefill: dense, and the report says no decode step ran;
-prefill runs on SDPA (not flash-attention), decode eagerly, launch by launch (no CUDA graphs or torch.compile here;
-the torch paths read their labels to the host, the fused kernel does not). Quantized and paged caches are not
-supported and not checked for. A model offloaded in part by accelerate's device_map runs: the correction's
-weights check and the reference keys' identity read the offloaded weights' values. Tested with transformers 5.25.
-"""
+Scope: transformers' llama, mistral and qwen2 models without a layer that slides over a window shorter than the context;
+its default DynamicCache; batches padded on the left; greedy decoding, sampling, and beam search with the paths that
+keep nothing per row (a page path's index and online moments follow each row's keys, which beam search reorders: refused
+there); prefill in chunks (prefill_chunk_size), where a last chunk of one token is, to an attention function, a decode
+step: it is decoded by the path and counted as the first step. Right padding, static caches, and assisted or
+prompt-lookup decoding (several tokens a pass) are refused with one line; without a cache (use_cache=False, or a forward
+of the whole sequence) every pass is a prefill: dense, and the report says no decode step ran; prefill runs on SDPA (not
+flash-attention), decode eagerly, launch by launch (no CUDA graphs or torch.compile here; the torch paths read their
+labels to the host, the fused kernel does not). Quantized and paged caches are not supported and not checked for. A
+model offloaded in part by accelerate's device_map runs: the correction's weights check and the reference keys' identity
+read the offloaded weights' values. Tested with transformers 5.25. """
 
 import dataclasses
 import hashlib
@@ -67,7 +66,7 @@ PADDING = ("the QAdA adapter takes batches padded on the left (tokenizer.padding
            "cache)")
 REORDERED = ("the cache's rows were reordered between two decode steps (beam search): the {} path keeps {} per row, "
              "which would no longer be the row's; generate with num_beams=1, or with a path that keeps nothing per row "
-             "(qada_kv_all_cal, say)")
+             "(qada_cal, say)")
 
 
 def llama_config(model) -> LlamaConfig:
@@ -427,9 +426,10 @@ def sdpa(module, query, key, value, mask, **kwargs):
     return AttentionInterface()["sdpa"](module, query, key, value, mask, **kwargs)
 
 
-def enable(model, method: str = "qada_kv_all_cal", tau: float | None = None, calibration=None,
+def enable(model, method: str = "qada_cal", tau: float | None = None, calibration=None,
            moments=None, *, tokenizer=None, n_sink: int = 16, n_local: int = 128, **inputs) -> HFAttention:
-    """Decode `model` (a transformers llama, mistral or qwen2 causal LM) with the path attention.PATHS[method].
+    """Decode `model` (a transformers llama, mistral or qwen2 causal LM) with the path attention.PATHS[method]
+    (default qada_cal, the recommended one: its stored tau, a correction from `calibration`).
 
     tau: the threshold; None is the method's own operating point (generate.default_tau: a calibrated path at the one
     stored with its correction, else the paper's 0.6). calibration: what a qada*_cal path reads (a Calibration, a

@@ -171,8 +171,8 @@ def test_a_random_transformers_model_runs_through_enable_and_generate(sharp_dir,
     assert generate_hf(hf, ids, new=8) == plain
     disable(hf)
     Hkv = cfg.num_key_value_heads
-    attention = enable(hf, calibration=random_calibration(Hkv=Hkv, taus={"qada_kv_all_cal": 0.3}), tokenizer=tok)
-    assert attention.method == "qada_kv_all_cal" and attention.tau == 0.3
+    attention = enable(hf, calibration=random_calibration(Hkv=Hkv, taus={"qada_cal": 0.3}), tokenizer=tok)
+    assert attention.method == "qada_cal" and attention.tau == 0.3  # the recommended method, as generate.py's README
     generate_hf(hf, ids, new=8)
     assert attention.summary()["steps"] == 7 and attention.rows[0].stats.label_tensor().shape == (7, 2, 4)
     head, line = attention.report().splitlines()
