@@ -354,7 +354,8 @@ def check_calibration(c: Calibration, name, L: int | None, H: int | None, Hkv: i
         return  # the sampled estimate reads no moments
     fitted = c.settings.get("moments_source", "random-words")
     if moments_source is not None and fitted != moments_source:
-        raise ValueError(f"{name} corrects the {fitted} moments' estimate; run it with --moments {fitted}")
+        raise ValueError(f"{name} corrects the {fitted} moments' estimate; run it with those moments (--moments "
+                         f"{fitted}; moments={fitted!r} in the transformers adapter)")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -353,8 +353,8 @@ class HFAttention:
         generation_config's by default). Refused after beam search, whose cache rows are no one sequence each."""
         if not self.rows:
             return {"steps": 0, "sparsity": None, "kv_read": None, "layer_sparsity": []}
-        if not 0 <= row < len(self.rows):
-            raise ValueError(f"row {row}: the last generation had {len(self.rows)} row(s)")
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self.rows):  # True is an int too
+            raise ValueError(f"row {row!r}: the last generation had {len(self.rows)} row(s), 0 to {len(self.rows) - 1}")
         stats = self.rows[row].stats
         if sequences is not None:
             stats = stats.first(self.steps_to_end(sequences, eos_token_id)[row])

@@ -566,8 +566,9 @@ def test_calibration_mismatches_are_one_clear_line(tmp_path, capsys):
     with pytest.raises(ValueError, match="--moments random-words"):
         check_calibration(c, "c.json", 2, 4, 2, 16, 128, "prompt")
     old = Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, {})  # a file that predates the key: random words
-    with pytest.raises(ValueError, match="corrects the random-words moments' estimate; run it with --moments "
-                                         "random-words"):
+    with pytest.raises(ValueError, match="corrects the random-words moments' estimate; run it with those moments "
+                                         "\\(--moments random-words; moments='random-words' in the transformers "
+                                         "adapter\\)"):
         check_calibration(old, "old.json", 2, 4, 2, 16, 128, "prompt")
     assert calibrate.main(["--qada", "--tasks", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown task 'nope'" in capsys.readouterr().err

@@ -6,6 +6,7 @@ against each row alone, the refusals, and lab.calibrate --hf against --model."""
 import dataclasses
 import gc
 import json
+import re
 import weakref
 
 import pytest
@@ -528,9 +529,10 @@ def test_what_enable_and_disable_refuse(sharp_dir, tmp_path):
     with pytest.raises(ValueError, match="already enabled"):
         enable(hf, "dense")
     generate_hf(hf, prompt_ids(200), new=3)
-    for row in (1, -1):
-        with pytest.raises(ValueError, match=f"row {row}: the last generation had 1 row"):
+    for row in (1, -1, "0", True, 0.0):  # "0" and 0.0 were TypeErrors in Python's words; True is no row index
+        with pytest.raises(ValueError, match=f"row {re.escape(repr(row))}: the last generation had 1 row"):
             attention.summary(row)
+    assert attention.summary(0)["steps"] == 2
     disable(hf)
 
 
