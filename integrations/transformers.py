@@ -151,7 +151,7 @@ class HFAttention:
         self.cfg = llama_config(model)  # the model itself is not kept: transformers' registry keeps this object
         self.method, self.n_sink, self.n_local = method, n_sink, n_local
         reads = path_inputs(method)  # ValueError naming the methods for an unknown one
-        device = held_device(model)
+        device = self.device = held_device(model)  # where the correction, labels and reference keys are read onto
         given = [name for name in inputs if name not in reads]
         given += [name for name, value in (("tau", tau), ("calibration", calibration), ("moments", moments))
                   if value is not None and name not in reads]
@@ -307,6 +307,9 @@ class HFAttention:
                              "prompt_lookup_num_tokens)")
         if (starts or [0] * key.shape[0]) != (self.starts or [0] * key.shape[0]):
             raise ValueError(PADDING)
+        if key.device != self.device:  # moved after enable(): what it read lies on the device it left
+            raise ValueError(f"the model decodes on {key.device} but was enabled on {self.device}: enable() it where "
+                             "it decodes (disable(model), move it, enable again)")
         if self.decoder is None:
             self.build(key.shape[0])
 

@@ -536,6 +536,23 @@ def test_what_enable_and_disable_refuse(sharp_dir, tmp_path):
     disable(hf)
 
 
+def test_a_model_moved_after_enable_is_refused_in_one_line(sharp_dir):
+    """enable() reads the correction, static labels and reference keys onto the model's device; a model moved after
+    it (enable(model); model.cuda()) would decode with them on the device it left: refused at its first decode step in
+    one line saying what to do. Here the move is the other way round, to run without CUDA: enable() is told the model
+    was on a CUDA device, and it decodes on the CPU."""
+    hf = hf_model(sharp_dir)
+    attention = enable(hf, "qada", tau=TAU, moments="prompt")
+    assert attention.device == next(hf.parameters()).device
+    ids = prompt_ids(200).to(attention.device)
+    assert len(generate_hf(hf, ids, new=3)[0]) == 3  # where it was enabled: decodes
+    attention.device = torch.device("cuda", 0) if attention.device.type != "cuda" else torch.device("cpu")
+    with pytest.raises(ValueError, match="^the model decodes on .* but was enabled on .*: enable\\(\\) it where it "
+                                         "decodes \\(disable\\(model\\), move it, enable again\\)$"):
+        generate_hf(hf, ids, new=3)
+    disable(hf)
+
+
 def test_a_disabled_model_is_freed(sharp_dir):
     """transformers' registry keeps an enabled attention for good; it must not keep the model alive with it."""
     hf, tok = hf_model(sharp_dir), Tokenizer.from_dir(sharp_dir)
