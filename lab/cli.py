@@ -104,6 +104,19 @@ def ints(text: str) -> str:
     return text
 
 
+def budgets(text: str) -> str:
+    """An argparse type: comma-separated page budgets in tokens, integers >= 0 ("0,128,1024"), returned as given; 0
+    (or a budget below a page) reads the window alone, the end of a page path's curve, as budget=0 does in
+    generate.py."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers, e.g. 128,1024; got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers of at least 0, got {text!r}")
+    return text
+
+
 def fractions(text: str) -> str:
     """An argparse type: comma-separated numbers in [0, 1] (a sparsity grid, "0.5,0.8"), returned as given; an empty
     text is an empty grid."""

@@ -90,8 +90,8 @@ from generate import check_context, decode_batch, parse_inputs, pick_device
 from model import read_config
 from moments import ReferenceKeys, reference_words
 from lab import calibrate
-from lab.cli import (Parser, at_least, fail, fractions, interrupted, ints, named_twice, taus as tau_text,
-                     thread_count)
+from lab.cli import (Parser, at_least, budgets as budget_text, fail, fractions, interrupted, named_twice,
+                     taus as tau_text, thread_count)
 from lab.records import (DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records,
                          write_run)
 from lab.report import report
@@ -189,7 +189,7 @@ def build_configs(methods: list[str], taus: list[float], sparsities: list[float]
 
 def parse_grids(items: list[str]) -> dict[str, list[float]]:
     """--grid NAME=v1,v2 (repeatable) -> {NAME: [v1, v2]}, each value in [0, 1] (a tau in (0, 1], a budget in tokens:
-    integers >= 1)."""
+    integers >= 0)."""
     grids = {}
     for item in items or []:
         name, sep, values = item.partition("=")
@@ -199,7 +199,7 @@ def parse_grids(items: list[str]) -> dict[str, list[float]]:
             raise ValueError(f"--grid {name} is given twice; give its values in one: --grid {name}=v1,v2,...")
         try:
             path_and_source(name)  # an unknown name is an error here, not a silently ignored grid
-            check = {"budget": ints, "tau": tau_text}.get(threshold_kind(name), fractions)
+            check = {"budget": budget_text, "tau": tau_text}.get(threshold_kind(name), fractions)
             grids[name] = parse_grid(check(values))
         except Exception as e:  # ValueError or argparse.ArgumentTypeError: one line naming the flag
             raise ValueError(f"--grid {item}: {e}") from None
@@ -914,9 +914,9 @@ def main(argv=None) -> int:
                    help="tau grid of every configuration with a tau")
     p.add_argument("--sparsities", type=fractions, default="0.5,0.8",
                    help="sparsity grid of every static-label configuration")
-    p.add_argument("--budgets", type=ints, default=BUDGETS, help="token budget grid of every page path that reads "
-                   "one (quest, qada_pages, page_oracle, ...: tokens read beyond the window, budget // P pages; 0 "
-                   "or below a page: the window alone, the curve's end)")
+    p.add_argument("--budgets", type=budget_text, default=BUDGETS, help="token budget grid of every page path that "
+                   "reads one (quest, qada_pages, page_oracle, ...: tokens read beyond the window, budget // P pages; "
+                   "0 or below a page: the window alone, the curve's end)")
     p.add_argument("--budget-fracs", type=fractions, default=BUDGET_FRACS, help="budget grid, as fractions of the "
                    "context, of the page paths that read one (the *_frac paths; 0: the window alone)")
     p.add_argument("--grid", action="append", default=[], metavar="NAME=v1,v2",

@@ -2,6 +2,7 @@
 force over every score, configurations, resume, random-head sparsity, the stop rule and the summary arithmetic.
 Seconds in all; no real model, no long prompts."""
 
+import argparse
 import csv
 import hashlib
 import json
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from criterion import load_labels
-from lab import calibrate, records, report, sweep
+from lab import calibrate, cli, records, report, sweep
 from tests.test_generate import kv_read_by_hand, make_tiny_dir
 
 N_SINK, N_LOCAL = 16, 128
@@ -253,6 +254,17 @@ def test_a_configuration_is_a_path_and_a_source():
             sweep.parse_grids(bad)
     with pytest.raises(ValueError, match="unknown method"):
         sweep.build_configs(["qada_nope"], [0.6], [0.5])
+
+
+def test_a_page_budget_of_0_is_the_window_alone_and_taken_by_budgets_and_grid():
+    """--budgets' help calls 0 the window alone, the curve's end (generate.py takes --set budget=0 too): --budgets 0,64
+    and --grid quest=0,64 are accepted; a negative budget or a fraction is not."""
+    assert cli.budgets("0,64") == "0,64" and sweep.parse_grids(["quest=0,64"]) == {"quest": [0.0, 64.0]}
+    for bad in ("-1,64", "0.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli.budgets(bad)
+    with pytest.raises(ValueError, match="--grid quest=-1"):
+        sweep.parse_grids(["quest=-1"])
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.25, 0.5, 1.0])
