@@ -584,6 +584,8 @@ def agreement_by_decile(rows) -> list[str]:
     lines = ["| head decile (by oracle local freq.) | oracle local freq. | TP | FP | TN | FN | accuracy |",
              "|---|---|---|---|---|---|---|"]
     for d, chunk in enumerate(np.array_split(order, 10)):
+        if not len(chunk):  # fewer than ten heads (a tiny model): no decile of 0 / 0, nan on every column
+            continue
         n = S * len(chunk)
         tp, fp, tn, fn = confusion(q.ravel()[chunk].sum(), o.ravel()[chunk].sum(), b.ravel()[chunk].sum(), n)
         lines.append(f"| {10 * d}-{10 * d + 10}% | {o.ravel()[chunk].sum() / n:.2f} | {tp:.3f} | {fp:.3f} | {tn:.3f} "

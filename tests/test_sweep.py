@@ -1100,6 +1100,19 @@ def test_the_agreement_and_log_error_tables_in_full_by_hand():
         "| 10% most often local | 0.00 ± 0.00 | 1.0 | 0.00 ± 0.00 |"]
 
 
+def test_the_agreement_table_of_fewer_than_ten_heads_has_no_empty_decile():
+    """Eight heads (a tiny model's two layers of four) split into ten deciles leave two empty: those rows are left out,
+    not printed as nan (with numpy's division warning on stderr)."""
+    freq = [[1.0 - h / 8 for h in range(4)], [0.5 - h / 8 for h in range(4)]]
+    run = {"task": "a", "config": "qada_rw@0.6", "steps": 1, "oracle_freq": freq, "local_freq": freq,
+           "both_freq": freq}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lines = report.agreement_by_decile([run])
+    assert len(lines) == 2 + 8 + 1 and not any("nan" in line for line in lines)
+    assert lines[-1].startswith("| all | 0.56 |")  # (3.25 + 1.25) / 8
+
+
 def test_the_per_layer_table_by_hand():
     """layer_disagreement on two tracked runs of four layers of one head (10 and 30 steps): per layer TP, FP, TN, FN,
     kappa (nan where chance agreement is 1), the oracle's long-context share (FP + TN) and QAdA's (FN + TN); the log
