@@ -26,6 +26,7 @@ summary.md and analysis.md.
 import argparse
 import csv
 import math
+import shlex
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -823,7 +824,8 @@ def dense_table(root: str | Path, on_damage=None, tasks: list[str] | None = None
                          rows, meta.parent.name))
     runs.sort(key=lambda run: (run[0], run[1]))
     runs, folders = [run[:4] for run in runs], [run[4] for run in runs]
-    command = f"python -m lab.report --dense-table {root}" + (f" --tasks {','.join(tasks)}" if tasks else "")
+    command = f"python -m lab.report --dense-table {shlex.quote(str(root))}" + (  # quoted: it is copied to rerun
+        f" --tasks {','.join(tasks)}" if tasks else "")
     found = [t for t in TASK_ORDER if any(r["task"] == t for *_, rows in runs for r in rows)]
     missing = [t for t in tasks or () if t not in found]
     if missing:
@@ -879,7 +881,8 @@ def compare_runs(a: str | Path, b: str | Path, on_damage=None, tasks: list[str] 
             raise ValueError(f"{a} and {b} did not decode the same prompts: {k[0]}#{k[1]} has {x.get('n_prompt')} "
                              f"prompt tokens in one, {y.get('n_prompt')} in the other (another length, seed or "
                              "tokenizer)" + (" and other ids" if x.get("n_prompt") == y.get("n_prompt") else ""))
-    command = f"python -m lab.report {a} --compare {b}" + (f" --tasks {','.join(tasks)}" if tasks else "")
+    command = f"python -m lab.report {shlex.quote(str(a))} --compare {shlex.quote(str(b))}" + (  # a path with spaces
+        f" --tasks {','.join(tasks)}" if tasks else "")
     na, nb = Path(a).name, Path(b).name
     lines = [f"# {na} vs {nb}", "", f"`{command}`", "",
              f"| config | records | identical answers | equal scores | mean score, {na} | mean score, {nb} "

@@ -1104,6 +1104,16 @@ def test_compare_and_the_dense_table_keep_to_the_tasks_asked(tmp_path):
         report.dense_table(tmp_path / "pilot", tasks=["niah_single_1"])
 
 
+def test_the_commands_that_compare_and_the_dense_table_print_quote_a_path_with_spaces(tmp_path):
+    """The command --compare and --dense-table write above their tables is one to copy and rerun: a folder whose name
+    holds a space is quoted, not split into two arguments."""
+    body = b"".join(json.dumps(record(index=i, config="dense", pred="x")).encode() + b"\n" for i in range(2))
+    a = run_folder(tmp_path / "my runs" / "run a", body, settings={"tasks": ["fwe"], "length": 512})
+    b = run_folder(tmp_path / "run b", body, settings={"tasks": ["fwe"], "length": 512})
+    assert f"`python -m lab.report '{a}' --compare '{b}'`" in report.compare_runs(a, b)
+    assert f"`python -m lab.report --dense-table '{tmp_path / 'my runs'}'`" in report.dense_table(tmp_path / "my runs")
+
+
 def test_compare_by_hand(tmp_path):
     """lab.report --compare on two folders of the same three prompts (one bf16 against fp32, say): per configuration
     the answers alike (the text, not the score), the scores alike, the mean absolute change of sparsity (samples
