@@ -733,6 +733,8 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
         for name in filter(None, names.split(",")):
             if name not in {c.method for c in made}:  # --taus '', say: the method would not run, silently
                 raise ValueError(f"{flag} {name}: its grid is empty, so it would not run")
+    abl = [c for c in abl if c.key not in {m.key for m in configs}]  # one --methods runs on every sample: a second
+    # copy in the same batch decoded it twice, and counted twice in the runs written, for one record
     every = (configs + abl if task_list else []) + (ctxfree if ctxfree_samples else [])  # no tasks: only the
     # context-free samples run, and what the tasks' configurations read (static labels, corrections) is not needed
     if not every:

@@ -394,6 +394,21 @@ def test_ctxfree_runs_without_qada_among_the_methods(tmp_path, monkeypatch):
     assert {r["config"] for r in records.read_records(out)} == {"oracle@0.6", "qada_rw@0.6"}
 
 
+def test_an_ablation_that_is_also_among_the_methods_decodes_once(tmp_path, monkeypatch):
+    """qada_word@0.6 in --methods and in --ablations: the first sample decodes it once, not twice in one batch, and
+    run.json's lines written are the records there are (5: dense and qada_word@0.6 on both samples, @0.9 on one)."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    tiny_dir = make_tiny_dir(tmp_path / "tiny")
+    out = tmp_path / "run"
+    assert sweep.main(["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "2", "--methods",
+                       "dense,qada_word", "--taus", "0.6", "--ablations", "qada_word", "--ablation-taus", "0.6,0.9",
+                       "--ablation-samples", "1", "--ctxfree-samples", "0", "--track", "", "--model", str(tiny_dir),
+                       "--no-report"]) == 0
+    got = sorted((r["index"], r["config"]) for r in records.read_records(out))
+    assert got == [(0, "dense"), (0, "qada_word@0.6"), (0, "qada_word@0.9"), (1, "dense"), (1, "qada_word@0.6")]
+    assert json.loads((out / "run.json").read_text())["runs"][-1]["lines_written"] == 5
+
+
 @pytest.mark.parametrize("text, done", [(" 1234567.", False), (" 1234567. This", True), (" France.\n", True),
                                         ("", False), (":\n", False), (':\n\n1. "abc"\n2. "', False),
                                         (" a, b, c. ", True),
