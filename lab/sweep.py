@@ -840,6 +840,9 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                     if clash:
                         raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
                     settings["tasks"] = list(dict.fromkeys(old.get("tasks", []) + task_list))
+                    # what this run does not read (a correction, static labels, --set inputs) stays recorded: the
+                    # records made with it are still here, and the command that made them must still resume
+                    settings = old | settings
             records = read_records(out, on_damage)  # a damaged record stops the sweep here, before the model loads
             if damaged and rank == 0:
                 print(f"warning: left out {len(damaged)} damaged record line(s) (--skip-damaged: decoded again; at "

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from criterion import load_labels
+from criterion import Calibration, load_labels, save_calibration
 from lab import calibrate, cli, records, report, sweep
 from tests.test_generate import kv_read_by_hand, make_tiny_dir
 
@@ -407,6 +407,26 @@ def test_an_ablation_that_is_also_among_the_methods_decodes_once(tmp_path, monke
     got = sorted((r["index"], r["config"]) for r in records.read_records(out))
     assert got == [(0, "dense"), (0, "qada_word@0.6"), (0, "qada_word@0.9"), (1, "dense"), (1, "qada_word@0.6")]
     assert json.loads((out / "run.json").read_text())["runs"][-1]["lines_written"] == 5
+
+
+def test_a_resume_that_reads_no_correction_keeps_the_one_the_run_was_made_with(tmp_path, monkeypatch):
+    """A run of qada_cal with --calibration A, continued by a run of dense and local alone (no --calibration): run.json
+    still names A, so the first command resumes, and a second correction B under qada_cal's name is refused."""
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    tiny_dir = make_tiny_dir(tmp_path / "tiny")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path, offset in ((a, 0.0), (b, 1.0)):
+        save_calibration(path, Calibration(torch.full((2, 4), offset), torch.ones(2, 4), None,
+                                           {"kind": "affine", "moments_source": "random-words"}))
+    out = tmp_path / "run"
+    common = ["--out", str(out), "--tasks", "fwe", "--length", "400", "--ablations", "", "--ctxfree-samples", "0",
+              "--track", "", "--model", str(tiny_dir), "--no-report"]
+    cal = ["--methods", "dense,qada_cal", "--taus", "0.6"]
+    assert sweep.main(common + cal + ["--samples", "1", "--calibration", str(a)]) == 0
+    assert sweep.main(common + ["--samples", "1", "--methods", "dense,local"]) == 0
+    assert json.loads((out / "run.json").read_text())["settings"]["calibration"] == str(a)
+    assert sweep.main(common + cal + ["--samples", "2", "--calibration", str(a)]) == 0  # the first command resumes
+    assert sweep.main(common + cal + ["--samples", "3", "--calibration", str(b)]) == 2  # not mixed with another
 
 
 @pytest.mark.parametrize("text, done", [(" 1234567.", False), (" 1234567. This", True), (" France.\n", True),
