@@ -7,11 +7,13 @@ import hashlib
 import lzma
 import json
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from criterion import TAU, static_labels
 
@@ -417,6 +419,13 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
     return out
 
 
+def progress(items, what: str):
+    """`items` (methods) behind a progress bar on stderr: the report's paired bootstrap draws take minutes on a large
+    run (two for results/qwen0.5b-8k-cal on one core), which printed nothing until its end."""
+    items = list(items)
+    return tqdm(items, desc=what, unit="method", file=sys.stderr, leave=False, dynamic_ncols=True, disable=not items)
+
+
 def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed: int = 0, worst: bool = False,
                    methods=None) -> list[dict]:
     """Per method: its lossless sparsity and a paired-bootstrap 95 % interval over samples (resampled within each
@@ -425,7 +434,7 @@ def lossless_table(rows, tasks, axis: str = "sparsity", n_boot: int = 2000, seed
     axis "kv_read": the lowest lossless KV-read fraction instead (the saving 1 - kv_read in place of sparsity), what
     sets decode time under grouped-query attention. `methods`: only these (default every method)."""
     out = []
-    for m, cs in method_configs(rows, tasks).items():
+    for m, cs in progress(method_configs(rows, tasks).items(), f"lossless {axis}"):
         if methods is not None and m not in methods:
             continue
         res = lossless_draws(rows, tasks, {m: cs}, axis, n_boot, seed, worst)  # each on all the samples it finished
@@ -515,7 +524,7 @@ def matched_table(rows, tasks, axis: str, targets=None, against: str | None = No
     measured = {r["config"] for r in rows if r.get(axis) is not None}
     configs = {m: cs for m, cs in configs.items() if set(cs) <= measured}  # a press has no head sparsity
     out = []
-    for m, cs in configs.items():
+    for m, cs in progress(configs.items(), f"score / dense at matched {axis}"):
         if methods is not None and m not in methods:
             continue
         pair = ({m: cs} if against is None or against == m or against not in configs

@@ -453,6 +453,16 @@ def row(task, index, config, score, sparsity):
             "score": score, "sparsity": sparsity, "kv_read": 1 - sparsity, "n_new": 3, "decode_s": 0.1, "pred": ""}
 
 
+def test_the_bootstrap_tables_show_progress_on_stderr(capsys):
+    """The lossless and matched tables' bootstrap draws take minutes on a large run: each shows a bar over its
+    methods on stderr, not minutes of silence."""
+    rows = [row("a", i, c, 1.0, sp) for i in range(3) for c, sp in (("dense", 0.0), ("qada_rw@0.6", 0.5))]
+    records.lossless_table(rows, ["a"], n_boot=10)
+    records.matched_table(rows, ["a"], "sparsity", n_boot=10)
+    err = capsys.readouterr().err
+    assert "lossless sparsity" in err and "score / dense at matched sparsity" in err and "method" in err
+
+
 def test_summary_averages_over_common_samples():
     rows = [row("a", 0, "dense", 1.0, 0.0), row("a", 1, "dense", 0.5, 0.0), row("b", 0, "dense", 0.5, 0.0),
             row("a", 0, "qada_rw@0.6", 0.5, 0.8), row("b", 0, "qada_rw@0.6", 0.5, 0.6)]  # a#1 has no qada run yet
