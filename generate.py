@@ -460,8 +460,8 @@ def parse_inputs(items: list[str], reserved: set[str] = frozenset()) -> dict:
 
 def read_prompts(files: list[str]) -> list[tuple[str, str]]:
     """(name, text) of every prompt: a UTF-8 text file (or pipe; "-" standard input, named <stdin>) is one prompt; a
-    .jsonl file holds one per line, each a JSON string or an object with a "prompt" field. FileNotFoundError/ValueError
-    carry one clear line."""
+    .jsonl file holds one per line, each a JSON string or an object with a "prompt" field (its other fields are
+    ignored: the flags set every row's decoding). FileNotFoundError/ValueError carry one clear line."""
     if files.count("-") > 1:
         raise ValueError("--prompt - is given twice: standard input holds one prompt (or one .jsonl of them)")
     if "-" in files and sys.stdin is None:
@@ -710,8 +710,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt", required=True, nargs="+", action="extend", metavar="FILE",
                    help="UTF-8 text file holding the prompt (the user turn when chatting; - reads standard input); "
-                        "several files, or a .jsonl file of prompts (one JSON string or {\"prompt\": ...} per line), "
-                        "decode as one batch with a report each")
+                        "several files, or a .jsonl file of prompts (one JSON string or {\"prompt\": ...} per line, "
+                        "other fields ignored: these flags set every row), decode as one batch with a report each")
     p.add_argument("--model", default=None, help=f"a named offline model ({', '.join(MODELS)}; default {DEFAULT}), "
                    "a Hugging Face model folder or a hub id")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
