@@ -633,6 +633,9 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
             "static_labels": ({"file": static_labels, "sparsity": STATIC_SPARSITY if static_sparsity is None
                                else static_sparsity} if "static_local" in att.inputs else None),
             "sampling": {"temperature": temperature, "top_k": top_k, "seed": seed},
+            # the prompt as the model saw it: a model without a chat template gets the raw text, chat or not
+            "prompt_format": ("chat template" if chat and tok.has_chat_template else
+                              "raw text (no chat template)" if chat else "raw text (--no-chat)"),
             "max_context": max_context, "rope_theta": rope_theta,
             "model": str(net.model_dir), "device": str(device), "dtype": dtype, "load_s": round(times["load_s"], 2),
             "moments_s": round(times["moments_s"], 2), "batch": len(rows), "prompt_tokens": len(ids),
@@ -691,7 +694,8 @@ def print_report(r: dict) -> None:
         speed = (f"{speed} tok/s ({r['decode_ms_per_token']:.0f} ms/token{per_step}; the first step "
                  f"{r['decode_first_step_ms']:.0f} ms)")
     new = f"{r['new_tokens']} new token" + "s" * (r["new_tokens"] != 1)
-    print(f"prompt {r['prompt_tokens']} tokens | {new}, {speed}")
+    fmt = " (raw text: the model has no chat template)" if r["prompt_format"] == "raw text (no chat template)" else ""
+    print(f"prompt {r['prompt_tokens']} tokens{fmt} | {new}, {speed}")
     prefill = r["batch_prefill_s"] if r["batch"] > 1 else r["prefill_s"]
     total = r["load_s"] + r["moments_s"] + prefill + r["decode_s"]
     print(f"decode loop: CUDA graphs {r['cuda_graphs']}"

@@ -437,8 +437,9 @@ def test_the_seed_decides_the_draws(tiny_dir, tmp_path, capsys):
 
 
 def test_no_chat_sends_the_raw_text_and_threads_sets_torchs(tiny_dir, tmp_path, capsys, monkeypatch):
-    """A model whose tokenizer has a chat template wraps the prompt in it, --no-chat sends the raw text alone; and
-    --threads N is torch's number of CPU threads for the run."""
+    """A model whose tokenizer has a chat template wraps the prompt in it, --no-chat sends the raw text alone, and the
+    report says which; a model without one gets the raw text, which the printed report says too; and --threads N is
+    torch's number of CPU threads for the run."""
     chat = tmp_path / "chat"
     shutil.copytree(tiny_dir, chat)
     (chat / "chat_template.jinja").write_text("w1 w2 {% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -446,9 +447,15 @@ def test_no_chat_sends_the_raw_text_and_threads_sets_torchs(tiny_dir, tmp_path, 
     monkeypatch.setattr(torch, "set_num_threads", threads.append)  # the test's own threads left as they are
     argv = ["--prompt", str(write_prompt(tmp_path, 20)), "--model", str(chat), "--method", "dense",
             "--max-new-tokens", "2", "--json"]
-    for extra, tokens in (([], 22), (["--no-chat"], 20)):
+    for extra, tokens, said in (([], 22, "chat template"), (["--no-chat"], 20, "raw text (--no-chat)")):
         assert generate.main(argv + extra) == 0
-        assert json.loads(capsys.readouterr().out)["prompt_tokens"] == tokens
+        r = json.loads(capsys.readouterr().out)
+        assert (r["prompt_tokens"], r["prompt_format"]) == (tokens, said)
+    for model, head in ((tiny_dir, "prompt 20 tokens (raw text: the model has no chat template) | "),
+                        (chat, "prompt 22 tokens | ")):  # the printed report
+        assert generate.main(["--prompt", argv[1], "--model", str(model), "--method", "dense",
+                              "--max-new-tokens", "2"]) == 0
+        assert any(line.startswith(head) for line in capsys.readouterr().out.splitlines())
     assert threads == []
     assert generate.main(argv + ["--threads", "1"]) == 0
     assert threads == [1]
