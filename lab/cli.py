@@ -93,28 +93,23 @@ def positive_float(text: str) -> float:
     return value
 
 
-def ints(text: str) -> str:
-    """An argparse type: comma-separated integers >= 1 ("2048,8192"), returned as given."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes comma-separated integers, e.g. 2048,8192; got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"takes comma-separated integers of at least 1, got {text!r}")
-    return text
+def int_list(low: int, example: str):
+    """An argparse type: comma-separated integers >= low (`example` shows some), returned as given."""
+    def integers(text: str) -> str:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes comma-separated integers, e.g. {example}; got {text!r}") from None
+        if not values or min(values) < low:
+            raise argparse.ArgumentTypeError(f"takes comma-separated integers of at least {low}, got {text!r}")
+        return text
+    return integers
 
 
-def budgets(text: str) -> str:
-    """An argparse type: comma-separated page budgets in tokens, integers >= 0 ("0,128,1024"), returned as given; 0
-    (or a budget below a page) reads the window alone, the end of a page path's curve, as budget=0 does in
-    generate.py."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes comma-separated integers, e.g. 128,1024; got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"takes comma-separated integers of at least 0, got {text!r}")
-    return text
+ints = int_list(1, "2048,8192")  # lengths, batch sizes
+# page budgets in tokens: 0 (or a budget below a page) reads the window alone, the end of a page path's curve, as
+# budget=0 does in generate.py
+budgets = int_list(0, "128,1024")
 
 
 def fractions(text: str) -> str:
