@@ -506,7 +506,9 @@ if triton is not None:
         if BY_ROW:  # the output's row is the cache row's: the result lands in the caller's tensor
             y_b = row
         out = Y + y_b * syb + (g * G + hm)[:, None] * syh + d[None, :]
-        tl.store(out, (acc / l_sum[:, None]).to(Y.dtype.element_ty), mask=(hm_ok & is_long)[:, None])
+        write = hm_ok & is_long  # a padded or local head read nothing: its empty sum is not divided (0/0)
+        l_sum = tl.where(write, l_sum, 1.0)
+        tl.store(out, (acc / l_sum[:, None]).to(Y.dtype.element_ty), mask=write[:, None])
 
     @triton.jit
     def _page_bound_kernel(Q, LO, HI, START, LENGTH, READ, N_READ, SCORES, COUNTS, sqb, sqh, slb, slh, slp, shb, shh,
