@@ -1147,7 +1147,8 @@ def test_the_agreement_and_log_error_tables_in_full_by_hand():
 
 def test_the_agreement_table_of_fewer_than_ten_heads_has_no_empty_decile():
     """Eight heads (a tiny model's two layers of four) split into ten deciles leave two empty: those rows are left out,
-    not printed as nan (with numpy's division warning on stderr)."""
+    not printed as nan (with numpy's division warning on stderr), and each row, one head, is labelled by its eighth of
+    the heads, not by a decile it does not hold (0-10%, ..., 70-80% with none past 80%)."""
     freq = [[1.0 - h / 8 for h in range(4)], [0.5 - h / 8 for h in range(4)]]
     run = {"task": "a", "config": "qada_rw@0.6", "steps": 1, "oracle_freq": freq, "local_freq": freq,
            "both_freq": freq}
@@ -1155,6 +1156,9 @@ def test_the_agreement_table_of_fewer_than_ten_heads_has_no_empty_decile():
         warnings.simplefilter("error")
         lines = report.agreement_by_decile([run])
     assert len(lines) == 2 + 8 + 1 and not any("nan" in line for line in lines)
+    assert [line.split(" | ")[0] for line in lines[2:-1]] == [
+        "| 0-12%", "| 12-25%", "| 25-37%", "| 37-50%", "| 50-62%", "| 62-75%", "| 75-87%", "| 87-100%"]
+    assert lines[2].startswith("| 0-12% | 1.00 |") and lines[9].startswith("| 87-100% | 0.12 |")  # most local first
     assert lines[-1].startswith("| all | 0.56 |")  # (3.25 + 1.25) / 8
 
 
