@@ -335,15 +335,15 @@ if triton is not None:
                 log_bulk = log_local - (ca + cb * (log_local - log_bulk))
             r = log_local - log_bulk
             local = r >= tl.load(TAU_LOGIT + b)  # criterion.tau_logit's: both paths compare with the same fp32 number
-            if RULE != 0:  # a group's decision: its heads long-context on their own
-                n_long = tl.sum(tl.where(h_ok & ~local, 1, 0), 0)
             if RULE == 1:  # "mean": the group's mean share >= tau, as its mean bulk share <= 1 - tau (criterion's);
-                # at tau = 1 (a cap of 0) every head local on its own, as a bulk share past fp32's range is 0
-                bulk_share = tl.where(h_ok, 1.0 / (1.0 + tl.exp(r)), 0.0)
+                # at tau = 1 (a cap of 0) every head local on its own, as a bulk share past fp32's range is 0: there
+                # a long-context head adds 1 to the sum, in the one reduction (a second one costs registers)
                 cap = tl.load(BULK_CAP + b)
-                mean_ok = (tl.sum(bulk_share, 0) / G <= cap) & ((cap > 0) | (n_long == 0))
+                bulk_share = 1.0 / (1.0 + tl.exp(r)) + tl.where(cap <= 0, tl.where(local, 0.0, 1.0), 0.0)
+                mean_ok = tl.sum(tl.where(h_ok, bulk_share, 0.0), 0) / G <= cap
                 local = (tl.zeros((G_PAD,), tl.int32) + mean_ok.to(tl.int32)) != 0
             if RULE == 2:  # "all": every head of the group, every head follows
+                n_long = tl.sum(tl.where(h_ok & ~local, 1, 0), 0)
                 local = (tl.zeros((G_PAD,), tl.int32) + n_long) == 0
             local = local | (tl.zeros((G_PAD,), tl.int32) + short.to(tl.int32) != 0)  # no bulk: all exact on the window
             group_reads = tl.sum(tl.where(h_ok & ~local, 1, 0), 0) > 0
