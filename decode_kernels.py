@@ -29,7 +29,10 @@ captured in a CUDA graph can be replayed as the cache fills, with T a device ten
 `fused` says when the qada and page paths take it (attention.run_path, attention.BatchAttention). Triton is optional:
 CUDA builds of torch bring it, and the torch paths need nothing of it. On CPU tensors the kernels run under Triton's
 interpreter (TRITON_INTERPRET=1, read when they are defined), which is how the tests run them
-(tests/test_kernel.py, tests/test_kernel_pages.py).
+(tests/test_kernel.py, tests/test_kernel_pages.py). The interpreter says nothing of registers: a change to a kernel
+is compiled for the GPU too, `python -m lab.kernel_resources` with the GPU machine's Triton, its table held to
+results/bench-gpu/kernel_resources.md: one more reduction in a kernel can push a launch the benchmark times into
+spills.
 
 The file is not kernels.py: that is the import name of Hugging Face's `kernels` package, which transformers imports,
 and a module of that name here would take its place (tests/test_layout.py).
