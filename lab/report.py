@@ -584,18 +584,15 @@ def agreement_by_decile(rows) -> list[str]:
     order = np.argsort(-(o / S).ravel(), kind="stable")  # heads most often local (oracle) first
     lines = ["| head decile (by oracle local freq.) | oracle local freq. | TP | FP | TN | FN | accuracy |",
              "|---|---|---|---|---|---|---|"]
-    first = 0
-    for d, chunk in enumerate(np.array_split(order, 10)):
-        if not len(chunk):  # fewer than ten heads (a tiny model): no decile of 0 / 0, nan on every column
-            continue
-        # under ten heads a row is one head, labelled by the share of the heads it holds (1 of 8: 0-12%), not a decile
-        label = f"{10 * d}-{10 * d + 10}%" if order.size >= 10 else \
-            f"{100 * first // order.size}-{100 * (first + len(chunk)) // order.size}%"
-        first += len(chunk)
+    # deciles; under ten heads (a tiny model) a row per head, labelled by its share of the heads (1 of 8: 0-12%),
+    # not ten chunks of which some are empty (0 / 0, nan on every column) and the others labelled by decile
+    n_rows = min(10, order.size)
+    for d, chunk in enumerate(np.array_split(order, n_rows)):
+        label = f"{100 * d // n_rows}-{100 * (d + 1) // n_rows}%"
         n = S * len(chunk)
         tp, fp, tn, fn = confusion(q.ravel()[chunk].sum(), o.ravel()[chunk].sum(), b.ravel()[chunk].sum(), n)
-        lines.append(f"| {label} | {o.ravel()[chunk].sum() / n:.2f} | {tp:.3f} | {fp:.3f} | {tn:.3f} "
-                     f"| {fn:.3f} | {tp + tn:.3f} |")
+        lines.append(f"| {label} | {o.ravel()[chunk].sum() / n:.2f} | {tp:.3f} | {fp:.3f} | {tn:.3f} | {fn:.3f} "
+                     f"| {tp + tn:.3f} |")
     n = S * q.size
     tp, fp, tn, fn = confusion(q.sum(), o.sum(), b.sum(), n)
     lines.append(f"| all | {o.sum() / n:.2f} | {tp:.3f} | {fp:.3f} | {tn:.3f} | {fn:.3f} | {tp + tn:.3f} |")
