@@ -4,9 +4,9 @@
 # CUDA, the same tests again at the launches to adopt (QADA_TEST_LAUNCH), each kernel's device time in a step and at
 # other launches, page selection in the fused kernel (lab/bench_pages_gpu.py --quick), generate.py's loops end to end
 # (lab/bench_gpu.py says what each table is), and the CLI with --cuda-graphs auto and off and --compile on. Optional:
-# 16k and 4k of a 32k cache end to end (T16K=1, T4K=1), batch 32 (B32=1), attention alone (ATTENTION=1), and end to
-# end at every launch to adopt at once (CANDIDATES=1). On a machine without internet, gguf and wonderwords come as
-# wheels in .whl/ (pip download, see README).
+# 16k and 4k of a 32k cache end to end (T16K=1, T4K=1), batch 32 (B32=1), attention alone (ATTENTION=1), end to
+# end at every launch to adopt at once (CANDIDATES=1), and a dense step's kernels per layer (LAUNCHES=1). On a machine
+# without internet, gguf and wonderwords come as wheels in .whl/ (pip download, see README).
 #   bash results/bench-gpu/run.sh [OUT]     # default OUT: /tmp/bench-gpu; results.tar.gz and log.txt land there
 # BUDGET (default 570 s, for a device call of 595): no part runs past it, each part's timeout cut to what is left and a
 # part with under 15 s left skipped, so that the call ends with every part it ran packed (the parts' own timeouts add
@@ -115,4 +115,9 @@ if [ -n "${CANDIDATES:-}" ]; then  # (~2 min) batch 1 and 8 at 32k end to end wi
   # in programs of its own (FORM_APART)
   part 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 \
     --launch '{"split": {"SPREAD": 8, "PDL": true}, "window": {"FORM_APART": true}}' --out "$FILES/candidates"; pack
+fi
+if [ -n "${LAUNCHES:-}" ]; then  # (~1 min) the CUDA kernels of one dense bf16 decode step per layer, eager and with the
+  # model's norms, RoPE and MLP compiled: what the CPU counts from dispatch and inductor's code (launches.py)
+  part 120 python3 results/bench-gpu/launches.py --device cuda > "$FILES/launches-cuda.txt" 2>&1
+  echo "launches rc=$?"; grep "per layer" "$FILES/launches-cuda.txt"; pack
 fi
