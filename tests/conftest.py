@@ -35,6 +35,11 @@ if TEST_DEVICE != "cpu":
     for name in ("rand", "randn", "randint", "randperm"):
         setattr(torch, name, drawn_on_cpu(getattr(torch, name)))
 
+# Under pytest-xdist (`-n N`) N workers share the cores: each takes its share of torch's threads, not all of them,
+# which on 2 cores would run four threads at once and leave them spinning for each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # The project is flat top-level files (`from model import Llama`); make them importable from tests/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -64,10 +69,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """A test that reads a real model is slow whether or not it says so: `-m "not slow"` runs offline."""
+    """A test that reads a real model is slow whether or not it says so: `-m "not slow"` runs offline. Under
+    pytest-xdist's `--dist loadgroup` the slow tests run one after another on one worker, as without it: the 1.5B's
+    test peaks at ~15 GB, and a second real model beside it would pass the memory of a 24 GB machine."""
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("real-models"))
 
 
 @pytest.fixture(scope="session")
