@@ -66,6 +66,8 @@ def pytest_configure(config):
     # The interpreter runs a kernel on numpy, which warns where the GPU would compute a NaN without a word: a kernel
     # that divides an empty sum by itself, even where the store masks the result, fails its test here.
     config.addinivalue_line("filterwarnings", "error:invalid value encountered:RuntimeWarning")
+    # torch's own: inductor imports torch.utils.mkldnn, whose module still uses torch.jit.script_method
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def pytest_collection_modifyitems(items):
