@@ -615,6 +615,9 @@ def test_the_kernels_resources_are_read_from_their_compile_for_a_gpu(tmp_path, m
 # --- the GPU benchmark's script ----------------------------------------------------------------------------
 
 
+# lab.bench_pages_gpu fixes its labels with a = +-10, whose fp32 exp overflows to inf on purpose: numpy under the
+# interpreter warns of it, a GPU does not
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="the smoke run is the interpreter's")
 def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, capsys, monkeypatch):
     """lab.bench_pages_gpu --interpret-smoke: its self-check against the torch paths passes and its table is written,
@@ -662,6 +665,9 @@ def test_the_gpu_benchmark_self_check_refuses_a_kernel_that_disagrees(fault, mon
         bench_pages_gpu.self_check(torch.device("cpu"), bench_pages_gpu.SMOKE_SHAPES["tiny"], 16)
 
 
+# lab.bench_pages_gpu fixes its labels with a = +-10, whose fp32 exp overflows to inf on purpose: numpy under the
+# interpreter warns of it, a GPU does not
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="the benchmark's CPU run is the interpreter's")
 def test_the_gpu_benchmark_table_reads_and_ratios(monkeypatch):
     """lab.bench_pages_gpu.bench at a tiny shape, each call timed by a fake clock (flash the faster dense): every x is
