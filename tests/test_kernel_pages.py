@@ -8,6 +8,7 @@ CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by conf
 import inspect
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -598,7 +599,8 @@ def test_the_kernels_resources_are_read_from_their_compile_for_a_gpu(tmp_path, m
     """lab.kernel_resources: each kernel of the two fused steps at the default launch, and both steps' window kernel
     at each launch the GPU benchmark times beside it (here one), compiled for sm_90 and its registers read
     from the cubin. The default launches spill nothing: a change to a kernel that makes one spill to local memory is
-    a slower GPU step found here, without a GPU (with the installed Triton; the H200 machine's has its own table)."""
+    a slower GPU step found here, without a GPU (with the installed Triton; the H200 machine's has its own table).
+    Where results/bench-gpu holds a table of the installed Triton, its default rows are these."""
     monkeypatch.setattr("lab.bench_gpu.WINDOW_VARIANTS", [dict(num_stages=1)])
     assert kernel_resources.main(["--out", str(tmp_path)]) == 0
     rows = [line.split(" | ") for line in (tmp_path / "kernel_resources.md").read_text().splitlines()
@@ -610,6 +612,16 @@ def test_the_kernels_resources_are_read_from_their_compile_for_a_gpu(tmp_path, m
         ("_window_decide_kernel", step, '{"num_stages": 1}') for step in ("qada", "qada_pages")]
     assert all(0 < int(r[3]) <= 255 and int(r[4].rstrip(" |")) >= 0 for r in rows)  # registers, stack bytes
     assert [int(r[4].rstrip(" |")) for r in rows if r[2] == "default"] == [0] * 6
+    # The committed table of this Triton, if there is one, is the kernels as they are: a kernel change that moves a
+    # default launch's registers or spills is found here, and the tables are made again
+    root = Path(__file__).resolve().parent.parent
+    for committed in sorted((root / "results" / "bench-gpu").glob("**/kernel_resources.md")):
+        text = committed.read_text()
+        if f"triton {triton.__version__};" in text:
+            assert [line for line in text.splitlines() if '| default |' in line] == [
+                " | ".join(r) for r in rows if r[2] == "default"], (
+                f"{committed.relative_to(root)} is not the kernels as they are: make it again (its command is in "
+                "it), and the other Triton's tables beside it (lab/kernel_resources.py says how)")
 
 
 # --- the GPU benchmark's script ----------------------------------------------------------------------------
