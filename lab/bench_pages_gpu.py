@@ -54,7 +54,7 @@ import attention
 import decode_kernels
 from criterion import Calibration, gaussian_form
 from lab.bench import full_pattern, lengths_above_window
-from lab.bench_gpu import kernel_us, launch, named_us
+from lab.bench_gpu import kernel_us, launch, launch_change, named_us
 from lab.cli import Parser, at_least, fail, fresh_folder, ints, make_folder
 from moments import FixedMoments
 from pages import PageIndex, candidates, upper_bounds
@@ -404,6 +404,9 @@ def main(argv=None) -> int:
                    f"{DEFAULTS['reps']})")
     p.add_argument("--quick", action="store_true", help="Llama-3-8B only, 32k, batch 1 and 8, budget 1024, 10 reps "
                    "(under 2 minutes on an H100)")
+    p.add_argument("--launch", type=launch_change, default={}, help="the kernels launched otherwise, as "
+                   "decode_kernels.set_launch takes it, in JSON (lab.bench_gpu's --launch): '{\"window\": {\"LOW\": "
+                   "false}, \"bound\": {\"LOW\": false}}' times the products in exact fp32 (default: the kernels' own)")
     p.add_argument("--interpret-smoke", action="store_true", help="tiny sizes on the CPU through Triton's interpreter "
                    "(needs TRITON_INTERPRET=1): the code paths and the self-check, no meaningful times")
     args = p.parse(argv)
@@ -431,6 +434,7 @@ def main(argv=None) -> int:
         out = make_folder(args.out or fresh_folder("runs/bench-gpu-pages"))
     except ValueError as e:
         return fail(e)
+    decode_kernels.set_launch(args.launch)
     device = torch.device("cpu" if smoke else "cuda")
     lengths = args.lengths or lengths_above_window(DEFAULTS["lengths"])
     batches, budgets = ([int(x) for x in (getattr(args, name) or DEFAULTS[name]).split(",")]

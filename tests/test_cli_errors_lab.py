@@ -956,7 +956,9 @@ def test_what_the_gpu_benchmarks_lack_here_is_one_line_and_exit_2(tmp_path, caps
                                            (["--interpret-smoke", "--reps", "3", "--budgets", "64"],
                                             "--interpret-smoke sets --budgets, --reps itself"),
                                            (["--quick", "--interpret-smoke"], "each set the sizes: give one"),
-                                           (["--fraction", "1.5"], "--fraction takes a share in [0, 1], got 1.5")])
+                                           (["--fraction", "1.5"], "--fraction takes a share in [0, 1], got 1.5"),
+                                           (["--launch", '{{"window": {{"LOW": 0}}}}'],  # argv is formatted
+                                            "argument --launch: the window launch's LOW takes a bool, got 0")])
 def test_bench_pages_gpu_arguments_are_one_line_and_exit_2_before_any_timing(tmp_path, capsys, argv, message):
     """--out a file was a FileExistsError once every row was timed; --reps 0 a median of nothing; a preset's sizes
     replaced the ones given silently."""

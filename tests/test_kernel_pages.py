@@ -649,6 +649,24 @@ def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, 
             not (tmp_path / "gpu").exists()
 
 
+@pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="--interpret-smoke is the interpreter's")
+@pytest.mark.parametrize("launch", [None, '{"window": {"LOW": false}, "bound": {"LOW": false}}'])
+def test_the_gpu_benchmark_checks_and_times_the_launch_given(tmp_path, monkeypatch, launch):
+    """lab.bench_pages_gpu --launch, as lab.bench_gpu's: the kernels launched otherwise from the self-check on (the
+    products in exact fp32 of results/bench-gpu/h200/exact-products), the command in the table; the defaults
+    without it."""
+    for name in ("window", "bound"):  # set_launch changes these in place: copies, put back after the test
+        monkeypatch.setitem(decode_kernels.LAUNCHES, name, dict(decode_kernels.LAUNCHES[name]))
+    seen = []
+    monkeypatch.setattr(bench_pages_gpu, "self_check", lambda *args: seen.append(
+        [decode_kernels.LAUNCHES[name]["LOW"] for name in ("window", "bound")]) or [])
+    monkeypatch.setattr(bench_pages_gpu, "bench", lambda *args: seen.append("timed") or [])
+    argv = ["--interpret-smoke", "--out", str(tmp_path)] + (["--launch", launch] if launch else [])
+    assert bench_pages_gpu.main(argv) == 0
+    assert seen == [[launch is None] * 2, "timed"]
+    assert f"`python -m lab.bench_pages_gpu {' '.join(argv)}`" in (tmp_path / "pages.md").read_text()
+
+
 @pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="the self-check's CPU run is the interpreter's")
 @pytest.mark.parametrize("fault", ["output", "labels", "pages", "fewer pages"])
 def test_the_gpu_benchmark_self_check_refuses_a_kernel_that_disagrees(fault, monkeypatch):

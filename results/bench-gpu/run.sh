@@ -5,8 +5,10 @@
 # other launches, page selection in the fused kernel (lab/bench_pages_gpu.py --quick), generate.py's loops end to end
 # (lab/bench_gpu.py says what each table is), and the CLI with --cuda-graphs auto and off and --compile on. Optional:
 # 16k and 4k of a 32k cache end to end (T16K=1, T4K=1), batch 32 (B32=1), attention alone (ATTENTION=1), end to
-# end at every launch to adopt at once (CANDIDATES=1), and a dense step's kernels per layer (LAUNCHES=1). On a machine
-# without internet, gguf and wonderwords come as wheels in .whl/ (pip download, see README).
+# end at every launch to adopt at once (CANDIDATES=1), and a dense step's kernels per layer (KERNELS_PER_LAYER=1).
+# LAUNCH=JSON runs the first tests and every timing with the kernels launched otherwise (decode_kernels.set_launch;
+# the products in exact fp32: LAUNCH='{"window": {"LOW": false}, "bound": {"LOW": false}}'). On a machine without
+# internet, gguf and wonderwords come as wheels in .whl/ (pip download, see README).
 #   bash results/bench-gpu/run.sh [OUT]     # default OUT: /tmp/bench-gpu; results.tar.gz and log.txt land there
 # BUDGET (default 570 s, for a device call of 595): no part runs past it, each part's timeout cut to what is left and a
 # part with under 15 s left skipped, so that the call ends with every part it ran packed (the parts' own timeouts add
@@ -46,7 +48,8 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda,
       'triton', triton.__version__, 'transformers', t.__version__)"
 
 echo "== the tests of the fused step and the graph-replayed loop, CUDA as torch's default device"
-QADA_TEST_DEVICE=cuda part 170 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
+QADA_TEST_LAUNCH=${LAUNCH:-} QADA_TEST_DEVICE=cuda \
+  part 170 python3 -m pytest -q -m "not slow" -n 8 -p no:cacheprovider --tb=short -rfEs \
   tests/test_kernel.py tests/test_kernel_pages.py tests/test_batch.py tests/test_graph_decode.py \
   tests/test_integration_hf.py \
   > "$FILES/tests-cuda.txt" 2>&1
@@ -65,26 +68,31 @@ pack
 
 echo "== where a fused step's time goes: each kernel's device time, and the graph's, Llama-3-8B shapes at 32k;"
 echo "   the window and split kernels at other launches (${SECONDS}s in)"
-part 200 python3 -m lab.bench_gpu --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
+part 200 python3 -m lab.bench_gpu ${LAUNCH:+--launch "$LAUNCH"} \
+  --parts kernels --lengths 32768 --batches 1,8 --out "$FILES"; pack
 
 echo "== page selection in the fused kernel, attention only: QAdA + pages and Quest alone against the best dense"
 echo "   (${SECONDS}s in)"
-part 110 python3 -m lab.bench_pages_gpu --quick --out "$FILES/pages"; pack
+part 110 python3 -m lab.bench_pages_gpu ${LAUNCH:+--launch "$LAUNCH"} --quick --out "$FILES/pages"; pack
 
 echo "== end to end through generate.py's loops (eager, and replayed from CUDA graphs), random Llama-3-8B, 32k;"
 echo "   dense, kv 0.35 and all local again with the model's norms, RoPE and MLP compiled (${SECONDS}s in)"
-part 330 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 --compiled --out "$FILES"; pack
+part 330 python3 -m lab.bench_gpu ${LAUNCH:+--launch "$LAUNCH"} \
+  --parts e2e --e2e-length 32768 --e2e 1x32,8x32 --compiled --out "$FILES"; pack
 if [ -n "${B32:-}" ]; then  # batch 32, 8 of the 32 layers (~1.5 min)
-  part 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 32x8 --out "$FILES/b32"; pack
+  part 150 python3 -m lab.bench_gpu ${LAUNCH:+--launch "$LAUNCH"} \
+    --parts e2e --e2e-length 32768 --e2e 32x8 --out "$FILES/b32"; pack
 fi
 if [ -n "${T16K:-}" ]; then  # at T_max / 2 (capacity 32k): the graph's view follows T, not the capacity
-  part 100 python3 -m lab.bench_gpu --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+  part 100 python3 -m lab.bench_gpu ${LAUNCH:+--launch "$LAUNCH"} \
+    --parts e2e --e2e-length 16384 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 fi
 if [ -n "${T4K:-}" ]; then
-  part 90 python3 -m lab.bench_gpu --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
+  part 90 python3 -m lab.bench_gpu ${LAUNCH:+--launch "$LAUNCH"} \
+    --parts e2e --e2e-length 4096 --capacity 32768 --e2e 8x32 --out "$FILES"; pack
 fi
 if [ -n "${ATTENTION:-}" ]; then  # attention alone (unchanged by the loop; ~170 s): ATTENTION=1 bash run.sh
-  part 170 python3 -m lab.bench_gpu --parts attention --out "$FILES"; pack
+  part 170 python3 -m lab.bench_gpu ${LAUNCH:+--launch "$LAUNCH"} --parts attention --out "$FILES"; pack
 fi
 
 echo "== generate.py on CUDA, a tiny random model (no weights travel here): --cuda-graphs auto and off"
@@ -116,8 +124,8 @@ if [ -n "${CANDIDATES:-}" ]; then  # (~2 min) batch 1 and 8 at 32k end to end wi
   part 150 python3 -m lab.bench_gpu --parts e2e --e2e-length 32768 --e2e 1x32,8x32 \
     --launch '{"split": {"SPREAD": 8, "PDL": true}, "window": {"FORM_APART": true}}' --out "$FILES/candidates"; pack
 fi
-if [ -n "${LAUNCHES:-}" ]; then  # (~1 min) the CUDA kernels of one dense bf16 decode step per layer, eager and with the
-  # model's norms, RoPE and MLP compiled: what the CPU counts from dispatch and inductor's code (launches.py)
+if [ -n "${KERNELS_PER_LAYER:-}" ]; then  # (~1 min) the CUDA kernels of one dense bf16 decode step per layer, eager
+  # and with the model's norms, RoPE and MLP compiled: what the CPU counts from dispatch and inductor's code
   part 120 python3 results/bench-gpu/launches.py --device cuda > "$FILES/launches-cuda.txt" 2>&1
   echo "launches rc=$?"; grep "per layer" "$FILES/launches-cuda.txt"; pack
 fi
