@@ -54,7 +54,7 @@ from tqdm import tqdm
 
 from generate import pick_device
 from lab.cli import Parser, at_least, fail, thread_count
-from lab.records import ids_hash, read_records, read_run, write_run
+from lab.records import differs, ids_hash, read_records, read_run, write_run
 from lab.sweep import folder_lock, merge, parse_grid
 from lab.tasks import TASKS, Sample, make_sample, score
 from weights.checkpoints import DEFAULT, DTYPES, resolve
@@ -377,7 +377,7 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
         info.setdefault("runs", [])
         if info.get("settings"):
             clash = {k: (info["settings"].get(k), v) for k, v in settings.items()
-                     if k != "tasks" and info["settings"].get(k) != v}
+                     if k != "tasks" and differs(k, info["settings"].get(k), v)}
             if clash:
                 raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
             settings["tasks"] = list(dict.fromkeys(info["settings"]["tasks"] + task_list))

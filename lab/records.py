@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from criterion import TAU, static_labels
+from weights.checkpoints import model_key
 
 
 # The order and names in which tables and figures list the configurations the paper compares; any other name (a new
@@ -162,6 +163,14 @@ def read_records(out: Path, on_damage=None) -> list[dict]:
         for r in file_records(path, on_damage)[0]:
             rows.setdefault((r["task"], r["index"], r["config"]), r)
     return list(rows.values())
+
+
+def differs(key: str, a, b) -> bool:
+    """Whether two runs' values of the setting `key` differ: a model by the model it names (weights.checkpoints.
+    model_key: `--model m` and `--model ./m` are one), anything else by its value."""
+    if key == "model" and isinstance(a, str) and isinstance(b, str):
+        return model_key(a) != model_key(b)
+    return a != b
 
 
 def read_run(out: Path) -> dict:

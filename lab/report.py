@@ -36,7 +36,7 @@ import numpy as np
 from lab.cli import Parser, fail, named_twice
 from lab.plots import plots
 from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, DamagedRecord, common_indices, config_sort_key,
-                        confusion, curves, drawn_mean, group, head_counts, is_run_folder, label, lossless_draws,
+                        confusion, curves, differs, drawn_mean, group, head_counts, is_run_folder, label, lossless_draws,
                         lossless_table, matched_table, mean, mean_draws, measured_points, method_configs, normalised,
                         page_methods, paired_scores, paired_values, read_records, read_run, recall_rows, run_recall,
                         static_oracle_freq, summary_rows)
@@ -738,7 +738,8 @@ def with_baseline(out: Path, rows: list[dict], other: Path, on_damage=None) -> l
             raise ValueError(f"{f} has records but no run.json: --with cannot check that {out} and {other} decoded the "
                              "same samples (lab.sweep and lab.peers write run.json)")
     mine, theirs = (read_run(f)["settings"] for f in (out, other))
-    clash = {k: (mine.get(k), theirs.get(k)) for k in SAME_RUN if k in mine and k in theirs and mine[k] != theirs[k]}
+    clash = {k: (mine.get(k), theirs.get(k)) for k in SAME_RUN if k in mine and k in theirs
+             and differs(k, mine[k], theirs[k])}
     missing = [k for k in ("length", "seed", "model") if k not in mine or k not in theirs]
     if clash or missing:
         raise ValueError(f"{out} and {other} are not runs of the same samples: {clash or missing}")

@@ -92,8 +92,8 @@ from moments import ReferenceKeys, reference_words
 from lab import calibrate
 from lab.cli import (Parser, at_least, budgets as budget_text, fail, fractions, interrupted, named_twice,
                      taus as tau_text, thread_count)
-from lab.records import (DamagedRecord, file_records, ids_hash, read_records, read_run, result_files, write_records,
-                         write_run)
+from lab.records import (DamagedRecord, differs, file_records, ids_hash, read_records, read_run, result_files,
+                         write_records, write_run)
 from lab.report import report
 from lab.tasks import CTXFREE, TASK_CONFIGS, ctxfree_sample, make_sample, score
 from weights.checkpoints import DEFAULT, DTYPES, load, resolve
@@ -836,13 +836,13 @@ def run(out: str, tasks: str, length: int, samples: int, methods: str, taus: str
                     # a run that reads static labels from the default folder (no --static-labels) is compared too
                     keys = list(settings) + (["static_labels"] if static_sources and not static_labels else [])
                     clash = {k: (old.get(k), settings.get(k)) for k in keys if k != "tasks"
-                             and old.get(k) != settings.get(k) and (k in old or k not in RECORDED_SINCE)}
+                             and differs(k, old.get(k), settings.get(k)) and (k in old or k not in RECORDED_SINCE)}
                     if clash:
                         raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
                     settings["tasks"] = list(dict.fromkeys(old.get("tasks", []) + task_list))
                     # what this run does not read (a correction, static labels, --set inputs) stays recorded: the
                     # records made with it are still here, and the command that made them must still resume
-                    settings = old | settings
+                    settings = old | settings | {"model": old.get("model", model)}  # as first written
             records = read_records(out, on_damage)  # a damaged record stops the sweep here, before the model loads
             if damaged and rank == 0:
                 print(f"warning: left out {len(damaged)} damaged record line(s) (--skip-damaged: decoded again; at "

@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -844,6 +845,28 @@ def test_a_resume_reads_the_static_labels_it_started_with(tmp_path, tiny_dir, no
              f"holds a run with other settings {{'static_labels': ('{tmp_path / 'ruler.json'}', None)}}")
     with pytest.raises(AssertionError, match="a model was loaded"):
         sweep.main(argv)
+
+
+def test_a_sweep_resumes_under_another_spelling_of_its_model_and_refuses_another_model(tmp_path, tiny_dir, no_model,
+                                                                                        capsys, monkeypatch):
+    """run.json's model is compared by the model it names (weights.checkpoints.model_key), not by its text: a sweep
+    started with --model /abs/DIR resumes with --model ./DIR/ (up to the model's loading); a copy of the folder
+    elsewhere is another model, refused; a named model and its converted folder are one."""
+    out = tmp_path / "out"
+    settings = dict(tasks=["fwe"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model=str(tiny_dir),
+                    calib_seed=1, dtype="float32")
+    run_folder(out, LINES[0], settings=settings)
+    monkeypatch.chdir(tiny_dir.parent)
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        sweep.main(["--out", str(out), "--model", f"./{tiny_dir.name}/"] + RUN)
+    other = tmp_path / "copy"
+    shutil.copytree(tiny_dir, other)
+    one_line(capsys, sweep.main(["--out", str(out), "--model", str(other)] + RUN),
+             f"holds a run with other settings {{'model': ('{tiny_dir}', '{other}')}}")
+    monkeypatch.setenv("QADA_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "models" / "smollm2-135m").mkdir(parents=True)
+    assert not records.differs("model", "smollm2-135m", str(tmp_path / "cache" / "models" / "smollm2-135m"))
+    assert records.differs("model", "smollm2-135m", str(other)) and records.differs("model", "owner/m", str(other))
 
 
 def test_a_resumed_sweep_refuses_a_correction_refitted_under_the_same_name(tmp_path, tiny_dir, no_model, capsys):

@@ -926,9 +926,9 @@ def test_records_are_read_compressed_and_plain_and_merged_into_one_compressed_fi
     assert again.read_bytes() == (tmp_path / "samples.jsonl.xz").read_bytes()
 
 
-def test_a_report_pairs_a_folder_with_an_earlier_one_of_the_same_samples(tmp_path):
+def test_a_report_pairs_a_folder_with_an_earlier_one_of_the_same_samples(tmp_path, monkeypatch):
     """--with: the other folder's records that this one lacks join it, on this one's samples; its own win; other
-    settings are refused."""
+    settings are refused; a model is told by the model it names, not by its text."""
     settings = dict(tasks=["a"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model="m", dtype="bfloat16")
     for name, recs in (("new", [("a", 0, "dense", 1.0), ("a", 0, "qada_cal@0.6", 1.0)]),
                        ("old", [("a", 0, "dense", 0.0), ("a", 0, "static@0.8", 0.5), ("a", 1, "dense", 1.0)])):
@@ -946,6 +946,15 @@ def test_a_report_pairs_a_folder_with_an_earlier_one_of_the_same_samples(tmp_pat
     (tmp_path / "old" / "run.json").write_text(json.dumps({"settings": {k: v for k, v in settings.items()
                                                                         if k != "seed"}}))
     with pytest.raises(ValueError, match=r"not runs of the same samples: \['seed'\]"):
+        report.with_baseline(tmp_path / "new", rows, tmp_path / "old")
+    # a model folder named otherwise (./m/ and the absolute path) is the same model; another folder is not
+    (tmp_path / "m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old" / "run.json").write_text(json.dumps({"settings": dict(settings, model=str(tmp_path / "m"))}))
+    (tmp_path / "new" / "run.json").write_text(json.dumps({"settings": dict(settings, model="./m/")}))
+    assert len(report.with_baseline(tmp_path / "new", rows, tmp_path / "old")) == 3
+    (tmp_path / "new" / "run.json").write_text(json.dumps({"settings": dict(settings, model="other/m")}))
+    with pytest.raises(ValueError, match="not runs of the same samples.*model"):
         report.with_baseline(tmp_path / "new", rows, tmp_path / "old")
 
 

@@ -184,6 +184,14 @@ def resolve(name: str | None, progress: bool = True) -> Path:
                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
+def model_key(name: str) -> str:
+    """What tells two --model values apart without loading anything: a named model or a model folder by the folder's
+    resolved path (so a named model and its converted folder, or ./m and /abs/m, are one model), anything else (a hub
+    id, a folder no longer here) by its text."""
+    path = model_dir(name) if name in MODELS else Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() or name in MODELS else name
+
+
 def config(name: str | None = None, progress: bool = True) -> LlamaConfig:
     """The config of `name` (see resolve), read without its weights: what a command checks before it loads them."""
     return read_config(resolve(name, progress))
