@@ -63,6 +63,8 @@ MODEL_FIXTURES = {"embedded_dir", "embedded_gguf_file", "hf_gguf_model", "hf_ggu
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: uses a real model (seconds to about a minute, and the network the first "
                                        "time); still run by default")
+    # pytest-xdist's own marker, said here too so that a run without xdist installed does not warn of it
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist's --dist loadgroup runs on one worker")
     # The interpreter runs a kernel on numpy, which warns where the GPU would compute a NaN without a word: a kernel
     # that divides an empty sum by itself, even where the store masks the result, fails its test here.
     config.addinivalue_line("filterwarnings", "error:invalid value encountered:RuntimeWarning")
