@@ -463,7 +463,7 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
     .jsonl file holds one per line, each a JSON string or an object with a "prompt" field (its other fields are
     ignored: the flags set every row's decoding). FileNotFoundError/ValueError carry one clear line."""
     if files.count("-") > 1:
-        raise ValueError("--prompt - is given twice: standard input holds one prompt (or one .jsonl of them)")
+        raise ValueError("--prompt - is given twice: standard input holds one prompt")
     if "-" in files and sys.stdin is None:
         raise ValueError("--prompt -: this process has no standard input")
     prompts = []
@@ -496,6 +496,11 @@ def read_prompts(files: list[str]) -> list[tuple[str, str]]:
                                  "field") from None
             if not isinstance(prompt, str):
                 raise ValueError(f"{path} line {i}: \"prompt\" must be a string, got {type(prompt).__name__}")
+            try:  # JSON's \ud83d escapes may leave a lone UTF-16 surrogate, which no tokenizer takes
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{path} line {i}: the prompt holds a lone UTF-16 surrogate escape "
+                                 f"(\\u{ord(prompt[e.start]):04x} at character {e.start}), not text") from None
             prompts.append((f"{path}:{i}", prompt))
     for name, text in prompts:
         if not text.strip():

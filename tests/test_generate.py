@@ -271,6 +271,10 @@ def test_bad_prompt_files_name_the_real_cause(tiny_dir, tmp_path, capsys):
         f'error: {prompts} line 2: "prompt" must be a string, got int'
     prompts.write_text('"fine"\n["a list"]\n')
     assert "line 2: expected a JSON string or an object" in error_of(capsys, ["--prompt", str(prompts)] + model)
+    # JSON reads a lone surrogate escape (a string cut mid-emoji in UTF-16) into a str no tokenizer takes
+    prompts.write_text('"fine"\n{"prompt": "abc \\udc80 def"}\n')
+    assert error_of(capsys, ["--prompt", str(prompts)] + model) == (
+        f"error: {prompts} line 2: the prompt holds a lone UTF-16 surrogate escape (\\udc80 at character 4), not text")
 
 
 def test_a_prompt_comes_from_standard_input_or_a_pipe(tmp_path, monkeypatch):
