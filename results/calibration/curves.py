@@ -6,7 +6,7 @@ correction, on prompts the calibration never saw; and what each criterion drops 
 
 Each folder is one made by `python -m lab.calibrate --qada` (masses.pt and KIND.json). The corrections of the first
 are scored on the masses of the second and the other way round; writes curves.md and curves.png beside this file
-(the committed pair of the two 8k folders), or in --out.
+(the committed pair of the two 8k folders, and no other), or in --out.
 "Dropped mass" at head sparsity x: the threshold on each criterion's log ratio that labels a fraction x of the
 (step, layer, head) triples local, then the mean true bulk share 1 - A_local / (A_local + A_bulk) of those labelled
 local (what their window-only output leaves out), over all triples; a proxy, the decoding sweeps give the scores.
@@ -120,9 +120,15 @@ if __name__ == "__main__":
                                 "the other's masses")
     p.add_argument("fit_a")
     p.add_argument("fit_b")
-    p.add_argument("--out", type=Path, default=HERE, help="folder for curves.md and curves.png (default: beside "
-                   "this script, the committed pair)")
+    p.add_argument("--out", type=Path, default=None, help="folder for curves.md and curves.png (default: beside "
+                   "this script, for the committed pair only)")
     args = p.parse_args()
+    committed = [HERE / "qwen0.5b-8k-niah", HERE / "qwen0.5b-8k-other"]
+    if args.out is None:  # the committed curves are rewritten only by the command that made them
+        if [Path(f).resolve() for f in (args.fit_a, args.fit_b)] != [f.resolve() for f in committed]:
+            p.error("beside this script are the committed curves of qwen0.5b-8k-niah and qwen0.5b-8k-other; give "
+                    "--out DIR for other folders")
+        args.out = HERE
     for folder in (args.fit_a, args.fit_b):
         if not (Path(folder) / "masses.pt").is_file():
             p.error(f"{folder} holds no masses.pt (made by python -m lab.calibrate --qada)")
