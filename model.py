@@ -385,11 +385,11 @@ class Llama(nn.Module):
     def compile_pointwise(self) -> None:
         """torch.compile the arithmetic between each layer's matmuls: its two norms, RoPE and the gated MLP, and the
         final norm. Eager in bf16, a decode step launches 38 kernels per layer, 28 of them small elementwise ones (a
-        norm is eight, RoPE eight; results/bench-gpu/launches.py counts them); at batches of 1-8 on a GPU each costs a few microseconds however little it
-        computes. Compiled, each of these modules is one fused kernel beside its matmuls (gpt-fast compiles
-        its whole step; here the attention stays eager, since the decode hook may be any Python). The modules' code is
-        unchanged and every layer's instance shares one compiled graph per shape; the first call at a new shape
-        compiles (seconds), and the fused sums may round otherwise than eager's."""
+        norm is eight, RoPE eight; results/bench-gpu/launches.py counts them); at batches of 1-8 on a GPU each costs a
+        few microseconds however little it computes. Compiled, each of these modules is one fused kernel beside its
+        matmuls (gpt-fast compiles its whole step; here the attention stays eager, since the decode hook may be any
+        Python). The modules' code is unchanged and every layer's instance shares one compiled graph per shape; the
+        first call at a new shape compiles (seconds), and the fused sums may round otherwise than eager's."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RoPE, MLP)):
                 module.compile()

@@ -167,7 +167,9 @@ def read_records(out: Path, on_damage=None) -> list[dict]:
 
 def differs(key: str, a, b) -> bool:
     """Whether two runs' values of the setting `key` differ: a model by the model it names (weights.checkpoints.
-    model_key: `--model m` and `--model ./m` are one), anything else by its value."""
+    model_key: `--model m` and `--model ./m` are one), anything else by its value. Stricter than lab.calibrate's
+    differences, which tells a model by its folder's name alone: its files carry a weights probe, a sweep's run.json
+    none, so two folders of one name elsewhere stay two models here."""
     if key == "model" and isinstance(a, str) and isinstance(b, str):
         return model_key(a) != model_key(b)
     return a != b

@@ -90,12 +90,12 @@ def per_layer(count) -> Counter:
 
 
 @contextmanager
-def dispatched(model, by_module: bool = False):
-    """The computing operations one step dispatches, by name, or by (name, compiled module or None) with by_module."""
+def dispatched(model):
+    """The computing operations one step dispatches, by (name, compiled module or None)."""
     seen, mode = Counter(), Ops(model)
     with mode:
         yield seen
-    seen.update(op if by_module else op[0] for op in mode.ops)
+    seen.update(mode.ops)
 
 
 def profiled(activity, keep):
@@ -116,13 +116,15 @@ def count_cuda(device) -> dict:
 
 
 def count_cpu(device) -> dict:
-    eager = per_layer(lambda L: one_step(L, device, False, dispatched))
+    by_module = per_layer(lambda L: one_step(L, device, False, dispatched))
+    eager = Counter()
+    for (name, _), n in by_module.items():
+        eager[name] += n
     # Compiled code runs out of the dispatch mode's reach, so its own part is read from the profiler: inductor's CPU
     # kernels record themselves under their names (cpp_fused_...) when asked to
     torch._inductor.config.cpp.enable_kernel_profile = True
     fused_kernels = profiled(ProfilerActivity.CPU, lambda e: "cpp_fused" in e.name)
     fused = per_layer(lambda L: one_step(L, device, True, fused_kernels))
-    by_module = per_layer(lambda L: one_step(L, device, False, lambda m: dispatched(m, by_module=True)))
     compiled = Counter({f"{name} in {module}" if module else name: n for (name, module), n in by_module.items()
                         if module is None or name == "aten.linear"})  # what stays outside, and the matmuls inside
     compiled.update({"fused: " + name.split("cpp_fused_")[1].rsplit("_", 1)[0]: n for name, n in fused.items()})
