@@ -158,7 +158,9 @@ class HFAttention:
         if given:
             raise ValueError(f"{given[0]}: the {method} path does not read it (it reads "
                              f"{', '.join(reads) or 'nothing'})")
-        moments = "random-words" if moments is None else moments  # the paper's default, where a path reads moments
+        correction, name = self.read_calibration(calibration) if "calibration" in reads else (None, None)
+        if moments is None:  # a correction fixes the moments it corrects (as in generate.py); else the paper's Option 2
+            moments = correction.settings.get("moments_source", "random-words") if correction else "random-words"
         if isinstance(moments, str) and moments not in SOURCES:
             raise ValueError(f"unknown moments source {moments!r}; choose from {', '.join(SOURCES)}")
         if not isinstance(moments, str) and not hasattr(moments, "quadratic_form"):
@@ -172,8 +174,11 @@ class HFAttention:
                              or "pages" in reads)
         if "moments" in reads and not isinstance(moments, str):
             inputs = dict(inputs, moments=moments)  # a KeyMoments of the caller's
-        if "calibration" in reads:
-            inputs["calibration"] = self.read_calibration(calibration, device, offloaded_probe(model))
+        if correction is not None:
+            cfg = self.cfg
+            check_calibration(correction, name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                              n_sink, n_local, self.moments_source, bulk_estimate(method), offloaded_probe(model))
+            inputs["calibration"] = correction.to(device)
         if tau is not None:
             check_tau(tau)
         self.tau, self.tau_from = (tau, "given") if tau is not None else default_tau(method, inputs.get("calibration"))
@@ -222,10 +227,10 @@ class HFAttention:
         # report(sequences), whose rows then are not the cache's
         self.follows_rows, self.last_key, self.moved = False, None, False
 
-    def read_calibration(self, calibration, device, probe: list[float]) -> Calibration:
-        """The correction a qada*_cal path reads: a Calibration, a file or a lab.calibrate folder, or a named model
-        (weights.checkpoints) whose shipped one it takes; checked against the model (its shape, and its weights by
-        their criterion.weights_probe), the window and the moments."""
+    def read_calibration(self, calibration) -> tuple[Calibration, str]:
+        """The correction a qada*_cal path reads, and its name in error messages: a Calibration, a file or a
+        lab.calibrate folder, or a named model (weights.checkpoints) whose shipped one it takes; __init__ checks it
+        against the model (its shape, and its weights by their criterion.weights_probe), the window and the moments."""
         if calibration is None:
             raise ValueError(f"the {self.method} path reads a calibration: give enable(model, calibration=FILE) "
                              f"(made by python -m lab.calibrate --qada --hf MODEL), or a named model's "
@@ -235,15 +240,11 @@ class HFAttention:
                 raise ValueError(f"{calibration} ships no calibration")
             calibration = shipped_calibration(calibration)
         if isinstance(calibration, Calibration):
-            c, name = calibration, "the given calibration"  # as error messages name it; the report: "given"
-            c = Calibration(c.a, c.b, c.s, dict(c.settings, file=c.settings.get("file", "given")))
-        else:
-            c = read_calibration(str(calibration), self.method, "calibration")
-            name = c.settings["file"]
-        cfg = self.cfg
-        check_calibration(c, name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                          self.n_sink, self.n_local, self.moments_source, bulk_estimate(self.method), probe)
-        return c.to(device)
+            c = calibration  # the report names it "given"
+            return Calibration(c.a, c.b, c.s, dict(c.settings, file=c.settings.get("file", "given"))), \
+                "the given calibration"
+        c = read_calibration(str(calibration), self.method, "calibration")
+        return c, c.settings["file"]
 
     # -----------------------------------------------------------------------------------------------------
     # What transformers calls, per layer
@@ -437,8 +438,8 @@ def enable(model, method: str = "qada_cal", tau: float | None = None, calibratio
     tau: the threshold; None is the method's own operating point (generate.default_tau: a calibrated path at the one
     stored with its correction, else the paper's 0.6). calibration: what a qada*_cal path reads (a Calibration, a
     file, a folder of lab.calibrate --qada, or a named model whose shipped one it takes). moments: a moments.SOURCES
-    name or a KeyMoments, for the paths that read moments (None: random-words, the paper's Option 2); Option 2's
-    sources need `tokenizer` (the model's: its encode(text, add_special_tokens=True) makes the reference prompt).
+    name or a KeyMoments, for the paths that read moments (None: those a calibrated path's correction was fitted on,
+    else random-words, the paper's Option 2); Option 2's sources need `tokenizer` (the model's: its encode(text, add_special_tokens=True) makes the reference prompt).
     inputs: more of what the path reads (static_local, a new path's own). Returns the registered attention: its
     `report(sequences)` and `summary(row, sequences)` give the last generation's statistics, each row up to its
     end-of-sequence token in generate's output `sequences` (without them, to the batch's last step)."""

@@ -232,9 +232,9 @@ def test_left_padded_rows_decode_as_each_alone(sharp_dir, method, moments):
 
 
 def test_the_report_states_each_rows_numbers_and_outlives_disable(sharp_dir, tmp_path):
-    """report(): the method, its tau and where it came from, the moments, the correction's file and the rest of what the
-    path reads (a page budget, a window not the paper's), then one line per row of the last generation with that row's
-    summary; the same after disable() (the statistics stay)."""
+    """report(): the method, its tau and where it came from, the moments (by default a correction's own), the
+    correction's file and the rest of what the path reads (a page budget, a window not the paper's), then one line per
+    row of the last generation with that row's summary; the same after disable() (the statistics stay)."""
     tok, hf = Tokenizer.from_dir(sharp_dir), hf_model(sharp_dir)
     long, short = prompt_ids(PROMPT, 1), prompt_ids(PROMPT - 40, 2)
     ids = torch.cat([long, torch.cat([torch.zeros(1, 40, dtype=torch.long), short], 1)])
@@ -261,6 +261,13 @@ def test_the_report_states_each_rows_numbers_and_outlives_disable(sharp_dir, tmp
     generate_hf(hf, long)
     assert attention.report() == "\n".join([f"method qada_cal at tau {TAU} (the calibration's operating point), "
                                             "random-words moments, calibration affine.json"] + lines(attention, 1))
+    disable(hf)
+    fitted = random_calibration(taus={"qada_cal": TAU})  # fitted on the prompt's moments: those it is run with
+    fitted.settings["moments_source"] = "prompt"
+    attention = enable(hf, "qada_cal", calibration=fitted)
+    generate_hf(hf, long)
+    assert attention.report().splitlines()[0] == (f"method qada_cal at tau {TAU} (the calibration's operating point), "
+                                                  "prompt moments, calibration given")
     disable(hf)
     attention = enable(hf, "quest", budget=64, n_local=96)  # what else the path read, as generate.py's report says
     generate_hf(hf, long)
