@@ -347,7 +347,10 @@ def choice_us(layer: Layer, budget: int, quest: bool, device: torch.device, reps
 
 
 def format_row(r: dict) -> str:
-    return "| " + " | ".join(fmt.format(r[key]) for key, _, fmt in COLUMNS) + " |"
+    """A table row; n/a for what was not measured (NaN: a launch that failed to compile, no page to choose), as
+    lab.bench_gpu's tables write it."""
+    return "| " + " | ".join("n/a" if isinstance(r[key], float) and math.isnan(r[key]) else fmt.format(r[key])
+                             for key, _, fmt in COLUMNS) + " |"
 
 
 def environment(device: torch.device) -> str:

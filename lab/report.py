@@ -537,7 +537,7 @@ def verdict(lo: float, hi: float, ref, bound: str | None = None) -> str:
 
 def layer_disagreement(rows) -> list[str]:
     """Per layer, for tracked runs: QAdA against the oracle on the same queries (TP/FP/TN/FN, positive = local,
-    and Cohen's kappa), and the Gaussian log-mass estimate against the true bulk mass: mean |error| and mean signed
+    and Cohen's kappa, – where both label every head alike), and the Gaussian log-mass estimate against the true bulk mass: mean |error| and mean signed
     error (estimate - truth; negative = bulk underestimated, so heads wrongly local). With the moments the run used,
     and, where recorded, with the exact moments of the prompt's bulk at that step: the gap between the two says
     how much of the error is the moments and how much the Gaussian shape. Every figure is a mean over (step, head),
@@ -557,8 +557,8 @@ def layer_disagreement(rows) -> list[str]:
             return float((per_run * w).sum() / w.sum())
         TP, FP, TN, FN = confusion(q[layers].sum(), o[layers].sum(), b[layers].sum(), S * q[layers].size)
         po, pe = TP + TN, (TP + FP) * (TP + FN) + (TN + FN) * (TN + FP)
-        kappa = (po - pe) / (1 - pe) if pe < 1 else float("nan")
-        cells = [f"{x:.2f}" for x in (TP, FP, TN, FN, kappa, FP + TN, FN + TN)]
+        kappa = (po - pe) / (1 - pe) if pe < 1 else None  # both label every head alike: agreement is all chance
+        cells = [fmt(x, 1, 2) for x in (TP, FP, TN, FN, kappa, FP + TN, FN + TN)]
         cells += [fmt(log_error(k), 1, 2) for k in ("log_err", "log_bias", "log_err_exact", "log_bias_exact")]
         return f"| {name} | " + " | ".join(cells) + " |"
 
@@ -567,7 +567,8 @@ def layer_disagreement(rows) -> list[str]:
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [row(str(layer), [layer]) for layer in range(L)]
     third = (L - 1) / 3
-    groups = [("**layer 0**", [0])] + [(f"**layers {lo}-{hi - 1}**", list(range(lo, hi))) for lo, hi in
+    groups = [("**layer 0**", [0])] + [(f"**layer {lo}**" if hi == lo + 1 else f"**layers {lo}-{hi - 1}**",
+                                         list(range(lo, hi))) for lo, hi in
                                         [(1, 1 + round(third)), (1 + round(third), 1 + round(2 * third)),
                                          (1 + round(2 * third), L)]]
     return lines + [row(name, layers) for name, layers in groups if layers]

@@ -649,6 +649,16 @@ def test_the_gpu_benchmark_runs_at_tiny_sizes_through_the_interpreter(tmp_path, 
             not (tmp_path / "gpu").exists()
 
 
+def test_the_gpu_benchmark_writes_n_a_for_what_it_did_not_measure():
+    """A NaN cell of lab.bench_pages_gpu's table (an exact launch that failed to compile, a budget of no page) reads
+    n/a, as in lab.bench_gpu's tables, not nan; the other cells keep their formats."""
+    row = {key: 1.0 for key, _, _ in bench_pages_gpu.COLUMNS} | {"shape": "tiny", "no_sync": "yes"}
+    row["pages_exact_ms"] = math.nan
+    cells = bench_pages_gpu.format_row(row).strip("| ").split(" | ")
+    assert len(cells) == len(bench_pages_gpu.COLUMNS) and cells.count("n/a") == 1 and "nan" not in cells
+    assert cells[[key for key, _, _ in bench_pages_gpu.COLUMNS].index("pages_exact_ms")] == "n/a"
+
+
 @pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="--interpret-smoke is the interpreter's")
 @pytest.mark.parametrize("launch", [None, '{"window": {"LOW": false}, "bound": {"LOW": false}}'])
 def test_the_gpu_benchmark_checks_and_times_the_launch_given(tmp_path, monkeypatch, launch):

@@ -1173,9 +1173,9 @@ def test_the_agreement_table_of_fewer_than_ten_heads_has_no_empty_decile():
 
 def test_the_per_layer_table_by_hand():
     """layer_disagreement on two tracked runs of four layers of one head (10 and 30 steps): per layer TP, FP, TN, FN,
-    kappa (nan where chance agreement is 1), the oracle's long-context share (FP + TN) and QAdA's (FN + TN); the log
+    kappa (– where both label every head alike: chance agreement 1), the oracle's long-context share (FP + TN) and QAdA's (FN + TN); the log
     errors as means over runs weighted by their steps, "–" for one that not every run recorded; then layer 0 and the
-    thirds of layers 1-3, one layer each."""
+    thirds of layers 1-3, one layer each (named as one)."""
     freq = {"local_freq": [[1.0], [0.0], [1.0], [0.5]], "oracle_freq": [[0.0], [1.0], [1.0], [0.5]],
             "both_freq": [[0.0], [0.0], [1.0], [0.5]]}
     runs = [dict(freq, task="a", config="qada_rw@0.6", steps=steps, log_err=[[e + k] for k in range(4)],
@@ -1187,12 +1187,12 @@ def test_the_per_layer_table_by_hand():
     assert lines[2:] == [
         "| 0 | 0.00 | 1.00 | 0.00 | 0.00 | 0.00 | 1.00 | 0.00 | 4.00 | -4.00 | 2.00 | – |",
         "| 1 | 0.00 | 0.00 | 0.00 | 1.00 | 0.00 | 0.00 | 1.00 | 5.00 | -5.00 | 2.50 | – |",
-        "| 2 | 1.00 | 0.00 | 0.00 | 0.00 | nan | 0.00 | 0.00 | 6.00 | -6.00 | 3.00 | – |",
+        "| 2 | 1.00 | 0.00 | 0.00 | 0.00 | – | 0.00 | 0.00 | 6.00 | -6.00 | 3.00 | – |",
         "| 3 | 0.50 | 0.00 | 0.50 | 0.00 | 1.00 | 0.50 | 0.50 | 7.00 | -7.00 | 3.50 | – |",
         "| **layer 0** | 0.00 | 1.00 | 0.00 | 0.00 | 0.00 | 1.00 | 0.00 | 4.00 | -4.00 | 2.00 | – |",
-        "| **layers 1-1** | 0.00 | 0.00 | 0.00 | 1.00 | 0.00 | 0.00 | 1.00 | 5.00 | -5.00 | 2.50 | – |",
-        "| **layers 2-2** | 1.00 | 0.00 | 0.00 | 0.00 | nan | 0.00 | 0.00 | 6.00 | -6.00 | 3.00 | – |",
-        "| **layers 3-3** | 0.50 | 0.00 | 0.50 | 0.00 | 1.00 | 0.50 | 0.50 | 7.00 | -7.00 | 3.50 | – |"]
+        "| **layer 1** | 0.00 | 0.00 | 0.00 | 1.00 | 0.00 | 0.00 | 1.00 | 5.00 | -5.00 | 2.50 | – |",
+        "| **layer 2** | 1.00 | 0.00 | 0.00 | 0.00 | – | 0.00 | 0.00 | 6.00 | -6.00 | 3.00 | – |",
+        "| **layer 3** | 0.50 | 0.00 | 0.50 | 0.00 | 1.00 | 0.50 | 0.50 | 7.00 | -7.00 | 3.50 | – |"]
     assert report.layer_disagreement([dict(runs[0], steps=0)]) == []  # no step decoded: nothing to compare
 
 
