@@ -381,6 +381,7 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
             if clash:
                 raise ValueError(f"{out} holds a run with other settings {clash}; use another --out")
             settings["tasks"] = list(dict.fromkeys(info["settings"]["tasks"] + task_list))
+            settings["model"] = info["settings"]["model"]  # its first spelling, as lab.sweep keeps it
 
         folder = resolve(model, progress=progress)
         tok = Tokenizer.from_dir(folder)

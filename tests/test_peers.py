@@ -4,6 +4,7 @@ than the suite is held to, so these run in an environment of their own (.ci/run 
 skipped."""
 
 import json
+import shutil
 import time
 import types
 
@@ -414,11 +415,18 @@ def test_no_press_and_no_control_is_nothing_to_run(tiny_dir, tmp_path):
     assert not (tmp_path / "peers").exists()
 
 
-def test_a_second_run_in_a_folder_adds_its_tasks_and_other_settings_are_refused(tiny_dir, tmp_path):
-    """Another task's samples join a folder's run, its settings listing both tasks; another seed is refused."""
+def test_a_second_run_in_a_folder_adds_its_tasks_and_other_settings_are_refused(tiny_dir, tmp_path, monkeypatch):
+    """Another task's samples join a folder's run, its settings listing both tasks, its model named as the same folder
+    by another path (relative, with a trailing slash: lab.records.differs); another seed is refused, and so is a copy
+    of the model's folder elsewhere (another model, to a run.json that keeps no weights probe)."""
     one = dict(samples=1, context_ratios="", dense_samples=0)  # one press, one sample: one decoding a run
     out = run(tiny_dir, tmp_path / "peers", **one)
-    run(tiny_dir, out, tasks="niah_multikey_2", **one)
+    monkeypatch.chdir(tiny_dir.parent)
+    run(tiny_dir, out, tasks="niah_multikey_2", model=f"./{tiny_dir.name}/", **one)
+    assert json.loads((out / "run.json").read_text())["settings"]["model"] == str(tiny_dir)  # the first spelling
+    copy = shutil.copytree(tiny_dir, tmp_path / "copy" / tiny_dir.name)
+    with pytest.raises(ValueError, match="other settings {'model'"):
+        run(tiny_dir, out, model=str(copy), **one)
     assert json.loads((out / "run.json").read_text())["settings"]["tasks"] == ["niah_single_1", "niah_multikey_2"]
     assert sorted((r["task"], r["config"]) for r in read_records(out)) == [("niah_multikey_2", "snapkv@0.5"),
                                                                           ("niah_single_1", "snapkv@0.5")]
