@@ -169,7 +169,7 @@ def qada_pages(q, k, v, *, layer, n_sink, n_local, tau, moments, calibration, pa
     labels = qada_labels(q, log_local, moments.quadratic_form(layer, k), T - n_local, tau, "mean",
                          calibration.layer(layer))  # (H,): one decision per group, as qada_kv_cal
     long = ~labels.view(Hkv, -1)[:, 0]  # (Hkv,)
-    n_long = int(long.sum())  # the one host sync: which groups read pages (mixed_attention syncs as much)
+    n_long = int(long.sum())  # a host sync, as the [long] masks below: the torch path reads its labels on the host
     m = candidates(T, n_sink, n_local, page_size)
     chosen = torch.zeros(Hkv, m, dtype=torch.bool, device=q.device)
     scored = False
@@ -286,7 +286,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_sink: 
     The window is read in place as its two slices, sinks and recent tokens, each a view of the cache: only
     the (H, W) scores are concatenated, never keys or values. Deciding costs a few eager ops per layer, each a
     few microseconds on the CPU whatever its size, so the count matters: one log_softmax gives both the weights
-    (its exp) and the mass, since log A_local = s_0 - log p_0 for any window position, here the first sink."""
+    (its exp) and the mass, since log A_local = s_0 - log p_0 for any window position, here its first."""
     H, D = q.shape
     Hkv = k.shape[0]
     qg = q.view(Hkv, H // Hkv, D)  # (Hkv, G, D)
@@ -359,7 +359,7 @@ def paged_attention(q, k, v, chosen, y_window, log_local, n_sink, n_local, page_
     chosen = chosen.to(q.device).view(Hkv, G, -1)  # (Hkv, G, m)
     union = chosen.any(1)  # (Hkv, m): the pages each KV head reads
     read = torch.zeros(Hkv, dtype=torch.long, device=q.device)
-    active = union.any(1).nonzero().flatten()  # KV heads with a page to read: the one host sync
+    active = union.any(1).nonzero().flatten()  # KV heads with a page to read: a host sync (U below is another)
     if active.numel() == 0:
         return y_window, read
     n_pages = union[active].sum(1)  # (a,)

@@ -756,7 +756,8 @@ def history_operands(history, B: int, H: int, dummy: torch.Tensor) -> tuple:
 
 
 def _launch_checks(q: torch.Tensor, out: torch.Tensor | None, name: str) -> None:
-    """What both fused entry points need before any launch: triton, and the head dim contiguous in q and out."""
+    """What the three fused entry points (fused_qada, fused_dense, fused_pages) need before any launch: triton, and
+    the head dim contiguous in q and out."""
     if triton is None:
         raise RuntimeError("the fused kernel needs triton (pip install triton); the torch path runs without it")
     if q.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):

@@ -280,7 +280,7 @@ def read_sources(method: str, static_labels: str | None, static_sparsity: float,
     return {"static_local": static_local, "calibration": correction, "static_settings": static_settings}
 
 
-def fit_sources(sources: dict, model, method: str, static_labels: str | None) -> dict:
+def fit_sources(sources: dict, model, static_labels: str | None) -> dict:
     """read_sources' tensors checked against the loaded model's heads and weights (a file fitted on another
     checkpoint of the same shape is refused: criterion.weights_probe), and moved to its device."""
     cfg = model.cfg
@@ -361,7 +361,8 @@ def check_args(max_new_tokens: int, tau: float | None, n_sink: int, n_local: int
     if compiled not in COMPILE_CHOICES:
         raise ValueError(f"--compile takes {' or '.join(COMPILE_CHOICES)}, got {compiled!r}")
     if moments_source is not None and "moments" not in reads:
-        raise ValueError(f"--moments: the {method} path reads no key moments (the qada paths do)")
+        raise ValueError(f"--moments: the {method} path reads no key moments (the Gaussian estimate's paths do: "
+                         "qada, qada_kv*, their _cal and qada_pages*)")
     if calibration is not None and "calibration" not in reads:
         raise ValueError(f"--calibration: the {method} path reads no calibration (the calibrated paths do: "
                          "qada*_cal and qada_pages*)")
@@ -566,7 +567,7 @@ def run_batch(prompts: list[str], model: str | None = None, max_new_tokens: int 
                          "(--max-context, default the model's)")
     net, tok = load(str(folder), device, DTYPES[dtype], rope_theta, progress)
     times["load_s"] = time.perf_counter() - t0
-    sources = fit_sources(sources, net, method, static_labels)
+    sources = fit_sources(sources, net, static_labels)
     t0 = time.perf_counter()
     words = reference_words(moments_source) if "moments" in path_inputs(method) else None
     reference = ReferenceKeys(net, tok, words, n_max=max_context, root=cache_dir() / "moments",

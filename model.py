@@ -55,7 +55,8 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # RoPE base; the paper overrides it to 2e6 to run 32k contexts
     rope_scaling: dict | None = None  # Llama-3.1's {"rope_type": "llama3", ...} or {"rope_type": "linear", ...}
-    max_position_embeddings: int = 4096  # the trained context; generate.py goes past it only with --rope-theta
+    max_position_embeddings: int = 4096  # the trained context; generate.py goes past it only with --rope-theta or
+    # a config's rope_scaling (generate.check_context)
     tie_word_embeddings: bool = False  # LM head shares the embedding matrix (SmolLM2, Qwen2-0.5B)
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     model_type: str = "llama"
@@ -202,6 +203,7 @@ class KVCache:
         out.length = n
         out.start = torch.tensor([n - c.length for c in caches], device=first.k.device)
         return out
+
     def fix(self, view: int | None = None) -> None:
         """Static mode from the current length on: the filled length becomes the device tensor `filled`, a decode step
         writes at the device position and hands out views of `view` positions (default: the capacity), whatever T is.

@@ -432,17 +432,18 @@ def sdpa(module, query, key, value, mask, **kwargs):
 
 def enable(model, method: str = "qada_cal", tau: float | None = None, calibration=None,
            moments=None, *, tokenizer=None, n_sink: int = 16, n_local: int = 128, **inputs) -> HFAttention:
-    """Decode `model` (a transformers llama, mistral or qwen2 causal LM) with the path attention.PATHS[method]
-    (default qada_cal, the recommended one: its stored tau, a correction from `calibration`).
+    """Decode `model` (a transformers llama, mistral or qwen2 causal LM) with the path attention.PATHS[method] (default
+    qada_cal, the recommended one: its stored tau, a correction from `calibration`).
 
     tau: the threshold; None is the method's own operating point (generate.default_tau: a calibrated path at the one
-    stored with its correction, else the paper's 0.6). calibration: what a qada*_cal path reads (a Calibration, a
-    file, a folder of lab.calibrate --qada, or a named model whose shipped one it takes). moments: a moments.SOURCES
-    name or a KeyMoments, for the paths that read moments (None: those a calibrated path's correction was fitted on,
-    else random-words, the paper's Option 2); Option 2's sources need `tokenizer` (the model's: its encode(text, add_special_tokens=True) makes the reference prompt).
-    inputs: more of what the path reads (static_local, a new path's own). Returns the registered attention: its
-    `report(sequences)` and `summary(row, sequences)` give the last generation's statistics, each row up to its
-    end-of-sequence token in generate's output `sequences` (without them, to the batch's last step)."""
+    stored with its correction, else the paper's 0.6). calibration: what a qada*_cal path reads (a Calibration, a file,
+    a folder of lab.calibrate --qada, or a named model whose shipped one it takes). moments: a moments.SOURCES name or a
+    KeyMoments, for the paths that read moments (None: those a calibrated path's correction was fitted on, else
+    random-words, the paper's Option 2); Option 2's sources need `tokenizer` (the model's: its encode(text,
+    add_special_tokens=True) makes the reference prompt). inputs: more of what the path reads (static_local, a new
+    path's own). Returns the registered attention: its `report(sequences)` and `summary(row, sequences)` give the last
+    generation's statistics, each row up to its end-of-sequence token in generate's output `sequences` (without them, to
+    the batch's last step)."""
     llama_config(model)  # one line for what is not a Llama-family transformers model
     check_kernel()  # QADA_KERNEL said now, not inside generate's first decode step
     current = model.config._attn_implementation

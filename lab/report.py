@@ -36,7 +36,8 @@ import numpy as np
 from lab.cli import Parser, fail, named_twice
 from lab.plots import plots
 from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, DamagedRecord, common_indices, config_sort_key,
-                        confusion, curves, differs, drawn_mean, group, head_counts, is_run_folder, label, lossless_draws,
+                        confusion, curves, differs, drawn_mean, group, head_counts, is_run_folder, label,
+                        lossless_draws,
                         lossless_table, matched_table, mean, mean_draws, measured_points, method_configs, normalised,
                         page_methods, paired_scores, paired_values, read_records, read_run, recall_rows, run_recall,
                         static_oracle_freq, summary_rows)
@@ -536,12 +537,12 @@ def verdict(lo: float, hi: float, ref, bound: str | None = None) -> str:
 
 
 def layer_disagreement(rows) -> list[str]:
-    """Per layer, for tracked runs: QAdA against the oracle on the same queries (TP/FP/TN/FN, positive = local,
-    and Cohen's kappa, – where both label every head alike), and the Gaussian log-mass estimate against the true bulk mass: mean |error| and mean signed
-    error (estimate - truth; negative = bulk underestimated, so heads wrongly local). With the moments the run used,
-    and, where recorded, with the exact moments of the prompt's bulk at that step: the gap between the two says
-    how much of the error is the moments and how much the Gaussian shape. Every figure is a mean over (step, head),
-    runs weighted by their steps; the last rows group layer 0 and the thirds of the other layers."""
+    """Per layer, for tracked runs: QAdA against the oracle on the same queries (TP/FP/TN/FN, positive = local, and
+    Cohen's kappa, – where both label every head alike), and the Gaussian log-mass estimate against the true bulk mass:
+    mean |error| and mean signed error (estimate - truth; negative = bulk underestimated, so heads wrongly local). With
+    the moments the run used, and, where recorded, with the exact moments of the prompt's bulk at that step: the gap
+    between the two says how much of the error is the moments and how much the Gaussian shape. Every figure is a mean
+    over (step, head), runs weighted by their steps; the last rows group layer 0 and the thirds of the other layers."""
     tracked = [r for r in rows if "oracle_freq" in r and r.get("steps")]
     if not tracked:
         return []

@@ -1173,9 +1173,9 @@ def test_the_agreement_table_of_fewer_than_ten_heads_has_no_empty_decile():
 
 def test_the_per_layer_table_by_hand():
     """layer_disagreement on two tracked runs of four layers of one head (10 and 30 steps): per layer TP, FP, TN, FN,
-    kappa (– where both label every head alike: chance agreement 1), the oracle's long-context share (FP + TN) and QAdA's (FN + TN); the log
-    errors as means over runs weighted by their steps, "–" for one that not every run recorded; then layer 0 and the
-    thirds of layers 1-3, one layer each (named as one)."""
+    kappa (– where both label every head alike: chance agreement 1), the oracle's long-context share (FP + TN) and
+    QAdA's (FN + TN); the log errors as means over runs weighted by their steps, "–" for one that not every run
+    recorded; then layer 0 and the thirds of layers 1-3, one layer each (named as one)."""
     freq = {"local_freq": [[1.0], [0.0], [1.0], [0.5]], "oracle_freq": [[0.0], [1.0], [1.0], [0.5]],
             "both_freq": [[0.0], [0.0], [1.0], [0.5]]}
     runs = [dict(freq, task="a", config="qada_rw@0.6", steps=steps, log_err=[[e + k] for k in range(4)],

@@ -43,7 +43,8 @@ def failure_modes(rows) -> list[str]:
     for config in sorted({r["config"] for r in rows}):
         mine = [r for r in rows if r["config"] == config and (r["task"], r["index"]) in dense]
         lost = [r for r in mine if r["score"] < dense[r["task"], r["index"]]]
-        lines.append(f"| {config} | {len(mine)} | {len(lost)} | {sum(bool(DESCRIBES.match(r['pred'])) for r in lost)} |")
+        described = sum(bool(DESCRIBES.match(r["pred"])) for r in lost)
+        lines.append(f"| {config} | {len(mine)} | {len(lost)} | {described} |")
     return lines
 
 

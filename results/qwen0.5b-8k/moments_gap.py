@@ -58,21 +58,27 @@ def main(threads: int, tasks: list[str], samples: int, length: int) -> None:
                 qg = q.view(mu_p.shape[0], -1, D)  # (Hkv, G, D)
                 d_mean = (qg * (mu_r - mu_p)[:, None]).sum(-1).flatten() / math.sqrt(D)
                 d_var = torch.einsum("hgd,hde,hge->hg", qg, cov_r - cov_p, qg).flatten() / (2 * D)
-                rows.append(dict(layer=layer, err_rw=gaussian_log_bulk(q, gaussian_form(mu_r, cov_r), T - N_LOCAL) - log_bulk,
+                rows.append(dict(layer=layer,
+                                 err_rw=gaussian_log_bulk(q, gaussian_form(mu_r, cov_r), T - N_LOCAL) - log_bulk,
                                  err_exact=gaussian_log_bulk(q, gaussian_form(mu_p, cov_p), T - N_LOCAL) - log_bulk,
                                  d_mean=d_mean, d_var=d_var, margin=log_local - log_bulk))
     third = (L - 1) / 3
     groups = [("layer 0", [0])] + [(f"layers {a}-{b - 1}", list(range(a, b))) for a, b in
-                                   ((1, 1 + round(third)), (1 + round(third), 1 + round(2 * third)), (1 + round(2 * third), L))]
-    print(f"# Random-words moments against the prompt's own, first decode step\n\n`python {Path(__file__).relative_to(Path(__file__).resolve().parents[2])} "
-          f"--threads {threads}`: Qwen2.5-Coder-0.5B bf16, {length} tokens, tasks {', '.join(tasks)}, {samples} samples each; "
+                                   ((1, 1 + round(third)), (1 + round(third), 1 + round(2 * third)),
+                                    (1 + round(2 * third), L))]
+    script = Path(__file__).relative_to(Path(__file__).resolve().parents[2])
+    print(f"# Random-words moments against the prompt's own, first decode step\n\n`python {script} "
+          f"--threads {threads}`: Qwen2.5-Coder-0.5B bf16, {length} tokens, tasks {', '.join(tasks)}, "
+          f"{samples} samples each; "
           f"means over (sample, layer, query head). Signed errors are estimate - true log bulk mass (below 0: bulk "
           f"underestimated, heads wrongly local); the gap rw - exact = mean term + variance term.\n")
-    print("| layers | error, random-words moments | error, exact moments | gap rw - exact | mean term | variance term | log A_local - log A_bulk |")
+    print("| layers | error, random-words moments | error, exact moments | gap rw - exact | mean term | variance term "
+          "| log A_local - log A_bulk |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, layers in groups:
         sel = [r for r in rows if r["layer"] in layers]
-        m = {key: float(torch.cat([r[key] for r in sel]).mean()) for key in ("err_rw", "err_exact", "d_mean", "d_var", "margin")}
+        m = {key: float(torch.cat([r[key] for r in sel]).mean())
+             for key in ("err_rw", "err_exact", "d_mean", "d_var", "margin")}
         print(f"| {name} | {m['err_rw']:+.2f} | {m['err_exact']:+.2f} | {m['err_rw'] - m['err_exact']:+.2f} | "
               f"{m['d_mean']:+.2f} | {m['d_var']:+.2f} | {m['margin']:+.2f} |")
 
