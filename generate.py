@@ -36,7 +36,7 @@ from criterion import (TAU, Calibration, check_calibration, check_labels_window,
                        check_window, load_calibration, load_labels, weights_probe)
 from model import KVCache, read_config
 from moments import SOURCES, ReferenceKeys, reference_words
-from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, resolve, shipped_calibration
+from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, resolve, shipped_calibration, user_path
 from weights.downloads import cache_dir
 
 
@@ -237,7 +237,7 @@ def check_context(length: int, cfg, flag: str, hint: str | None = None) -> None:
 def input_file(path: str, flag: str, default_name: str) -> Path:
     """The file behind --calibration or --static-labels: the file itself, or `default_name` inside a folder that
     lab.calibrate wrote (lab.sweep takes such folders; both CLIs take either)."""
-    p = Path(path).expanduser()
+    p = user_path(path)
     if p.is_dir():
         if not (p / default_name).is_file():
             qada = " --qada" if flag == "--calibration" else ""

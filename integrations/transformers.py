@@ -70,8 +70,8 @@ REORDERED = ("the cache's rows were reordered between two decode steps (beam sea
 
 
 def llama_config(model) -> LlamaConfig:
-    """The shape of a transformers model as model.LlamaConfig (whose from_hf refuses sliding windows and unknown RoPE
-    scalings); ValueError with one line for a model of another architecture."""
+    """The shape of a transformers model as model.LlamaConfig (whose from_hf refuses sliding windows shorter than the
+    context); ValueError with one line for a model of another architecture."""
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in FAMILY:

@@ -41,7 +41,7 @@ from lab.cli import Parser, at_least, fail, interrupted, named_twice, thread_cou
 from lab.tasks import TASKS, make_sample
 from moments import SOURCES, ReferenceKeys, make_moments, reference_words
 from model import read_config
-from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, model_dir, resolve
+from weights.checkpoints import DEFAULT, DTYPES, MODELS, load, model_dir, resolve, user_path
 from weights.downloads import cache_dir
 from weights.tokenizer import Tokenizer
 
@@ -108,7 +108,7 @@ def planned_model(name: str | None) -> str | None:
     name = name or DEFAULT
     if name in MODELS:
         return str(model_dir(name))
-    return str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else None
+    return str(user_path(name)) if user_path(name).is_dir() else None
 
 
 def differences(old: dict, want: dict) -> str:

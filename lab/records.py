@@ -373,7 +373,7 @@ def normalised(scores: dict, picks: dict, config: str, worst: bool = False) -> f
 
 def lossless_sparsity(curve: list[tuple[float, float | None]]) -> float:
     """The highest sparsity up to which every measured point keeps >= LOSSLESS of dense: curve is [(sparsity,
-    normalised score)] of one method. 0 when even its sparsest point loses."""
+    normalised score)] of one method. 0 when even its least sparse point loses."""
     best = 0.0
     for sp, norm in sorted(curve):
         if not is_lossless(norm):

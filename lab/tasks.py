@@ -191,7 +191,7 @@ ESSAY_DEPTHS = [100 * i / 39 for i in range(40)]  # RULER's 40 evenly spaced nee
 
 
 def _random_item(kind: str, rng: random.Random) -> str:
-    if kind == "words":  # adjective-noun pairs: 912 x 6782 combinations
+    if kind == "words":  # adjective-noun pairs: 910 x 6782 combinations
         return f"{rng.choice(_wordlist('adjectivelist'))}-{rng.choice(_wordlist('nounlist'))}"
     if kind == "numbers":
         return str(rng.randint(1_000_000, 9_999_999))

@@ -594,6 +594,7 @@ CALIBRATE = [  # (argv after --model TINY --device cpu, what the line names)
     (["--tasks", "fwe", "--qada", "--eps", "x", "--out", "{empty}"], "argument --eps: must lie in (0, 1), got 'x'"),
     (["--tasks", "fwe", "--out", "{a_file}"], "is a file"),
     (["--tasks", "fwe", "--model", "{missing}", "--out", "{empty}"], "no such folder"),  # an OSError
+    (["--tasks", "fwe", "--model", "~nosuchuser/m", "--out", "{empty}"], "no such folder"),  # no RuntimeError
     (["--tasks", "fwe", "--model", "{empty}", "--qada", "--out", "{empty}"], "has no config.json"),
     (["--tasks", "fwe", "--length", "600", "--out", "{empty}"],
      "--length 600 exceeds the model's trained context of 512"),

@@ -464,16 +464,21 @@ def test_cli_converts_a_file_and_reports_errors_in_one_line(tmp_path):
 
 def test_cli_refuses_an_out_file_a_cut_gguf_and_no_gguf_in_one_line(tmp_path, capsys):
     """--out naming a file is refused before the conversion (it failed after it, with a Python object in the
-    message); a GGUF cut short says so; a missing --gguf is argparse's error as one line, not the usage block; a
-    GGUF named without the .gguf suffix and no --out is told to give --out (no folder follows from its name)."""
+    message); a GGUF cut short says so, one cut after its magic too (the reader's IndexError); a missing --gguf is
+    argparse's error as one line, not the usage block; a GGUF named without the .gguf suffix, or a name with no file
+    name (/), and no --out is told to give --out (no folder follows from its name)."""
     write_tiny_gguf(tmp_path / "tiny.gguf")
     (tmp_path / "tiny_named_so").write_bytes((tmp_path / "tiny.gguf").read_bytes())
     (tmp_path / "a_file").write_text("x")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes((tmp_path / "tiny.gguf").read_bytes()[:-1000])  # the last tensor runs past the end
+    magic = tmp_path / "magic.gguf"
+    magic.write_bytes(b"GGUF")  # nothing after the magic
     cases = [(["--gguf", str(tmp_path / "tiny.gguf"), "--out", str(tmp_path / "a_file")],
               f"error: --out {tmp_path / 'a_file'} is a file; give a folder"),
              (["--gguf", str(cut), "--out", str(tmp_path / "out")], f"{cut} cannot be read as a GGUF file ("),
+             (["--gguf", str(magic), "--out", str(tmp_path / "out")], f"{magic} cannot be read as a GGUF file ("),
+             (["--gguf", "/"], "error: --gguf / does not end in .gguf"),
              ([], "error: the following arguments are required: --gguf (see --help)"),
              (["--gguf", str(tmp_path / "tiny_named_so")], "does not end in .gguf, so no output folder follows from "
                                                            "it; give --out FOLDER")]
@@ -482,7 +487,8 @@ def test_cli_refuses_an_out_file_a_cut_gguf_and_no_gguf_in_one_line(tmp_path, ca
         err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("reading ")]
         assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
     assert not (tmp_path / "out").exists() and (tmp_path / "a_file").read_text() == "x"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "cut.gguf", "tiny.gguf", "tiny_named_so"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "cut.gguf", "magic.gguf", "tiny.gguf",
+                                                          "tiny_named_so"]
 
 
 @pytest.mark.parametrize("error", [ValueError("Found duplicated tensor with name x"),

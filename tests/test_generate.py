@@ -684,6 +684,8 @@ BEFORE_LOAD = [
     (["--seed", "3"], "--seed seeds the sampling: it needs --temperature > 0"),  # greedy: no draw, the seed ignored
     (["--top-k", "5"], "--top-k samples among the k most likely tokens: it needs --temperature > 0"),
     (["--model", ""], "--model is empty"),
+    (["--model", "~nosuchuser/m"], "model '~nosuchuser/m': not one of"),  # no home folder known: no RuntimeError
+    (["--method", "qada_cal", "--calibration", "~nosuchuser/c.json"], "no such file or folder"),
     (["--static-sparsity", "0.7"], "--static-sparsity: the qada path reads no static labels"),  # not ignored
     (["--method", "static", "--static-sparsity", "1.5"], "--static-sparsity must lie in [0, 1]"),
     (["--max-context", "-5"], "--max-context must exceed --max-new-tokens"),

