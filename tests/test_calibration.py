@@ -73,7 +73,8 @@ def layer_caches(L=3, H=4, Hkv=2, D=8, T=200, seed=0):
 
 def test_qada_cal_applies_each_layers_own_correction_with_its_sign():
     """Per layer a correction that moves every head's ratio to one side of the threshold, and a layer left as it is:
-    applied to the wrong layer or with the wrong sign, the labels come out otherwise."""
+    applied to the wrong layer or with the wrong sign, the labels come out otherwise. At this tau Eq. 7 labels layer 2's
+    heads both ways, so that a correction of another layer would change them."""
     L, H, Hkv, D, T = 3, 4, 2, 8, 200
     caches = layer_caches(L, H, Hkv, D, T)
     mean = torch.stack([k[:, N_SINK:T - (N_LOCAL - N_SINK)].float().mean(1) for _, k, _ in caches])  # (L, Hkv, D)
@@ -81,13 +82,15 @@ def test_qada_cal_applies_each_layers_own_correction_with_its_sign():
     moments = FixedMoments(mean, cov, T - N_LOCAL)
     a = torch.tensor([[40.0] * H, [-40.0] * H, [0.0] * H])  # layer 0 all local, layer 1 none, layer 2 Eq. 7 itself
     b = torch.ones(L, H)
-    att = DecodeAttention("qada_cal", N_SINK, N_LOCAL, dict(tau=0.6, moments=moments,
+    tau = 0.108
+    att = DecodeAttention("qada_cal", N_SINK, N_LOCAL, dict(tau=tau, moments=moments,
                                                              calibration=Calibration(a, b, None, {})))
-    plain = DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=0.6, moments=moments))
+    plain = DecodeAttention("qada", N_SINK, N_LOCAL, dict(tau=tau, moments=moments))
     for layer, (q, k, v) in enumerate(caches):
         att(q[None, :, None], k[None], v[None], layer)
         plain(q[None, :, None], k[None], v[None], layer)
     got, eq7 = att.stats.label_tensor()[0], plain.stats.label_tensor()[0]  # (L, H)
+    assert 0 < int(eq7[2].sum()) < H  # mixed: a correction applied here would show
     assert got[0].all() and not got[1].any() and torch.equal(got[2], eq7[2])
 
 
@@ -536,11 +539,14 @@ def test_generate_and_the_sweep_run_calibrated_qada(fitted, tiny_dir, tmp_path, 
     assert "corrects the gaussian estimate" in capsys.readouterr().err
 
     out = tmp_path / "run"
+    transfer = shutil.copytree(fitted, tmp_path / "transfer")  # another correction: every head pushed local
+    c = load_calibration(transfer / "affine.json")
+    save_calibration(transfer / "affine.json", Calibration(c.a + 40, c.b, c.s, c.settings))
     assert sweep.main(["--out", str(out), "--tasks", "fwe", "--length", "400", "--samples", "1", "--methods",
                        "dense,qada_cal,qada_cal_quantile,qada_kv_cal,qada_cal_transfer,qada_sampled_cal,"
                        "qada_kv_sampled_cal_transfer", "--taus", "0.6",
                        "--ablations", "", "--ctxfree-samples", "0", "--track", "", "--model", str(tiny_dir),
-                       "--calibration", str(fitted), "--calibration-transfer", str(fitted), "--no-report"]) == 0
+                       "--calibration", str(fitted), "--calibration-transfer", str(transfer), "--no-report"]) == 0
     found = {r["config"]: r for r in records.read_records(out)}
     assert set(found) == {"dense", "qada_cal@0.6", "qada_cal_quantile@0.6", "qada_kv_cal@0.6",
                           "qada_cal_transfer@0.6", "qada_sampled_cal@0.6", "qada_kv_sampled_cal_transfer@0.6"}
@@ -548,7 +554,7 @@ def test_generate_and_the_sweep_run_calibrated_qada(fitted, tiny_dir, tmp_path, 
         "qada_kv_sampled_cal", "transfer-sampled")
     assert ((found["qada_cal_quantile@0.6"]["path"], found["qada_cal_quantile@0.6"]["source"])
             == ("qada_cal", "quantile"))
-    assert found["qada_cal@0.6"]["sparsity"] == found["qada_cal_transfer@0.6"]["sparsity"]  # the same file here
+    assert found["qada_cal_transfer@0.6"]["sparsity"] == 1.0 != found["qada_cal@0.6"]["sparsity"]  # each its own
     assert sweep.main(["--out", str(tmp_path / "run2"), "--tasks", "fwe", "--length", "400", "--samples", "1",
                        "--methods", "qada_cal", "--model", str(tiny_dir), "--ctxfree-samples", "0"]) == 2
     assert "give --calibration DIR" in capsys.readouterr().err

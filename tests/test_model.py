@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import MLP, KVCache, LlamaConfig, RMSNorm, RoPE, load_model
+from model import MLP, KVCache, LlamaConfig, RMSNorm, RoPE, load_model, sliding_window
 
 transformers = pytest.importorskip("transformers")
 
@@ -374,7 +374,12 @@ def test_the_context_and_the_sliding_window_are_read_as_transformers_reads_them(
 
 
 def test_a_sliding_window_of_0_is_none():
+    """Mistral's sliding_window 0, like null, slides no layer: the config loads as full attention; a real window is
+    one."""
     assert LlamaConfig.from_hf(dict(TINY, model_type="mistral", sliding_window=0)).model_type == "mistral"
+    assert sliding_window(dict(TINY, sliding_window=0), "mistral") is None
+    assert sliding_window(dict(TINY, sliding_window=None), "mistral") is None
+    assert sliding_window(dict(TINY, sliding_window=128), "mistral") == 128
 
 
 def test_a_tied_checkpoint_with_a_stored_head_or_old_rotary_buffers_loads(tmp_path):
@@ -456,8 +461,17 @@ def test_a_static_cache_decodes_through_views_that_end_at_the_new_entry(tmp_path
     model.prefill(ids, static)
     static.fix(view=21)
     assert static.view == 21
+    lengths, write = [], static.write  # the length of the views each layer attends over
+
+    def spy(layer, k, v):
+        keys, values = write(layer, k, v)
+        lengths.append((keys.shape[2], values.shape[2]))
+        return keys, values
+    static.write = spy
+    L = model.cfg.num_hidden_layers
     for step in range(5):
         static.view = 21 + step  # the filled length once this step has written
         token = logits.argmax(-1)
         logits = model.decode_step(token, growing)
         torch.testing.assert_close(model.decode_step(token, static), logits, rtol=0, atol=1e-5)
+        assert lengths[-L:] == [(21 + step, 21 + step)] * L

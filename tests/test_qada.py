@@ -491,6 +491,7 @@ def test_mean_cov_of_a_half_precision_cache_is_fp32_and_of_no_keys_refused():
     mean, cov = mean_cov(keys)
     assert mean.dtype == cov.dtype == torch.float32
     for h in range(3):
+        assert (mean[h].double() - keys[h].double().mean(0)).abs().max() < 1e-5
         assert (cov[h].double() - torch.cov(keys[h].double().T, correction=0)).abs().max() < 1e-4
     with pytest.raises(ValueError, match="moments of no keys"):
         mean_cov(torch.zeros(2, 0, 8))
