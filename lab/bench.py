@@ -780,7 +780,7 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
     return 0
 
 
-def calibration_for(methods: list[tuple[str, float]], calibration: str | None, model: str | None = None
+def calibration_for(methods: list[tuple[str, str, dict]], calibration: str | None, model: str | None = None
                     ) -> str | None:
     """The calibration file the end-to-end methods read, from --calibration: a file as given, or in a folder of
     lab.calibrate --qada the file of the estimate they correct (affine.json, sampled.json); None leaves the default
@@ -801,10 +801,10 @@ def calibration_for(methods: list[tuple[str, float]], calibration: str | None, m
     if len(estimates) > 1:
         raise ValueError("one calibration file corrects one estimate: bench the sampled and the Gaussian calibrated "
                          "methods apart")
-    if Path(calibration).is_dir():
-        kind = "sampled" if estimates.pop() == "sampled" else "affine"
-        return str(calibration_file(calibration, kind, "--calibration", ", ".join(dict.fromkeys(readers))))
-    if not Path(calibration).is_file():
+    if Path(calibration).is_dir():  # a folder's file is checked as a file given is
+        kind = "sampled" if next(iter(estimates)) == "sampled" else "affine"
+        calibration = str(calibration_file(calibration, kind, "--calibration", ", ".join(dict.fromkeys(readers))))
+    elif not Path(calibration).is_file():
         raise FileNotFoundError(f"--calibration {calibration}: no such file or folder")
     check_calibration(load_calibration(calibration), calibration, None, None, None, N_SINK, N_LOCAL, "random-words",
                       attention.bulk_estimate(readers[0]))

@@ -734,6 +734,11 @@ def main(argv=None) -> int:
         out = make_folder(args.out if args.out is not None else fresh_folder("runs/bench-gpu"))  # before any timing
     except ValueError as e:
         return fail(e)
+    e2e_name = f"end_to_end_{args.e2e_length // 1024}k" + (f"_of_{args.capacity // 1024}k" if args.capacity else "")
+    for name in {"attention": ["attention"], "e2e": [e2e_name], "all": ["attention", e2e_name],
+                 "kernels": ["kernels"]}[args.parts]:
+        if (out / f"{name}.json").is_file():  # said, not silent (as lab.bench says it)
+            print(f"note: {out} holds an earlier run's {name} table; this run replaces it", file=sys.stderr)
     decode_kernels.set_launch(args.launch)
     setup = setup_line(device)
     command = "python -m lab.bench_gpu " + shlex.join(sys.argv[1:] if argv is None else argv)
@@ -751,8 +756,7 @@ def main(argv=None) -> int:
         for one in args.e2e:  # written after each setup: a later one that fails keeps the earlier rows
             rows += bench_end_to_end(args.e2e_length, [one], device, args.steps, args.capacity, args.e2e_budget,
                                      args.compiled)
-            name = f"end_to_end_{args.e2e_length // 1024}k" + (f"_of_{args.capacity // 1024}k" if args.capacity else "")
-            write(out, name, setup, E2E_COLUMNS, rows, command)
+            write(out, e2e_name, setup, E2E_COLUMNS, rows, command)
     if args.parts == "kernels":
         print(table(KERNEL_COLUMNS, []), flush=True)
         rows = []

@@ -41,7 +41,7 @@ through Triton's interpreter, for the tests).
 
 import json
 import math
-import platform
+import shlex
 import statistics
 import sys
 import time
@@ -54,7 +54,7 @@ import attention
 import decode_kernels
 from criterion import Calibration, gaussian_form
 from lab.bench import full_pattern, lengths_above_window
-from lab.bench_gpu import kernel_us, launch, launch_change, named_us
+from lab.bench_gpu import kernel_us, launch, launch_change, named_us, setup_line
 from lab.cli import Parser, at_least, fail, fresh_folder, ints, make_folder
 from moments import FixedMoments
 from pages import PageIndex, candidates, upper_bounds
@@ -353,22 +353,12 @@ def format_row(r: dict) -> str:
                              for key, _, fmt in COLUMNS) + " |"
 
 
-def environment(device: torch.device) -> str:
-    import triton
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        gpu = f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}"
-    else:
-        gpu = f"CPU ({platform.machine()}), Triton's interpreter"
-    return f"{gpu}; torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}"
-
-
 def write(out: Path, rows: list[dict], checks: list[str], device: torch.device, argv: list[str], f: float,
           P: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     header = "| " + " | ".join(title for _, title, _ in COLUMNS) + " |"
     lines = [f"# Page selection in the fused kernel: attention only, one layer, bf16, pages of {P}", "",
-             f"`python -m lab.bench_pages_gpu {' '.join(argv)}`", "", environment(device), "",
+             f"`python -m lab.bench_pages_gpu {shlex.join(argv)}`", "", setup_line(device), "",
              f"Labels fixed: a fraction {f} of the (row, KV head) pairs long-context (qada and +pages); quest: every "
              "pair. read: KV entries read per (row, KV head) over T (window, pages, scored statistics); x: speedup "
              "over the best of flash and packed dense; bound: 1 / read. CUDA graphs replayed, CUDA events, L2 "
@@ -437,6 +427,8 @@ def main(argv=None) -> int:
         out = make_folder(args.out or fresh_folder("runs/bench-gpu-pages"))
     except ValueError as e:
         return fail(e)
+    if (out / "pages.json").is_file():  # said, not silent (as lab.bench says it)
+        print(f"note: {out} holds an earlier run's pages table; this run replaces it", file=sys.stderr)
     decode_kernels.set_launch(args.launch)
     device = torch.device("cpu" if smoke else "cuda")
     lengths = args.lengths or lengths_above_window(DEFAULTS["lengths"])

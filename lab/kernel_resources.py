@@ -199,6 +199,10 @@ def main(argv=None) -> int:
         import triton
         if args.out:  # said before the compiles
             make_folder(args.out)
+            old = Path(args.out) / "kernel_resources.md"
+            if old.is_file() and f"triton {triton.__version__};" not in old.read_text():  # a committed table
+                raise ValueError(f"{old} is another Triton's table (this is {triton.__version__}): give this Triton's "
+                                 f"own --out, e.g. results/bench-gpu/triton-{triton.__version__.rsplit('.', 1)[0]}")
         lines = table(args.arch)
     except (RuntimeError, ImportError, ValueError) as e:
         return fail(e)

@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 from generate import pick_device
-from lab.cli import Parser, at_least, fail, thread_count
+from lab.cli import Parser, at_least, fail, named_twice, thread_count
 from lab.records import differs, ids_hash, read_records, read_run, write_run
 from lab.sweep import folder_lock, merge, parse_grid
 from lab.tasks import TASKS, Sample, make_sample, score
@@ -69,7 +69,6 @@ PRESSES = {  # our name -> kvpress class
     "knorm": "KnormPress",                      # keys of small norm
     "streaming_llm": "StreamingLLMPress",       # sinks and recent tokens: a fixed window, as our `local`
 }
-PROTOCOLS = {"": "question", "_ctx": "context"}  # config-name suffix -> protocol
 
 
 @dataclass(frozen=True)
@@ -347,6 +346,8 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
     for t in task_list:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
+    if named_twice(task_list):  # its samples would be decoded, and count, twice
+        raise ValueError(f"--tasks names {named_twice(task_list)} twice")
     grids = {}
     for flag, text in (("--ratios", ratios), ("--context-ratios", context_ratios)):
         try:

@@ -23,7 +23,11 @@ COLOR = {"dense": "black", "local": "gray", "random": "tab:brown", "static": "ta
          "quest_p64": "lightsteelblue", "quest_frac": "steelblue", "qada_pages": "red", "qada_pages_p32": "orangered",
          "qada_pages_p64": "lightsalmon", "qada_pages_sum": "darkviolet", "qada_pages_share": "deeppink",
          "qada_pages_frac": "firebrick", "page_oracle": "limegreen", "page_oracle_p32": "yellowgreen",
-         "page_oracle_p64": "palegreen"}
+         "page_oracle_p64": "palegreen", "qada_cal_offset": "peru", "qada_cal_scale": "tan",
+         "qada_cal_quantile": "rosybrown", "qada_sampled": "mediumseagreen", "qada_kv_sampled": "darkcyan",
+         "qada_sampled_upper": "cadetblue", "qada_sampled_cal": "slateblue", "qada_sampled_cal_transfer": "mediumpurple",
+         "qada_kv_sampled_cal": "orchid", "qada_kv_sampled_cal_transfer": "plum", "knorm_ctx": "khaki",
+         "streaming_llm_ctx": "silver"}
 MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_oracle": "x", "oracle": "o", "qada_rw": "D",
           "qada_prompt": "P", "qada_prompt_online": "X", "static_kv": "<", "static_oracle_kv": "+", "oracle_kv": "h",
           "qada_kv": "*", "qada_kv_all": "d", "quest": "s", "quest_p32": "s", "quest_p64": "s", "quest_frac": "s",
@@ -33,8 +37,10 @@ MARKER = {"dense": "s", "local": "s", "random": "v", "static": "^", "static_orac
 
 
 def color(method: str) -> str:
-    """A known method's colour, or one of a spare palette picked by the name (stable from run to run)."""
-    spare = ("tab:gray", "gold", "teal", "navy", "crimson", "darkgreen", "sienna", "indigo")
+    """A known method's colour, or one of a spare palette picked by the name (stable from run to run), none of them a
+    known method's."""
+    spare = ("gold", "lightcoral", "sandybrown", "mediumvioletred", "darkkhaki", "lightseagreen", "hotpink",
+             "saddlebrown")
     return COLOR.get(method) or spare[sum(map(ord, method)) % len(spare)]
 
 

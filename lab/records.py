@@ -185,6 +185,11 @@ def read_run(out: Path) -> dict:
         raise ValueError(f"{path}: damaged, not JSON ({e}); restore it from the run's copy or history") from None
     if not isinstance(info, dict) or not isinstance(info.get("settings"), dict):
         raise ValueError(f"{path}: no \"settings\" object (damaged, or not written by lab.sweep); restore it")
+    runs, tasks = info.get("runs", []), info["settings"].get("tasks", [])
+    if not (isinstance(runs, list) and all(isinstance(r, dict) for r in runs)
+            and isinstance(tasks, list) and all(isinstance(t, str) for t in tasks)):
+        raise ValueError(f"{path}: \"runs\" is no list of objects or settings.tasks no list of task names (damaged); "
+                         "restore it")
     return info
 
 

@@ -178,10 +178,11 @@ def test_a_bad_launch_is_one_line_and_exit_2(launch, capsys):
     assert len(err.splitlines()) == 1 and "--launch" in err and "Traceback" not in err
 
 
-def test_each_part_writes_its_table_as_it_goes_under_its_own_name(tmp_path, monkeypatch):
+def test_each_part_writes_its_table_as_it_goes_under_its_own_name(tmp_path, monkeypatch, capsys):
     """main with each part's timing stubbed (a GPU made up for the end-to-end and kernels parts): attention.md after
     each length with every row so far, end_to_end_<T>k.md (…_of_<T_max>k.md with --capacity) after each setup, kernels
-    only when asked (not in "all"), each table with the command as given and the launch from --launch applied."""
+    only when asked (not in "all"), each table with the command as given and the launch from --launch applied. A part
+    whose table the folder already holds says that this run replaces it; the other parts' tables are not named."""
     monkeypatch.setattr(bench_gpu, "pick_device", lambda device: "cuda")
     monkeypatch.setattr(bench_gpu, "setup_line", lambda device: "a made-up GPU")
     monkeypatch.setattr(bench_gpu, "plot", lambda rows, path, setup: None)
@@ -214,6 +215,12 @@ def test_each_part_writes_its_table_as_it_goes_under_its_own_name(tmp_path, monk
     assert bench_gpu.main(["--parts", "kernels", "--lengths", "300", "--batches", "1,2", "--out",
                            str(tmp_path / "kernels")]) == 0
     assert written(tmp_path / "kernels", "kernels")[1] == [(300, 1, 0.0), (300, 2, 0.0)]
+    capsys.readouterr()
+    assert bench_gpu.main(["--parts", "e2e", "--e2e", "2x2", "--out", str(tmp_path / "all"), "--e2e-length", "16384",
+                           "--capacity", "32768"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    assert notes == [f"note: {tmp_path / 'all'} holds an earlier run's end_to_end_16k_of_32k table; this run "
+                     "replaces it"]
 
 
 def test_a_step_is_timed_from_one_read_of_its_tokens_to_the_next(monkeypatch):

@@ -82,6 +82,8 @@ DAMAGED = [("cut", "samples.jsonl", b"".join(LINES[:2]) + LINES[2][:25] + b"\n" 
            ("truncated-xz", "samples.jsonl.xz", WHOLE[:len(WHOLE) // 2], "end early"),
            ("empty-xz", "samples.jsonl.xz", b"", "samples.jsonl.xz:1: an empty file"),
            ("not-xz", "samples.jsonl.xz", b"".join(LINES), "not readable as xz")]
+# the records each keeps when its damage is left out: a plain file's other lines, nothing of an xz file it cannot read
+KEPT = {"cut": 5, "number": 6, "no-index": 1, "latin-1": 1, "truncated-xz": 0, "empty-xz": 0, "not-xz": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ def test_a_damaged_record_is_named_by_file_and_line_or_left_out_and_counted(tmp_
     damaged = []
     rows = records.read_records(out, damaged.append)
     assert len(damaged) == 1 and where in damaged[0] and str(out / file) in damaged[0]
-    assert all(r["config"] in ("dense", "local") for r in rows)
+    assert len(rows) == KEPT[name] and all(r["config"] in ("dense", "local") for r in rows)
 
 
 def test_what_is_no_damage_reads_whole(tmp_path):
@@ -479,12 +481,16 @@ def places(tmp_path: Path, tiny_dir: Path) -> dict[str, str]:
     cal.mkdir()
     save_calibration(cal / "affine.json", Calibration(torch.zeros(2, 4), torch.ones(2, 4), None, dict(kind="affine")))
     run_folder(tmp_path / "no_settings", LINES[0]).joinpath("run.json").write_text('{"runs": []}')
+    run_folder(tmp_path / "bad_runs", LINES[0]).joinpath("run.json").write_text('{"settings": {}, "runs": [5]}')
+    run_folder(tmp_path / "bad_tasks", LINES[0]).joinpath("run.json").write_text('{"settings": {"tasks": 5}}')
     run_folder(tmp_path / "run", b"".join(LINES))
     save_labels(labels / "window.json", torch.full((2, 4), 0.25), dict(n_sink=16, n_local=64))
     for name, n_prompt in (("prompts_a", 300), ("prompts_b", 600)):  # another length: other prompts, same keys
         run_folder(tmp_path / name, json.dumps(record(n_prompt=n_prompt)).encode() + b"\n")
     save_calibration(cal / "window.json", Calibration(torch.zeros(2, 4), torch.ones(2, 4), None,
                                                       dict(kind="affine", n_sink=16, n_local=64)))
+    (tmp_path / "cal_window").mkdir()  # a lab.calibrate --qada folder whose correction has another window
+    shutil.copy(cal / "window.json", tmp_path / "cal_window" / "affine.json")
     (tmp_path / "records_only").mkdir()
     (tmp_path / "records_only" / "samples.jsonl").write_bytes(LINES[0])
     run_folder(tmp_path / "cut", dict(DAMAGED_BODIES)["cut"])
@@ -493,7 +499,8 @@ def places(tmp_path: Path, tiny_dir: Path) -> dict[str, str]:
         tasks=["fwe"], length=400, seed=42, stop="eos", n_sink=16, n_local=128, model=str(tiny_dir), calib_seed=1,
         dtype="float32")}))
     return {k: str(tmp_path / k) for k in ("empty", "a_file", "labels", "cal", "no_settings", "run", "cut",
-                                           "truncated", "missing", "records_only", "prompts_a", "prompts_b")} | {
+                                           "truncated", "missing", "records_only", "prompts_a", "prompts_b",
+                                           "cal_window", "bad_runs", "bad_tasks")} | {
         "tiny": str(tiny_dir)}
 
 
@@ -569,6 +576,8 @@ REPORT = [  # (argv, what the line names)
     (["{run}", "--tasks", "fwe,fwe"], "argument --tasks: names fwe twice"),  # its rows twice, counted twice
     (["{empty}", "--dense-table"], "no run folder in it"),
     (["{no_settings}"], 'run.json: no "settings"'),
+    (["{bad_runs}"], 'bad_runs/run.json: "runs" is no list of objects or settings.tasks no list of task names'),
+    (["{bad_tasks}"], 'bad_tasks/run.json: "runs" is no list of objects or settings.tasks no list'),
     (["{cut}"], "cut/samples.jsonl:3:"),
     (["{truncated}"], "truncated/samples.jsonl.xz:1: the compressed data end early"),
     (["{run}", "--compare", "{cut}"], "cut/samples.jsonl:3:"),
@@ -631,6 +640,7 @@ BENCH = [  # (argv after --device cpu, what the line names)
     (["--model", "{empty}", "--parts", "e2e"], "has no config.json"),
     (["--model", "{tiny}", "--e2e-methods", "qada_cal@0.2"], "ships no calibration: give --calibration FILE"),
     (["--e2e-methods", "qada_cal@0.2", "--calibration", "{cal}/window.json"], "was fitted with n_local 64, not 128"),
+    (["--e2e-methods", "qada_cal@0.2", "--calibration", "{cal_window}"], "was fitted with n_local 64, not 128"),
     ("QADA_KERNEL=bogus", "QADA_KERNEL takes auto, triton or torch; got 'bogus'"),  # a traceback mid-run
     (["--parts", "e2e", "--compile"], "--compile is for the attention part, which --parts e2e leaves out"),  # unused
     (["--parts", "attention", "--dtype", "bfloat16"], "--dtype is for the end-to-end part"),  # silently
@@ -1072,6 +1082,23 @@ def test_kernel_resources_says_a_launch_that_does_not_compile_in_one_line(monkey
     monkeypatch.setattr(kernel_resources, "nvidia_backend", lambda: Path("/no/nvidia/tools"))
     monkeypatch.setattr(kernel_resources, "compile_launches", lambda launches, arch, out: (1, "ptxas\nout of memory\n"))
     one_line(capsys, kernel_resources.main([]), "the default launch did not compile: out of memory")
+
+
+def test_kernel_resources_leaves_another_triton_s_table_alone(tmp_path, monkeypatch, capsys):
+    """--out holding another Triton's kernel_resources.md (results/bench-gpu's is Triton 3.6's; a newer Triton goes
+    to results/bench-gpu/triton-X.Y) is refused before the compiles and the table kept; this Triton's own is
+    rewritten."""
+    kernel_resources = pytest.importorskip("lab.kernel_resources")
+    import triton
+    monkeypatch.setattr(kernel_resources, "table", lambda arch: ["| kernel |"])
+    old = tmp_path / "kernel_resources.md"
+    old.write_text("# table\n\ntriton 0.1.0; torch 2.0\n")
+    one_line(capsys, kernel_resources.main(["--out", str(tmp_path)]), f"{old} is another Triton's table (this is "
+             f"{triton.__version__}): give this Triton's own --out")
+    assert old.read_text() == "# table\n\ntriton 0.1.0; torch 2.0\n"
+    old.write_text(f"triton {triton.__version__}; torch 2.0\n")
+    assert kernel_resources.main(["--out", str(tmp_path)]) == 0
+    assert old.read_text().endswith("| kernel |\n")
 
 
 @pytest.mark.parametrize("cli", ["sweep", "report", "calibrate", "bench", "bench_gpu", "bench_pages_gpu", "peers",

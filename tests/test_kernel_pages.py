@@ -8,6 +8,7 @@ CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by conf
 import inspect
 import json
 import math
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -661,10 +662,10 @@ def test_the_gpu_benchmark_writes_n_a_for_what_it_did_not_measure():
 
 @pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="--interpret-smoke is the interpreter's")
 @pytest.mark.parametrize("launch", [None, '{"window": {"LOW": false}, "bound": {"LOW": false}}'])
-def test_the_gpu_benchmark_checks_and_times_the_launch_given(tmp_path, monkeypatch, launch):
+def test_the_gpu_benchmark_checks_and_times_the_launch_given(tmp_path, monkeypatch, capsys, launch):
     """lab.bench_pages_gpu --launch, as lab.bench_gpu's: the kernels launched otherwise from the self-check on (the
-    products in exact fp32 of results/bench-gpu/h200/exact-products), the command in the table; the defaults
-    without it."""
+    products in exact fp32 of results/bench-gpu/h200/exact-products), the command in the table as typed; the defaults
+    without it. A second run into the folder says that it replaces the table there."""
     for name in ("window", "bound"):  # set_launch changes these in place: copies, put back after the test
         monkeypatch.setitem(decode_kernels.LAUNCHES, name, dict(decode_kernels.LAUNCHES[name]))
     seen = []
@@ -674,7 +675,12 @@ def test_the_gpu_benchmark_checks_and_times_the_launch_given(tmp_path, monkeypat
     argv = ["--interpret-smoke", "--out", str(tmp_path)] + (["--launch", launch] if launch else [])
     assert bench_pages_gpu.main(argv) == 0
     assert seen == [[launch is None] * 2, "timed"]
-    assert f"`python -m lab.bench_pages_gpu {' '.join(argv)}`" in (tmp_path / "pages.md").read_text()
+    assert f"`python -m lab.bench_pages_gpu {shlex.join(argv)}`" in (tmp_path / "pages.md").read_text()  # as typed
+    if launch:
+        assert f"--launch '{launch}'" in (tmp_path / "pages.md").read_text()
+    assert "note: " not in capsys.readouterr().err
+    assert bench_pages_gpu.main(argv) == 0
+    assert f"note: {tmp_path} holds an earlier run's pages table; this run replaces it" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not decode_kernels.INTERPRETED, reason="the self-check's CPU run is the interpreter's")

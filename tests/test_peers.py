@@ -450,6 +450,14 @@ def test_a_ratio_grid_that_is_not_numbers_is_refused_by_its_flag(tiny_dir, tmp_p
             run(tiny_dir, tmp_path / "peers", **{flag: "x"})
 
 
+def test_a_task_named_twice_is_refused_before_anything_is_written(tiny_dir, tmp_path):
+    """--tasks fwe,fwe would decode each sample twice and list the task twice in run.json's settings (every mean
+    over tasks counting it twice): refused in one line, as lab.sweep and lab.report refuse it."""
+    with pytest.raises(ValueError, match="--tasks names niah_single_1 twice"):
+        run(tiny_dir, tmp_path / "peers", tasks="niah_single_1,niah_multikey_2,niah_single_1")
+    assert not (tmp_path / "peers").exists()
+
+
 def test_the_thread_count_is_set_before_anything_is_checked(tiny_dir, tmp_path, monkeypatch):
     """--threads is set first, before the checks and the decoding it is meant for."""
     threads = []

@@ -1398,7 +1398,7 @@ def test_mean_draws_leave_out_a_task_without_values():
     """A task with no values yet is no task of the mean: {a: [1, 3], b: []} gives 2 (task a's mean), and every draw
     is a mean of task a's draws alone (1, 2 or 3), never NaN."""
     point, boot = records.mean_draws({"a": [1.0, 3.0], "b": []}, n_boot=50)
-    assert point == 2.0 and set(boot.tolist()) <= {1.0, 2.0, 3.0}
+    assert point == 2.0 and len(boot) == 50 and set(boot.tolist()) <= {1.0, 2.0, 3.0}
 
 
 # --- record keys, names and order, and the agreement counts, by hand ----------------------------------------------
@@ -1518,3 +1518,13 @@ def test_a_methods_configurations_are_in_config_order_and_a_tied_point_reports_t
                                                                                         ("qada_kv@0.4", 0.6))]
     got, = records.lossless_table(rows, ["a"], n_boot=10)
     assert (got["lossless"], got["kv_read"]) == pytest.approx((0.5, 0.6))
+
+
+def test_each_method_of_a_figure_has_a_colour_of_its_own():
+    """Every method lab.report orders (records.ORDER) is drawn in a colour no other one has (hf_dense is dense's own
+    black: kvpress's dense beside ours), and a method it does not know gets a spare colour that is none of theirs."""
+    from lab import plots
+    colours = [plots.color(m) for m in records.ORDER if m != "hf_dense"]
+    assert len(set(colours)) == len(colours)
+    assert plots.color("hf_dense") == plots.color("dense")
+    assert all(plots.color(f"new_method_{i}") not in colours for i in range(20))
