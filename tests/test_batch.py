@@ -74,6 +74,7 @@ def test_qada_rows_decide_for_the_batch_as_each_row_alone(monkeypatch, method, d
         gm = torch.Generator().manual_seed(5)  # the same moments for both routes, different for every row
         moments = [FixedMoments(torch.randn(L, Hkv, D, generator=gm) * 0.5, torch.eye(D).expand(L, Hkv, D, D) * 0.1 *
                                 torch.rand(L, Hkv, 1, 1, generator=gm), 100) for _ in range(B)]
+        moments[0] = FixedMoments(moments[0].mean * 3, moments[0].cov, 100)  # apart enough to move qada_kv's labels
         return [DecodeAttention(method, 4, 32, dict(tau=tau, moments=m, calibration=calibration))
                 for tau, m in zip(taus, moments)]
 
@@ -165,10 +166,11 @@ def qada_pair(start: list[int], track_first: bool = False):
 
 
 @pytest.mark.parametrize("short", [16, 32])
-def test_a_row_within_its_window_keeps_the_batch_off_the_batched_decision(short):
+def test_a_row_within_its_window_keeps_the_batch_off_the_batched_decision(short, monkeypatch):
     """A row whose context fits its window (n_local = 32 positions here, or fewer) has no bulk to decide on: its path
     attends to all of it, every head local, and the rows are not decided together; every row decodes as alone."""
     q, k, v, alone, together = qada_pair([0, 100 - short])
+    monkeypatch.setattr(BatchAttention, "qada_rows", lambda *args: pytest.fail("the rows were decided together"))
     torch.testing.assert_close(together(q, k, v, 0), alone(q, k, v, 0), rtol=0, atol=1e-5)
     assert [torch.equal(a.stats.label_tensor(), b.stats.label_tensor()) for a, b in zip(alone.rows, together.rows)] == [
         True, True] and together.rows[1].stats.label_tensor().all()

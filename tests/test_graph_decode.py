@@ -663,6 +663,7 @@ def test_generate_on_cuda_decodes_through_graphs_as_eager(tiny_dir, tmp_path, me
     for mode in ("auto", "off"):
         assert generate.main(argv + ["--cuda-graphs", mode]) == 0
         reports[mode] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(reports["auto"]) == len(reports["off"]) == len(files)  # a report per prompt: none vacuous below
     assert all(r["cuda_graphs"].startswith("on") for r in reports["auto"])
     same = ("new_token_ids", "sparsity", "kv_read", "decode_steps")
     assert [{k: r[k] for k in same} for r in reports["auto"]] == [{k: r[k] for k in same} for r in reports["off"]]

@@ -40,8 +40,9 @@ def starts():
 
 
 def calibration():
-    """One correction for every row, random per layer and head, so that each row's groups are labelled both ways; in
-    layer 0 the first group is held local and the last long, so a row also ranks the pages of one group alone."""
+    """One correction for every row, random per layer and head; in layer 0 the first group is held local and the last
+    long, so a row also ranks the pages of one group alone. (Which way the other labels go is each test's to show:
+    rows of their own tau and of their own moments have tests of their own.)"""
     g = torch.Generator().manual_seed(7)
     a = torch.randn(L, H, generator=g) * 2
     a[0, :H // HKV], a[0, -(H // HKV):] = 50.0, -50.0
@@ -204,6 +205,34 @@ def test_a_row_exactly_the_windows_length_and_rows_of_their_own_tau_decide_as_al
         assert torch.equal(b.stats.read_tensor(), a.stats.read_tensor())
     labels = [a.stats.label_tensor()[0, 1] for a in alone.rows]
     assert not torch.equal(labels[0], labels[1]) and labels[2].all()  # the taus decide apart
+
+
+def test_rows_of_their_own_moments_decide_as_alone(monkeypatch):
+    """Two rows of one context, one tau and one correction, the second with other key moments (a larger mean and
+    covariance): page_rows decides each with its own moments, as its path alone does, and the two label apart."""
+    monkeypatch.setattr(attention, "fused", lambda q: False)
+    g = torch.Generator().manual_seed(12)
+    T, start = 300, [0, 0]
+    q = torch.randn(2, H, 1, D, generator=g)
+    k, v = torch.randn(2, HKV, T, D, generator=g), torch.randn(2, HKV, T, D, generator=g)
+    q[1], k[1], v[1] = q[0], k[0], v[0]
+
+    def rows():
+        out = attentions("qada_pages", [16, 16], calibration())[:2]
+        for a in out:
+            a.inputs["tau"] = 0.5
+        m = out[0].inputs["moments"]
+        out[1].inputs["moments"] = FixedMoments(m.mean * 4, m.cov * 10, 100)
+        return out
+    together, alone = rows(), BatchAttention(rows(), start=start, batched=False)
+    for layer in range(L):
+        torch.testing.assert_close(page_rows(together, q, k, v, layer, [0, 1], start, torch.empty_like(q)),
+                                   alone(q, k, v, layer), rtol=0, atol=1e-5)
+    for a, b in zip(alone.rows, together):
+        assert torch.equal(b.stats.label_tensor(), a.stats.label_tensor())
+        assert torch.equal(b.stats.read_tensor(), a.stats.read_tensor())
+    labels = [a.stats.label_tensor()[0, 1] for a in alone.rows]
+    assert not torch.equal(labels[0], labels[1])  # the moments decide apart
 
 
 def test_rows_decode_together_only_on_one_entry_window_and_calibration_with_fixed_moments():
