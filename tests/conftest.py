@@ -72,6 +72,7 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(items):
     """A test that reads a real model is slow whether or not it says so: `-m "not slow"` runs offline. Under
     pytest-xdist's `--dist loadgroup` the slow tests run one after another on one worker, as without it: the 1.5B's

@@ -529,3 +529,14 @@ def test_qwen_0_5b_config_and_stop_tokens(qwen05_dir):
     generation = json.loads((qwen05_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [151645, 151643]
     assert Tokenizer.from_dir(qwen05_dir).eos_ids == {151645, 151643}
+
+
+@pytest.mark.slow
+def test_the_real_model_tests_run_as_one_group(request):
+    """Under `pytest -n 2 --dist loadgroup` (.ci/run) every slow test carries tests/conftest.py's real-models group in
+    its id, which is how pytest-xdist keeps the group on one worker: the 1.5B's ~15 GB never beside another real
+    model, and each model's session fixtures built once. (conftest's hook must run before xdist's, which reads the
+    groups into the ids: after it, the group was silently dropped.) Without xdist there is nothing to check."""
+    if not request.config.getoption("loadgroup", default=False):
+        pytest.skip("not under pytest-xdist's --dist loadgroup")
+    assert request.node.nodeid.endswith("@real-models")
