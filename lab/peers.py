@@ -42,6 +42,7 @@ decoding took beyond what was allocated when it began. `sparsity` is null: a
 press has no notion of a local head. lab.report pairs these records with a sweep's (`--with`).
 """
 
+import argparse
 import json
 import shlex
 import sys
@@ -53,10 +54,11 @@ import torch
 from tqdm import tqdm
 
 from generate import pick_device
-from lab.cli import Parser, at_least, fail, named_twice, thread_count
+from lab.calibrate import task_names
+from lab.cli import Parser, at_least, fail, thread_count
 from lab.records import differs, ids_hash, read_records, read_run, write_run
 from lab.sweep import folder_lock, merge, parse_grid
-from lab.tasks import TASKS, Sample, make_sample, score
+from lab.tasks import Sample, make_sample, score
 from weights.checkpoints import DEFAULT, DTYPES, resolve
 from weights.tokenizer import Tokenizer
 
@@ -342,12 +344,10 @@ def run(out: str, tasks: str, length: int, samples: int, presses: str, ratios: s
         dense_samples: int | None = None, progress: bool = True, command: str = "") -> Path:
     if threads:
         torch.set_num_threads(threads)
-    task_list = [t for t in tasks.split(",") if t]
-    for t in task_list:
-        if t not in TASKS:
-            raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
-    if named_twice(task_list):  # its samples would be decoded, and count, twice
-        raise ValueError(f"--tasks names {named_twice(task_list)} twice")
+    try:  # lab.sweep's check: a known task each, none named twice (its samples would be decoded, and count, twice)
+        task_list = task_names(tasks)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--tasks {e}") from None
     grids = {}
     for flag, text in (("--ratios", ratios), ("--context-ratios", context_ratios)):
         try:
