@@ -350,13 +350,44 @@ def paired_values(rows, scores: dict, configs, field: str) -> dict[str, dict[str
     return out
 
 
+def stack_picks(picks: list[dict], scores: dict) -> dict[str, np.ndarray]:
+    """Draws of samples ([{task: indices}], over the tasks of `scores`, paired_scores) as {task: (n_draws, n_t)}: what
+    drawn_means and normalised_draws take, all the draws at once."""
+    return {t: np.array([p[t] for p in picks], dtype=np.int64).reshape(len(picks), len(i))
+            for t, (i, _) in scores.items()}
+
+
+def mean_over_tasks(per_task: list[np.ndarray], worst: bool = False) -> np.ndarray:
+    """Each draw's mean over tasks (with `worst` their minimum), (n_draws,) from a (n_draws,) array per task, of the
+    tasks whose value is not NaN (NaN where none is): what np.mean of each draw's list of task values gives, bit for
+    bit, as the tables' intervals were first computed one draw at a time."""
+    m = np.stack(per_task, axis=1) if per_task else np.empty((0, 0))  # (n_draws, n_tasks), each row contiguous
+    valid = ~np.isnan(m)
+    out = np.full(m.shape[0], np.nan)
+    whole = valid.all(1) & (m.shape[1] > 0)
+    out[whole] = m[whole].min(1) if worst else m[whole].mean(1)
+    for j in np.flatnonzero(~whole & valid.any(1)):  # a task sits out of this draw: the others, in their order
+        row = m[j][valid[j]]
+        out[j] = row.min() if worst else row.mean()
+    return out
+
+
+def drawn_means(values: dict[str, dict[str, np.ndarray]], picks: dict[str, np.ndarray], config: str) -> np.ndarray:
+    """Per draw (picks: stack_picks), the mean over tasks of `config`'s mean value (paired_values) on the draw's
+    samples of each task. A task whose picked samples all lack the value (each answer ended at its first token) sits
+    out of that draw's mean, as paired_mean leaves it out of the point; NaN only when every task does."""
+    per_task = []
+    for t, v in values.items():
+        x = v[config][picks[t]]  # (n_draws, n_t)
+        missing = np.isnan(x)
+        with np.errstate(invalid="ignore"):  # 0 / 0: every picked sample lacks the value, NaN
+            per_task.append(np.where(missing, 0.0, x).sum(1) / (~missing).sum(1))
+    return mean_over_tasks(per_task)
+
+
 def drawn_mean(values: dict[str, dict[str, np.ndarray]], pick: dict, config: str) -> float:
-    """Mean over tasks of `config`'s mean value (paired_values) on the picked samples of each task. A task whose
-    picked samples all lack the value (each answer ended at its first token) sits out of this draw's mean, as
-    paired_mean leaves it out of the point; NaN only when every task does."""
-    picked = [v[config][pick[t]] for t, v in values.items()]
-    means = [np.nanmean(x) for x in picked if not np.isnan(x).all()]
-    return float(np.mean(means)) if means else float("nan")
+    """drawn_means of one draw ({task: sample indices})."""
+    return float(drawn_means(values, {t: np.asarray(p)[None] for t, p in pick.items()}, config)[0])
 
 
 def paired_mean(g, scores: dict, config: str, field: str) -> float | None:
@@ -365,15 +396,27 @@ def paired_mean(g, scores: dict, config: str, field: str) -> float | None:
     return mean(list(task_means(g, list(scores), config, idx, field).values()))
 
 
-def normalised(scores: dict, picks: dict, config: str, worst: bool = False) -> float | None:
-    """Mean over tasks of (config's mean score / dense's mean score) on the picked samples of each task, or with
-    `worst` the lowest task's; tasks where dense scores 0 on the pick are left out."""
-    ratios = []
+def normalised_draws(scores: dict, picks: dict[str, np.ndarray], config: str, worst: bool = False) -> np.ndarray:
+    """Per draw (picks: stack_picks), the mean over tasks of (config's mean score / dense's mean score) on the draw's
+    samples of each task, or with `worst` the lowest task's; tasks where dense scores 0 on the draw are left out, NaN
+    where every task is."""
+    per_task = []
     for t, (_, sc) in scores.items():
-        d = sc["dense"][picks[t]].mean()
-        if d > 0:
-            ratios.append(sc[config][picks[t]].mean() / d)
-    return float(np.min(ratios) if worst else np.mean(ratios)) if ratios else None
+        d, c = sc["dense"][picks[t]].mean(1), sc[config][picks[t]].mean(1)  # (n_draws,) each
+        with np.errstate(invalid="ignore", divide="ignore"):
+            per_task.append(np.where(d > 0, c / d, np.nan))
+    return mean_over_tasks(per_task, worst)
+
+
+def normalised(scores: dict, picks: dict, config: str, worst: bool = False) -> float | None:
+    """normalised_draws of one draw ({task: sample indices}); None where dense scores 0 on every task."""
+    v = normalised_draws(scores, {t: np.asarray(p)[None] for t, p in picks.items()}, config, worst)[0]
+    return None if np.isnan(v) else float(v)
+
+
+def or_none(values: np.ndarray) -> list[float | None]:
+    """An array of draws as floats, None where NaN (no value): as the points' curves take them."""
+    return [None if v != v else v for v in values.tolist()]
 
 
 def lossless_sparsity(curve: list[tuple[float, float | None]]) -> float:
@@ -413,7 +456,8 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
     g = group(rows)
     rng = np.random.default_rng(seed)
     full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
-    draws = [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
+    draws = stack_picks([{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)],
+                        scores)
     values = paired_values(rows, scores, all_cfgs, axis)
     sign = 1 if axis == "sparsity" else -1  # higher = saves more: sparsity, or 1 - KV read
     out = {}
@@ -427,8 +471,9 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
         point = lossless_sparsity(curve)
         found = is_lossless(curve[0][1])  # its least saving point lossless: a point found
         # each draw places the configurations where their drawn samples put them, and scores them there
-        boot = np.array([lossless_sparsity([((1 - sign) / 2 + sign * drawn_mean(values, d, c),
-                                             normalised(scores, d, c, worst)) for c in cs]) for d in draws])
+        where = {c: ((1 - sign) / 2 + sign * drawn_means(values, draws, c)).tolist() for c in cs}
+        norms = {c: or_none(normalised_draws(scores, draws, c, worst)) for c in cs}
+        boot = np.array([lossless_sparsity([(where[c][j], norms[c][j]) for c in cs]) for j in range(n_boot)])
         out[m] = {"point": point, "boot": boot, "found": found, "at": [c for c in cs if x[c] == point] if found else [],
                   "open": found and point == curve[-1][0],  # its most saving point lossless: it may go further
                   "sparsity": sparsity, "kv_read": kv, "n": sum(len(i) for i, _ in scores.values())}
@@ -436,8 +481,8 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
 
 
 def progress(items, what: str):
-    """`items` (methods) behind a progress bar on stderr: the report's paired bootstrap draws take minutes on a large
-    run (two for results/qwen0.5b-8k-cal on one core), which printed nothing until its end."""
+    """`items` (methods) behind a progress bar on stderr: a large run's report draws its paired bootstraps for a
+    minute (results/qwen0.5b-8k-cal's on one core), which would print nothing until its end."""
     items = list(items)
     return tqdm(items, desc=what, unit="method", file=sys.stderr, leave=False, dynamic_ncols=True, disable=not items)
 
@@ -480,9 +525,9 @@ def score_points(rows, tasks, config: str, n_boot: int = 1000, seed: int = 0) ->
     if norm is None:
         return None
     rng = np.random.default_rng(seed)
-    boot = [normalised(scores, {t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()}, config)
-            for _ in range(n_boot)]
-    boot = [b for b in boot if b is not None]
+    draws = stack_picks([{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)],
+                        scores)
+    boot = [b for b in or_none(normalised_draws(scores, draws, config)) if b is not None]
     g = group(rows)
     return {"norm": norm, "lo": float(np.percentile(boot, 2.5)), "hi": float(np.percentile(boot, 97.5)),
             "sparsity": paired_mean(g, scores, config, "sparsity"),
@@ -518,11 +563,14 @@ def matched_draws(rows, tasks, configs: dict[str, list[str]], axis: str, targets
     rng = np.random.default_rng(seed)
     picks = [{t: np.arange(len(i)) for t, (i, _) in scores.items()}]
     picks += [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
+    picks = stack_picks(picks, scores)
     out = {}
     for m, cs in configs.items():
-        table = np.full((len(picks), len(targets)), np.nan)
-        for j, pick in enumerate(picks):
-            pts = sorted((drawn_mean(x, pick, c), normalised(scores, pick, c)) for c in cs)
+        where = {c: drawn_means(x, picks, c).tolist() for c in cs}
+        norms = {c: or_none(normalised_draws(scores, picks, c)) for c in cs}
+        table = np.full((1 + n_boot, len(targets)), np.nan)
+        for j in range(1 + n_boot):
+            pts = sorted((where[c][j], norms[c][j]) for c in cs)
             xs, ys = np.array([p[0] for p in pts]), np.array([np.nan if p[1] is None else p[1] for p in pts])
             for k, target in enumerate(targets):
                 if len(xs) and xs[0] <= target <= xs[-1]:

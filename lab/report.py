@@ -37,9 +37,9 @@ from lab.cli import Parser, fail, named_twice
 from lab.plots import plots
 from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, DamagedRecord, common_indices, config_sort_key,
                         confusion, curves, differs, drawn_mean, group, head_counts, is_run_folder, label,
-                        lossless_draws,
-                        lossless_table, matched_table, mean, mean_draws, measured_points, method_configs, normalised,
-                        page_methods, paired_scores, paired_values, read_records, read_run, recall_rows, run_recall,
+                        lossless_draws, lossless_table, matched_table, mean, mean_draws, measured_points,
+                        method_configs, normalised, normalised_draws, or_none, page_methods, paired_scores,
+                        paired_values, read_records, read_run, recall_rows, run_recall, stack_picks,
                         static_oracle_freq, summary_rows)
 from lab.tasks import CTXFREE, TASKS as TASK_ORDER
 
@@ -336,7 +336,8 @@ def config_differences(rows, tasks, pairs, header: str, n_boot: int = 2000, seed
     values = {f: paired_values(rows, scores, configs, f) for f in ("sparsity", "kv_read")}
     everyone = {t: np.arange(len(order)) for t, (order, _) in scores.items()}
     rng = np.random.default_rng(seed)
-    draws = [{t: rng.integers(0, len(order), len(order)) for t, (order, _) in scores.items()} for _ in range(n_boot)]
+    draws = stack_picks([{t: rng.integers(0, len(order), len(order)) for t, (order, _) in scores.items()}
+                         for _ in range(n_boot)], scores)
     n = sum(len(order) for order, _ in scores.values())
 
     def where(c: str) -> str:
@@ -348,7 +349,7 @@ def config_differences(rows, tasks, pairs, header: str, n_boot: int = 2000, seed
         if sa is None or sb is None:  # dense scores 0 on every task: no ratio to compare
             lines.append(f"| {a} ({where(a)}) | {b} ({where(b)}) | – | – | – | | {n} |")
             continue
-        pairs_drawn = [(normalised(scores, d, a), normalised(scores, d, b)) for d in draws]
+        pairs_drawn = zip(*(or_none(normalised_draws(scores, draws, c)) for c in (a, b)))
         diff = [x - y for x, y in pairs_drawn if x is not None and y is not None]  # draws where dense scored
         lo, hi = np.percentile(diff, [2.5, 97.5]) if diff else (math.nan, math.nan)  # as lab.records' intervals
         lines.append(f"| {a} ({where(a)}) | {b} ({where(b)}) | {sa:.2f} | {sb:.2f} | {sa - sb:+.2f} | "
@@ -751,6 +752,17 @@ def with_baseline(out: Path, rows: list[dict], other: Path, on_damage=None) -> l
                    if (r["task"], r["index"]) in samples and (r["task"], r["index"], r["config"]) not in have]
 
 
+def dropped_configs(folder: Path, rows) -> list[str]:
+    """The configurations of folder/summary.csv, the tables there now, that `rows` have no record of: what an earlier
+    report paired in with --with (or records since lost), which tables made from `rows` alone would drop."""
+    path = folder / "summary.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        before = {r.get("config") for r in csv.DictReader(f)} - {None}
+    return sorted(before - {r["config"] for r in rows}, key=config_sort_key)
+
+
 def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str | Path] = (),
            skip_damaged: bool = False, to: str | Path | None = None) -> None:
     """The tables and plots of the run folder `out` (with the records of `baselines` paired in), written into `to`
@@ -787,6 +799,12 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
                          "run; give --out DIR, a folder other than the run's, for the tables of these tasks")
     if to.resolve() != out.resolve() and is_run_folder(to):  # its tables are its own records'
         raise ValueError(f"--out {to} is another run's folder: its tables are of its own records; give a new folder")
+    lost = dropped_configs(to, rows) if to.resolve() == out.resolve() else []
+    if lost:  # committed tables made --with OTHER, rewritten without it
+        named = ", ".join(lost[:3]) + (", ..." if len(lost) > 3 else "")
+        raise ValueError(f"{to / 'summary.csv'} has {len(lost)} configuration(s) these records lack ({named}), paired "
+                         "in by an earlier --with: give that --with again (the folder's README names it), or --out DIR "
+                         "for tables without them")
     partial = partial_note(info, rows)
     if partial:
         print(partial[0].replace("**", ""), file=sys.stderr)

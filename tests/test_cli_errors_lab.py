@@ -242,6 +242,28 @@ def test_a_run_with_no_record_yet_reports_so_before_pairing_a_baseline(tmp_path,
     assert "no results yet" in capsys.readouterr().out and not (out / "summary.md").exists()
 
 
+def test_tables_made_with_another_run_are_not_rewritten_without_it(tmp_path, capsys):
+    """lab.report RUN --with OTHER writes OTHER's configurations into RUN's tables; RUN alone would rewrite them
+    without those rows: refused in one line naming them, the tables untouched. The same --with again writes them,
+    and --out DIR the tables of RUN's records alone."""
+    settings = {"tasks": ["fwe"], "length": 400, "seed": 1, "model": "m"}
+    out = run_folder(tmp_path / "run", b"".join(LINES), settings=settings)
+    other = run_folder(tmp_path / "other", b"".join(json.dumps(record(index=i, config=c)).encode() + b"\n"
+                                                    for i in range(3) for c in ("static@0.5", "static@0.8")),
+                       settings=settings)
+    assert report.main([str(out)]) == 0 and report.main([str(out)]) == 0  # its own tables, rewritten
+    assert report.main([str(out), "--with", str(other)]) == 0
+    tables = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert b"| static@0.8 |" in tables["summary.md"]
+    capsys.readouterr()
+    one_line(capsys, report.main([str(out)]), "2 configuration(s) these records lack (static@0.5, static@0.8)",
+             "give that --with again")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == tables
+    assert report.main([str(out), "--with", str(other)]) == 0
+    assert report.main([str(out), "--out", str(tmp_path / "alone")]) == 0
+    assert "static" not in (tmp_path / "alone" / "summary.md").read_text()
+
+
 def test_the_tables_of_some_tasks_keep_the_context_free_samples(tmp_path):
     """--tasks SUBSET --out DIR: the run's context-free samples are no task of it and stay in the subset's tables:
     the sparsity table's ctxfree column and Fig. 6c's section."""
