@@ -81,7 +81,8 @@ from attention import BatchAttention, build_attention
 from criterion import TAU, check_calibration, load_calibration, qada_labels, weights_probe
 from generate import pick_device
 from lab.calibrate import calibration_file
-from lab.cli import Parser, at_least, fail, fresh_folder, ints, make_folder, positive_float, thread_count
+from lab.cli import (Parser, at_least, fail, fresh_folder, ints, make_folder, note_replaced, positive_float,
+                     thread_count)
 from model import KVCache, LlamaConfig
 from moments import FixedMoments, ReferenceKeys
 from weights.checkpoints import DEFAULT, DTYPES, load, resolve, shipped_calibration
@@ -724,9 +725,9 @@ def run(device: str | None, threads: int | None, repeats: int | None, parts: str
     except (OSError, ValueError, argparse.ArgumentTypeError) as e:
         return fail(e)
     setup = setup_line(device)
-    for part, name in (("attention", "attention"), ("e2e", "end_to_end")):
-        if parts in (part, "all") and not prefill_only and (out / f"{name}.json").is_file():  # said, not silent
-            print(f"note: {out} holds an earlier run's {name} tables; this run replaces them", file=sys.stderr)
+    if not prefill_only:
+        note_replaced(out, [name for part, name in (("attention", "attention"), ("e2e", "end_to_end"))
+                            if parts in (part, "all")], "tables")
     att_lengths = given or ([2048, 8192] if quick else [2048, 4096, 8192, 16384, 32768])
     e2e_lengths = given or ([2048] if quick else [2048, 4096, 8192, 16384])
     att_repeats, e2e_repeats = repeats or (3 if quick else 5), repeats or (2 if quick else 6)

@@ -95,7 +95,7 @@ from attention import (BatchAttention, DecodeAttention, HeadStats, StaticAttenti
 from criterion import TAU, Calibration
 from generate import decode_batch, decode_static, graph_view, pick_device, step_attention, step_clock
 from lab.bench import full_pattern, ideal_speedup, lengths_above_window, pattern_moments, qada_kernel
-from lab.cli import Parser, at_least, fail, fresh_folder, ints, make_folder
+from lab.cli import Parser, at_least, fail, fresh_folder, ints, make_folder, note_replaced
 from model import KVCache, Llama, LlamaConfig
 from moments import FixedMoments, bulk_end, mean_cov
 from pages import PAGE_SIZE, PageIndex
@@ -735,10 +735,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         return fail(e)
     e2e_name = f"end_to_end_{args.e2e_length // 1024}k" + (f"_of_{args.capacity // 1024}k" if args.capacity else "")
-    for name in {"attention": ["attention"], "e2e": [e2e_name], "all": ["attention", e2e_name],
-                 "kernels": ["kernels"]}[args.parts]:
-        if (out / f"{name}.json").is_file():  # said, not silent (as lab.bench says it)
-            print(f"note: {out} holds an earlier run's {name} table; this run replaces it", file=sys.stderr)
+    note_replaced(out, {"attention": ["attention"], "e2e": [e2e_name], "all": ["attention", e2e_name],
+                        "kernels": ["kernels"]}[args.parts])
     decode_kernels.set_launch(args.launch)
     setup = setup_line(device)
     command = "python -m lab.bench_gpu " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -55,7 +55,7 @@ import decode_kernels
 from criterion import Calibration, gaussian_form
 from lab.bench import full_pattern, lengths_above_window
 from lab.bench_gpu import kernel_us, launch, launch_change, named_us, setup_line
-from lab.cli import Parser, at_least, fail, fresh_folder, ints, make_folder
+from lab.cli import Parser, at_least, fail, fresh_folder, ints, make_folder, note_replaced
 from moments import FixedMoments
 from pages import PageIndex, candidates, upper_bounds
 
@@ -427,8 +427,7 @@ def main(argv=None) -> int:
         out = make_folder(args.out or fresh_folder("runs/bench-gpu-pages"))
     except ValueError as e:
         return fail(e)
-    if (out / "pages.json").is_file():  # said, not silent (as lab.bench says it)
-        print(f"note: {out} holds an earlier run's pages table; this run replaces it", file=sys.stderr)
+    note_replaced(out, ["pages"])
     decode_kernels.set_launch(args.launch)
     device = torch.device("cpu" if smoke else "cuda")
     lengths = args.lengths or lengths_above_window(DEFAULTS["lengths"])

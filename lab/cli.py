@@ -155,6 +155,15 @@ def make_folder(path: str | Path, flag: str = "--out") -> Path:
     return path
 
 
+def note_replaced(out: Path, names, what: str = "table") -> None:
+    """Says on stderr each of the tables `names` (out/NAME.json) an earlier run left in `out`: a benchmark run into a
+    folder replaces them, as asked, but not silently. `what`: "table", or "tables" where one part writes several."""
+    for name in names:
+        if (out / f"{name}.json").is_file():
+            them = "them" if what.endswith("s") else "it"
+            print(f"note: {out} holds an earlier run's {name} {what}; this run replaces {them}", file=sys.stderr)
+
+
 def fresh_folder(root: str) -> Path:
     """A new folder root/YYYYmmdd-HHMMSS (-2, -3, ... when that exists): where a command writes by default, so that a
     run never overwrites an earlier one's, the committed results/ least of all."""
