@@ -769,7 +769,10 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
     (default: `out`). `tasks` that leave out some of the run's are written only to another folder, with the records
     of those tasks alone: a run folder's own files cover the whole run. A damaged record line raises
     lab.records.DamagedRecord; with `skip_damaged` it is left out, and the count and places are printed and written
-    at the top of summary.md and analysis.md."""
+    at the top of summary.md and analysis.md. Both files name the command that rewrites them."""
+    command = shlex.join(["python", "-m", "lab.report", str(out)] + [a for b in baselines for a in ("--with", str(b))]
+                         + (["--tasks", ",".join(tasks)] if tasks else []) + (["--out", str(to)] if to else [])
+                         + (["--skip-damaged"] if skip_damaged else []))
     out = Path(out)
     to = Path(to) if to is not None else out
     damaged = []
@@ -803,12 +806,12 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
     if lost:  # committed tables made --with OTHER, rewritten without it
         named = ", ".join(lost[:3]) + (", ..." if len(lost) > 3 else "")
         raise ValueError(f"{to / 'summary.csv'} has {len(lost)} configuration(s) these records lack ({named}), paired "
-                         "in by an earlier --with: give that --with again (the folder's README names it), or --out DIR "
-                         "for tables without them")
+                         "in by an earlier --with: give that --with again (summary.md names the command that wrote it), "
+                         "or --out DIR for tables without them")
     partial = partial_note(info, rows)
     if partial:
         print(partial[0].replace("**", ""), file=sys.stderr)
-    notes = damage_note(damaged) + partial  # stated at the top of both files
+    notes = [f"Written by `{command}`.", ""] + damage_note(damaged) + partial  # stated at the top of both files
     name = out.name
     if left:  # the subset's files hold its records alone, summary.csv too, and say whose they are
         rows = [r for r in rows if r["task"] in tasks or r["task"] == CTXFREE]

@@ -160,6 +160,7 @@ def test_report_stops_at_a_damaged_record_and_with_the_flag_counts_what_it_left_
     assert "left out 1 damaged record line" in err and "samples.jsonl:3" in err
     for table in ("summary.md", "analysis.md"):
         assert "**1 damaged record line(s) left out**" in (out / table).read_text()
+        assert f"Written by `python -m lab.report {out} --skip-damaged`." in (out / table).read_text()
     assert "| dense | 100.0 (2)" in (out / "summary.md").read_text()  # the two whole dense records, not three
 
 
@@ -223,6 +224,7 @@ def test_the_tables_of_some_of_a_runs_tasks_go_to_another_folder(tmp_path, capsy
     assert sorted(p.name for p in out.iterdir()) == ["run.json", "samples.jsonl"]
     summary = (sub / "summary.md").read_text()
     assert summary.startswith("# Summary of run, tasks vt\n") and "fwe left out" in summary and "| fwe |" not in summary
+    assert f"Written by `python -m lab.report {out} --tasks vt --out {sub}`." in summary
     assert (sub / "analysis.md").read_text().startswith("# Analysis of run, tasks vt\n")
     assert {line.split(",")[0] for line in (sub / "summary.csv").read_text().splitlines()[1:]} == {"vt"}
     assert report.main([str(out), "--tasks", "vt,fwe"]) == 0
@@ -255,9 +257,11 @@ def test_tables_made_with_another_run_are_not_rewritten_without_it(tmp_path, cap
     assert report.main([str(out), "--with", str(other)]) == 0
     tables = {p.name: p.read_bytes() for p in out.iterdir()}
     assert b"| static@0.8 |" in tables["summary.md"]
+    for name in ("summary.md", "analysis.md"):  # the command that wrote them, to write them again
+        assert f"Written by `python -m lab.report {out} --with {other}`.".encode() in tables[name]
     capsys.readouterr()
     one_line(capsys, report.main([str(out)]), "2 configuration(s) these records lack (static@0.5, static@0.8)",
-             "give that --with again")
+             "give that --with again (summary.md names the command")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == tables
     assert report.main([str(out), "--with", str(other)]) == 0
     assert report.main([str(out), "--out", str(tmp_path / "alone")]) == 0

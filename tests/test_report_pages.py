@@ -223,8 +223,9 @@ def test_without_page_paths_the_analysis_is_as_before(tmp_path):
     report.report(tmp_path / "after" / "run")
     after = (tmp_path / "after" / "run" / "analysis.md").read_text()
     assert "## Page selection" in after and "page budget" in after
-    rest = iter(after.split("\n"))
-    missing = [line for line in before.split("\n") if not any(line == other for other in rest)]
+    assert before.split("\n")[2] == f"Written by `python -m lab.report {tmp_path / 'before' / 'run'}`."
+    rest = iter(after.split("\n")[3:])  # each names its own folder
+    missing = [line for line in before.split("\n")[3:] if not any(line == other for other in rest)]
     assert missing == []
 
 
