@@ -350,11 +350,15 @@ def paired_values(rows, scores: dict, configs, field: str) -> dict[str, dict[str
     return out
 
 
-def stack_picks(picks: list[dict], scores: dict) -> dict[str, np.ndarray]:
-    """Draws of samples ([{task: indices}], over the tasks of `scores`, paired_scores) as {task: (n_draws, n_t)}: what
-    drawn_means and normalised_draws take, all the draws at once."""
-    return {t: np.array([p[t] for p in picks], dtype=np.int64).reshape(len(picks), len(i))
-            for t, (i, _) in scores.items()}
+def draw_picks(scores: dict, n_boot: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """n_boot draws of the samples within each task of `scores` (paired_scores), {task: (n_boot, n_t)}, what
+    drawn_means and normalised_draws take: drawn from `rng` draw by draw and task by task, the order the tables'
+    intervals have always been drawn in, so that a seed gives the same intervals."""
+    picks = {t: np.empty((n_boot, len(i)), dtype=np.int64) for t, (i, _) in scores.items()}
+    for j in range(n_boot):
+        for t, (i, _) in scores.items():
+            picks[t][j] = rng.integers(0, len(i), len(i))
+    return picks
 
 
 def mean_over_tasks(per_task: list[np.ndarray], worst: bool = False) -> np.ndarray:
@@ -373,7 +377,7 @@ def mean_over_tasks(per_task: list[np.ndarray], worst: bool = False) -> np.ndarr
 
 
 def drawn_means(values: dict[str, dict[str, np.ndarray]], picks: dict[str, np.ndarray], config: str) -> np.ndarray:
-    """Per draw (picks: stack_picks), the mean over tasks of `config`'s mean value (paired_values) on the draw's
+    """Per draw (picks: draw_picks), the mean over tasks of `config`'s mean value (paired_values) on the draw's
     samples of each task. A task whose picked samples all lack the value (each answer ended at its first token) sits
     out of that draw's mean, as paired_mean leaves it out of the point; NaN only when every task does."""
     per_task = []
@@ -397,7 +401,7 @@ def paired_mean(g, scores: dict, config: str, field: str) -> float | None:
 
 
 def normalised_draws(scores: dict, picks: dict[str, np.ndarray], config: str, worst: bool = False) -> np.ndarray:
-    """Per draw (picks: stack_picks), the mean over tasks of (config's mean score / dense's mean score) on the draw's
+    """Per draw (picks: draw_picks), the mean over tasks of (config's mean score / dense's mean score) on the draw's
     samples of each task, or with `worst` the lowest task's; tasks where dense scores 0 on the draw are left out, NaN
     where every task is."""
     per_task = []
@@ -456,8 +460,7 @@ def lossless_draws(rows, tasks, configs: dict[str, list[str]], axis: str = "spar
     g = group(rows)
     rng = np.random.default_rng(seed)
     full = {t: np.arange(len(i)) for t, (i, _) in scores.items()}
-    draws = stack_picks([{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)],
-                        scores)
+    draws = draw_picks(scores, n_boot, rng)
     values = paired_values(rows, scores, all_cfgs, axis)
     sign = 1 if axis == "sparsity" else -1  # higher = saves more: sparsity, or 1 - KV read
     out = {}
@@ -525,8 +528,7 @@ def score_points(rows, tasks, config: str, n_boot: int = 1000, seed: int = 0) ->
     if norm is None:
         return None
     rng = np.random.default_rng(seed)
-    draws = stack_picks([{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)],
-                        scores)
+    draws = draw_picks(scores, n_boot, rng)
     boot = [b for b in or_none(normalised_draws(scores, draws, config)) if b is not None]
     g = group(rows)
     return {"norm": norm, "lo": float(np.percentile(boot, 2.5)), "hi": float(np.percentile(boot, 97.5)),
@@ -561,9 +563,8 @@ def matched_draws(rows, tasks, configs: dict[str, list[str]], axis: str, targets
         return None
     x = paired_values(rows, scores, all_cfgs, axis)
     rng = np.random.default_rng(seed)
-    picks = [{t: np.arange(len(i)) for t, (i, _) in scores.items()}]
-    picks += [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(n_boot)]
-    picks = stack_picks(picks, scores)
+    drawn = draw_picks(scores, n_boot, rng)
+    picks = {t: np.vstack([np.arange(len(i)), drawn[t]]) for t, (i, _) in scores.items()}  # row 0: every sample
     out = {}
     for m, cs in configs.items():
         where = {c: drawn_means(x, picks, c).tolist() for c in cs}

@@ -36,11 +36,11 @@ import numpy as np
 from lab.cli import Parser, fail, named_twice
 from lab.plots import plots
 from lab.records import (ABLATIONS, MAIN_TAU, MATCHED, PEER_PATHS, DamagedRecord, common_indices, config_sort_key,
-                        confusion, curves, differs, drawn_mean, group, head_counts, is_run_folder, label,
+                        confusion, curves, differs, draw_picks, drawn_mean, group, head_counts, is_run_folder, label,
                         lossless_draws, lossless_table, matched_table, mean, mean_draws, measured_points,
                         method_configs, normalised, normalised_draws, or_none, page_methods, paired_scores,
-                        paired_values, read_records, read_run, recall_rows, run_recall, stack_picks,
-                        static_oracle_freq, summary_rows)
+                        paired_values, read_records, read_run, recall_rows, run_recall, static_oracle_freq,
+                        summary_rows)
 from lab.tasks import CTXFREE, TASKS as TASK_ORDER
 
 
@@ -336,8 +336,7 @@ def config_differences(rows, tasks, pairs, header: str, n_boot: int = 2000, seed
     values = {f: paired_values(rows, scores, configs, f) for f in ("sparsity", "kv_read")}
     everyone = {t: np.arange(len(order)) for t, (order, _) in scores.items()}
     rng = np.random.default_rng(seed)
-    draws = stack_picks([{t: rng.integers(0, len(order), len(order)) for t, (order, _) in scores.items()}
-                         for _ in range(n_boot)], scores)
+    draws = draw_picks(scores, n_boot, rng)
     n = sum(len(order) for order, _ in scores.values())
 
     def where(c: str) -> str:
@@ -797,12 +796,13 @@ def report(out: str | Path, tasks: list[str] | None = None, baselines: list[str 
         raise ValueError(f"--tasks {','.join(unknown)}: no record of it in {out} (its tasks: "
                          f"{', '.join(sorted({r['task'] for r in rows}))})")
     left = [t for t in whole if t not in tasks]
-    if left and to.resolve() == out.resolve():  # summary.md of some tasks beside the whole run's summary.csv
+    own = to.resolve() == out.resolve()  # the run's own tables, not another folder's
+    if left and own:  # summary.md of some tasks beside the whole run's summary.csv
         raise ValueError(f"--tasks {','.join(tasks)} leaves out {','.join(left)}: {out}'s own tables cover the whole "
                          "run; give --out DIR, a folder other than the run's, for the tables of these tasks")
-    if to.resolve() != out.resolve() and is_run_folder(to):  # its tables are its own records'
+    if not own and is_run_folder(to):  # its tables are its own records'
         raise ValueError(f"--out {to} is another run's folder: its tables are of its own records; give a new folder")
-    lost = dropped_configs(to, rows) if to.resolve() == out.resolve() else []
+    lost = dropped_configs(to, rows) if own else []
     if lost:  # committed tables made --with OTHER, rewritten without it
         named = ", ".join(lost[:3]) + (", ..." if len(lost) > 3 else "")
         raise ValueError(f"{to / 'summary.csv'} has {len(lost)} configuration(s) these records lack ({named}), paired "

@@ -1113,17 +1113,20 @@ def test_means_are_over_tasks_and_over_the_samples_dense_ran():
 
 
 def test_all_draws_at_once_give_each_draw_bit_for_bit():
-    """drawn_means and normalised_draws give each draw exactly what numpy gave a draw alone (the tables' intervals
-    computed one draw at a time, as written below): nine tasks, so that numpy sums them pairwise; samples without a
-    value, so that a task sits out of some draws; a dense scoring 0 in some draws; worst's minimum."""
+    """draw_picks takes the draws from the generator in the order the intervals always took them, and drawn_means and
+    normalised_draws give each draw exactly what numpy gave a draw alone (the tables' intervals computed one draw at a
+    time, as written below): nine tasks, so that numpy sums them pairwise; samples without a value, so that a task
+    sits out of some draws; a dense scoring 0 in some draws; worst's minimum."""
     rng = np.random.default_rng(1)
     scores, values = {}, {}
     for i in range(9):
         n = 2 + i
         values[f"t{i}"] = {"c": np.where(rng.random(n) < 0.4, np.nan, rng.random(n))}
         scores[f"t{i}"] = (list(range(n)), {"dense": rng.integers(0, 2, n).astype(float), "c": rng.random(n)})
-    draws = [{t: rng.integers(0, len(i), len(i)) for t, (i, _) in scores.items()} for _ in range(400)]
-    picks = records.stack_picks(draws, scores)
+    picks = records.draw_picks(scores, 400, np.random.default_rng(2))
+    draws = [{t: p[j] for t, p in picks.items()} for j in range(400)]
+    rng = np.random.default_rng(2)  # drawn draw by draw, task by task: a seed gives the intervals it always gave
+    assert all(all((d[t] == rng.integers(0, len(i), len(i))).all() for t, (i, _) in scores.items()) for d in draws)
     where, norm, worst = (records.drawn_means(values, picks, "c"), records.normalised_draws(scores, picks, "c"),
                           records.normalised_draws(scores, picks, "c", worst=True))
 
