@@ -757,8 +757,12 @@ def dropped_configs(folder: Path, rows) -> list[str]:
     path = folder / "summary.csv"
     if not path.is_file():
         return []
-    with open(path, newline="") as f:
-        before = {r.get("config") for r in csv.DictReader(f)} - {None}
+    try:
+        with open(path, newline="") as f:
+            before = {r.get("config") for r in csv.DictReader(f)} - {None}
+    except (UnicodeDecodeError, csv.Error) as e:  # not a table of ours: what it held cannot be said, so not replaced
+        raise ValueError(f"{path}: not readable as an earlier report's table ({e}); remove it to write the tables "
+                         "anew, or give --out DIR") from None
     return sorted(before - {r["config"] for r in rows}, key=config_sort_key)
 
 

@@ -266,6 +266,11 @@ def test_tables_made_with_another_run_are_not_rewritten_without_it(tmp_path, cap
     assert report.main([str(out), "--with", str(other)]) == 0
     assert report.main([str(out), "--out", str(tmp_path / "alone")]) == 0
     assert "static" not in (tmp_path / "alone" / "summary.md").read_text()
+    (out / "summary.csv").write_bytes(b"\xff\xfe garbage")  # a damaged table: what it held cannot be told
+    capsys.readouterr()
+    one_line(capsys, report.main([str(out)]), f"{out / 'summary.csv'}: not readable as an earlier report's table",
+             "remove it")
+    assert (out / "summary.csv").read_bytes() == b"\xff\xfe garbage"
 
 
 def test_the_tables_of_some_tasks_keep_the_context_free_samples(tmp_path):
